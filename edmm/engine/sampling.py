@@ -349,14 +349,13 @@ def _top_k_drop(sorted_x: torch.Tensor, params: Sequence[SamplingParams]) -> tor
 def _top_p_drop(sorted_x: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """Mask ``[b, V]`` outside the shortest sorted prefix with mass >= ``top_p``.
 
-    A token stays while the mass of the tokens before it is below ``top_p``;
-    the first token always stays, and rows with ``top_p == 1`` drop nothing
-    (rounding in the prefix sums must not cut their tail).
+    A token stays while the mass of the tokens before it is below ``top_p``,
+    so the first token (mass before it exactly 0) always stays. Rows with
+    ``top_p == 1`` drop nothing: over a 150k vocabulary the float32 prefix
+    sums pass 1.0 and would otherwise cut their tail.
     """
     ps = [p.top_p if p.top_p < 1.0 else math.inf for p in params]
     top_p = torch.tensor(ps, device=sorted_x.device)  # [b]
     probs = sorted_x.softmax(dim=-1)  # [b, V]
     mass_before = probs.cumsum(dim=-1) - probs  # [b, V] exclusive prefix sums
-    drop = mass_before >= top_p[:, None]  # [b, V]
-    drop[:, 0] = False
-    return drop
+    return mass_before >= top_p[:, None]

@@ -14,6 +14,7 @@ from edmm.engine.sampling import (
     Sampler,
     SamplerError,
     SamplingParams,
+    _filtered_probs,  # internal invariant under test
     is_stop,
     truncate_at_stop,
 )
@@ -117,6 +118,20 @@ def test_top_p_keeps_smallest_set_reaching_p(top_p: float, kept: set[int]) -> No
     mass = sum(_HAND[t] for t in kept)
     expected = torch.tensor([_HAND[t] / mass if t in kept else 0.0 for t in range(5)])
     assert _chi_square(freq, expected, draws) < 25.0
+
+
+def test_top_p_boundary_and_ties() -> None:
+    """Uniform 4 tokens: mass 0.5 is reached by exactly 2 tokens, the first two (stable)."""
+    freq = _frequencies([0.0] * 4, SamplingParams(top_p=0.5), 4_000)
+    assert set(torch.nonzero(freq).flatten().tolist()) == {0, 1}
+
+
+def test_top_p_one_keeps_whole_large_vocab() -> None:
+    """float32 prefix sums pass 1.0 over ~150k tokens; top_p=1 must still keep all."""
+    logits = torch.randn(2, 152_000, generator=torch.Generator().manual_seed(0)) * 2
+    probs = _filtered_probs(logits, [SamplingParams(top_p=1.0), SamplingParams(top_p=0.5)])
+    assert torch.all(probs[0] > 0)
+    assert torch.allclose(probs[0], logits[0].softmax(dim=-1))
 
 
 def test_top_k_keeps_k_best() -> None:

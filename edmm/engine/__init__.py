@@ -1,0 +1,1 @@
+"""Engine: scheduling, sampling and the model runner."""
