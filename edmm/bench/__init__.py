@@ -1,0 +1,1 @@
+"""Benchmark helpers: statistics and result reports."""
