@@ -215,3 +215,38 @@ def test_kv_view_matches_layer_layout(arena: KVArena) -> None:
     per = 2 * 1 * 40
     assert bool((raw[per: per + 40] == 3.0).all())
     assert arena.kv.shape == (4, arena.max_tokens, 2, 2, 1, 40)
+
+
+class CountingBackend:
+    """Wraps a backend and counts page creations."""
+
+    def __init__(self, inner: VMMBackend) -> None:
+        self._inner = inner
+        self.created = 0
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self._inner, name)
+
+    def create_page(self) -> int:
+        self.created += 1
+        return self._inner.create_page()
+
+
+def test_no_page_creation_after_the_pool_is_built(backend: VMMBackend) -> None:
+    counting = CountingBackend(backend)
+    pool = PagePool(counting, 16)  # type: ignore[arg-type]
+    assert counting.created == 16
+    tpp = tokens_per_page_for(backend)
+    arena = KVArena(pool, SPEC, num_slots=4, max_tokens=int(6 * tpp))
+    session = arena.allocate()
+    arena.grow(session, int(2.5 * tpp))
+    br = arena.branch(session, int(2.5 * tpp) - 1)
+    arena.grow(br, int(4.5 * tpp))
+    arena.truncate(br, int(3.2 * tpp))
+    session = arena.commit(session, br)
+    arena.reclaim()
+    arena.free(session)
+    assert counting.created == 16
+    arena.check_integrity()
+    arena.close()
+    pool.close()

@@ -1,0 +1,95 @@
+"""``edmm``: the command line (doctor, bench)."""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {}
+
+
+def _command(name: str) -> Callable[[Callable[[argparse.Namespace], int]],
+                                    Callable[[argparse.Namespace], int]]:
+    def register(fn: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+        COMMANDS[name] = fn
+        return fn
+    return register
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from e
+
+
+def default_out_dir(device_tag: str) -> Path:
+    """``benchmarks/results/<UTC date>-<device>``."""
+    return Path("benchmarks/results") / f"{_dt.datetime.now(_dt.timezone.utc):%Y-%m-%d}-{device_tag}"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The argument parser of every subcommand."""
+    parser = argparse.ArgumentParser(prog="edmm", description=__doc__)
+    sub = parser.add_subparsers(dest="command", required=True)
+    doctor = sub.add_parser("doctor", help="which VMM backend is usable here, and why")
+    doctor.add_argument("--device-index", type=int, default=0)
+
+    bench = sub.add_parser("bench", help="benchmarks (results stamped with device and date)")
+    bsub = bench.add_subparsers(dest="bench", required=True)
+    vmm = bsub.add_parser("vmm", help="VMM page costs, branch and commit, copy baseline")
+    vmm.add_argument("--backend", choices=("auto", "cuda", "host"), default="auto")
+    vmm.add_argument("--contexts", type=_ints, default=(4096, 16384, 32768),
+                     help="prefix lengths in tokens (comma-separated)")
+    vmm.add_argument("--repeats", type=int, default=20)
+    vmm.add_argument("--pages", type=int, default=64, help="pages per per-page batch")
+    vmm.add_argument("--host-page-size", type=int, default=2 * 1024 * 1024)
+    vmm.add_argument("--out", type=Path, default=None,
+                     help="output folder (default benchmarks/results/<date>-<device>)")
+    return parser
+
+
+@_command("doctor")
+def _doctor(args: argparse.Namespace) -> int:
+    from edmm.memory.backends import probe_backends
+
+    probes = probe_backends(args.device_index)
+    chosen = next((p for p in probes if p.usable), None)
+    for p in probes:
+        state = f"usable, page size {p.page_size} bytes" if p.usable else "not usable"
+        print(f"{p.name:5s} {state}: {p.detail}")
+    if chosen is None:
+        print("no VMM backend is usable here")
+        return 1
+    print(f"-> EDMM will use the {chosen.name} backend (page size {chosen.page_size} bytes)")
+    return 0
+
+
+@_command("bench")
+def _bench(args: argparse.Namespace) -> int:
+    from edmm.bench.vmm import VMMBenchConfig, run_vmm_bench
+
+    cfg = VMMBenchConfig(backend=args.backend, contexts=args.contexts, repeats=args.repeats,
+                         pages=args.pages, host_page_size=args.host_page_size)
+    import torch
+
+    tag = "cpu" if args.backend == "host" or not torch.cuda.is_available() else (
+        torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-").lower())
+    out = args.out or default_out_dir(tag)
+    paths = run_vmm_bench(cfg, out)
+    print(Path(paths["md"]).read_text())
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of the ``edmm`` script."""
+    args = build_parser().parse_args(argv)
+    return COMMANDS[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
