@@ -28,7 +28,8 @@ def _ints(text: str) -> tuple[int, ...]:
 
 def default_out_dir(device_tag: str) -> Path:
     """``benchmarks/results/<UTC date>-<device>``."""
-    return Path("benchmarks/results") / f"{_dt.datetime.now(_dt.timezone.utc):%Y-%m-%d}-{device_tag}"
+    date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d")
+    return Path("benchmarks/results") / f"{date}-{device_tag}"
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -15,6 +15,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -59,10 +60,11 @@ class _Timer:
         out.append((time.perf_counter_ns() - t0) / 1e3 / per)
 
 
-def _row(op: str, samples: list[float], **extra: Any) -> dict[str, Any]:
+def _row(op: str, samples: list[float], context_tokens: int | None = None,
+         **extra: Any) -> dict[str, Any]:
     s = summarize(samples)
-    return {"op": op, **extra, "median_us": s.median, "p10_us": s.p10, "p90_us": s.p90,
-            "trimmed_mean_us": s.trimmed_mean, "n": s.n}
+    return {"op": op, "context_tokens": context_tokens, **extra, "median_us": s.median,
+            "p10_us": s.p10, "p90_us": s.p90, "trimmed_mean_us": s.trimmed_mean, "n": s.n}
 
 
 def bench_per_page(backend: VMMBackend, cfg: VMMBenchConfig) -> list[dict[str, Any]]:
@@ -119,7 +121,7 @@ def _bare_remap_cuda(page: int, n: int) -> float:
     _, base = cu.cuMemAddressReserve(n * page, page, 0, 0)
     handles = [cu.cuMemCreate(page, prop, 0)[1] for _ in range(n)]
     ptrs = [cu.CUdeviceptr(int(base) + i * page) for i in range(n)]
-    for ptr, h in zip(ptrs, handles):
+    for ptr, h in zip(ptrs, handles, strict=True):
         cu.cuMemMap(ptr, page, 0, h, 0)
         cu.cuMemSetAccess(ptr, page, [acc], 1)
     t0 = time.perf_counter_ns()
@@ -227,8 +229,7 @@ def bench_layout(cfg: VMMBenchConfig, device: torch.device) -> list[dict[str, An
             q = torch.randn(1, q_heads, q_len, spec.head_dim, dtype=spec.dtype, device=device)
             for name, k, v in (("token-major strided", k_tm, v_tm),
                                ("per-layer contiguous", k_c, v_c)):
-                samples = _cuda_time(lambda q=q, k=k, v=v: _sdpa_end_aligned(q, k, v),
-                                     cfg.repeats)
+                samples = _cuda_time(partial(_sdpa_end_aligned, q, k, v), cfg.repeats)
                 rows.append(_row(f"SDPA q={q_len}, {name}", samples, context_tokens=ctx,
                                  pages=0, bytes=2 * k.numel() * k.element_size()))
         del tm, k_c, v_c
@@ -281,7 +282,7 @@ def run_vmm_bench(cfg: VMMBenchConfig, out_dir: Path) -> dict[str, Path]:
 
 def _verdicts(rows: list[dict[str, Any]]) -> list[str]:
     """Plain statements of the targets: commit <= 50 us and flat; remap within 1.2x of bare."""
-    by = {r["op"]: r for r in rows if "context_tokens" not in r}
+    by = {r["op"]: r for r in rows if r["context_tokens"] is None}
     out = []
     remap, bare = by.get("remap (unmap+map+access)"), by.get("remap, bare driver calls")
     if remap and bare and bare["median_us"] > 0:
