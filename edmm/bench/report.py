@@ -14,6 +14,7 @@ import enum
 import json
 import math
 import numbers
+import os
 import platform
 import shlex
 import socket
@@ -73,7 +74,9 @@ def collect_environment(device: str, repo_dir: Path | None = None) -> Environmen
         driver = _cuda_driver_version()
         runtime = torch.version.cuda
     repo = repo_dir or _REPO_DIR
-    commit = _run_tool(["git", "rev-parse", "HEAD"], cwd=repo)
+    # A copy of the tree without .git (the GPU machine) names its commit in EDMM_GIT_COMMIT.
+    commit = _run_tool(["git", "rev-parse", "HEAD"], cwd=repo) or os.environ.get(
+        "EDMM_GIT_COMMIT")
     status = _run_tool(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo)
     return Environment(
         device=device,
@@ -89,8 +92,16 @@ def collect_environment(device: str, repo_dir: Path | None = None) -> Environmen
         timestamp_utc=datetime.now(timezone.utc).isoformat(timespec="seconds"),
         git_commit=commit,
         git_dirty=None if commit is None or status is None else bool(status),
-        command=shlex.join(sys.argv),
+        command=_command_line(),
     )
+
+
+def _command_line() -> str:
+    """The command as typed: ``python -m edmm ...`` when run as a module."""
+    argv = list(sys.argv)
+    if argv and argv[0].endswith(os.path.join("edmm", "__main__.py")):
+        argv[0:1] = ["python", "-m", "edmm"]
+    return shlex.join(argv)
 
 
 def _cuda_index(device: str) -> int:
