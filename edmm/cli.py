@@ -50,6 +50,17 @@ def build_parser() -> argparse.ArgumentParser:
     vmm.add_argument("--host-page-size", type=int, default=2 * 1024 * 1024)
     vmm.add_argument("--out", type=Path, default=None,
                      help="output folder (default benchmarks/results/<date>-<device>)")
+    ttft = bsub.add_parser("ttft", help="decode step, 512-token prefill on a cached prefix, "
+                           "full prefill; EDMM beside transformers")
+    ttft.add_argument("--model", default="qwen2.5-7b", help="preset name or local HF folder")
+    ttft.add_argument("--device", default="cuda")
+    ttft.add_argument("--dtype", default="bfloat16")
+    ttft.add_argument("--contexts", type=_ints, default=(4096, 16384, 32768))
+    ttft.add_argument("--repeats", type=int, default=20)
+    ttft.add_argument("--full-prefill-repeats", type=int, default=5)
+    ttft.add_argument("--new-tokens", type=int, default=512)
+    ttft.add_argument("--no-peer", action="store_true", help="skip transformers")
+    ttft.add_argument("--out", type=Path, default=None)
     return parser
 
 
@@ -69,18 +80,33 @@ def _doctor(args: argparse.Namespace) -> int:
     return 0
 
 
-@_command("bench")
-def _bench(args: argparse.Namespace) -> int:
-    from edmm.bench.vmm import VMMBenchConfig, run_vmm_bench
-
-    cfg = VMMBenchConfig(backend=args.backend, contexts=args.contexts, repeats=args.repeats,
-                         pages=args.pages, host_page_size=args.host_page_size)
+def _device_tag(use_cuda: bool) -> str:
     import torch
 
-    tag = "cpu" if args.backend == "host" or not torch.cuda.is_available() else (
-        torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-").lower())
-    out = args.out or default_out_dir(tag)
-    paths = run_vmm_bench(cfg, out)
+    if not use_cuda or not torch.cuda.is_available():
+        return "cpu"
+    return torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-").lower()
+
+
+@_command("bench")
+def _bench(args: argparse.Namespace) -> int:
+    if args.bench == "vmm":
+        from edmm.bench.vmm import VMMBenchConfig, run_vmm_bench
+
+        cfg = VMMBenchConfig(backend=args.backend, contexts=args.contexts,
+                             repeats=args.repeats, pages=args.pages,
+                             host_page_size=args.host_page_size)
+        paths = run_vmm_bench(cfg, args.out or default_out_dir(_device_tag(
+            args.backend != "host")))
+    else:
+        from edmm.bench.ttft import TTFTBenchConfig, run_ttft_bench
+
+        tcfg = TTFTBenchConfig(model=args.model, device=args.device, dtype=args.dtype,
+                               contexts=args.contexts, repeats=args.repeats,
+                               full_prefill_repeats=args.full_prefill_repeats,
+                               new_tokens=args.new_tokens, peer=not args.no_peer)
+        paths = run_ttft_bench(tcfg, args.out or default_out_dir(_device_tag(
+            args.device.startswith("cuda"))))
     print(Path(paths["md"]).read_text())
     print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 0

@@ -1,0 +1,242 @@
+"""``edmm bench ttft``: the model-level costs that bound an agent's resume, beside transformers.
+
+For each context length n (a preset's real shapes, random weights: speed does not depend on the
+values), in one process:
+- decode step: one new token on an n-token cache, logits and a greedy pick;
+- prefill of ``new_tokens`` (default 512) new tokens on a cached (n - 512)-token prefix;
+- full prefill of n tokens into an empty slot.
+EDMM runs them on its KV arena (mapping pages as it grows, as the engine does); the peer is HF
+transformers' best path for the same work (SDPA, a DynamicCache cropped back between repeats).
+Wall-clock times with the device synchronised around each repeat.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from edmm.bench.report import ResultWriter, collect_environment, plot_bars
+from edmm.bench.stats import summarize
+from edmm.memory.arena import KVArena, KVSpec
+from edmm.memory.backends import open_backend
+from edmm.memory.pool import PagePool
+from edmm.model.attention import AttentionMetadata
+from edmm.model.config import ModelConfig
+from edmm.model.loader import load_model
+
+MEASURED_BF16_TFLOPS = 790.0  # dense bf16 matmul measured on the lent H200 (DESIGN.md)
+OPS = ("decode step", "prefill on cached prefix", "full prefill")
+
+
+@dataclass(frozen=True)
+class TTFTBenchConfig:
+    """What to run: model preset or folder, device, contexts, repeats, peer on/off."""
+
+    model: str = "qwen2.5-7b"
+    device: str = "cuda"
+    dtype: str = "bfloat16"
+    contexts: tuple[int, ...] = (4096, 16384, 32768)
+    repeats: int = 20
+    full_prefill_repeats: int = 5
+    new_tokens: int = 512
+    peer: bool = True
+    host_page_size: int = 64 * 1024
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@contextmanager
+def _timed(out: list[float], device: torch.device) -> Iterator[None]:
+    _sync(device)
+    t0 = time.perf_counter()
+    yield
+    _sync(device)
+    out.append((time.perf_counter() - t0) * 1e3)
+
+
+class EdmmSide:
+    """The model on a KV arena with one slot, driven directly (no scheduler in the way)."""
+
+    def __init__(self, cfg: TTFTBenchConfig, max_ctx: int) -> None:
+        self.device = torch.device(cfg.device)
+        max_tokens = max_ctx + cfg.new_tokens + 1
+        self.model, self.cfg = load_model(cfg.model, self.device, cfg.dtype,
+                                          max_positions=max_tokens)
+        kind = "cuda" if self.device.type == "cuda" else "host"
+        self.backend = open_backend(kind, host_page_size=cfg.host_page_size)
+        dtype = self.model.model.embed_tokens.weight.dtype
+        spec = KVSpec(self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim, dtype)
+        self.pool = PagePool(self.backend, -(-max_tokens * spec.token_bytes
+                                             // self.backend.page_size) + 2)
+        self.arena = KVArena(self.pool, spec, num_slots=1, max_tokens=max_tokens)
+        self.slot = self.arena.allocate()
+
+    @torch.inference_mode()
+    def extend(self, ids: torch.Tensor) -> torch.Tensor:
+        """Append ``ids`` [n] to the slot: map pages, run the model, greedy-pick the next token."""
+        start = self.arena.num_tokens(self.slot)
+        end = start + ids.shape[0]
+        self.arena.grow(self.slot, end)
+        meta = AttentionMetadata.build([self.slot], [ids.shape[0]], [end], self.device)
+        positions = torch.arange(start, end, device=self.device)
+        hidden = self.model(ids, positions, self.arena.kv, meta)  # [n, hidden]
+        logits = self.model.compute_logits(hidden[-1:])  # [1, vocab]
+        return logits.argmax(dim=-1)
+
+    def truncate(self, n: int) -> None:
+        self.arena.truncate(self.slot, n)
+
+    def close(self) -> None:
+        self.arena.close()
+        self.pool.close()
+        self.backend.close()
+
+
+class HFSide:
+    """HF transformers with the same shapes: SDPA attention, DynamicCache."""
+
+    def __init__(self, cfg: TTFTBenchConfig, mcfg: ModelConfig) -> None:
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        self.device = torch.device(cfg.device)
+        hf_dict = mcfg.to_hf_dict()
+        hf_config = AutoConfig.for_model(hf_dict.pop("model_type"), **hf_dict)
+        dtype = getattr(torch, cfg.dtype)
+        with torch.device(self.device):
+            self.model = AutoModelForCausalLM.from_config(
+                hf_config, attn_implementation="sdpa", dtype=dtype).eval()
+        self.cache: Any = None
+
+    @torch.inference_mode()
+    def extend(self, ids: torch.Tensor) -> torch.Tensor:
+        out = self.model(ids[None], past_key_values=self.cache, use_cache=True,
+                         logits_to_keep=1)
+        self.cache = out.past_key_values
+        return out.logits[0, -1].argmax(dim=-1)
+
+    def truncate(self, n: int) -> None:
+        if n == 0:
+            self.cache = None
+        elif n < self.cache.get_seq_length():
+            self.cache.crop(n - self.cache.get_seq_length())  # negative: tokens to drop
+
+    def close(self) -> None:
+        del self.model, self.cache
+
+
+def _measure(side: EdmmSide | HFSide, ids: torch.Tensor, ctx: int, cfg: TTFTBenchConfig,
+             engine: str) -> list[dict[str, Any]]:
+    """Per-iteration rows of the three operations at one context length."""
+    dev = side.device
+    rows: list[dict[str, Any]] = []
+    plans: list[tuple[str, int, int, int]] = [  # op, keep tokens, extend to, repeats
+        ("full prefill", 0, ctx, cfg.full_prefill_repeats),
+        ("prefill on cached prefix", ctx - cfg.new_tokens, ctx, cfg.repeats),
+        ("decode step", ctx, ctx + 1, cfg.repeats),
+    ]
+    side.truncate(0)
+    side.extend(ids[:ctx])  # warm-up, and the cache every later plan starts from
+    for op, keep, end, repeats in plans:
+        times: list[float] = []
+        for i in range(repeats + 1):  # the first repeat is a warm-up
+            side.truncate(keep)
+            out: list[float] = times if i else []
+            with _timed(out, dev):
+                side.extend(ids[keep:end])
+        rows += [{"engine": engine, "op": op, "context_tokens": ctx,
+                  "new_tokens": end - keep, "iteration": i, "ms": t}
+                 for i, t in enumerate(times)]
+        if op == "full prefill":
+            side.truncate(ctx)
+    return rows
+
+
+def _summary(rows: list[dict[str, Any]], flops_of: Callable[[str, int], float]
+             ) -> list[dict[str, Any]]:
+    keys = list(dict.fromkeys((r["engine"], r["op"], r["context_tokens"]) for r in rows))
+    out = []
+    for engine, op, ctx in keys:
+        s = summarize([r["ms"] for r in rows
+                       if (r["engine"], r["op"], r["context_tokens"]) == (engine, op, ctx)])
+        floor = flops_of(op, ctx) / (MEASURED_BF16_TFLOPS * 1e12) * 1e3
+        out.append({"engine": engine, "op": op, "context_tokens": ctx,
+                    "trimmed_mean_ms": s.trimmed_mean, "median_ms": s.median,
+                    "p10_ms": s.p10, "p90_ms": s.p90, "n": s.n,
+                    "compute_floor_ms": floor})
+    return out
+
+
+def _flops(mcfg: ModelConfig, new_tokens: int) -> Callable[[str, int], float]:
+    """Matmul FLOPs of an op: 2 x params x new tokens + attention (QK^T and PV, causal)."""
+    h, inter, layers = mcfg.hidden_size, mcfg.intermediate_size, mcfg.num_layers
+    q, kv = mcfg.num_heads * mcfg.head_dim, mcfg.num_kv_heads * mcfg.head_dim
+    params = layers * (h * (q + 2 * kv) + q * h + 3 * h * inter) + h * mcfg.vocab_size
+
+    def flops(op: str, ctx: int) -> float:
+        n = {"decode step": 1, "prefill on cached prefix": new_tokens,
+             "full prefill": ctx}[op]
+        lm_head_rows = 1  # logits only for the last token
+        dense = 2 * (params - h * mcfg.vocab_size) * n + 2 * h * mcfg.vocab_size * lm_head_rows
+        keys = n * ctx - n * (n - 1) / 2  # causal pairs, end-aligned
+        attn = 4 * keys * mcfg.num_heads * mcfg.head_dim * layers
+        return float(dense + attn)
+
+    return flops
+
+
+def run_ttft_bench(cfg: TTFTBenchConfig, out_dir: Path) -> dict[str, Path]:
+    """Run both engines over every context; write CSV (per iteration), JSON, Markdown, PNG."""
+    torch.manual_seed(0)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    max_ctx = max(cfg.contexts)
+    edmm = EdmmSide(cfg, max_ctx)
+    mcfg = edmm.cfg
+    ids = torch.randint(0, mcfg.vocab_size, (max_ctx + 1,), device=edmm.device)
+    rows: list[dict[str, Any]] = []
+    for ctx in cfg.contexts:
+        rows += _measure(edmm, ids, ctx, cfg, "edmm")
+    edmm.close()
+    del edmm
+    if cfg.peer:
+        hf = HFSide(cfg, mcfg)
+        for ctx in cfg.contexts:
+            rows += _measure(hf, ids, ctx, cfg, "transformers")
+        hf.close()
+    summary = _summary(rows, _flops(mcfg, cfg.new_tokens))
+    env = collect_environment(cfg.device)
+    writer = ResultWriter(out_dir, "ttft-model", env)
+    writer.add_rows(rows)
+    notes = [f"model: {cfg.model} ({mcfg.architecture}, {mcfg.num_layers} layers), "
+             f"{cfg.dtype}, random weights",
+             f"repeats: {cfg.repeats} (full prefill: {cfg.full_prefill_repeats}), after one "
+             "warm-up; trimmed mean drops 10% each side",
+             f"compute floor: matmul FLOPs / {MEASURED_BF16_TFLOPS} TFLOP/s",
+             *_plot(summary, out_dir)]
+    paths = writer.write(summary, title=f"edmm bench ttft (model level, {cfg.device})",
+                         notes=notes)
+    return paths
+
+
+def _plot(summary: list[dict[str, Any]], out_dir: Path) -> list[str]:
+    notes = []
+    for op in OPS:
+        rows = [dict(r, context=str(r["context_tokens"])) for r in summary if r["op"] == op]
+        if not rows:
+            continue
+        name = f"ttft-{op.split()[0]}.png"
+        try:
+            plot_bars(rows, "context", "trimmed_mean_ms", "engine", out_dir / name,
+                      f"{op} (ms, trimmed mean)")
+            notes.append(f"plot: {name}")
+        except RuntimeError as e:
+            notes.append(f"plot skipped: {e}")
+    return notes
