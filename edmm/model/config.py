@@ -189,9 +189,7 @@ class ModelConfig:
             "rope_scaling": dict(self.rope_scaling) if self.rope_scaling else None,
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
-            "attention_bias": self.o_proj_bias or (
-                self.attention_bias and model_type != "qwen2"
-            ),
+            "attention_bias": self.o_proj_bias or (self.attention_bias and model_type != "qwen2"),
             "mlp_bias": self.mlp_bias,
             "torch_dtype": self.dtype,
             "bos_token_id": self.bos_token_id,
@@ -371,6 +369,16 @@ PRESETS: dict[str, ModelConfig] = {
         eos_token_ids=(2, 0),  # <|im_end|>, <|endoftext|>
     ),
 }
+
+
+def parse_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    """``torch.bfloat16``/``"bfloat16"``/``"torch.bfloat16"`` -> ``torch.bfloat16``."""
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    name = dtype.removeprefix("torch.")
+    if name not in _DTYPES:
+        raise ConfigError(f"unsupported dtype {dtype!r}; known: {', '.join(_DTYPES)}")
+    return _DTYPES[name]
 
 
 def resolve_preset(name: str) -> ModelConfig:

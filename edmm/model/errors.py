@@ -54,9 +54,7 @@ class MissingTensorError(WeightsError):
 class ShapeMismatchError(WeightsError):
     """A checkpoint tensor has a different shape than the config implies."""
 
-    def __init__(
-        self, tensor_name: str, expected: Sequence[int], got: Sequence[int]
-    ) -> None:
+    def __init__(self, tensor_name: str, expected: Sequence[int], got: Sequence[int]) -> None:
         self.tensor_name = tensor_name
         self.expected = tuple(expected)
         self.got = tuple(got)

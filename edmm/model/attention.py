@@ -1,0 +1,192 @@
+"""Attention metadata, KV-cache writes and the reference attention backend.
+
+KV contract: ``kv_cache[s, t, l, 0]`` / ``kv_cache[s, t, l, 1]`` are K / V of token ``t`` of
+the sequence in slot ``s`` at layer ``l``, shape [num_kv_heads, head_dim]. ``kv_cache`` may be
+a strided view in which only tokens ``< context_len`` of the slots in this pass are backed, so
+everything here touches exactly those tokens: writes go in place through ``index_put_`` (or
+slice copies) and reads are per-sequence slices viewed with ``transpose``, never gathers.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from edmm.model.errors import ModelError
+
+
+class AttentionMetadataError(ModelError):
+    """The per-sequence lists of an :class:`AttentionMetadata` are inconsistent."""
+
+
+@dataclass
+class AttentionMetadata:
+    """What one forward pass computes, for B sequences flattened into T tokens."""
+
+    slot_ids: list[int]  # [B] arena slot of each sequence
+    query_lens: list[int]  # [B] new tokens of each sequence in this pass (sum = T)
+    context_lens: list[int]  # [B] tokens in the KV after this pass (cached + new)
+    # Derived index tensors (see ``build``); None until built for a device.
+    slot_index: Tensor | None = field(default=None, repr=False)  # [T] slot of each token
+    token_index: Tensor | None = field(default=None, repr=False)  # [T] its index in the slot
+    last_token_index: Tensor | None = field(default=None, repr=False)  # [B] last token's row
+    slot_ids_t: Tensor | None = field(default=None, repr=False)  # [B] slot_ids
+    context_lens_t: Tensor | None = field(default=None, repr=False)  # [B] context_lens
+    query_start_loc: Tensor | None = field(default=None, repr=False)  # [B+1] cumsum of query_lens
+
+    def __post_init__(self) -> None:
+        b = len(self.slot_ids)
+        if len(self.query_lens) != b or len(self.context_lens) != b:
+            raise AttentionMetadataError(
+                f"slot_ids/query_lens/context_lens lengths differ: "
+                f"{b}/{len(self.query_lens)}/{len(self.context_lens)}"
+            )
+        if len(set(self.slot_ids)) != b:
+            raise AttentionMetadataError(f"duplicate slot ids {self.slot_ids}")
+        for q, c in zip(self.query_lens, self.context_lens, strict=True):
+            if not 1 <= q <= c:
+                raise AttentionMetadataError(f"need 1 <= query_len <= context_len, got {q}, {c}")
+
+    @property
+    def num_seqs(self) -> int:
+        """B."""
+        return len(self.slot_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """T = sum(query_lens)."""
+        return sum(self.query_lens)
+
+    @classmethod
+    def build(
+        cls,
+        slot_ids: list[int],
+        query_lens: list[int],
+        context_lens: list[int],
+        device: torch.device | str = "cpu",
+    ) -> AttentionMetadata:
+        """Metadata with the derived index tensors on ``device``."""
+        return cls(list(slot_ids), list(query_lens), list(context_lens)).to(device)
+
+    def to(self, device: torch.device | str) -> AttentionMetadata:
+        """Self if the index tensors already live on ``device``, else a copy with them built
+        (all int64, transferred in one host-to-device copy)."""
+        device = torch.device(device)
+        if self.slot_index is not None and self.slot_index.device == device:
+            return self
+        slots: list[int] = []
+        tokens: list[int] = []
+        starts = [0]
+        for s, q, c in zip(self.slot_ids, self.query_lens, self.context_lens, strict=True):
+            slots.extend([s] * q)
+            tokens.extend(range(c - q, c))
+            starts.append(starts[-1] + q)
+        parts = [slots, tokens, [x - 1 for x in starts[1:]], self.slot_ids, self.context_lens]
+        parts.append(starts)
+        flat = torch.tensor([x for p in parts for x in p], dtype=torch.int64)
+        views = flat.to(device, non_blocking=True).split([len(p) for p in parts])
+        return AttentionMetadata(
+            self.slot_ids,
+            self.query_lens,
+            self.context_lens,
+            slot_index=views[0],
+            token_index=views[1],
+            last_token_index=views[2],
+            slot_ids_t=views[3],
+            context_lens_t=views[4],
+            query_start_loc=views[5],
+        )
+
+
+def write_kv(kv_cache: Tensor, layer: int, k: Tensor, v: Tensor, meta: AttentionMetadata) -> None:
+    """Store the new k/v [T, Hkv, D] of ``layer`` at their (slot, token) in place."""
+    if meta.slot_index is None or meta.token_index is None:
+        raise AttentionMetadataError("metadata has no index tensors; call meta.to(device)")
+    if torch.are_deterministic_algorithms_enabled():
+        # Deterministic index_put_ may copy the whole destination; use slice copies instead.
+        _write_kv_slices(kv_cache, layer, k, v, meta)
+        return
+    index = (meta.slot_index, meta.token_index)
+    kv_cache[:, :, layer, 0].index_put_(index, k)  # view [S, M, Hkv, D]
+    kv_cache[:, :, layer, 1].index_put_(index, v)
+
+
+def _write_kv_slices(
+    kv_cache: Tensor, layer: int, k: Tensor, v: Tensor, meta: AttentionMetadata
+) -> None:
+    start = 0
+    for s, q, c in zip(meta.slot_ids, meta.query_lens, meta.context_lens, strict=True):
+        kv_cache[s, c - q : c, layer, 0].copy_(k[start : start + q])
+        kv_cache[s, c - q : c, layer, 1].copy_(v[start : start + q])
+        start += q
+
+
+def attention_mask(
+    num_queries: int, context_len: int, window: int | None, device: torch.device
+) -> Tensor | None:
+    """Bool mask [n, c] for n queries at the END of c keys (query i sees keys <= c-n+i,
+    and with a window only keys > c-n+i-window). None when the mask is all-True or plainly
+    causal (n == c), which callers handle without a mask."""
+    plain = window is None or context_len <= window
+    if plain and (num_queries == 1 or num_queries == context_len):
+        return None
+    q_pos = torch.arange(context_len - num_queries, context_len, device=device)[:, None]
+    k_pos = torch.arange(context_len, device=device)[None, :]
+    mask = k_pos <= q_pos
+    if window is not None:
+        mask &= k_pos > q_pos - window
+    return mask  # [n, c]
+
+
+class AttentionBackend(abc.ABC):
+    """Computes attention of one layer for a flattened batch and updates the KV cache."""
+
+    @abc.abstractmethod
+    def forward(
+        self,
+        q: Tensor,  # [T, Hq, D], rotated
+        k: Tensor,  # [T, Hkv, D], rotated
+        v: Tensor,  # [T, Hkv, D]
+        kv_cache: Tensor,  # [S, M, L, 2, Hkv, D]
+        layer: int,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int | None,
+    ) -> Tensor:
+        """Write k/v into ``kv_cache`` and return the attention output [T, Hq, D]."""
+
+
+class TorchSDPABackend(AttentionBackend):
+    """Reference backend: one ``scaled_dot_product_attention`` call per sequence."""
+
+    def forward(
+        self,
+        q: Tensor,
+        k: Tensor,
+        v: Tensor,
+        kv_cache: Tensor,
+        layer: int,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int | None,
+    ) -> Tensor:
+        write_kv(kv_cache, layer, k, v, meta)
+        out = torch.empty_like(q)  # [T, Hq, D]
+        gqa = q.shape[1] != k.shape[1]
+        start = 0
+        for s, n, c in zip(meta.slot_ids, meta.query_lens, meta.context_lens, strict=True):
+            qs = q[start : start + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
+            ks = kv_cache[s, :c, layer, 0].transpose(0, 1).unsqueeze(0)  # [1, Hkv, c, D] view
+            vs = kv_cache[s, :c, layer, 1].transpose(0, 1).unsqueeze(0)  # [1, Hkv, c, D] view
+            mask = attention_mask(n, c, window, q.device)
+            causal = mask is None and n > 1
+            o = F.scaled_dot_product_attention(
+                qs, ks, vs, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=gqa
+            )  # [1, Hq, n, D]
+            out[start : start + n] = o[0].transpose(0, 1)
+            start += n
+        return out
