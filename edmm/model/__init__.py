@@ -21,6 +21,7 @@ from edmm.model.errors import (
     WeightsError,
 )
 from edmm.model.loader import load_model, load_tokenizer
+from edmm.model.tiny import ensure_tiny_model
 from edmm.model.transformer import CausalLM
 
 __all__ = [
@@ -43,6 +44,7 @@ __all__ = [
     "UnknownPresetError",
     "UnsupportedArchitectureError",
     "WeightsError",
+    "ensure_tiny_model",
     "load_model",
     "load_tokenizer",
     "resolve_preset",

@@ -76,7 +76,8 @@ class AttentionMetadata:
         """Self if the index tensors already live on ``device``, else a copy with them built
         (all int64, transferred in one host-to-device copy)."""
         device = torch.device(device)
-        if self.slot_index is not None and self.slot_index.device == device:
+        have = self.slot_index.device if self.slot_index is not None else None
+        if have is not None and have.type == device.type and device.index in (None, have.index):
             return self
         slots: list[int] = []
         tokens: list[int] = []

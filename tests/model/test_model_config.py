@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import BASE_SHAPE, HF_CONFIG_CLASSES
+from model_testutils import BASE_SHAPE, HF_CONFIG_CLASSES
 
 from edmm.model import (
     PRESETS,

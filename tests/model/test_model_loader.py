@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import MakeHFFolder
+from model_testutils import MakeHFFolder
 from safetensors.torch import load_file, save_file
 
 from edmm.model import (

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 import torch
-from conftest import MakeHFFolder
+from model_testutils import MakeHFFolder
 from torch import Tensor
 
 from edmm.model import AttentionMetadata, CausalLM, ModelConfig, load_model
@@ -247,3 +247,23 @@ def test_dynamic_ntk_past_max_positions_matches_hf_generate(
         )[0, 10:]
     tokens, _, _ = greedy(model, new_cache(cfg), 0, prompt, 1, 40)
     assert tokens == ref.tolist()
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "qwen3", "llama"])
+def test_bfloat16_error_is_like_hf_bfloat16(
+    make_hf_folder: MakeHFFolder, tmp_path: Path, arch: str
+) -> None:
+    """In bf16 we are as close to the float32 reference as HF's own bf16 model is."""
+    from transformers import AutoModelForCausalLM
+
+    folder = make_hf_folder(tmp_path, arch)
+    model, cfg = load_model(folder, "cpu", torch.bfloat16)
+    ids = prompt_ids(30, seed=0)
+    kv = new_cache(cfg).bfloat16()
+    ours = run(model, kv, [(0, ids, 0)])[0]
+    ref32 = hf_logits(load_hf(folder), ids)
+    hf16 = AutoModelForCausalLM.from_pretrained(
+        str(folder), dtype=torch.bfloat16, attn_implementation="eager"
+    ).eval()
+    hf_err = (hf_logits(hf16, ids) - ref32).abs().max()
+    assert (ours - ref32).abs().max() <= 2 * hf_err + 1e-3
