@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from model_testutils import MakeHFFolder, make_hf_folder
 
 from edmm.model.tiny import ensure_tiny_model
@@ -21,3 +23,13 @@ def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def make_hf_folder_fixture(tiny_dir: Path) -> MakeHFFolder:
     """``make_hf_folder(tmp_path, arch, **overrides)`` with the tiny tokenizer saved alongside."""
     return functools.partial(make_hf_folder, tokenizer_dir=tiny_dir)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread() -> Iterator[None]:
+    """Tiny models run fastest on one thread; OpenMP spinning on a busy 2-core box is ~7x
+    slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)

@@ -182,6 +182,7 @@ def test_never_touches_unmapped_memory() -> None:
     """Runs on a kv_cache whose unbacked tokens are PROT_NONE pages (segfault on access)."""
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": f"{root}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    env["OMP_NUM_THREADS"] = "1"
     proc = subprocess.run(
         [sys.executable, "-c", _UNMAPPED_SCRIPT],
         capture_output=True,
