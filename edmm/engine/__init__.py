@@ -1,1 +1,40 @@
-"""Engine: scheduling, sampling and the model runner."""
+"""Engine: sequences, the token-budget scheduler, prefix reuse, the model runner, the step loop."""
+
+from edmm.engine.config import EngineConfig
+from edmm.engine.engine import Engine, Request
+from edmm.engine.errors import (
+    EngineConfigError,
+    EngineError,
+    InvalidRequestError,
+    SchedulerStallError,
+)
+from edmm.engine.outputs import CompletionOutput, RequestOutput
+from edmm.engine.prefix_cache import PrefixCache, PrefixHit
+from edmm.engine.runner import ModelInputs, ModelRunner
+from edmm.engine.sampling import FinishReason, SamplingParams
+from edmm.engine.scheduler import ScheduledBatch, ScheduledSeq, Scheduler, SchedulerConfig
+from edmm.engine.sequence import Sequence, SequenceStatus
+
+__all__ = [
+    "CompletionOutput",
+    "Engine",
+    "EngineConfig",
+    "EngineConfigError",
+    "EngineError",
+    "FinishReason",
+    "InvalidRequestError",
+    "ModelInputs",
+    "ModelRunner",
+    "PrefixCache",
+    "PrefixHit",
+    "Request",
+    "RequestOutput",
+    "SamplingParams",
+    "ScheduledBatch",
+    "ScheduledSeq",
+    "Scheduler",
+    "SchedulerConfig",
+    "SchedulerStallError",
+    "Sequence",
+    "SequenceStatus",
+]

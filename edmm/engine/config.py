@@ -1,0 +1,86 @@
+"""`EngineConfig`: the model, the device, the KV memory and the scheduler limits."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from edmm.engine.errors import EngineConfigError
+from edmm.memory.backends import BACKEND_NAMES
+from edmm.memory.host import DEFAULT_HOST_PAGE_SIZE
+
+HOST_POOL_BYTES = 4 << 30  # default cap of the host pool (memfd pages are committed on touch)
+
+
+@dataclass
+class EngineConfig:
+    """Everything an `Engine` is built from.
+
+    Attributes:
+        model: a local HF folder or a preset name (random weights, no tokenizer); None: the
+            embedded tiny model (`edmm.model.tiny.ensure_tiny_model`).
+        tokenizer: a local tokenizer folder; None: the model folder, if it holds one.
+        device: ``"cpu"`` or ``"cuda"`` (``"cuda:N"``).
+        dtype: weights and KV dtype; None: the model config's.
+        backend: VMM backend of the KV arena: ``"auto"`` (CUDA on a CUDA device, else the host
+            twin), ``"cuda"`` or ``"host"``.
+        host_page_size: page size of the host twin in bytes.
+        num_pages: physical KV pages; None: ``gpu_memory_utilization`` of the GPU's memory
+            less what is in use, or on the host enough for every slot at ``max_model_len``
+            (at most `HOST_POOL_BYTES`).
+        gpu_memory_utilization: fraction of the GPU's total memory the process may fill.
+        num_slots: arena slots: running sequences plus prefix-cache entries.
+        max_model_len: most tokens (prompt + output) of a sequence; None: the model's context.
+        max_num_batched_tokens: token budget of one step.
+        max_num_seqs: most running sequences.
+        enable_prefix_caching: reuse KV of finished and running sequences' prefixes.
+        prefix_block_size: tokens per hashed block of the prefix index.
+        seed: seed of the sampler's shared stream (requests without their own seed).
+    """
+
+    model: str | None = None
+    tokenizer: str | None = None
+    device: str = "cpu"
+    dtype: str | torch.dtype | None = None
+    backend: str = "auto"
+    host_page_size: int = DEFAULT_HOST_PAGE_SIZE
+    num_pages: int | None = None
+    gpu_memory_utilization: float = 0.9
+    num_slots: int = 32
+    max_model_len: int | None = None
+    max_num_batched_tokens: int = 2048
+    max_num_seqs: int = 16
+    enable_prefix_caching: bool = True
+    prefix_block_size: int = 16
+    seed: int | None = 0
+
+    def __post_init__(self) -> None:
+        device = torch.device(self.device)
+        if device.type not in ("cpu", "cuda"):
+            raise EngineConfigError(f"device must be 'cpu' or 'cuda', got {self.device!r}")
+        if self.backend not in BACKEND_NAMES:
+            raise EngineConfigError(f"backend must be one of {BACKEND_NAMES}, got {self.backend!r}")
+        if self.backend_kind == "cuda" and device.type != "cuda":
+            raise EngineConfigError("the cuda backend needs device='cuda'")
+        if self.backend_kind == "host" and device.type != "cpu":
+            raise EngineConfigError("the host backend needs device='cpu'")
+        for name in ("num_slots", "max_num_batched_tokens", "max_num_seqs", "prefix_block_size"):
+            if getattr(self, name) < 1:
+                raise EngineConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_num_seqs > self.num_slots:
+            raise EngineConfigError(
+                f"max_num_seqs={self.max_num_seqs} exceeds num_slots={self.num_slots}")
+        if self.num_pages is not None and self.num_pages < 1:
+            raise EngineConfigError(f"num_pages must be >= 1, got {self.num_pages}")
+        if self.max_model_len is not None and self.max_model_len < 1:
+            raise EngineConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
+        if not 0 < self.gpu_memory_utilization <= 1:
+            raise EngineConfigError("gpu_memory_utilization must be in (0, 1]")
+
+    @property
+    def backend_kind(self) -> str:
+        """``cuda`` or ``host``: the backend ``"auto"`` resolves to on this device."""
+        if self.backend != "auto":
+            return self.backend
+        return "cuda" if torch.device(self.device).type == "cuda" else "host"

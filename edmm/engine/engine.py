@@ -1,0 +1,299 @@
+"""The engine: requests in, one scheduled step at a time, `RequestOutput`s out.
+
+``Engine`` wires the pieces and owns nothing they own: the `Scheduler` owns sequences and their
+slots, the `PrefixCache` owns its entries, the arena and pool own pages, the `ModelRunner`
+computes. The engine validates and tokenizes requests, decides when a request stops (EOS, stop
+tokens, stop strings, ``max_tokens``, ``max_model_len``) and detokenizes incrementally.
+"""
+
+from __future__ import annotations
+
+import json
+import operator
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from edmm.engine.config import HOST_POOL_BYTES, EngineConfig
+from edmm.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
+from edmm.engine.errors import EngineConfigError, InvalidRequestError, SchedulerStallError
+from edmm.engine.outputs import CompletionOutput, RequestOutput
+from edmm.engine.prefix_cache import PrefixCache
+from edmm.engine.runner import ModelRunner
+from edmm.engine.sampling import FinishReason, Sampler, SamplingParams, is_stop
+from edmm.engine.scheduler import Scheduler, SchedulerConfig
+from edmm.engine.sequence import Sequence as Seq
+from edmm.memory import KVArena, KVSpec, PagePool, open_backend
+from edmm.memory.vmm import VMMBackend
+from edmm.model import CausalLM, ModelConfig, load_model, load_tokenizer
+
+PromptInput = str | Sequence[int]
+
+
+@dataclass(frozen=True)
+class Request:
+    """A validated, tokenized request, ready to be queued."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+class _RequestState:
+    """Engine-side state of one request: its text so far and how to extend it."""
+
+    def __init__(self, request: Request, tokenizer: Any) -> None:
+        self.request = request
+        self.detok = (IncrementalDetokenizer(tokenizer, request.prompt_token_ids)
+                      if tokenizer is not None else None)
+        self.stops = StopStringMatcher(request.params.stop)
+        self.text = ""
+
+    def push(self, token_id: int, check_stop_strings: bool) -> bool:
+        """Detokenize one more token; True if a stop string now ends the text."""
+        if self.detok is None:
+            return False
+        new = len(self.detok.push(token_id))
+        self.text = self.detok.text
+        if not check_stop_strings:
+            return False
+        self.text, matched = self.stops.check(self.text, new)
+        return matched is not None
+
+
+class Engine:
+    """An LLM engine over a VMM-backed KV arena; see the module docstring."""
+
+    def __init__(self, config: EngineConfig | None = None) -> None:
+        self.config = config = config if config is not None else EngineConfig()
+        folder = _model_folder(config.model)
+        model_ref = folder if folder is not None else str(config.model)
+        self.model, self.model_config = load_model(model_ref, config.device, config.dtype)
+        self.tokenizer = _load_tokenizer(config.tokenizer, folder)
+        self.eos_token_ids = _eos_token_ids(self.model_config, self.tokenizer, folder)
+        self.max_model_len = _max_model_len(config, self.model)
+        dtype = next(self.model.parameters()).dtype
+        spec = KVSpec(self.model_config.num_layers, self.model_config.num_kv_heads,
+                      self.model_config.head_dim, dtype)
+        self.backend, self.pool, self.arena = _build_memory(config, spec, self.max_model_len)
+        self.prefix_cache = PrefixCache(self.arena, config.prefix_block_size,
+                                        config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.arena, self.prefix_cache, SchedulerConfig(
+            config.max_num_batched_tokens, config.max_num_seqs))
+        self.runner = ModelRunner(self.model, self.arena, config.device, Sampler(config.seed))
+        self._states: dict[str, _RequestState] = {}
+        self._closed = False
+
+    # ------------------------------------------------------------------ requests
+    def make_request(self, request_id: str, prompt: PromptInput,
+                     params: SamplingParams | None = None) -> Request:
+        """Validate and tokenize a request without queuing it.
+
+        Raises `InvalidRequestError` for a used request id, an empty prompt, a prompt longer
+        than ``max_model_len``, token ids outside the vocabulary, text or stop strings without
+        a tokenizer.
+        """
+        if request_id in self._states:
+            raise InvalidRequestError(f"request id {request_id!r} is already in use")
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"sampling params must be SamplingParams, got {params!r}")
+        if params.stop and self.tokenizer is None:
+            raise InvalidRequestError("stop strings need a tokenizer; use stop_token_ids")
+        text, ids = self._tokenize(prompt)
+        if not ids:
+            raise InvalidRequestError(f"request {request_id!r}: empty prompt")
+        if len(ids) > self.max_model_len:
+            raise InvalidRequestError(
+                f"request {request_id!r}: prompt of {len(ids)} tokens exceeds "
+                f"max_model_len={self.max_model_len}")
+        return Request(request_id, text, ids, params)
+
+    def submit(self, request: Request) -> None:
+        """Queue a request made by `make_request`."""
+        if request.request_id in self._states:
+            raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
+        self._states[request.request_id] = _RequestState(request, self.tokenizer)
+        self.scheduler.add(Seq.new(request.request_id, request.prompt_token_ids, request.params))
+
+    def add_request(self, request_id: str, prompt: PromptInput,
+                    params: SamplingParams | None = None) -> None:
+        """Validate, tokenize and queue a request (`make_request` then `submit`)."""
+        self.submit(self.make_request(request_id, prompt, params))
+
+    def abort(self, request_id: str) -> bool:
+        """Stop a request and release its memory; False if it is unknown or finished."""
+        self._states.pop(request_id, None)
+        return self.scheduler.abort(request_id) is not None
+
+    def has_unfinished(self) -> bool:
+        """True while any request waits or runs."""
+        return self.scheduler.has_unfinished()
+
+    # ------------------------------------------------------------------ stepping
+    def step(self) -> list[RequestOutput]:
+        """Run one scheduled step; return the outputs of the requests that got a token."""
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            if self.has_unfinished() and not batch.preempted:
+                raise SchedulerStallError(
+                    f"{len(self.scheduler.waiting)} waiting request(s) cannot be admitted")
+            return []
+        sampled = self.runner.execute(batch)
+        return [self._process(seq) for seq in self.scheduler.update(batch, sampled)]
+
+    def _process(self, seq: Seq) -> RequestOutput:
+        """Detokenize a sequence's new token and finish it if it stops here."""
+        state = self._states[seq.request_id]
+        token = seq.token_ids[-1]
+        reason = is_stop(token, seq.num_output_tokens, seq.params, self.eos_token_ids)
+        may_stop = seq.num_output_tokens >= seq.params.min_tokens
+        if state.push(token, check_stop_strings=may_stop):
+            reason = FinishReason.STOP
+        if reason is None and seq.num_tokens >= self.max_model_len:
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            self.scheduler.finish(seq, reason.value)
+            del self._states[seq.request_id]
+        return _output(seq, state)
+
+    # ------------------------------------------------------------------ memory
+    def reset_prefix_cache(self) -> int:
+        """Free every prefix-cache entry; return how many."""
+        return self.prefix_cache.clear()
+
+    def check_integrity(self) -> None:
+        """Raise if the arena, the pool or the prefix index breaks an invariant."""
+        self.arena.check_integrity()
+        self.prefix_cache.check_integrity()
+
+    def close(self) -> None:
+        """Release the arena, the pool and the backend; the engine is unusable after."""
+        if self._closed:
+            return
+        self._closed = True
+        for request_id in list(self._states):
+            self.abort(request_id)
+        self.prefix_cache.clear()
+        self.arena.close()
+        self.pool.close()
+        self.backend.close()
+
+    def __enter__(self) -> Engine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ helpers
+    def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
+        text: str | None = None
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise InvalidRequestError("a text prompt needs a tokenizer; pass token ids")
+            text, prompt = prompt, self.tokenizer.encode(prompt)
+        elif not isinstance(prompt, Sequence):
+            raise InvalidRequestError(f"prompt must be text or token ids, got {type(prompt)}")
+        vocab = self.model_config.vocab_size
+        ids: list[int] = []
+        for t in prompt:
+            tok = _token_id(t)
+            if tok is None or not 0 <= tok < vocab:
+                raise InvalidRequestError(f"token id {t!r} is not in the vocabulary [0, {vocab})")
+            ids.append(tok)
+        return text, ids
+
+
+def _token_id(value: object) -> int | None:
+    """``value`` as a token id if it is an integer (numpy and torch integers too), else None."""
+    if isinstance(value, bool):
+        return None
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        return None
+
+
+def _output(seq: Seq, state: _RequestState) -> RequestOutput:
+    req = state.request
+    completion = CompletionOutput(0, state.text, seq.output_token_ids, seq.finish_reason)
+    return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion],
+                         seq.is_finished, seq.num_cached_tokens)
+
+
+def _model_folder(model: str | None) -> Path | None:
+    """The model folder: ``model`` if it is a directory, the tiny model if None, else None."""
+    if model is None:
+        from edmm.model.tiny import ensure_tiny_model
+
+        return ensure_tiny_model()
+    path = Path(model)
+    return path if path.is_dir() else None
+
+
+def _load_tokenizer(tokenizer: str | None, folder: Path | None) -> Any:
+    if tokenizer is not None:
+        return load_tokenizer(tokenizer)
+    has_files = folder is not None and any(
+        (folder / f).is_file() for f in ("tokenizer.json", "tokenizer_config.json"))
+    return load_tokenizer(folder) if has_files and folder is not None else None
+
+
+def _eos_token_ids(cfg: ModelConfig, tokenizer: Any, folder: Path | None) -> frozenset[int]:
+    """EOS ids from the model config, ``generation_config.json`` and the tokenizer."""
+    ids: set[int] = set(cfg.eos_token_ids)
+    gen = folder / "generation_config.json" if folder is not None else None
+    if gen is not None and gen.is_file():
+        ids.update(_as_ids(json.loads(gen.read_text()).get("eos_token_id")))
+    if tokenizer is not None:
+        ids.update(_as_ids(tokenizer.eos_token_id))
+    return frozenset(ids)
+
+
+def _as_ids(value: int | Iterable[int] | None) -> list[int]:
+    if value is None:
+        return []
+    return [int(value)] if isinstance(value, int) else [int(v) for v in value]
+
+
+def _max_model_len(config: EngineConfig, model: CausalLM) -> int:
+    limit = int(model.rotary.max_positions)
+    if config.max_model_len is None:
+        return limit
+    if config.max_model_len > limit:
+        raise EngineConfigError(
+            f"max_model_len={config.max_model_len} exceeds the model's {limit} positions")
+    return config.max_model_len
+
+
+def _build_memory(config: EngineConfig, spec: KVSpec,
+                  max_model_len: int) -> tuple[VMMBackend, PagePool, KVArena]:
+    """The VMM backend, the page pool and the arena; the pool must hold one longest sequence."""
+    backend = open_backend(config.backend_kind,
+                           device_index=torch.device(config.device).index or 0,
+                           host_page_size=config.host_page_size)
+    per_seq = -(-max_model_len * spec.token_bytes // backend.page_size)
+    num_pages = _num_pages(config, backend.page_size, per_seq)
+    if num_pages < per_seq:
+        backend.close()
+        raise EngineConfigError(
+            f"{num_pages} KV pages of {backend.page_size} B cannot hold one sequence of "
+            f"max_model_len={max_model_len} ({per_seq} pages); raise num_pages or lower "
+            "max_model_len")
+    pool = PagePool(backend, num_pages)
+    return backend, pool, KVArena(pool, spec, config.num_slots, max_model_len)
+
+
+def _num_pages(config: EngineConfig, page_size: int, per_seq: int) -> int:
+    """Pool size: explicit, else a share of the GPU's memory, else enough for every slot."""
+    if config.num_pages is not None:
+        return config.num_pages
+    if config.backend_kind == "cuda":
+        free, total = torch.cuda.mem_get_info(torch.device(config.device))
+        usable = free - (1.0 - config.gpu_memory_utilization) * total
+        return max(int(usable // page_size), 0)
+    return min(config.num_slots * per_seq, max(HOST_POOL_BYTES // page_size, per_seq))

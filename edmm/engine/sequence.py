@@ -1,0 +1,84 @@
+"""One request's token state, as the scheduler accounts for it.
+
+Token accounting instead of phases: a sequence holds ``num_tokens`` tokens (prompt + output) of
+which the first ``num_computed_tokens`` have KV in its arena slot. Prefill, chunked prefill,
+decode and recompute after preemption are all "compute tokens ``[num_computed, num_tokens)``";
+a step that reaches ``num_tokens`` samples the next token.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Sequence as Seq
+from dataclasses import dataclass
+
+from edmm.engine.sampling import RequestRng, SamplingParams
+
+
+class SequenceStatus(enum.IntEnum):
+    """Lifecycle of a sequence, ordered: ``WAITING < RUNNING < FINISHED``."""
+
+    WAITING = 0  # queued, or preempted (no slot)
+    RUNNING = 1  # holds a slot and is scheduled every step
+    FINISHED = 2  # done; its slot went to the prefix cache or back to the arena
+
+
+ABORTED = "abort"  # finish reason of an aborted request (besides FinishReason's stop/length)
+
+
+@dataclass(eq=False)
+class Sequence:
+    """Token state of one request. Owned and mutated by the `Scheduler` only."""
+
+    request_id: str
+    token_ids: list[int]  # prompt + output, in order
+    num_prompt_tokens: int
+    params: SamplingParams
+    rng: RequestRng
+    status: SequenceStatus = SequenceStatus.WAITING
+    num_computed_tokens: int = 0  # tokens with KV in ``slot``
+    num_cached_tokens: int = 0  # tokens reused from the prefix cache at first admission
+    num_preemptions: int = 0
+    slot: int | None = None
+    finish_reason: str | None = None  # FinishReason value or ABORTED
+
+    @classmethod
+    def new(cls, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams) -> Sequence:
+        """A waiting sequence for a prompt, with its own random state."""
+        return cls(request_id, list(prompt_token_ids), len(prompt_token_ids), params,
+                   RequestRng.for_params(params))
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt + output tokens."""
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        """Tokens generated so far."""
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed_tokens(self) -> int:
+        """Tokens still without KV: the prompt's rest, or 1 when decoding."""
+        return len(self.token_ids) - self.num_computed_tokens
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        """The prompt (a copy)."""
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        """The generated tokens (a copy)."""
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def is_finished(self) -> bool:
+        """True once the request stopped, for any reason."""
+        return self.status == SequenceStatus.FINISHED
+
+    def append_token(self, token_id: int) -> None:
+        """Add a sampled token; it has no KV until the next step computes it."""
+        self.token_ids.append(token_id)
+

@@ -1,0 +1,149 @@
+"""The prefix cache on a bare arena: longest-prefix lookup, shared pages, LRU eviction."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+import edmm.engine.prefix_cache as prefix_cache_module
+from edmm.engine import PrefixCache
+from edmm.memory import KVArena, KVSpec, PagePool, open_backend
+
+# 1 layer x {K, V} x 1 head x 64 dims x 4 B = 512 B per token: 8 tokens per 4 KiB page.
+SPEC = KVSpec(num_layers=1, num_kv_heads=1, head_dim=64, dtype=torch.float32)
+BLOCK = 4
+
+
+@pytest.fixture
+def arena() -> Iterator[KVArena]:
+    backend = open_backend("host", host_page_size=4096)
+    pool = PagePool(backend, 32)
+    a = KVArena(pool, SPEC, num_slots=4, max_tokens=64)
+    yield a
+    a.check_integrity()
+    a.close()
+    pool.close()
+    backend.close()
+
+
+def filled(arena: KVArena, tokens: list[int]) -> int:
+    """A slot whose KV of token i holds the value tokens[i]."""
+    slot = arena.allocate()
+    arena.grow(slot, len(tokens))
+    arena.kv[slot, :len(tokens)] = torch.tensor(tokens, dtype=torch.float32).view(-1, 1, 1, 1, 1)
+    return slot
+
+
+def kv_values(arena: KVArena, slot: int) -> list[int]:
+    n = arena.num_tokens(slot)
+    return [int(v) for v in arena.kv[slot, :n, 0, 0, 0, 0].tolist()]
+
+
+def test_lookup_finds_the_longest_prefix_to_the_token(arena: KVArena) -> None:
+    cache = PrefixCache(arena, block_size=BLOCK)
+    a = list(range(1, 21))  # 20 tokens
+    b = [*a[:9], 99, 98, 97]  # shares 9 with a
+    sa, sb = filled(arena, a), filled(arena, b)
+    cache.release(sa, a, 20)
+    cache.release(sb, b, 12)
+
+    assert cache.lookup([*a[:13], 50], max_tokens=100) == (sa, 13)
+    assert cache.lookup([*b, 5], max_tokens=100) == (sb, 12)
+    assert cache.lookup([*a[:9], 99, 98, 1], max_tokens=100) == (sb, 11)
+    assert cache.lookup(a, max_tokens=len(a) - 1) == (sa, 19)  # capped: last token computed
+    assert cache.lookup([*a[:3], 0], max_tokens=100) is None  # under one block
+    assert cache.lookup([0, *a], max_tokens=100) is None
+    cache.check_integrity()
+
+
+def test_branch_shares_full_pages_and_copies_the_boundary(arena: KVArena) -> None:
+    cache = PrefixCache(arena, block_size=BLOCK)
+    tokens = list(range(100, 130))  # 30 tokens: pages 0-2 full, page 3 partial
+    src = filled(arena, tokens)
+    cache.release(src, tokens, 30)
+
+    hit = cache.acquire([*tokens[:20], 1, 2], max_tokens=21)
+    assert hit is not None and (hit.source, hit.num_tokens) == (src, 20)
+    src_pages, new_pages = arena.slot_pages(src), arena.slot_pages(hit.slot)
+    assert new_pages[:2] == src_pages[:2] and new_pages[2] not in src_pages
+    assert kv_values(arena, hit.slot) == tokens[:20]
+    arena.free(hit.slot)
+    cache.check_integrity()
+
+
+def test_an_entry_extended_entirely_is_adopted(arena: KVArena) -> None:
+    cache = PrefixCache(arena, block_size=BLOCK)
+    turn1 = list(range(1, 11))
+    slot = filled(arena, turn1)
+    cache.release(slot, turn1, 10)
+    pages = arena.slot_pages(slot)
+
+    hit = cache.acquire([*turn1, 11, 12], max_tokens=11)
+    assert hit is not None and (hit.slot, hit.num_tokens) == (slot, 10)
+    assert arena.slot_pages(slot) == pages and cache.num_entries == 0
+    assert cache.lookup([*turn1, 0], 100) == (slot, 10)  # still indexed, now as a live source
+    cache.check_integrity()
+
+
+def test_live_source_is_tracked_as_it_grows(arena: KVArena) -> None:
+    cache = PrefixCache(arena, block_size=BLOCK)
+    tokens = list(range(1, 11))
+    slot = filled(arena, tokens)
+    cache.track(slot, tokens, 6)
+    assert cache.lookup(tokens, 100) == (slot, 6)  # only computed tokens count
+    tokens.append(11)  # the live sequence sampled a token: its list grows in place
+    cache.track(slot, tokens, 10)
+    assert cache.lookup(tokens, 100) == (slot, 10)
+    assert cache.num_entries == 0 and not cache.evict_one()  # live sources are not evictable
+    cache.release(slot, tokens, 10)
+    tokens[0] = -1  # the entry keeps its own copy
+    assert cache.lookup(list(range(1, 12)), 100) == (slot, 10)
+    cache.check_integrity()
+
+
+def test_lru_eviction_frees_slots_and_pages(arena: KVArena) -> None:
+    cache = PrefixCache(arena, block_size=BLOCK)
+    slots = []
+    for base in (0, 100, 200):
+        tokens = list(range(base, base + 16))
+        slots.append(filled(arena, tokens))
+        cache.release(slots[-1], tokens, 16)
+    hit = cache.acquire([*range(0, 12), 5], 12)  # makes the first entry the most recent
+    assert hit is not None and hit.source == slots[0]
+    arena.free(hit.slot)
+
+    assert cache.entry_slots() == [slots[1], slots[2], slots[0]]
+    assert cache.evict_one()
+    assert cache.lookup(list(range(100, 116)), 100) is None
+    assert cache.clear() == 2
+    assert arena.pool.num_free == arena.pool.capacity
+    cache.check_integrity()
+
+
+def test_disabled_cache_frees_at_release(arena: KVArena) -> None:
+    cache = PrefixCache(arena, block_size=BLOCK, enabled=False)
+    tokens = list(range(16))
+    slot = filled(arena, tokens)
+    cache.track(slot, tokens, 16)
+    cache.release(slot, tokens, 16)
+    assert cache.num_entries == 0 and arena.free_slots() == arena.num_slots
+    assert cache.lookup(tokens, 100) is None
+
+
+def test_hash_collisions_never_reuse_wrong_kv(arena: KVArena,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(prefix_cache_module, "_chain", lambda prev, block: 7)
+    cache = PrefixCache(arena, block_size=BLOCK)
+    a, b = list(range(16)), list(range(50, 66))
+    sa, sb = filled(arena, a), filled(arena, b)
+    cache.release(sa, a, 16)
+    cache.release(sb, b, 16)
+    for query in ([*a[:10], 0], [*b[:12], 0], list(range(200, 220))):
+        found = cache.lookup(query, 100)
+        if found is not None:
+            slot, n = found
+            src = a if slot == sa else b
+            assert src[:n] == query[:n]
+    assert cache.lookup(list(range(200, 220)), 100) is None

@@ -1,0 +1,138 @@
+"""The scheduler on a bare arena (no model): token budget, chunked prefill, admission order,
+preemption victims and resume, exact slot mappings."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+import pytest
+import torch
+
+from edmm.engine import (
+    PrefixCache,
+    SamplingParams,
+    ScheduledBatch,
+    Scheduler,
+    SchedulerConfig,
+    Sequence,
+    SequenceStatus,
+)
+from edmm.memory import KVArena, KVSpec, PagePool, open_backend
+
+# 512 B per token: 8 tokens per 4 KiB page.
+SPEC = KVSpec(num_layers=1, num_kv_heads=1, head_dim=64, dtype=torch.float32)
+PARAMS = SamplingParams(temperature=0.0, max_tokens=100)
+MakeArena = Callable[..., KVArena]
+
+
+@pytest.fixture
+def make_arena() -> Iterator[MakeArena]:
+    made: list[tuple[KVArena, PagePool]] = []
+
+    def make(num_pages: int, num_slots: int = 4, max_tokens: int = 48) -> KVArena:
+        pool = PagePool(open_backend("host", host_page_size=4096), num_pages)
+        arena = KVArena(pool, SPEC, num_slots=num_slots, max_tokens=max_tokens)
+        made.append((arena, pool))
+        return arena
+
+    yield make
+    for arena, pool in made:
+        arena.check_integrity()
+        arena.close()
+        pool.close()
+
+
+def scheduler(arena: KVArena, budget: int = 64, max_seqs: int = 4,
+              caching: bool = False) -> Scheduler:
+    return Scheduler(arena, PrefixCache(arena, block_size=4, enabled=caching),
+                     SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs))
+
+
+def add(sched: Scheduler, name: str, prompt_len: int, first: int = 0) -> Sequence:
+    seq = Sequence.new(name, list(range(first, first + prompt_len)), PARAMS)
+    sched.add(seq)
+    return seq
+
+
+def step(sched: Scheduler) -> ScheduledBatch:
+    """Schedule, then account for a fake forward that samples token 7 where asked."""
+    batch = sched.schedule()
+    sched.update(batch, [7 if s.sample else None for s in batch.seqs])
+    return batch
+
+
+def work(batch: ScheduledBatch) -> list[tuple[str, int, int, bool]]:
+    return [(s.request_id, s.start, len(s.token_ids), s.sample) for s in batch.seqs]
+
+
+def test_decodes_first_then_chunked_prefill_in_budget(make_arena: MakeArena) -> None:
+    sched = scheduler(make_arena(32), budget=10)
+    add(sched, "a", 6)
+    add(sched, "b", 12)
+    assert work(step(sched)) == [("a", 0, 6, True), ("b", 0, 4, False)]
+    assert work(step(sched)) == [("a", 6, 1, True), ("b", 4, 8, True)]
+    add(sched, "c", 20)
+    assert work(step(sched)) == [("a", 7, 1, True), ("b", 12, 1, True), ("c", 0, 8, False)]
+    assert work(step(sched)) == [("a", 8, 1, True), ("b", 13, 1, True), ("c", 8, 8, False)]
+    for name, n in (("a", 9), ("b", 14), ("c", 16)):
+        seq = sched.get(name)
+        assert seq is not None and seq.slot is not None
+        assert seq.num_computed_tokens == n == sched.arena.num_tokens(seq.slot)
+
+
+def test_max_num_seqs_and_fifo_admission(make_arena: MakeArena) -> None:
+    sched = scheduler(make_arena(32), max_seqs=2)
+    for name in "abc":
+        add(sched, name, 4)
+    assert [s.request_id for s in step(sched).seqs] == ["a", "b"]
+    c = sched.get("c")
+    assert c is not None and c.status == SequenceStatus.WAITING and c.slot is None
+
+
+def test_pool_pressure_preempts_the_latest_admitted(make_arena: MakeArena) -> None:
+    arena = make_arena(6)  # 48 tokens
+    sched = scheduler(arena)
+    a, b, c = add(sched, "a", 16), add(sched, "b", 16), add(sched, "c", 15)
+    step(sched)  # all three prefilled: 2 + 2 + 2 pages; a and b now need a third page
+    assert arena.pool.num_free == 0
+
+    batch = step(sched)
+
+    assert batch.preempted == ["c"] and work(batch) == [("a", 16, 1, True), ("b", 16, 1, True)]
+    assert c.status == SequenceStatus.WAITING and c.slot is None and c.num_computed_tokens == 0
+    assert c.token_ids == [*range(15), 7] and sched.num_preemptions == 1
+    assert list(sched.waiting) == [c] and sched.running == [a, b]
+    # While memory is short the waiting sequence waits: it never preempts a running one.
+    for _ in range(5):
+        assert [s.request_id for s in step(sched).seqs] == ["a", "b"]
+    sched.finish(b, "stop")
+    assert work(step(sched)) == [("a", 22, 1, True), ("c", 0, 16, True)]  # recomputed
+
+
+def test_a_self_preempted_sequence_resumes_from_its_kv(make_arena: MakeArena) -> None:
+    arena = make_arena(5)  # 40 tokens
+    sched = scheduler(arena, caching=True)
+    a, b = add(sched, "a", 16), add(sched, "b", 16, first=100)
+    step(sched)
+    assert arena.pool.num_free == 1
+    batch = step(sched)  # a takes the last page; b, the last admitted, preempts itself
+    assert batch.preempted == ["b"] and work(batch) == [("a", 16, 1, True)]
+    assert sched.prefix_cache.num_entries == 1  # b's KV is kept while nothing needs it
+    b_slot = sched.prefix_cache.entry_slots()[0]
+    sched.finish(a, "stop")  # a's slot becomes an entry too; b's is more recent
+
+    batch = step(sched)
+
+    assert work(batch) == [("b", 16, 1, True)]  # no recompute
+    assert b.slot == b_slot and b.num_cached_tokens == 0  # counted at first admission only
+
+
+def test_abort_waiting_and_running(make_arena: MakeArena) -> None:
+    arena = make_arena(32)
+    sched = scheduler(arena, max_seqs=1)
+    add(sched, "a", 4)
+    add(sched, "b", 4)
+    step(sched)
+    assert sched.abort("b") is not None and sched.abort("a") is not None
+    assert sched.abort("a") is None and not sched.has_unfinished()
+    assert arena.pool.num_free == arena.pool.capacity
