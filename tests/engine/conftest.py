@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engine_helpers import HOST_PAGE, HFCase, build_case
+import torch
+from engine_helpers import HOST_PAGE, HFCase, MakeEngine, build_case
 
 from edmm.engine import Engine, EngineConfig
 from edmm.model.tiny import ensure_tiny_model
@@ -39,7 +40,13 @@ def qwen2_case(hf_cases: Callable[[str], HFCase]) -> HFCase:
     return hf_cases("qwen2")
 
 
-MakeEngine = Callable[..., Engine]
+@pytest.fixture(autouse=True, scope="module")
+def _single_thread() -> Iterator[None]:
+    """Tiny models run fastest on one thread (OpenMP spinning on a busy 2-core box is slow)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture

@@ -11,6 +11,8 @@ import torch
 
 from edmm.engine import Engine, RequestOutput, SamplingParams
 
+MakeEngine = Callable[..., Engine]
+
 VOCAB = 256
 NEW_TOKENS = 32
 PROMPT_LENS = (3, 17, 40, 65)

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import MakeEngine
-from engine_helpers import TOKENS_PER_PAGE, HFCase, greedy, run_to_completion
+from engine_helpers import TOKENS_PER_PAGE, HFCase, MakeEngine, greedy, run_to_completion
 
 from edmm.engine import Engine, EngineConfigError
 

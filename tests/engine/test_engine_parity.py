@@ -4,8 +4,7 @@ for checkpoints loaded by the real loader, batched, chunked and with staggered a
 from __future__ import annotations
 
 import pytest
-from conftest import MakeEngine
-from engine_helpers import NEW_TOKENS, HFCase, greedy, run_to_completion
+from engine_helpers import NEW_TOKENS, HFCase, MakeEngine, greedy, run_to_completion
 
 from edmm.engine import Engine, ScheduledBatch
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from conftest import MakeEngine
-from engine_helpers import VOCAB, HFCase, greedy, run_to_completion
+from engine_helpers import VOCAB, HFCase, MakeEngine, greedy, run_to_completion
 
 from edmm.engine import Engine, InvalidRequestError, SamplingParams
 
