@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from edmm.engine.errors import EngineConfigError
+from edmm.engine.scheduler import SchedulerConfig
 from edmm.memory.backends import BACKEND_NAMES
 from edmm.memory.host import DEFAULT_HOST_PAGE_SIZE
 
@@ -77,6 +78,11 @@ class EngineConfig:
             raise EngineConfigError(f"max_model_len must be >= 1, got {self.max_model_len}")
         if not 0 < self.gpu_memory_utilization <= 1:
             raise EngineConfigError("gpu_memory_utilization must be in (0, 1]")
+        self.scheduler_config()  # validates the scheduler limits
+
+    def scheduler_config(self) -> SchedulerConfig:
+        """The per-step limits of the scheduler."""
+        return SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs)
 
     @property
     def backend_kind(self) -> str:

@@ -24,7 +24,7 @@ from edmm.engine.outputs import CompletionOutput, RequestOutput
 from edmm.engine.prefix_cache import PrefixCache
 from edmm.engine.runner import ModelRunner
 from edmm.engine.sampling import FinishReason, Sampler, SamplingParams, is_stop
-from edmm.engine.scheduler import Scheduler, SchedulerConfig
+from edmm.engine.scheduler import Scheduler
 from edmm.engine.sequence import Sequence as Seq
 from edmm.memory import KVArena, KVSpec, PagePool, open_backend
 from edmm.memory.vmm import VMMBackend
@@ -82,8 +82,7 @@ class Engine:
         self.backend, self.pool, self.arena = _build_memory(config, spec, self.max_model_len)
         self.prefix_cache = PrefixCache(self.arena, config.prefix_block_size,
                                         config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.arena, self.prefix_cache, SchedulerConfig(
-            config.max_num_batched_tokens, config.max_num_seqs))
+        self.scheduler = Scheduler(self.arena, self.prefix_cache, config.scheduler_config())
         self.runner = ModelRunner(self.model, self.arena, config.device, Sampler(config.seed))
         self._states: dict[str, _RequestState] = {}
         self._closed = False

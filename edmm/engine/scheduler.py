@@ -42,8 +42,12 @@ class SchedulerConfig:
     max_num_seqs: int
 
     def __post_init__(self) -> None:
-        if self.max_num_batched_tokens < 1 or self.max_num_seqs < 1:
-            raise EngineConfigError("max_num_batched_tokens and max_num_seqs must be >= 1")
+        if self.max_num_seqs < 1:
+            raise EngineConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < self.max_num_seqs:
+            raise EngineConfigError(
+                f"max_num_batched_tokens={self.max_num_batched_tokens} < max_num_seqs="
+                f"{self.max_num_seqs}: some running sequences could not decode in a step")
 
 
 @dataclass(frozen=True)
@@ -64,9 +68,9 @@ class ScheduledSeq:
         return self.start + len(self.token_ids)
 
 
-@dataclass(frozen=True)
+@dataclass
 class ScheduledBatch:
-    """What the scheduler decided for one step."""
+    """What the scheduler decided for one step (built by `Scheduler.schedule`, then read-only)."""
 
     seqs: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[str] = field(default_factory=list)  # request ids preempted in this step
@@ -80,11 +84,6 @@ class ScheduledBatch:
     def is_empty(self) -> bool:
         """True when there is nothing to compute."""
         return not self.seqs
-
-    @property
-    def is_decode_only(self) -> bool:
-        """True when every sequence computes exactly one token (CUDA-graph-able)."""
-        return bool(self.seqs) and all(len(s.token_ids) == 1 for s in self.seqs)
 
 
 class Scheduler:

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from engine_helpers import VOCAB, HFCase, MakeEngine, greedy, run_to_completion
 
-from edmm.engine import Engine, InvalidRequestError, SamplingParams
+from edmm.engine import Engine, EngineConfig, EngineConfigError, InvalidRequestError, SamplingParams
 
 
 def serves_next_request(engine: Engine, case: HFCase) -> bool:
@@ -94,3 +94,15 @@ def test_max_model_len_caps_generation(qwen2_case: HFCase, make_engine: MakeEngi
     out = run_to_completion(engine)["long"].outputs[0]
     assert out.finish_reason == "length"
     assert out.token_ids == qwen2_case.reference[3][:7]
+
+
+@pytest.mark.parametrize("fields", [
+    pytest.param(dict(max_num_batched_tokens=4, max_num_seqs=8), id="budget-below-seqs"),
+    pytest.param(dict(max_num_seqs=9, num_slots=8), id="seqs-above-slots"),
+    pytest.param(dict(device="mps"), id="device"),
+    pytest.param(dict(backend="cuda"), id="cuda-backend-on-cpu"),
+    pytest.param(dict(num_pages=0), id="no-pages"),
+])
+def test_bad_config_is_a_typed_error(fields: dict[str, Any]) -> None:
+    with pytest.raises(EngineConfigError):
+        EngineConfig(**{"max_num_seqs": 8, "num_slots": 8, **fields})
