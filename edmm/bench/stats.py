@@ -77,7 +77,8 @@ def trimmed_mean(xs: Iterable[float], trim: float = 0.1) -> float:
     n = len(vals)
     cut = min(math.floor(trim * n + _TRIM_EPS), (n - 1) // 2)
     kept = vals[cut : n - cut]
-    return math.fsum(kept) / len(kept)
+    # fsum / n can round one ulp past the extremes (e.g. three equal values): clamp.
+    return min(max(math.fsum(kept) / len(kept), kept[0]), kept[-1])
 
 
 def median(xs: Iterable[float]) -> float:
