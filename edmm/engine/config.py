@@ -38,6 +38,8 @@ class EngineConfig:
         enable_prefix_caching: reuse KV of finished and running sequences' prefixes.
         prefix_block_size: tokens per hashed block of the prefix index.
         seed: seed of the sampler's shared stream (requests without their own seed).
+        enforce_eager: on CUDA, run decode eagerly instead of replaying CUDA graphs, and keep
+            the reference SDPA attention instead of the Triton kernels.
     """
 
     model: str | None = None
@@ -55,6 +57,7 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     prefix_block_size: int = 16
     seed: int | None = 0
+    enforce_eager: bool = False
 
     def __post_init__(self) -> None:
         device = torch.device(self.device)

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from edmm.engine.config import HOST_POOL_BYTES, EngineConfig
+from edmm.engine.cuda_graph import CudaGraphRunner
 from edmm.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from edmm.engine.errors import EngineConfigError, InvalidRequestError, SchedulerStallError
 from edmm.engine.outputs import CompletionOutput, RequestOutput
@@ -83,7 +84,7 @@ class Engine:
         self.prefix_cache = PrefixCache(self.arena, config.prefix_block_size,
                                         config.enable_prefix_caching)
         self.scheduler = Scheduler(self.arena, self.prefix_cache, config.scheduler_config())
-        self.runner = ModelRunner(self.model, self.arena, config.device, Sampler(config.seed))
+        self.runner = _build_runner(config, self.model, self.arena, self.max_model_len)
         self._states: dict[str, _RequestState] = {}
         self._closed = False
 
@@ -177,6 +178,8 @@ class Engine:
         self._closed = True
         for request_id in list(self._states):
             self.abort(request_id)
+        if isinstance(self.runner, CudaGraphRunner):
+            self.runner.close()
         self.prefix_cache.clear()
         self.arena.close()
         self.pool.close()
@@ -296,3 +299,15 @@ def _num_pages(config: EngineConfig, page_size: int, per_seq: int) -> int:
         usable = free - (1.0 - config.gpu_memory_utilization) * total
         return max(int(usable // page_size), 0)
     return min(config.num_slots * per_seq, max(HOST_POOL_BYTES // page_size, per_seq))
+
+
+def _build_runner(config: EngineConfig, model: CausalLM, arena: KVArena,
+                  max_model_len: int) -> ModelRunner:
+    """On CUDA (unless ``enforce_eager``): Triton attention and CUDA-graph decode."""
+    sampler = Sampler(config.seed)
+    if torch.device(config.device).type != "cuda" or config.enforce_eager:
+        return ModelRunner(model, arena, config.device, sampler)
+    from edmm.model.attention_triton import default_backend
+
+    model.set_backend(default_backend(config.device, max_model_len))
+    return CudaGraphRunner(model, arena, config.device, sampler)

@@ -1,0 +1,68 @@
+"""Attention on the GPU through EDMM's Triton kernels, reading the arena's strided KV in place.
+
+Decode batches (every query length 1) go to the split-K decode kernel, which takes slot ids and
+context lengths as device tensors, so a CUDA graph captured once replays for any lengths up to
+``max_context``. Batches with a prefill go to the varlen prefill kernel (end-aligned causal).
+Sliding-window layers fall back to the reference SDPA backend.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from edmm.model.attention import (
+    AttentionBackend,
+    AttentionMetadata,
+    AttentionMetadataError,
+    TorchSDPABackend,
+    write_kv,
+)
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Triton decode / prefill kernels over the arena; see the module docstring.
+
+    Args:
+        max_context: the longest context a decode call (or captured graph) serves; it fixes
+            the split count of the decode kernel.
+    """
+
+    def __init__(self, max_context: int) -> None:
+        self.max_context = max_context
+        self._fallback = TorchSDPABackend()
+
+    def forward(
+        self,
+        q: Tensor,  # [T, Hq, D], rotated
+        k: Tensor,  # [T, Hkv, D], rotated
+        v: Tensor,  # [T, Hkv, D]
+        kv_cache: Tensor,  # [S, M, L, 2, Hkv, D]
+        layer: int,
+        meta: AttentionMetadata,
+        scale: float,
+        window: int | None,
+    ) -> Tensor:
+        """Write k/v into the cache, then attend; returns [T, Hq, D]."""
+        if window is not None:
+            return self._fallback.forward(q, k, v, kv_cache, layer, meta, scale, window)
+        from edmm.kernels import decode_attention, prefill_attention_varlen
+
+        if meta.slot_ids_t is None or meta.context_lens_t is None or meta.query_start_loc is None:
+            raise AttentionMetadataError("metadata has no device tensors; call meta.to(device)")
+        write_kv(kv_cache, layer, k, v, meta)
+        if all(n == 1 for n in meta.query_lens):
+            return decode_attention(q, kv_cache, layer, meta.slot_ids_t, meta.context_lens_t,
+                                    scale, max_context=self.max_context)
+        return prefill_attention_varlen(q, kv_cache, layer, meta.query_start_loc,
+                                        meta.slot_ids_t, meta.context_lens_t,
+                                        max(meta.query_lens), scale)
+
+
+def default_backend(device: torch.device | str, max_context: int) -> AttentionBackend:
+    """Triton kernels on a CUDA device where triton is usable, else the reference SDPA."""
+    from edmm.kernels import triton_usable
+
+    if torch.device(device).type == "cuda" and triton_usable(device):
+        return TritonAttentionBackend(max_context)
+    return TorchSDPABackend()
