@@ -16,13 +16,13 @@ The runner sees only the batch; it never reads scheduler state.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import torch
 from torch import Tensor
 
-from edmm.engine.sampling import RequestRng, Sampler, SamplingParams
+from edmm.engine.sampling import RequestRng, Sampler, SamplingParams, apply_logits_processors
 from edmm.engine.scheduler import ScheduledBatch
 from edmm.memory import KVArena
 from edmm.model.attention import AttentionMetadata
@@ -53,6 +53,7 @@ class ModelInputs:
     sample_seqs: list[int]  # [N] index in the batch of each sampled row
     params: list[SamplingParams]  # [N]
     rngs: list[RequestRng]  # [N]
+    output_token_ids: list[list[int]] = field(default_factory=list)  # [N], for logits processors
 
     @property
     def is_decode_only(self) -> bool:
@@ -103,7 +104,8 @@ class ModelRunner:
             input_ids=self._tensor(ids), positions=self._tensor(positions), meta=meta,
             sample_rows=self._tensor(rows), sample_seqs=sample_seqs,
             params=[batch.seqs[i].params for i in sample_seqs],
-            rngs=[batch.seqs[i].rng for i in sample_seqs])
+            rngs=[batch.seqs[i].rng for i in sample_seqs],
+            output_token_ids=[batch.seqs[i].output_token_ids for i in sample_seqs])
 
     def forward(self, inputs: ModelInputs) -> Tensor:
         """Hidden states ``[T, hidden]``; writes the new tokens' KV into the arena in place."""
@@ -114,6 +116,8 @@ class ModelRunner:
         if not inputs.sample_seqs:
             return torch.empty(0, dtype=torch.int64)
         logits = self.model.compute_logits(hidden[inputs.sample_rows])  # [N, vocab] float32
+        if any(p.logits_processors for p in inputs.params):
+            logits = apply_logits_processors(logits, inputs.params, inputs.output_token_ids)
         return self.sampler(logits, inputs.params, inputs.rngs)  # [N]
 
     def _tensor(self, values: list[int]) -> Tensor:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -38,6 +38,16 @@ class InvalidSamplingParams(ValueError):
 
 class SamplerError(ValueError):
     """The sampler was called with inconsistent inputs (shapes, counts, devices, seeds)."""
+
+
+LogitsProcessor = Callable[[Sequence[int], torch.Tensor], torch.Tensor]
+"""``(output_token_ids, logits) -> logits``: a per-request hook run before each sampled token.
+
+``output_token_ids`` are the tokens generated so far (empty before the first); ``logits`` is the
+float32 ``[V]`` row of the token about to be sampled. The processor returns that row changed (it
+may change it in place), e.g. with disallowed tokens set to ``-inf`` (grammar-constrained
+decoding). A stateful processor belongs to one request: do not share it between requests.
+"""
 
 
 class FinishReason(str, enum.Enum):
@@ -67,10 +77,12 @@ class SamplingParams:
     stop: list[str] = field(default_factory=list)
     ignore_eos: bool = False
     min_tokens: int = 0
+    logits_processors: list[LogitsProcessor] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.stop_token_ids = list(self.stop_token_ids)
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop)
+        self.logits_processors = list(self.logits_processors)
         self._check_counts()
         self._check_filters()
         self._check_stops()
@@ -126,6 +138,10 @@ class SamplingParams:
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise InvalidSamplingParams("stop", f"must hold non-empty strings, got {s!r}")
+        for proc in self.logits_processors:
+            if not callable(proc):
+                raise InvalidSamplingParams(
+                    "logits_processors", f"must hold callables, got {proc!r}")
 
 
 def _not_int(x: object) -> bool:
@@ -183,6 +199,27 @@ def is_stop(
     if num_generated >= params.max_tokens:
         return FinishReason.LENGTH
     return None
+
+
+def apply_logits_processors(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    output_token_ids: Sequence[Sequence[int]],
+) -> torch.Tensor:
+    """Run each row's ``logits_processors`` on it.
+
+    Args:
+        logits: ``[B, V]`` float32 logits (changed in place for rows with processors).
+        params: ``B`` sampling params.
+        output_token_ids: ``B`` lists of the tokens each row's request generated so far.
+
+    Returns:
+        ``logits`` ``[B, V]``.
+    """
+    for i, p in enumerate(params):
+        for proc in p.logits_processors:
+            logits[i] = proc(output_token_ids[i], logits[i])  # [V]
+    return logits
 
 
 class RequestRng:

@@ -61,6 +61,9 @@ class ScheduledSeq:
     sample: bool  # True when this step reaches the sequence's last token: sample the next one
     params: SamplingParams
     rng: RequestRng
+    # The tokens generated so far, given only to a sampling entry whose params have
+    # logits processors (they need them); empty otherwise.
+    output_token_ids: list[int] = field(default_factory=list)
 
     @property
     def context_len(self) -> int:
@@ -185,9 +188,12 @@ class Scheduler:
     def _entry(self, seq: Sequence, n: int) -> ScheduledSeq:
         start = seq.num_computed_tokens
         assert seq.slot is not None
+        sample = start + n == seq.num_tokens
+        outputs = seq.output_token_ids if sample and seq.params.logits_processors else []
         return ScheduledSeq(
             request_id=seq.request_id, slot=seq.slot, token_ids=seq.token_ids[start:start + n],
-            start=start, sample=start + n == seq.num_tokens, params=seq.params, rng=seq.rng)
+            start=start, sample=sample, params=seq.params, rng=seq.rng,
+            output_token_ids=outputs)
 
     # ------------------------------------------------------------------ memory
     def _grow_or_preempt(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch) -> bool:
