@@ -60,6 +60,8 @@ def build_parser() -> argparse.ArgumentParser:
     ttft.add_argument("--full-prefill-repeats", type=int, default=5)
     ttft.add_argument("--new-tokens", type=int, default=512)
     ttft.add_argument("--no-peer", action="store_true", help="skip transformers")
+    ttft.add_argument("--eager", action="store_true",
+                      help="EDMM with reference SDPA attention and no CUDA graphs")
     ttft.add_argument("--out", type=Path, default=None)
     return parser
 
@@ -104,7 +106,8 @@ def _bench(args: argparse.Namespace) -> int:
         tcfg = TTFTBenchConfig(model=args.model, device=args.device, dtype=args.dtype,
                                contexts=args.contexts, repeats=args.repeats,
                                full_prefill_repeats=args.full_prefill_repeats,
-                               new_tokens=args.new_tokens, peer=not args.no_peer)
+                               new_tokens=args.new_tokens, peer=not args.no_peer,
+                               eager=args.eager)
         paths = run_ttft_bench(tcfg, args.out or default_out_dir(_device_tag(
             args.device.startswith("cuda"))))
     print(Path(paths["md"]).read_text())

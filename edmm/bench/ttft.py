@@ -5,7 +5,8 @@ values), in one process:
 - decode step: one new token on an n-token cache, logits and a greedy pick;
 - prefill of ``new_tokens`` (default 512) new tokens on a cached (n - 512)-token prefix;
 - full prefill of n tokens into an empty slot.
-EDMM runs them on its KV arena (mapping pages as it grows, as the engine does); the peer is HF
+EDMM runs them on its KV arena (mapping pages as it grows, as the engine does), with Triton
+attention and CUDA-graph decode on the GPU (``eager``: reference SDPA, no graphs); the peer is HF
 transformers' best path for the same work (SDPA, a DynamicCache cropped back between repeats).
 Wall-clock times with the device synchronised around each repeat.
 """
@@ -23,10 +24,14 @@ import torch
 
 from edmm.bench.report import ResultWriter, collect_environment, plot_bars
 from edmm.bench.stats import summarize
+from edmm.engine.cuda_graph import CudaGraphRunner
+from edmm.engine.runner import ModelInputs, ModelRunner
+from edmm.engine.sampling import RequestRng, SamplingParams
 from edmm.memory.arena import KVArena, KVSpec
 from edmm.memory.backends import open_backend
 from edmm.memory.pool import PagePool
 from edmm.model.attention import AttentionMetadata
+from edmm.model.attention_triton import default_backend
 from edmm.model.config import ModelConfig
 from edmm.model.loader import load_model
 
@@ -46,6 +51,7 @@ class TTFTBenchConfig:
     full_prefill_repeats: int = 5
     new_tokens: int = 512
     peer: bool = True
+    eager: bool = False
     host_page_size: int = 64 * 1024
 
 
@@ -71,31 +77,46 @@ class EdmmSide:
         max_tokens = max_ctx + cfg.new_tokens + 1
         self.model, self.cfg = load_model(cfg.model, self.device, cfg.dtype,
                                           max_positions=max_tokens)
-        kind = "cuda" if self.device.type == "cuda" else "host"
-        self.backend = open_backend(kind, host_page_size=cfg.host_page_size)
+        cuda = self.device.type == "cuda"
+        self.backend = open_backend("cuda" if cuda else "host",
+                                    host_page_size=cfg.host_page_size)
         dtype = self.model.model.embed_tokens.weight.dtype
         spec = KVSpec(self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim, dtype)
-        self.pool = PagePool(self.backend, -(-max_tokens * spec.token_bytes
-                                             // self.backend.page_size) + 2)
-        self.arena = KVArena(self.pool, spec, num_slots=1, max_tokens=max_tokens)
+        pages = -(-max_tokens * spec.token_bytes // self.backend.page_size) + 2
+        self.pool = PagePool(self.backend, pages + 1)  # + the graph runner's pad page
+        self.arena = KVArena(self.pool, spec, num_slots=2, max_tokens=max_tokens)
+        self.runner: ModelRunner
+        if cuda and not cfg.eager:
+            self.model.set_backend(default_backend(self.device, max_tokens))
+            self.runner = CudaGraphRunner(self.model, self.arena, self.device, sizes=(1,))
+        else:
+            self.runner = ModelRunner(self.model, self.arena, self.device)
         self.slot = self.arena.allocate()
+        self._greedy = [SamplingParams(temperature=0.0)]
 
     @torch.inference_mode()
     def extend(self, ids: torch.Tensor) -> torch.Tensor:
-        """Append ``ids`` [n] to the slot: map pages, run the model, greedy-pick the next token."""
+        """Append ``ids`` [n] to the slot: map pages, run the model, greedy-pick the next token.
+
+        Decode steps replay the CUDA graph on the GPU (unless ``eager``).
+        """
+        n = ids.shape[0]
         start = self.arena.num_tokens(self.slot)
-        end = start + ids.shape[0]
-        self.arena.grow(self.slot, end)
-        meta = AttentionMetadata.build([self.slot], [ids.shape[0]], [end], self.device)
-        positions = torch.arange(start, end, device=self.device)
-        hidden = self.model(ids, positions, self.arena.kv, meta)  # [n, hidden]
-        logits = self.model.compute_logits(hidden[-1:])  # [1, vocab]
-        return logits.argmax(dim=-1)
+        self.arena.grow(self.slot, start + n)
+        inputs = ModelInputs(
+            input_ids=ids, positions=torch.arange(start, start + n, device=self.device),
+            meta=AttentionMetadata.build([self.slot], [n], [start + n], self.device),
+            sample_rows=torch.tensor([n - 1], device=self.device), sample_seqs=[0],
+            params=self._greedy, rngs=[RequestRng()])
+        hidden = self.runner.forward(inputs)  # [n, hidden]
+        return self.runner.sample(hidden, inputs)  # [1]
 
     def truncate(self, n: int) -> None:
         self.arena.truncate(self.slot, n)
 
     def close(self) -> None:
+        if isinstance(self.runner, CudaGraphRunner):
+            self.runner.close()
         self.arena.close()
         self.pool.close()
         self.backend.close()
@@ -203,7 +224,7 @@ def run_ttft_bench(cfg: TTFTBenchConfig, out_dir: Path) -> dict[str, Path]:
     ids = torch.randint(0, mcfg.vocab_size, (max_ctx + 1,), device=edmm.device)
     rows: list[dict[str, Any]] = []
     for ctx in cfg.contexts:
-        rows += _measure(edmm, ids, ctx, cfg, "edmm")
+        rows += _measure(edmm, ids, ctx, cfg, "edmm-eager" if cfg.eager else "edmm")
     edmm.close()
     del edmm
     if cfg.peer:
