@@ -1,0 +1,40 @@
+"""Agent sessions: tool-call pause/resume, speculative prefill in the tool window, zero-copy
+commit."""
+
+from edmm.agent.api import AgentEngine
+from edmm.agent.errors import (
+    AgentError,
+    InsertionPositionError,
+    SessionStateError,
+    UnknownPolicyError,
+    UnknownSessionError,
+    UnknownToolCallError,
+)
+from edmm.agent.types import (
+    AgentConfig,
+    SessionMetrics,
+    SessionState,
+    TokenLayout,
+    ToolCall,
+    ToolContent,
+    ToolResult,
+    ToolSpec,
+)
+
+__all__ = [
+    "AgentConfig",
+    "AgentEngine",
+    "AgentError",
+    "InsertionPositionError",
+    "SessionMetrics",
+    "SessionState",
+    "SessionStateError",
+    "TokenLayout",
+    "ToolCall",
+    "ToolContent",
+    "ToolResult",
+    "ToolSpec",
+    "UnknownPolicyError",
+    "UnknownSessionError",
+    "UnknownToolCallError",
+]

@@ -1,0 +1,57 @@
+"""Typed errors of the agent layer, raised before anything changes: the session stays intact."""
+
+from __future__ import annotations
+
+from edmm.engine.errors import EngineError
+
+
+class AgentError(EngineError):
+    """Base class of every error raised by `edmm.agent`."""
+
+
+class UnknownSessionError(AgentError, KeyError):
+    """No session has this id (never created, or closed)."""
+
+    def __str__(self) -> str:  # KeyError quotes its message; keep it readable
+        return str(self.args[0]) if self.args else ""
+
+
+class SessionStateError(AgentError):
+    """The session is not in a state that allows the operation (e.g. resuming a session that is
+    not awaiting a tool). Attributes: ``session_id``, ``state`` (its `SessionState`), ``wanted``."""
+
+    def __init__(self, session_id: str, state: object, wanted: str) -> None:
+        self.session_id = session_id
+        self.state = state
+        self.wanted = wanted
+        super().__init__(f"session {session_id!r} is {state!s}; {wanted}")
+
+
+class UnknownToolCallError(AgentError, KeyError):
+    """A tool result, prediction or output chunk names a call id the session is not waiting on."""
+
+    def __init__(self, session_id: str, call_id: str) -> None:
+        self.session_id = session_id
+        self.call_id = call_id
+        super().__init__(f"session {session_id!r} has no pending tool call {call_id!r}")
+
+    def __str__(self) -> str:
+        return str(self.args[0])
+
+
+class InsertionPositionError(AgentError, ValueError):
+    """A result's insertion position lies outside the session's context ``[0, len]``."""
+
+    def __init__(self, session_id: str, position: int, length: int) -> None:
+        self.session_id = session_id
+        self.position = position
+        self.length = length
+        super().__init__(f"session {session_id!r}: insertion position {position} outside the "
+                         f"context [0, {length}]")
+
+
+class UnknownPolicyError(AgentError, KeyError):
+    """A speculation source or retention policy name that is not registered."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""

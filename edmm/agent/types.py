@@ -1,0 +1,151 @@
+"""Plain data of the agent layer: tool calls and results, session states and metrics, config."""
+
+from __future__ import annotations
+
+import enum
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from edmm.engine.errors import EngineConfigError
+
+ToolContent = str | Sequence[int]  # text (tokenized with the model's tokenizer) or token ids
+
+
+class SessionState(enum.IntEnum):
+    """Execution state of an agent session, in lifecycle order.
+
+    ``GENERATING -> FINISHED`` (the turn ended) ``-> AWAITING_TOOL`` (the caller reports tool
+    calls) ``-> RESUMING`` (results arrived) ``-> GENERATING`` (first token of the resume) ...;
+    a FINISHED session also takes a new user turn (``-> GENERATING``). ``ABANDONED`` is
+    terminal: no result before the deadline, or closed; the session's KV is reclaimed.
+    """
+
+    GENERATING = 0  # a turn is queued or running
+    AWAITING_TOOL = 1  # the turn ended in tool calls; tools run, speculation fills the window
+    RESUMING = 2  # results arrived; the resume turn waits for admission (commit, prefill)
+    FINISHED = 3  # the last turn ended; no tool call pending
+    ABANDONED = 4  # terminal: deadline passed or closed; KV reclaimed
+
+    def __str__(self) -> str:
+        return self.name
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    """One tool call the model emitted (OpenAI ``tool_calls[i]``)."""
+
+    id: str
+    name: str
+    arguments: str = "{}"  # JSON text, as emitted by the model
+
+    def arguments_dict(self) -> Any:
+        """The arguments parsed (raises ``json.JSONDecodeError`` on malformed JSON)."""
+        return json.loads(self.arguments)
+
+    def memo_key(self) -> tuple[str, str] | None:
+        """``(name, canonical arguments)`` identifying the call of an idempotent tool; None if
+        the arguments are not valid JSON."""
+        try:
+            canonical = json.dumps(self.arguments_dict(), sort_keys=True, separators=(",", ":"))
+        except (json.JSONDecodeError, TypeError):
+            return None
+        return self.name, canonical
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    """The real result of a pending tool call.
+
+    ``position``: where the result is inserted, as a token index into the session's context
+    (``0..len(context)``); None: where the session's layout puts it (after the context).
+    """
+
+    call_id: str
+    content: ToolContent
+    position: int | None = None
+
+
+@dataclass(frozen=True)
+class ToolSpec:
+    """What is known of a tool before it runs.
+
+    ``cacheable``: idempotent (same arguments, same result): real results are memoised and
+    predicted for later calls. ``expected_duration_s``: a prior for the retention policy (the
+    observed durations of the tool's calls are learned on top).
+    """
+
+    name: str
+    cacheable: bool = False
+    expected_duration_s: float | None = None
+
+
+@dataclass(frozen=True)
+class TokenLayout:
+    """How results enter the next prompt when no chat template renders it (token-id sessions):
+
+    ``next prompt = context`` with each result, wrapped as ``before + result + after``, inserted
+    at its position (default: the end of the context), then ``suffix``.
+    """
+
+    before: tuple[int, ...] = ()
+    after: tuple[int, ...] = ()
+    suffix: tuple[int, ...] = ()
+    positions: Mapping[str, int] = field(default_factory=dict)  # call id -> insertion position
+
+
+@dataclass
+class SessionMetrics:
+    """Per-session counters (cumulative over the session's resumes).
+
+    ``tokens_reused``: prompt tokens of resume turns whose KV was already there (retained or
+    speculated); ``tokens_recomputed``: the rest, prefilled at resume. A resume that commits a
+    speculation branch matching all its tokens is a hit, one matching part of them a partial,
+    and one whose speculation lost to the retained KV (or had none to use) a miss.
+    """
+
+    session_id: str
+    turns: int = 0
+    resumes: int = 0
+    tokens_reused: int = 0
+    tokens_recomputed: int = 0
+    tokens_speculated: int = 0  # tokens prefilled into speculation branches
+    spec_hits: int = 0
+    spec_partial: int = 0
+    spec_misses: int = 0
+    resume_ttft_s: list[float] = field(default_factory=list)  # resume() to first token
+    commit_s: list[float] = field(default_factory=list)  # slot lookup + commit + truncate
+    abandoned: bool = False
+
+    def as_dict(self) -> dict[str, Any]:
+        """A JSON-friendly copy."""
+        d = dict(self.__dict__)
+        d["resume_ttft_s"] = list(self.resume_ttft_s)
+        d["commit_s"] = list(self.commit_s)
+        return d
+
+
+@dataclass(frozen=True)
+class AgentConfig:
+    """Agent-layer settings.
+
+    Attributes:
+        speculation: names of the speculation sources to run (registry of
+            `edmm.agent.speculation`); empty: no speculation (EDMM off).
+        retention: name of the retention policy for paused sessions' KV
+            (`edmm.agent.retention`); ``"lru"`` treats it like any cache entry (engines today).
+        tool_timeout_s: default deadline of a tool window; a session still awaiting a tool
+            after it is abandoned and its KV reclaimed.
+        reserialize_arguments: re-serialise tool-call arguments the way OpenAI clients do
+            (``json.dumps(json.loads(arguments))``) when rendering the next prompt.
+    """
+
+    speculation: tuple[str, ...] = ("template", "streamed", "predicted")
+    retention: str = "cost"
+    tool_timeout_s: float = 600.0
+    reserialize_arguments: bool = True
+
+    def __post_init__(self) -> None:
+        if not self.tool_timeout_s > 0:
+            raise EngineConfigError(f"tool_timeout_s must be > 0, got {self.tool_timeout_s}")
