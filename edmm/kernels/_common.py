@@ -1,0 +1,139 @@
+"""Input checks, launch configurations and triton availability shared by the kernels.
+
+Every check here looks at shapes, dtypes, strides and devices only, never at tensor values,
+so the kernels stay free of host syncs and CUDA-graph capturable.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+from dataclasses import dataclass
+
+import torch
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+INDEX_DTYPES = (torch.int32, torch.int64)
+MIN_HEAD_DIM = 16  # tl.dot needs K >= 16
+MAX_HEAD_DIM = 128
+
+
+class KernelInputError(ValueError):
+    """Arguments a kernel cannot take (shape, dtype, device or stride mismatch)."""
+
+
+class KernelUnavailableError(RuntimeError):
+    """Triton is not installed, or cannot run on the tensors' device."""
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    """Launch parameters of the split-K decode kernel (tokens per tile, warps, stages)."""
+
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+@dataclass(frozen=True)
+class PrefillConfig:
+    """Launch parameters of the prefill kernel (queries and keys per tile, warps, stages)."""
+
+    block_m: int = 128
+    block_n: int = 64
+    num_warps: int = 8
+    num_stages: int = 3
+
+
+@functools.cache
+def triton_available() -> bool:
+    """Whether triton can be imported (checked once, without importing it)."""
+    return importlib.util.find_spec("triton") is not None
+
+
+def triton_usable(device: torch.device | str) -> bool:
+    """Whether callers should use the kernels on ``device``: CUDA with triton installed.
+
+    False on CPU even under ``TRITON_INTERPRET=1`` (the interpreter is for tests, far slower
+    than SDPA), so a caller's CPU path stays on SDPA.
+    """
+    return torch.device(device).type == "cuda" and triton_available()
+
+
+def require_triton(device: torch.device) -> None:
+    """Raise `KernelUnavailableError` unless triton can run on ``device``.
+
+    CUDA needs triton installed; CPU tensors also need ``TRITON_INTERPRET=1`` (tests).
+    """
+    interpreted = device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1"
+    if not (triton_usable(device) or (interpreted and triton_available())):
+        raise KernelUnavailableError(
+            f"triton kernels cannot run on {device} (triton installed: {triton_available()}); "
+            "fall back to SDPA")
+
+
+def check_head_dim(head_dim: int) -> None:
+    """Head dims the kernels support: a power of two in [16, 128]."""
+    if not (MIN_HEAD_DIM <= head_dim <= MAX_HEAD_DIM and head_dim & (head_dim - 1) == 0):
+        raise KernelInputError(
+            f"head_dim must be a power of two in [{MIN_HEAD_DIM}, {MAX_HEAD_DIM}], got {head_dim}")
+
+
+def kv_layer_view(kv_cache: torch.Tensor, layer: int, q: torch.Tensor) -> torch.Tensor:
+    """Check ``kv_cache`` against ``q`` [.., Hq, D]; return the layer's view, no copy.
+
+    ``kv_cache`` is [slots, max_tokens, layers, 2, Hkv, D] with unit stride on D; the result is
+    [slots, max_tokens, 2, Hkv, D] with the cache's strides.
+    """
+    if kv_cache.dim() != 6 or kv_cache.shape[3] != 2:
+        raise KernelInputError(
+            f"kv_cache must be [slots, max_tokens, layers, 2, kv_heads, head_dim], "
+            f"got {tuple(kv_cache.shape)}")
+    if kv_cache.stride(-1) != 1:
+        raise KernelInputError(f"kv_cache needs unit stride on head_dim, got {kv_cache.stride()}")
+    if not 0 <= layer < kv_cache.shape[2]:
+        raise KernelInputError(f"layer {layer} out of range [0, {kv_cache.shape[2]})")
+    num_heads, head_dim = q.shape[-2], q.shape[-1]
+    num_kv_heads = kv_cache.shape[4]
+    check_head_dim(head_dim)
+    if kv_cache.shape[5] != head_dim:
+        raise KernelInputError(f"head_dim of q ({head_dim}) != kv_cache ({kv_cache.shape[5]})")
+    if num_heads % num_kv_heads:
+        raise KernelInputError(f"{num_heads} query heads not a multiple of {num_kv_heads}")
+    if q.dtype not in SUPPORTED_DTYPES or kv_cache.dtype != q.dtype:
+        raise KernelInputError(f"q ({q.dtype}) and kv_cache ({kv_cache.dtype}) must share one "
+                               f"of {SUPPORTED_DTYPES}")
+    if kv_cache.device != q.device:
+        raise KernelInputError(f"q on {q.device}, kv_cache on {kv_cache.device}")
+    return kv_cache[:, :, layer]
+
+
+def check_index(t: torch.Tensor, name: str, length: int, device: torch.device) -> None:
+    """``t`` must be a 1-D int32/int64 tensor of ``length`` on ``device``."""
+    if t.dim() != 1 or t.shape[0] != length:
+        raise KernelInputError(f"{name} must have shape [{length}], got {tuple(t.shape)}")
+    if t.dtype not in INDEX_DTYPES:
+        raise KernelInputError(f"{name} must be int32 or int64, got {t.dtype}")
+    if t.device != device:
+        raise KernelInputError(f"{name} on {t.device}, expected {device}")
+
+
+def unit_last_stride(x: torch.Tensor) -> torch.Tensor:
+    """``x`` itself if its last dim is contiguous, else a contiguous copy (queries only)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def dot_precision(dtype: torch.dtype) -> str:
+    """``tl.dot`` input precision: exact IEEE for fp32 inputs, the default (tensor cores) else."""
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+def next_pow2(x: int) -> int:
+    """Smallest power of two >= ``x`` (x >= 1)."""
+    return 1 << (x - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division of non-negative ints."""
+    return -(-a // b)

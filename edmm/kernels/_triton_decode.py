@@ -1,0 +1,109 @@
+"""Triton kernels of split-K (flash-decoding) attention over the strided KV arena.
+
+Imported only when a kernel runs: this module imports triton at the top.
+
+Grid of the split kernel: (batch, kv_heads, splits). A program reads one chunk of one
+sequence's tokens for one KV head, once, for all query heads of that head's GQA group (rows of
+a [GROUP_PAD, D] query tile), and writes the normalised partial output and its log-sum-exp
+(base 2). The reduce kernel, grid (batch, q_heads), merges the splits. With one split the split
+kernel writes the final output itself and no reduce runs.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+NEG_INIT = tl.constexpr(-1.0e30)  # running-max start: finite, so never inf - inf
+
+
+@triton.jit(do_not_specialize=["num_splits", "qk_scale"])
+def decode_split_kernel(
+    q_ptr, kv_ptr, slot_ids_ptr, ctx_lens_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+    num_splits,  # a runtime value: no recompile per batch size
+    qk_scale,  # softmax scale * log2(e)
+    stride_qb, stride_qh,  # q [B, Hq, D]
+    stride_ks, stride_kt, stride_kkv, stride_kh,  # kv layer view [S, M, 2, Hkv, D]
+    stride_ob, stride_oh,  # out [B, Hq, D]
+    stride_pb, stride_ph, stride_ps,  # part_o [B, Hq, num_splits, D]
+    stride_lb, stride_lh,  # part_lse [B, Hq, num_splits]
+    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_N: tl.constexpr, SINGLE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One (sequence, KV head, split): attention of the group's queries over its token chunk."""
+    b = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    slot = tl.load(slot_ids_ptr + b).to(tl.int64)
+    ctx = tl.load(ctx_lens_ptr + b).to(tl.int32)
+    # Per-sequence chunking: every split of this sequence gets a multiple of BLOCK_N tokens.
+    chunk = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, ctx)  # never past the context: beyond it is unmapped
+
+    offs_g = tl.arange(0, GROUP_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n = tl.arange(0, BLOCK_N)
+    g_mask = offs_g < GROUP
+    heads = kvh * GROUP + offs_g  # [GROUP_PAD] query heads of this KV head
+    q_ptrs = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptrs, mask=g_mask[:, None], other=0.0)  # [GROUP_PAD, D]
+
+    k_base = kv_ptr + slot * stride_ks + kvh * stride_kh
+    v_base = k_base + stride_kkv
+    m_i = tl.full([GROUP_PAD], NEG_INIT, tl.float32)
+    l_i = tl.zeros([GROUP_PAD], tl.float32)
+    acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
+    for n0 in range(start, end, BLOCK_N):
+        offs = n0 + offs_n  # [BLOCK_N] token indices
+        n_mask = offs < end
+        tok = offs.to(tl.int64)[:, None] * stride_kt + offs_d[None, :]
+        k = tl.load(k_base + tok, mask=n_mask[:, None], other=0.0)  # [BLOCK_N, D]
+        v = tl.load(v_base + tok, mask=n_mask[:, None], other=0.0)  # [BLOCK_N, D]
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        s = tl.where(n_mask[None, :], s, float("-inf"))  # [GROUP_PAD, BLOCK_N]
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+
+    has = l_i > 0.0  # False for an empty split (or an empty context)
+    o = acc / tl.where(has, l_i, 1.0)[:, None]  # [GROUP_PAD, D]
+    if SINGLE_SPLIT:
+        o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
+    else:
+        row = b.to(tl.int64) * stride_pb + heads * stride_ph + split * stride_ps  # [GROUP_PAD]
+        tl.store(part_o_ptr + row[:, None] + offs_d[None, :], o, mask=g_mask[:, None])
+        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
+        lse_ptrs = part_lse_ptr + b * stride_lb + heads * stride_lh + split
+        tl.store(lse_ptrs, lse, mask=g_mask)
+
+
+@triton.jit(do_not_specialize=["num_splits"])
+def decode_reduce_kernel(
+    part_o_ptr, part_lse_ptr, out_ptr,
+    num_splits,
+    stride_pb, stride_ph, stride_ps,  # part_o [B, Hq, num_splits, D]
+    stride_lb, stride_lh,  # part_lse [B, Hq, num_splits]
+    stride_ob, stride_oh,  # out [B, Hq, D]
+    SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    """One (sequence, query head): merge the splits' partial outputs by their log-sum-exp."""
+    b = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1)
+    offs_s = tl.arange(0, SPLITS_PAD)
+    offs_d = tl.arange(0, HEAD_DIM)
+    s_mask = offs_s < num_splits
+    lse = tl.load(part_lse_ptr + b * stride_lb + h * stride_lh + offs_s, mask=s_mask,
+                  other=float("-inf"))  # [SPLITS_PAD]
+    m = tl.max(lse, 0)
+    m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty: weights 0, output 0
+    w = tl.exp2(lse - m)  # [SPLITS_PAD]
+    o_ptrs = part_o_ptr + b * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps
+    o = tl.load(o_ptrs + offs_d[None, :], mask=s_mask[:, None], other=0.0)  # [SPLITS_PAD, D]
+    denom = tl.sum(w, 0)
+    res = tl.sum(w[:, None] * o, 0) / tl.where(denom > 0.0, denom, 1.0)  # [D]
+    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty))

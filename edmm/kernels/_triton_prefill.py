@@ -1,0 +1,103 @@
+"""Triton flash-attention forward for prefill over the strided KV arena.
+
+Imported only when a kernel runs: this module imports triton at the top.
+
+Grid: (query tiles, query heads, sequences). A program holds BLOCK_M queries of one head and
+walks the KV of that head's GQA group in BLOCK_N tiles with an online softmax. Causality is
+end-aligned: query i of a sequence with Lq queries and n tokens sees keys < n - Lq + i + 1.
+Tiles every query of the program fully sees run without masks; only the tiles at the diagonal
+are masked, and no key at or past the context length is ever loaded.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+NEG_INIT = tl.constexpr(-1.0e30)  # running-max start: finite, so inf - inf never happens
+
+
+@triton.jit
+def _attend_tile(q, k_base, v_base, n0, m_i, l_i, acc, lim, n_end, qk_scale, stride_kt,
+                 MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                 DOT_PRECISION: tl.constexpr):
+    """Online-softmax update with keys [n0, n0 + BLOCK_N).
+
+    ``lim`` [BLOCK_M]: keys each row sees (all <= ``n_end``); when MASKED, keys at or past
+    ``n_end`` are not loaded and keys at or past a row's limit get no weight.
+    """
+    offs_n = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    offs_d = tl.arange(0, HEAD_DIM)
+    tok = offs_n.to(tl.int64)[:, None] * stride_kt + offs_d[None, :]  # [BLOCK_N, D]
+    if MASKED:
+        n_mask = offs_n < n_end
+        k = tl.load(k_base + tok, mask=n_mask[:, None], other=0.0)
+        v = tl.load(v_base + tok, mask=n_mask[:, None], other=0.0)
+    else:
+        k = tl.load(k_base + tok)
+        v = tl.load(v_base + tok)
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+    if MASKED:
+        s = tl.where(offs_n[None, :] < lim[:, None], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@triton.jit(do_not_specialize=["slot_arg", "ctx_arg", "qlen_arg", "qk_scale"])
+def prefill_kernel(
+    q_ptr, kv_ptr, out_ptr, cu_q_ptr, slot_ids_ptr, ctx_lens_ptr,
+    slot_arg, ctx_arg, qlen_arg,  # the one sequence's slot, tokens, queries when not VARLEN
+    qk_scale,  # softmax scale * log2(e)
+    stride_qt, stride_qh,  # q [T, Hq, D]
+    stride_ks, stride_kt, stride_kkv, stride_kh,  # kv layer view [S, M, 2, Hkv, D]
+    stride_ot, stride_oh,  # out [T, Hq, D]
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One (query tile, query head, sequence) of end-aligned causal attention."""
+    mt = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    if VARLEN:
+        q_start = tl.load(cu_q_ptr + b).to(tl.int32)
+        qlen = tl.load(cu_q_ptr + b + 1).to(tl.int32) - q_start
+        slot = tl.load(slot_ids_ptr + b).to(tl.int64)
+        ctx = tl.load(ctx_lens_ptr + b).to(tl.int32)
+    else:
+        q_start = 0
+        qlen = qlen_arg
+        slot = slot_arg.to(tl.int64)
+        ctx = ctx_arg
+    m0 = mt * BLOCK_M
+    if m0 >= qlen:
+        return
+
+    offs_m = m0 + tl.arange(0, BLOCK_M)  # [BLOCK_M] query index within the sequence
+    offs_d = tl.arange(0, HEAD_DIM)
+    m_mask = offs_m < qlen
+    rows = (q_start + offs_m).to(tl.int64)
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+                mask=m_mask[:, None], other=0.0)  # [BLOCK_M, D]
+
+    k_base = kv_ptr + slot * stride_ks + (h // GROUP) * stride_kh
+    v_base = k_base + stride_kkv
+    m_i = tl.full([BLOCK_M], NEG_INIT, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    full_end = (ctx - qlen + m0 + 1) // BLOCK_N * BLOCK_N  # keys all rows see, whole tiles
+    tile_end = ctx - qlen + tl.minimum(m0 + BLOCK_M, qlen)  # keys the last row sees, <= ctx
+    lim = tl.minimum(ctx - qlen + offs_m + 1, tile_end)  # [BLOCK_M] keys each query sees
+    for n0 in range(0, full_end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(q, k_base, v_base, n0, m_i, l_i, acc, lim, tile_end,
+                                     qk_scale, stride_kt, False, HEAD_DIM, BLOCK_N, DOT_PRECISION)
+    for n0 in range(full_end, tile_end, BLOCK_N):
+        m_i, l_i, acc = _attend_tile(q, k_base, v_base, n0, m_i, l_i, acc, lim, tile_end,
+                                     qk_scale, stride_kt, True, HEAD_DIM, BLOCK_N, DOT_PRECISION)
+
+    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    o_ptrs = out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])

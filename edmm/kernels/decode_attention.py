@@ -1,0 +1,162 @@
+"""Decode attention (one new query token per sequence) over the strided KV arena.
+
+Flash-decoding: the context of each sequence is split into ``num_splits`` chunks processed by
+separate programs, so a single long sequence still fills the GPU; a second small kernel merges
+the chunks. The launch shape depends only on static arguments (``num_splits``, or the
+``max_context`` it is derived from), never on tensor values: no host sync, capturable in a
+CUDA graph.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+
+from edmm.kernels._common import (
+    DecodeConfig,
+    KernelInputError,
+    cdiv,
+    check_index,
+    dot_precision,
+    kv_layer_view,
+    next_pow2,
+    require_triton,
+    unit_last_stride,
+)
+
+MIN_SPLIT_TOKENS = 256  # fewer tokens per split: more merge traffic than parallelism gained
+DEFAULT_MAX_SPLITS = 128
+MAX_SPLITS = 256  # the merge kernel holds one head's splits in registers
+PROGRAMS_PER_SM = 2
+DEFAULT_SMS = 132  # H200; used when the device has no SM count (CPU interpreter)
+
+
+@functools.cache
+def _num_sms(device: torch.device) -> int:
+    if device.type != "cuda":
+        return DEFAULT_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def default_num_splits(batch: int, num_kv_heads: int, max_context: int,
+                       device: torch.device | str = "cuda") -> int:
+    """Splits that give ~2 programs per SM, at least `MIN_SPLIT_TOKENS` tokens each.
+
+    Depends only on static sizes, so a CUDA graph captured with it stays valid for any
+    context up to ``max_context``.
+    """
+    want = cdiv(PROGRAMS_PER_SM * _num_sms(torch.device(device)), batch * num_kv_heads)
+    cap = cdiv(max_context, MIN_SPLIT_TOKENS)
+    return max(1, min(want, cap, DEFAULT_MAX_SPLITS))
+
+
+def decode_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    slot_ids: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+    max_context: int | None = None,
+    config: DecodeConfig | None = None,
+) -> torch.Tensor:
+    """Attention of one query token per sequence over its slot's first ``context_lens`` tokens.
+
+    Args:
+        q: [B, Hq, D] fp16/bf16/fp32, unit stride on D.
+        kv_cache: [slots, max_tokens, layers, 2, Hkv, D], any strides with unit stride on D;
+            only tokens < context_len of the slots in ``slot_ids`` are read.
+        layer: layer index into ``kv_cache``.
+        slot_ids: [B] int32/int64 on q's device.
+        context_lens: [B] int32/int64 on q's device, each in [0, max_tokens] (0 gives zeros).
+        scale: softmax scale (usually D ** -0.5).
+        num_splits: chunks per sequence; default `default_num_splits` of ``max_context``.
+            Each sequence's chunk size follows its own length (a multiple of the tile), so any
+            length is computed in full; the split count only sets the parallelism.
+        max_context: the largest context this call (or graph) is meant to serve, for the
+            default split count; default max_tokens.
+        config: launch parameters; default `DecodeConfig()`.
+
+    Returns:
+        [B, Hq, D] in q's dtype.
+    """
+    require_triton(q.device)
+    if q.dim() != 3:
+        raise KernelInputError(f"q must be [B, Hq, D], got {tuple(q.shape)}")
+    q = unit_last_stride(q)
+    kv = kv_layer_view(kv_cache, layer, q)  # [S, M, 2, Hkv, D]
+    batch, num_heads, head_dim = q.shape
+    num_kv_heads = kv.shape[3]
+    check_index(slot_ids, "slot_ids", batch, q.device)
+    check_index(context_lens, "context_lens", batch, q.device)
+    if num_splits is None:
+        num_splits = default_num_splits(batch, num_kv_heads, max_context or kv.shape[1], q.device)
+    if not 1 <= num_splits <= MAX_SPLITS:
+        raise KernelInputError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [B, Hq, D]
+    if batch == 0:
+        return out
+    part_o, part_lse = _partials(batch, num_heads, num_splits, head_dim, q.device)
+    group = num_heads // num_kv_heads
+    _launch_split(q, kv, slot_ids, context_lens, out, part_o, part_lse, scale, group,
+                  num_splits, config or DecodeConfig())
+    if num_splits > 1:
+        _launch_reduce(part_o, part_lse, out)
+    return out
+
+
+def _partials(batch: int, num_heads: int, num_splits: int, head_dim: int,
+              device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """fp32 buffers of the split outputs [B, Hq, S, D] and log-sum-exps [B, Hq, S]."""
+    if num_splits == 1:  # the split kernel writes `out` directly; placeholders only
+        empty = torch.empty(1, 1, 1, 1, dtype=torch.float32, device=device)
+        return empty, empty[..., 0]
+    part_o = torch.empty(batch, num_heads, num_splits, head_dim, dtype=torch.float32,
+                         device=device)
+    part_lse = torch.empty(batch, num_heads, num_splits, dtype=torch.float32, device=device)
+    return part_o, part_lse
+
+
+def _launch_split(q: torch.Tensor, kv: torch.Tensor, slot_ids: torch.Tensor,
+                  context_lens: torch.Tensor, out: torch.Tensor, part_o: torch.Tensor,
+                  part_lse: torch.Tensor, scale: float, group: int, num_splits: int,
+                  cfg: DecodeConfig) -> None:
+    """Launch the split kernel over (B, Hkv, num_splits)."""
+    from edmm.kernels import _triton_decode as tk
+
+    batch, _, head_dim = q.shape
+    num_kv_heads = kv.shape[3]
+    grid = (batch, num_kv_heads, num_splits)
+    tk.decode_split_kernel[grid](
+        q, kv, slot_ids, context_lens, out, part_o, part_lse,
+        num_splits,
+        scale * math.log2(math.e),
+        q.stride(0), q.stride(1),
+        kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
+        out.stride(0), out.stride(1),
+        part_o.stride(0), part_o.stride(1), part_o.stride(2),
+        part_lse.stride(0), part_lse.stride(1),
+        GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim,
+        BLOCK_N=cfg.block_n, SINGLE_SPLIT=num_splits == 1, DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def _launch_reduce(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor) -> None:
+    """Launch the merge kernel over (B, Hq)."""
+    from edmm.kernels import _triton_decode as tk
+
+    batch, num_heads, num_splits, head_dim = part_o.shape
+    splits_pad = next_pow2(num_splits)
+    tk.decode_reduce_kernel[(batch, num_heads)](
+        part_o, part_lse, out,
+        num_splits,
+        part_o.stride(0), part_o.stride(1), part_o.stride(2),
+        part_lse.stride(0), part_lse.stride(1),
+        out.stride(0), out.stride(1),
+        SPLITS_PAD=splits_pad, HEAD_DIM=head_dim,
+        num_warps=min(16, max(1, splits_pad * head_dim // 2048)),  # ~64 fp32 per thread
+    )

@@ -1,0 +1,135 @@
+"""Prefill attention: new query tokens attending causally over a slot's KV in the arena.
+
+The queries are the last ``query_len`` of the ``context_len`` tokens (their KV already written):
+query i sees keys < context_len - query_len + i + 1. A Triton flash-attention forward (KV tiles,
+online softmax, GQA) reads the strided cache in place and never touches a token at or past
+the context length.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from edmm.kernels._common import (
+    KernelInputError,
+    PrefillConfig,
+    cdiv,
+    check_index,
+    dot_precision,
+    kv_layer_view,
+    require_triton,
+    unit_last_stride,
+)
+
+
+def prefill_attention(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    slot_id: int,
+    context_len: int,
+    query_len: int,
+    scale: float,
+    config: PrefillConfig | None = None,
+) -> torch.Tensor:
+    """End-aligned causal attention of one sequence's new tokens.
+
+    Args:
+        q: [query_len, Hq, D] fp16/bf16/fp32, unit stride on D.
+        kv_cache: [slots, max_tokens, layers, 2, Hkv, D]; tokens < context_len of ``slot_id``
+            are read, nothing else.
+        layer, slot_id: where the KV lives.
+        context_len: tokens in the slot including the new ones; 1 <= query_len <= context_len.
+        query_len: new tokens (== q.shape[0]).
+        scale: softmax scale.
+        config: launch parameters; default `PrefillConfig()`.
+
+    Returns:
+        [query_len, Hq, D] in q's dtype.
+    """
+    require_triton(q.device)
+    _check_q(q)
+    if q.shape[0] != query_len:
+        raise KernelInputError(f"q has {q.shape[0]} tokens, query_len is {query_len}")
+    if not 0 <= slot_id < kv_cache.shape[0]:
+        raise KernelInputError(f"slot_id {slot_id} out of range [0, {kv_cache.shape[0]})")
+    if not 1 <= query_len <= context_len <= kv_cache.shape[1]:
+        raise KernelInputError(f"need 1 <= query_len ({query_len}) <= context_len "
+                               f"({context_len}) <= max_tokens ({kv_cache.shape[1]})")
+    q = unit_last_stride(q)
+    kv = kv_layer_view(kv_cache, layer, q)  # [S, M, 2, Hkv, D]
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [Lq, Hq, D]
+    _launch(q, kv, out, None, (slot_id, context_len, query_len), query_len, 1, scale,
+            config or PrefillConfig())
+    return out
+
+
+def prefill_attention_varlen(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    cu_seqlens_q: torch.Tensor,
+    slot_ids: torch.Tensor,
+    context_lens: torch.Tensor,
+    max_query_len: int,
+    scale: float,
+    config: PrefillConfig | None = None,
+) -> torch.Tensor:
+    """`prefill_attention` for a batch of B sequences whose queries are packed in q.
+
+    Args:
+        q: [T, Hq, D]; sequence b owns rows cu_seqlens_q[b] : cu_seqlens_q[b + 1].
+        cu_seqlens_q: [B + 1] int32/int64, cumulative query counts starting at 0.
+        slot_ids, context_lens: [B] int32/int64.
+        max_query_len: a static upper bound of every query_len (sets the grid; longer
+            sequences would be cut off). Each query_len must be <= its context_len.
+
+    Values on the device are not checked (that would sync); the contracts above are the
+    caller's. Returns [T, Hq, D] in q's dtype.
+    """
+    require_triton(q.device)
+    _check_q(q)
+    if cu_seqlens_q.dim() != 1 or cu_seqlens_q.shape[0] < 1:
+        raise KernelInputError(f"cu_seqlens_q must be [B + 1], got {tuple(cu_seqlens_q.shape)}")
+    batch = cu_seqlens_q.shape[0] - 1
+    check_index(cu_seqlens_q, "cu_seqlens_q", batch + 1, q.device)
+    check_index(slot_ids, "slot_ids", batch, q.device)
+    check_index(context_lens, "context_lens", batch, q.device)
+    q = unit_last_stride(q)
+    kv = kv_layer_view(kv_cache, layer, q)  # [S, M, 2, Hkv, D]
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [T, Hq, D]
+    if batch == 0 or max_query_len < 1 or q.shape[0] == 0:
+        return out
+    _launch(q, kv, out, (cu_seqlens_q, slot_ids, context_lens), (0, 0, 0), max_query_len,
+            batch, scale, config or PrefillConfig())
+    return out
+
+
+def _check_q(q: torch.Tensor) -> None:
+    if q.dim() != 3:
+        raise KernelInputError(f"q must be [tokens, Hq, D], got {tuple(q.shape)}")
+
+
+def _launch(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor,
+            varlen: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
+            single: tuple[int, int, int], max_query_len: int, batch: int, scale: float,
+            cfg: PrefillConfig) -> None:
+    """Launch over (query tiles, Hq, B); ``varlen`` tensors or the ``single`` sequence's ints."""
+    from edmm.kernels import _triton_prefill as tk
+
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    cu_q, slot_ids, ctx_lens = varlen if varlen is not None else (out, out, out)  # unused
+    grid = (cdiv(max_query_len, cfg.block_m), num_heads, batch)
+    tk.prefill_kernel[grid](
+        q, kv, out, cu_q, slot_ids, ctx_lens,
+        *single,
+        scale * math.log2(math.e),
+        q.stride(0), q.stride(1),
+        kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
+        out.stride(0), out.stride(1),
+        GROUP=num_heads // kv.shape[3], HEAD_DIM=head_dim, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, VARLEN=varlen is not None, DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )

@@ -1,0 +1,166 @@
+"""The Triton attention kernels on CUDA at Qwen2.5-7B sizes, reading a real VMM-backed arena.
+
+Every slot maps pages only as far as its tokens reach, so a read past a context length beyond
+the last mapped page is an illegal-address error; inside the last page, the tokens past each
+context are NaN-poisoned, so a read there shows as NaN in the output.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from edmm.kernels import (
+    decode_attention,
+    prefill_attention,
+    prefill_attention_varlen,
+    triton_available,
+)
+from edmm.kernels.reference import decode_attention_reference, prefill_attention_reference
+from edmm.memory import KVArena, KVSpec, PagePool
+from edmm.memory.backends import open_backend
+
+# No triton import here: collecting this module must not import triton before
+# tests/kernels/conftest.py sets TRITON_INTERPRET for the CPU kernel tests.
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not triton_available(), reason="the kernels need triton")]
+
+SPEC = KVSpec(num_layers=28, num_kv_heads=4, head_dim=128, dtype=torch.bfloat16)
+NUM_HEADS = 28
+SCALE = 128**-0.5
+MAX_TOKENS = 16384
+LENS = {0: 16384, 1: 4096, 2: 1, 3: 3001}  # slot -> tokens
+LAYERS = (0, 13, 27)
+REL_ERR = 1e-2  # bf16: error norm / reference norm, per output row (vs a float32 reference)
+
+
+@pytest.fixture(scope="module")
+def arena() -> Iterator[KVArena]:
+    """A CUDA arena with slots of LENS tokens; random KV, NaN past each length in its last page.
+
+    ``arena.kv`` is [slots, MAX_TOKENS, 28, 2, 4, 128], mapped only up to each slot's length.
+    """
+    backend = open_backend("cuda")
+    pool = PagePool(backend, 700)  # LENS need 644 pages of 2 MiB
+    arena = KVArena(pool, SPEC, num_slots=len(LENS), max_tokens=MAX_TOKENS)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for slot, n in LENS.items():
+        assert arena.allocate() == slot
+        arena.grow(slot, n)
+        arena.kv[slot, :n].normal_(generator=gen)
+        mapped = min(MAX_TOKENS, arena.pages_for(n) * arena.page_size // SPEC.token_bytes)
+        arena.kv[slot, n:mapped].fill_(float("nan"))
+    yield arena
+    torch.cuda.synchronize()
+    arena.close()
+    pool.close()
+    backend.close()
+
+
+@pytest.fixture(autouse=True)
+def _compiled_kernels() -> None:
+    """The kernels must be compiled, not run by the interpreter the CPU tests use."""
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        pytest.skip("TRITON_INTERPRET=1 is set (tests/kernels ran first); run tests/gpu alone")
+
+
+def _ids(values: list[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int32, device="cuda")
+
+
+def _assert_close(got: torch.Tensor, ref: torch.Tensor) -> None:
+    """bf16 tolerance: no NaN, and each row's error norm within REL_ERR of its norm."""
+    assert not got.isnan().any(), "NaN in the output: a read past a context length"
+    err = (got.float() - ref.float()).norm(dim=-1) / ref.float().norm(dim=-1).clamp_min(1e-6)
+    assert err.max().item() <= REL_ERR, f"relative row error {err.max().item():.2e}"
+
+
+@pytest.mark.parametrize("num_splits", [None, 1, 7])
+def test_decode_matches_reference(arena: KVArena, num_splits: int | None) -> None:
+    slots = [0, 1, 2, 3]
+    lens = [LENS[s] for s in slots]
+    q = torch.randn(len(slots), NUM_HEADS, 128, device="cuda", dtype=torch.bfloat16)
+    for layer in LAYERS:
+        out = decode_attention(q, arena.kv, layer, _ids(slots), _ids(lens), SCALE,
+                               num_splits=num_splits, max_context=MAX_TOKENS)
+        ref = decode_attention_reference(q, arena.kv, layer, slots, lens, SCALE, torch.float32)
+        _assert_close(out, ref)
+
+
+def test_decode_batch_of_one_long_context(arena: KVArena) -> None:
+    q = torch.randn(1, NUM_HEADS, 128, device="cuda", dtype=torch.bfloat16)
+    out = decode_attention(q, arena.kv, 5, _ids([0]), _ids([LENS[0]]), SCALE)
+    ref = decode_attention_reference(q, arena.kv, 5, [0], [LENS[0]], SCALE, torch.float32)
+    _assert_close(out, ref)
+
+
+def test_decode_cuda_graph_replays_with_new_lengths(arena: KVArena) -> None:
+    """Captured once with static max_context; replays follow the lengths written in place."""
+    slots, lens = _ids([0, 1, 3, 2]), _ids([16384, 4096, 3001, 1])
+    q = torch.randn(4, NUM_HEADS, 128, device="cuda", dtype=torch.bfloat16)
+
+    def step() -> torch.Tensor:
+        return decode_attention(q, arena.kv, 13, slots, lens, SCALE, max_context=MAX_TOKENS)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and warm up outside the capture
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for new_lens in ([16384, 4096, 3001, 1], [9000, 17, 3001, 1], [1, 4095, 2000, 1]):
+        lens.copy_(_ids(new_lens))
+        q.copy_(torch.randn_like(q))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, step())
+        ref = decode_attention_reference(q, arena.kv, 13, [0, 1, 3, 2], new_lens, SCALE,
+                                         torch.float32)
+        _assert_close(out, ref)
+
+
+@pytest.mark.parametrize(("slot", "query_len"), [(0, 512), (1, 512), (1, 4096), (3, 1000),
+                                                 (2, 1)])
+def test_prefill_matches_reference(arena: KVArena, slot: int, query_len: int) -> None:
+    q = torch.randn(query_len, NUM_HEADS, 128, device="cuda", dtype=torch.bfloat16)
+    for layer in (0, 27):
+        out = prefill_attention(q, arena.kv, layer, slot, LENS[slot], query_len, SCALE)
+        ref = prefill_attention_reference(q, arena.kv, layer, slot, LENS[slot], SCALE,
+                                          torch.float32)
+        _assert_close(out, ref)
+
+
+def test_prefill_varlen_matches_reference(arena: KVArena) -> None:
+    seqs = [(0, 512), (2, 1), (3, 1000), (1, 77)]  # (slot, query_len)
+    qs = [torch.randn(n, NUM_HEADS, 128, device="cuda", dtype=torch.bfloat16) for _, n in seqs]
+    cu = [0]
+    for _, n in seqs:
+        cu.append(cu[-1] + n)
+    out = prefill_attention_varlen(
+        torch.cat(qs), arena.kv, 7, _ids(cu), _ids([s for s, _ in seqs]),
+        _ids([LENS[s] for s, _ in seqs]), max_query_len=1000, scale=SCALE)
+    ref = torch.cat([prefill_attention_reference(q, arena.kv, 7, s, LENS[s], SCALE, torch.float32)
+                     for q, (s, _) in zip(qs, seqs, strict=True)])
+    _assert_close(out, ref)
+
+
+def test_padded_strided_tensor_cache() -> None:
+    """A plain tensor sliced from a NaN-padded one: storage offset and padded strides."""
+    backing = torch.full((3, 4200, 29, 2, 4, 128), float("nan"), dtype=torch.bfloat16,
+                         device="cuda")
+    kv = backing[1:, :4096, 1:]  # [2, 4096, 28, 2, 4, 128]
+    lens = [4096, 2500]
+    for slot, n in enumerate(lens):
+        kv[slot, :n].normal_()
+    q = torch.randn(2, NUM_HEADS, 128, device="cuda", dtype=torch.bfloat16)
+    out = decode_attention(q, kv, 3, _ids([1, 0]), _ids(lens[::-1]), SCALE)
+    _assert_close(out, decode_attention_reference(q, kv, 3, [1, 0], lens[::-1], SCALE,
+                                                  torch.float32))
+    qp = torch.randn(512, NUM_HEADS, 128, device="cuda", dtype=torch.bfloat16)
+    out = prefill_attention(qp, kv, 3, 1, 2500, 512, SCALE)
+    _assert_close(out, prefill_attention_reference(qp, kv, 3, 1, 2500, SCALE, torch.float32))

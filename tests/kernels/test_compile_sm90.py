@@ -1,0 +1,78 @@
+"""The kernels compile for an H100/H200 (sm_90) without a GPU: pipelined loads, no spills.
+
+The interpreter checks what the kernels compute; this checks the compiled path it skips, with
+the default launch configs at Qwen2.5-7B shapes. It runs in a subprocess without
+``TRITON_INTERPRET`` (which decides, at import, whether kernels are compiled or interpreted)
+and reads the register use from the cubin with the ``cuobjdump`` shipped with triton.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from edmm.kernels import triton_available
+
+pytestmark = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+
+SCRIPT = textwrap.dedent("""
+    import json, os, subprocess, sys, tempfile
+    import triton
+    import triton.backends.nvidia as nv
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from edmm.kernels import DecodeConfig, PrefillConfig
+    from edmm.kernels import _triton_decode as td, _triton_prefill as tp
+
+    PTRS = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "out_ptr": "*bf16", "slot_ids_ptr": "*i32",
+            "ctx_lens_ptr": "*i32", "cu_q_ptr": "*i32", "part_o_ptr": "*fp32",
+            "part_lse_ptr": "*fp32", "qk_scale": "fp32"}
+    CUOBJDUMP = os.path.join(os.path.dirname(nv.__file__), "bin", "cuobjdump")
+
+    def compile_sm90(fn, constexprs, **options):
+        names = fn.arg_names
+        sig = {n: "constexpr" if n in constexprs else PTRS.get(n, "i32") for n in names}
+        aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
+                   if n not in constexprs and (n.endswith("_ptr") or n.startswith("stride"))}
+        src = ASTSource(fn, sig, {(names.index(k),): v for k, v in constexprs.items()}, aligned)
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 64), options=options)
+        with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+            f.write(k.asm["cubin"])
+            f.flush()
+            usage = subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True,
+                                   text=True, check=True).stdout
+        return {"cp_async": "cp.async" in k.asm["ptx"], "usage": usage,
+                "shared": k.metadata.shared}
+
+    d, p = DecodeConfig(), PrefillConfig()
+    out = {
+        "decode": compile_sm90(
+            td.decode_split_kernel,
+            dict(GROUP=7, GROUP_PAD=16, HEAD_DIM=128, BLOCK_N=d.block_n, SINGLE_SPLIT=False,
+                 DOT_PRECISION="tf32"),
+            num_warps=d.num_warps, num_stages=d.num_stages),
+        "prefill": compile_sm90(
+            tp.prefill_kernel,
+            dict(GROUP=7, HEAD_DIM=128, BLOCK_M=p.block_m, BLOCK_N=p.block_n, VARLEN=True,
+                 DOT_PRECISION="tf32"),
+            num_warps=p.num_warps, num_stages=p.num_stages),
+    }
+    print(json.dumps(out))
+""")
+
+
+def test_default_configs_compile_for_sm90_without_spills() -> None:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    run = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, env=env,
+                         timeout=300, check=False)
+    assert run.returncode == 0, run.stderr[-3000:]
+    report = json.loads(run.stdout.strip().splitlines()[-1])
+    for name, r in report.items():
+        assert r["cp_async"], f"{name}: loads are not pipelined (no cp.async)"
+        assert "STACK:0 " in r["usage"] and "LOCAL:0 " in r["usage"], f"{name}: {r['usage']}"
+        assert r["shared"] <= 227 * 1024, f"{name}: {r['shared']} B of shared memory"

@@ -1,0 +1,168 @@
+"""Split-K decode attention vs a float64 SDPA reference, on CPU through the Triton interpreter."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from edmm.kernels import DecodeConfig, KernelInputError, decode_attention, default_num_splits
+from edmm.kernels.reference import decode_attention_reference
+
+pytestmark = pytest.mark.usefixtures("interpreted")
+
+MakeCache = Callable[..., Any]  # conftest fixture: NaN-poisoned strided caches
+CheckClose = Callable[[torch.Tensor, torch.Tensor, torch.dtype], None]
+
+# slot -> context length: 1 token, a partial tile, an exact tile multiple, a full slot (max 300)
+LENS = {3: 1, 0: 77, 4: 128, 1: 300, 2: 203}
+MAX_TOKENS = 300
+DTYPES = [torch.float32, torch.float16, torch.bfloat16]
+
+
+def _run(
+    cache: Any, q: torch.Tensor, slots: list[int], layer: int = 1, **kw: Any
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kernel output and float64 reference for q [B, Hq, D] against ``slots``."""
+    lens = [cache.lens.get(s, 0) for s in slots]
+    scale = q.shape[-1] ** -0.5
+    out = decode_attention(
+        q,
+        cache.kv,
+        layer,
+        torch.tensor(slots, dtype=torch.int32),
+        torch.tensor(lens, dtype=torch.int32),
+        scale,
+        **kw,
+    )
+    ref = decode_attention_reference(q, cache.kv, layer, slots, lens, scale, dtype=torch.float64)
+    return out, ref
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("num_splits", [1, 4])
+def test_matches_reference(
+    make_cache: MakeCache, check_close: CheckClose, dtype: torch.dtype, group: int, num_splits: int
+) -> None:
+    cache = make_cache(LENS, dtype=dtype, num_slots=5, max_tokens=MAX_TOKENS)
+    slots = [1, 3, 0, 4]
+    q = torch.randn(len(slots), 2 * group, 32).to(dtype)
+    out, ref = _run(cache, q, slots, num_splits=num_splits)
+    assert out.shape == q.shape and out.dtype == dtype
+    check_close(out, ref, dtype)
+
+
+def test_qwen_group_of_seven_and_many_splits(
+    make_cache: MakeCache, check_close: CheckClose
+) -> None:
+    """Hq/Hkv = 7 (padded to 16 rows); splits past the context are empty and merge to 0."""
+    cache = make_cache(LENS, dtype=torch.bfloat16, num_slots=5, max_tokens=MAX_TOKENS)
+    q = torch.randn(5, 14, 32).to(torch.bfloat16)
+    out, ref = _run(cache, q, [0, 1, 2, 3, 4], layer=0, num_splits=9)
+    check_close(out, ref, torch.bfloat16)
+
+
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+def test_head_dims(make_cache: MakeCache, check_close: CheckClose, head_dim: int) -> None:
+    cache = make_cache(
+        {0: 90, 1: 33},
+        dtype=torch.float16,
+        num_slots=2,
+        max_tokens=96,
+        kv_heads=1,
+        head_dim=head_dim,
+    )
+    q = torch.randn(2, 2, head_dim).to(torch.float16)
+    out, ref = _run(cache, q, [1, 0], num_splits=2)
+    check_close(out, ref, torch.float16)
+
+
+def test_split_count_does_not_change_the_result(make_cache: MakeCache) -> None:
+    cache = make_cache(LENS, dtype=torch.float32, num_slots=5, max_tokens=MAX_TOKENS)
+    q = torch.randn(3, 4, 32)
+    one, _ = _run(cache, q, [1, 2, 0], num_splits=1)
+    for splits in (2, 3, 5):
+        many, _ = _run(cache, q, [1, 2, 0], num_splits=splits, config=DecodeConfig(block_n=16))
+        torch.testing.assert_close(many, one, atol=1e-6, rtol=1e-6)
+
+
+def test_default_splits_from_max_context(make_cache: MakeCache, check_close: CheckClose) -> None:
+    cache = make_cache(LENS, dtype=torch.float32, num_slots=5, max_tokens=MAX_TOKENS)
+    q = torch.randn(1, 2, 32)
+    assert default_num_splits(1, 2, MAX_TOKENS, "cpu") == 2  # capped by 256 tokens per split
+    assert default_num_splits(1, 4, 16384, "cpu") == 64
+    assert default_num_splits(64, 4, 32768, "cpu") == 2
+    out, ref = _run(cache, q, [1])
+    check_close(out, ref, torch.float32)
+
+
+def test_empty_context_gives_zeros(make_cache: MakeCache) -> None:
+    cache = make_cache({0: 10}, dtype=torch.float32, num_slots=2, max_tokens=32)
+    q = torch.randn(2, 2, 32)
+    for splits in (1, 3):
+        out, ref = _run(cache, q, [1, 0], num_splits=splits)  # slot 1 holds 0 tokens
+        assert torch.equal(out[0], torch.zeros_like(out[0]))
+        torch.testing.assert_close(out[1].double(), ref[1], atol=2e-5, rtol=2e-5)
+
+
+def test_strided_query_and_int64_indices(make_cache: MakeCache, check_close: CheckClose) -> None:
+    cache = make_cache(LENS, dtype=torch.float32, num_slots=5, max_tokens=MAX_TOKENS)
+    qkv = torch.randn(2, 8, 32)  # q is the first 4 heads of a fused projection
+    q = qkv[:, :4]
+    lens = [LENS[2], LENS[4]]
+    out = decode_attention(
+        q, cache.kv, 0, torch.tensor([2, 4]), torch.tensor(lens), 0.2, num_splits=3
+    )
+    ref = decode_attention_reference(q, cache.kv, 0, [2, 4], lens, 0.2, dtype=torch.float64)
+    check_close(out, ref, torch.float32)
+
+
+def test_cache_is_not_written(make_cache: MakeCache) -> None:
+    cache = make_cache(LENS, dtype=torch.float16, num_slots=5, max_tokens=MAX_TOKENS)
+    before = cache.backing.clone()
+    _run(cache, torch.randn(2, 4, 32).to(torch.float16), [1, 0], num_splits=4)
+    assert torch.equal(cache.backing.isnan(), before.isnan())
+    assert torch.equal(cache.backing.nan_to_num(), before.nan_to_num())
+
+
+@pytest.mark.parametrize("head_dim", [8, 48, 256])
+def test_rejects_unsupported_head_dim(head_dim: int) -> None:
+    kv = torch.zeros(1, 4, 1, 2, 1, head_dim)
+    q = torch.zeros(1, 1, head_dim)
+    idx = torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(KernelInputError, match="power of two"):
+        decode_attention(q, kv, 0, idx, idx, 1.0)
+
+
+@pytest.mark.parametrize(
+    ("q_shape", "q_dtype", "kv_heads", "match"),
+    [
+        ((1, 3, 16), torch.float32, 2, "multiple"),
+        ((1, 2, 16), torch.float16, 2, "share"),
+        ((2, 16), torch.float32, 2, r"\[B, Hq, D\]"),
+    ],
+)
+def test_rejects_bad_inputs(
+    q_shape: tuple[int, ...], q_dtype: torch.dtype, kv_heads: int, match: str
+) -> None:
+    kv = torch.zeros(1, 4, 1, 2, kv_heads, 16)
+    idx = torch.zeros(1, dtype=torch.int32)
+    with pytest.raises(KernelInputError, match=match):
+        decode_attention(torch.zeros(q_shape, dtype=q_dtype), kv, 0, idx, idx, 1.0)
+
+
+def test_rejects_bad_index_tensors() -> None:
+    kv = torch.zeros(1, 4, 1, 2, 1, 16)
+    q = torch.zeros(2, 1, 16)
+    good = torch.zeros(2, dtype=torch.int32)
+    with pytest.raises(KernelInputError, match="slot_ids"):
+        decode_attention(q, kv, 0, torch.zeros(3, dtype=torch.int32), good, 1.0)
+    with pytest.raises(KernelInputError, match="int32 or int64"):
+        decode_attention(q, kv, 0, good, torch.zeros(2), 1.0)
+    with pytest.raises(KernelInputError, match="layer"):
+        decode_attention(q, kv, 1, good, good, 1.0)
+    with pytest.raises(KernelInputError, match="num_splits"):
+        decode_attention(q, kv, 0, good, good, 1.0, num_splits=257)

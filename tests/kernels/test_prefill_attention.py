@@ -1,0 +1,128 @@
+"""Prefill flash attention vs a float64 SDPA reference, on CPU through the Triton interpreter."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+
+from edmm.kernels import (
+    KernelInputError,
+    PrefillConfig,
+    prefill_attention,
+    prefill_attention_varlen,
+)
+from edmm.kernels.reference import prefill_attention_reference
+
+pytestmark = pytest.mark.usefixtures("interpreted")
+
+MakeCache = Callable[..., Any]  # conftest fixture: NaN-poisoned strided caches
+CheckClose = Callable[[torch.Tensor, torch.Tensor, torch.dtype], None]
+
+LENS = {2: 1, 0: 77, 3: 140, 1: 200}
+MAX_TOKENS = 200
+SMALL = PrefillConfig(block_m=32, block_n=16, num_warps=4, num_stages=2)  # many tiles, diagonal
+
+
+def _run(
+    cache: Any,
+    slot: int,
+    query_len: int,
+    num_heads: int,
+    layer: int = 1,
+    config: PrefillConfig | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Kernel output and float64 reference for the last ``query_len`` tokens of ``slot``."""
+    n = cache.lens[slot]
+    head_dim = cache.kv.shape[-1]
+    q = torch.randn(query_len, num_heads, head_dim).to(cache.kv.dtype)
+    scale = head_dim**-0.5
+    out = prefill_attention(q, cache.kv, layer, slot, n, query_len, scale, config=config)
+    ref = prefill_attention_reference(q, cache.kv, layer, slot, n, scale, dtype=torch.float64)
+    return out, ref
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("group", [1, 2, 4])
+def test_matches_reference(
+    make_cache: MakeCache, check_close: CheckClose, dtype: torch.dtype, group: int
+) -> None:
+    cache = make_cache(LENS, dtype=dtype, num_slots=4, max_tokens=MAX_TOKENS)
+    for slot, query_len in ((3, 45), (0, 77), (2, 1)):  # cached prefix; from scratch; 1 token
+        out, ref = _run(cache, slot, query_len, 2 * group)
+        assert out.shape == (query_len, 2 * group, 32) and out.dtype == dtype
+        check_close(out, ref, dtype)
+
+
+@pytest.mark.parametrize(("slot", "query_len"), [(1, 200), (1, 70), (3, 33), (0, 16)])
+def test_small_tiles_cross_the_diagonal(
+    make_cache: MakeCache, check_close: CheckClose, slot: int, query_len: int
+) -> None:
+    """Several query tiles, unmasked tiles before the diagonal, masked ones on it."""
+    cache = make_cache(LENS, dtype=torch.bfloat16, num_slots=4, max_tokens=MAX_TOKENS)
+    out, ref = _run(cache, slot, query_len, 4, layer=0, config=SMALL)
+    check_close(out, ref, torch.bfloat16)
+
+
+@pytest.mark.parametrize("head_dim", [16, 64, 128])
+def test_head_dims(make_cache: MakeCache, check_close: CheckClose, head_dim: int) -> None:
+    cache = make_cache(
+        {0: 50}, dtype=torch.float16, num_slots=1, max_tokens=64, kv_heads=1, head_dim=head_dim
+    )
+    out, ref = _run(cache, 0, 20, 2)
+    check_close(out, ref, torch.float16)
+
+
+@pytest.mark.parametrize("config", [None, SMALL])
+def test_varlen_batch(
+    make_cache: MakeCache, check_close: CheckClose, config: PrefillConfig | None
+) -> None:
+    cache = make_cache(LENS, dtype=torch.float32, num_slots=4, max_tokens=MAX_TOKENS)
+    seqs = [(1, 37), (2, 1), (0, 77), (3, 9)]  # (slot, query_len)
+    qs = [torch.randn(ql, 4, 32) for _, ql in seqs]
+    cu = torch.tensor([0] + [sum(ql for _, ql in seqs[: i + 1]) for i in range(len(seqs))])
+    slots = torch.tensor([s for s, _ in seqs], dtype=torch.int32)
+    lens = torch.tensor([LENS[s] for s, _ in seqs], dtype=torch.int32)
+    out = prefill_attention_varlen(
+        torch.cat(qs),
+        cache.kv,
+        1,
+        cu.to(torch.int32),
+        slots,
+        lens,
+        max_query_len=77,
+        scale=0.17,
+        config=config,
+    )
+    ref = torch.cat(
+        [
+            prefill_attention_reference(q, cache.kv, 1, s, LENS[s], 0.17, dtype=torch.float64)
+            for q, (s, _) in zip(qs, seqs, strict=True)
+        ]
+    )
+    check_close(out, ref, torch.float32)
+
+
+def test_cache_is_not_written(make_cache: MakeCache) -> None:
+    cache = make_cache(LENS, dtype=torch.float32, num_slots=4, max_tokens=MAX_TOKENS)
+    before = cache.backing.clone()
+    _run(cache, 3, 40, 2, config=SMALL)
+    assert torch.equal(cache.backing.isnan(), before.isnan())
+    assert torch.equal(cache.backing.nan_to_num(), before.nan_to_num())
+
+
+def test_rejects_bad_lengths() -> None:
+    kv = torch.zeros(2, 8, 1, 2, 1, 16)
+    q = torch.zeros(4, 1, 16)
+    with pytest.raises(KernelInputError, match="query_len"):
+        prefill_attention(q, kv, 0, 0, 3, 4, 1.0)  # more queries than context
+    with pytest.raises(KernelInputError, match="max_tokens"):
+        prefill_attention(q, kv, 0, 0, 9, 4, 1.0)
+    with pytest.raises(KernelInputError, match="tokens"):
+        prefill_attention(q, kv, 0, 0, 8, 5, 1.0)
+    with pytest.raises(KernelInputError, match="slot_id"):
+        prefill_attention(q, kv, 0, 2, 8, 4, 1.0)
+    with pytest.raises(KernelInputError, match="power of two"):
+        prefill_attention(torch.zeros(4, 1, 24), torch.zeros(2, 8, 1, 2, 1, 24), 0, 0, 8, 4, 1.0)
