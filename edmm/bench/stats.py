@@ -61,8 +61,12 @@ def _values(xs: Iterable[float], what: str) -> list[float]:
 
 def mean(xs: Iterable[float]) -> float:
     """Arithmetic mean (``math.fsum`` based, so exact-ish for long series)."""
-    vals = _values(xs, "mean")
-    return math.fsum(vals) / len(vals)
+    return _bounded_mean(sorted(_values(xs, "mean")))
+
+
+def _bounded_mean(sorted_vals: list[float]) -> float:
+    """fsum / n, clamped to [min, max]: the division can round one ulp past the extremes."""
+    return min(max(math.fsum(sorted_vals) / len(sorted_vals), sorted_vals[0]), sorted_vals[-1])
 
 
 def trimmed_mean(xs: Iterable[float], trim: float = 0.1) -> float:
@@ -76,9 +80,7 @@ def trimmed_mean(xs: Iterable[float], trim: float = 0.1) -> float:
     vals = sorted(_values(xs, "trimmed_mean"))
     n = len(vals)
     cut = min(math.floor(trim * n + _TRIM_EPS), (n - 1) // 2)
-    kept = vals[cut : n - cut]
-    # fsum / n can round one ulp past the extremes (e.g. three equal values): clamp.
-    return min(max(math.fsum(kept) / len(kept), kept[0]), kept[-1])
+    return _bounded_mean(vals[cut : n - cut])
 
 
 def median(xs: Iterable[float]) -> float:
