@@ -9,11 +9,11 @@ from edmm.engine.errors import (
     SchedulerStallError,
 )
 from edmm.engine.outputs import CompletionOutput, RequestOutput
-from edmm.engine.prefix_cache import PrefixCache, PrefixHit
+from edmm.engine.prefix_cache import EntryRank, PrefixCache, PrefixHit
 from edmm.engine.runner import ModelInputs, ModelRunner
 from edmm.engine.sampling import FinishReason, SamplingParams
 from edmm.engine.scheduler import ScheduledBatch, ScheduledSeq, Scheduler, SchedulerConfig
-from edmm.engine.sequence import Sequence, SequenceStatus
+from edmm.engine.sequence import Sequence, SequenceKind, SequenceStatus, SlotHints
 
 __all__ = [
     "CompletionOutput",
@@ -21,6 +21,7 @@ __all__ = [
     "EngineConfig",
     "EngineConfigError",
     "EngineError",
+    "EntryRank",
     "FinishReason",
     "InvalidRequestError",
     "ModelInputs",
@@ -36,5 +37,7 @@ __all__ = [
     "SchedulerConfig",
     "SchedulerStallError",
     "Sequence",
+    "SequenceKind",
     "SequenceStatus",
+    "SlotHints",
 ]

@@ -40,6 +40,9 @@ class EngineConfig:
         seed: seed of the sampler's shared stream (requests without their own seed).
         enforce_eager: on CUDA, run decode eagerly instead of replaying CUDA graphs, and keep
             the reference SDPA attention instead of the Triton kernels.
+        speculative_tokens_when_busy: most tokens of speculative prefill (agent sessions' tool
+            windows) added to a step that runs requests; an idle step gives them its budget.
+        max_speculative_pages: most KV pages speculation may hold; None: a quarter of the pool.
     """
 
     model: str | None = None
@@ -58,6 +61,8 @@ class EngineConfig:
     prefix_block_size: int = 16
     seed: int | None = 0
     enforce_eager: bool = False
+    speculative_tokens_when_busy: int = 64
+    max_speculative_pages: int | None = None
 
     def __post_init__(self) -> None:
         device = torch.device(self.device)
@@ -83,9 +88,14 @@ class EngineConfig:
             raise EngineConfigError("gpu_memory_utilization must be in (0, 1]")
         self.scheduler_config()  # validates the scheduler limits
 
-    def scheduler_config(self) -> SchedulerConfig:
-        """The per-step limits of the scheduler."""
-        return SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs)
+    def scheduler_config(self, num_pages: int | None = None) -> SchedulerConfig:
+        """The per-step limits of the scheduler (the speculation page cap defaults to a
+        quarter of ``num_pages``, the pool's size)."""
+        cap = self.max_speculative_pages
+        if cap is None and num_pages is not None:
+            cap = num_pages // 4
+        return SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs,
+                               self.speculative_tokens_when_busy, cap)
 
     @property
     def backend_kind(self) -> str:

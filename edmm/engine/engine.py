@@ -22,10 +22,11 @@ from edmm.engine.cuda_graph import CudaGraphRunner
 from edmm.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from edmm.engine.errors import EngineConfigError, InvalidRequestError, SchedulerStallError
 from edmm.engine.outputs import CompletionOutput, RequestOutput
-from edmm.engine.prefix_cache import PrefixCache
+from edmm.engine.prefix_cache import EntryRank, PrefixCache
 from edmm.engine.runner import ModelRunner
 from edmm.engine.sampling import FinishReason, Sampler, SamplingParams, is_stop
 from edmm.engine.scheduler import Scheduler
+from edmm.engine.sequence import SPECULATED, SequenceKind, SlotHints
 from edmm.engine.sequence import Sequence as Seq
 from edmm.memory import KVArena, KVSpec, PagePool, open_backend
 from edmm.memory.vmm import VMMBackend
@@ -83,7 +84,8 @@ class Engine:
         self.backend, self.pool, self.arena = _build_memory(config, spec, self.max_model_len)
         self.prefix_cache = PrefixCache(self.arena, config.prefix_block_size,
                                         config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.arena, self.prefix_cache, config.scheduler_config())
+        self.scheduler = Scheduler(self.arena, self.prefix_cache,
+                                   config.scheduler_config(self.pool.capacity))
         self.runner = _build_runner(config, self.model, self.arena, self.max_model_len)
         self._states: dict[str, _RequestState] = {}
         self._closed = False
@@ -113,17 +115,67 @@ class Engine:
                 f"max_model_len={self.max_model_len}")
         return Request(request_id, text, ids, params)
 
-    def submit(self, request: Request) -> None:
-        """Queue a request made by `make_request`."""
-        if request.request_id in self._states:
+    def submit(self, request: Request, hints: SlotHints | None = None) -> None:
+        """Queue a request made by `make_request`; ``hints`` tie its slot to tagged cache
+        entries (agent sessions: `SlotHints`)."""
+        if (request.request_id in self._states
+                or self.scheduler.get(request.request_id) is not None):
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
         self._states[request.request_id] = _RequestState(request, self.tokenizer)
-        self.scheduler.add(Seq.new(request.request_id, request.prompt_token_ids, request.params))
+        self.scheduler.add(Seq.new(request.request_id, request.prompt_token_ids, request.params,
+                                   hints=hints))
 
     def add_request(self, request_id: str, prompt: PromptInput,
-                    params: SamplingParams | None = None) -> None:
+                    params: SamplingParams | None = None,
+                    hints: SlotHints | None = None) -> None:
         """Validate, tokenize and queue a request (`make_request` then `submit`)."""
-        self.submit(self.make_request(request_id, prompt, params))
+        self.submit(self.make_request(request_id, prompt, params), hints)
+
+    # ------------------------------------------------------------------ speculation
+    def speculate(self, spec_id: str, token_ids: Sequence[int], hints: SlotHints) -> None:
+        """Queue a speculative prefill of ``token_ids`` (low priority, never sampled): once
+        computed, its slot is a cache entry tagged ``hints.tag`` that a request claiming the
+        tag adopts zero-copy. A speculation already running under ``spec_id`` is stopped
+        first; claiming its own tag, the new one continues from its KV."""
+        if spec_id in self._states:
+            raise InvalidRequestError(f"speculation id {spec_id!r} is a request id")
+        _, ids = self._tokenize(token_ids)
+        if not ids or len(ids) > self.max_model_len:
+            raise InvalidRequestError(
+                f"speculation {spec_id!r}: {len(ids)} tokens, need 1..{self.max_model_len}")
+        if hints.tag is None:
+            raise InvalidRequestError(f"speculation {spec_id!r} needs a tag to be claimed by")
+        self.stop_speculation(spec_id)
+        self.scheduler.add(Seq.new(spec_id, ids, SamplingParams(), SequenceKind.SPECULATIVE,
+                                   hints))
+
+    def stop_speculation(self, spec_id: str) -> bool:
+        """Stop a speculative prefill where it is: the KV computed so far stays claimable
+        under its tag. False if there is none running or queued under ``spec_id``."""
+        seq = self.scheduler.get(spec_id)
+        if seq is None or not seq.is_speculative:
+            return False
+        self.scheduler.finish(seq, SPECULATED)
+        return True
+
+    def speculation_progress(self, spec_id: str) -> tuple[int, int] | None:
+        """``(tokens with KV, tokens)`` of a queued or running speculation, else None."""
+        seq = self.scheduler.get(spec_id)
+        if seq is None or not seq.is_speculative:
+            return None
+        return seq.num_computed_tokens, seq.num_tokens
+
+    def has_speculation(self) -> bool:
+        """True while a speculative prefill waits or runs."""
+        return self.scheduler.has_speculation()
+
+    def set_retention(self, tag: str, rank: EntryRank, priority: float = 0.0) -> int:
+        """Eviction class and priority of the cache entries tagged ``tag``; return how many."""
+        return self.prefix_cache.set_retention(tag, rank, priority)
+
+    def discard(self, tags: Iterable[str]) -> int:
+        """Free the cache entries tagged with any of ``tags``; return how many."""
+        return self.prefix_cache.discard(tags)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and release its memory; False if it is unknown or finished."""
@@ -144,7 +196,9 @@ class Engine:
                     f"{len(self.scheduler.waiting)} waiting request(s) cannot be admitted")
             return []
         sampled = self.runner.execute(batch)
-        return [self._process(seq) for seq in self.scheduler.update(batch, sampled)]
+        outputs = [self._process(seq) for seq in self.scheduler.update(batch, sampled)]
+        self.arena.reclaim()  # slots retired by zero-copy commits, off the critical path
+        return outputs
 
     def _process(self, seq: Seq) -> RequestOutput:
         """Detokenize a sequence's new token and finish it if it stops here."""
@@ -178,6 +232,8 @@ class Engine:
         self._closed = True
         for request_id in list(self._states):
             self.abort(request_id)
+        for seq in [*self.scheduler.spec_waiting, *self.scheduler.spec_running]:
+            self.scheduler.abort(seq.request_id)
         if isinstance(self.runner, CudaGraphRunner):
             self.runner.close()
         self.prefix_cache.clear()
@@ -224,7 +280,7 @@ def _output(seq: Seq, state: _RequestState) -> RequestOutput:
     req = state.request
     completion = CompletionOutput(0, state.text, seq.output_token_ids, seq.finish_reason)
     return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion],
-                         seq.is_finished, seq.num_cached_tokens)
+                         seq.is_finished, seq.num_cached_tokens, seq.prefix_hit)
 
 
 def _model_folder(model: str | None) -> Path | None:

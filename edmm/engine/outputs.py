@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from edmm.engine.prefix_cache import PrefixHit
+
 
 @dataclass
 class CompletionOutput:
@@ -30,3 +32,4 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool
     num_cached_tokens: int  # prompt tokens whose KV came from the prefix cache
+    prefix_hit: PrefixHit | None = None  # where that KV came from (None: computed from token 0)

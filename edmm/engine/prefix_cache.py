@@ -7,6 +7,14 @@ Sources are arena slots with the tokens whose KV they hold:
 - **live sources**: slots of running sequences, tracked as their KV grows (`track`). The
   scheduler owns them; the cache only reads them, and a branch never disturbs its source.
 
+Entries carry an eviction class (`EntryRank`: speculation branches first, then plain LRU
+entries, then retained sessions, each ordered by a priority and then LRU) and an optional tag (an
+agent session or one of its speculation branches). A tagged entry is adopted only by a sequence
+that claims its tag; a claimed entry is adopted even on a partial match and truncated after it,
+and when it replaces the claimer's own tagged entry that one is retired by `KVArena.commit`: the
+zero-copy commit of a speculation branch at resume. Nothing is ever pinned: every entry can be
+evicted under memory pressure, and its owner then recomputes.
+
 A new sequence looks up the source with the longest common token prefix and gets
 `KVArena.branch` of it: the same physical pages for the full pages of that prefix, one copied
 boundary page, no recompute. When the sequence extends an entry entirely (the next turn of an
@@ -21,7 +29,9 @@ source's tokens, so a hash collision can never reuse wrong KV.
 
 from __future__ import annotations
 
+import enum
 from collections import OrderedDict
+from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
 from edmm.memory import KVArena, KVMemoryError
@@ -29,14 +39,42 @@ from edmm.memory import KVArena, KVMemoryError
 _CHAIN_SEED = 0x45444D4D  # "EDMM": the hash chain's value before the first block
 
 
+class EntryRank(enum.IntEnum):
+    """Eviction class of a cache entry: lower ranks are evicted first."""
+
+    SPECULATIVE = 0  # a speculation branch: the first reclaimed under pressure
+    PLAIN = 1  # a finished or preempted sequence's KV, plain LRU
+    RETAINED = 2  # a paused agent session's KV: soft priority, never a hard pin
+
+
 @dataclass(frozen=True)
 class PrefixHit:
     """A slot whose first ``num_tokens`` tokens already have KV: branched from ``source``, or
-    ``source`` itself when an entry was adopted."""
+    ``source`` itself when an entry was adopted.
+
+    ``claimed``: the tag of a claimed entry that was adopted (None otherwise);
+    ``source_tokens``: tokens the source held before the match (an adopted claimed entry is
+    truncated to ``num_tokens``); ``committed``: slots retired by `KVArena.commit` in favour
+    of the adopted one; ``seconds``: time spent finding, committing and truncating.
+    """
 
     slot: int
     num_tokens: int
     source: int
+    claimed: str | None = None
+    source_tokens: int = 0
+    committed: tuple[int, ...] = ()
+    seconds: float = 0.0
+
+
+@dataclass
+class _Entry:
+    tag: str | None = None
+    rank: EntryRank = EntryRank.PLAIN
+    priority: float = 0.0  # within a rank: lower is evicted first
+
+    def eviction_key(self) -> tuple[int, float]:
+        return int(self.rank), self.priority
 
 
 @dataclass
@@ -60,7 +98,7 @@ class PrefixCache:
         self.block_size = block_size
         self.enabled = enabled
         self._sources: dict[int, _Source] = {}
-        self._lru: OrderedDict[int, None] = OrderedDict()  # entries, least recently used first
+        self._lru: OrderedDict[int, _Entry] = OrderedDict()  # entries, least recently used first
         self._index: dict[int, dict[int, None]] = {}  # block hash -> slots holding that chain
 
     @property
@@ -68,9 +106,20 @@ class PrefixCache:
         """Slots held by the cache (evictable)."""
         return len(self._lru)
 
-    def entry_slots(self) -> list[int]:
-        """Slots held by the cache, least recently used first."""
-        return list(self._lru)
+    def entry_slots(self, max_rank: EntryRank = EntryRank.RETAINED) -> list[int]:
+        """Slots held by the cache with rank <= ``max_rank``, least recently used first."""
+        return [slot for slot, e in self._lru.items() if e.rank <= max_rank]
+
+    def tagged(self, tag: str) -> list[int]:
+        """Entry slots tagged ``tag``, least recently used first."""
+        return [slot for slot, e in self._lru.items() if e.tag == tag]
+
+    def entry_tokens(self, slot: int) -> list[int]:
+        """The tokens whose KV an entry holds (a copy)."""
+        if slot not in self._lru:
+            raise KVMemoryError(f"slot {slot} is not a cache entry")
+        src = self._sources[slot]
+        return src.tokens[: src.num_tokens]
 
     # ------------------------------------------------------------------ sources
     def track(self, slot: int, tokens: list[int], num_tokens: int) -> None:
@@ -86,9 +135,11 @@ class PrefixCache:
         src.tokens = tokens
         self._extend(slot, src, num_tokens)
 
-    def release(self, slot: int, tokens: list[int], num_tokens: int) -> None:
+    def release(self, slot: int, tokens: list[int], num_tokens: int, tag: str | None = None,
+                rank: EntryRank = EntryRank.PLAIN, priority: float = 0.0) -> None:
         """The owner is done with ``slot``, whose KV holds ``tokens[:num_tokens]``: keep it as
-        the most recently used entry (caching on, ``num_tokens > 0``) or free it."""
+        the most recently used entry (caching on, ``num_tokens > 0``), with its tag and
+        eviction class, or free it."""
         if slot in self._lru:
             raise KVMemoryError(f"slot {slot} is already a cache entry")
         if not self.enabled or num_tokens == 0:
@@ -99,7 +150,22 @@ class PrefixCache:
         self._sources[slot] = src
         src.tokens = tokens[:num_tokens]  # a private copy: the sequence may go on growing
         self._extend(slot, src, num_tokens)
-        self._lru[slot] = None
+        self._lru[slot] = _Entry(tag, rank, priority)
+
+    def set_retention(self, tag: str, rank: EntryRank, priority: float = 0.0) -> int:
+        """Set the eviction class and priority of every entry tagged ``tag``; return how many."""
+        slots = self.tagged(tag)
+        for slot in slots:
+            self._lru[slot].rank, self._lru[slot].priority = rank, priority
+        return len(slots)
+
+    def discard(self, tags: Iterable[str]) -> int:
+        """Free every entry tagged with one of ``tags``; return how many."""
+        wanted = set(tags)
+        slots = [slot for slot, e in self._lru.items() if e.tag in wanted]
+        for slot in slots:
+            self._free_entry(slot)
+        return len(slots)
 
     # ------------------------------------------------------------------ lookup
     def lookup(self, tokens: list[int], max_tokens: int) -> tuple[int, int] | None:
@@ -127,36 +193,50 @@ class PrefixCache:
             return None  # no block matched, or a hash collision
         return best
 
-    def acquire(self, tokens: list[int], max_tokens: int) -> PrefixHit | None:
+    def acquire(self, tokens: list[int], max_tokens: int, claim: Collection[str] = (),
+                own_tag: str | None = None) -> PrefixHit | None:
         """A slot for a new sequence whose first ``num_tokens`` tokens already have KV: the
         longest cached prefix of ``tokens`` (see `lookup`), or None.
 
-        An entry that the new sequence extends entirely is adopted: its slot becomes the
-        sequence's (no copy, no new slot) and stays indexed as a live source. Otherwise the
-        slot is `KVArena.branch` of the source: shared full pages, one copied boundary page.
-        Raises `NoFreeSlotError` / `PoolExhaustedError` from the branch (nothing changed);
-        the caller may `evict_one` and retry.
+        An untagged entry that the new sequence extends entirely is adopted: its slot becomes
+        the sequence's (no copy, no new slot) and stays indexed as a live source. An entry
+        tagged with one of ``claim`` (or ``own_tag``) that matches at least as far as any
+        source is adopted even on a partial match, truncated after it; the entries tagged
+        ``own_tag`` that it supersedes are retired by `KVArena.commit` (zero-copy commit).
+        Otherwise the slot is `KVArena.branch` of the source: shared full pages, one copied
+        boundary page. Raises `NoFreeSlotError` / `PoolExhaustedError` from the branch
+        (nothing changed); the caller may `evict_one` and retry.
         """
         found = self.lookup(tokens, max_tokens)
+        tags = set(claim) | ({own_tag} if own_tag is not None else set())
+        claimed = self._best_claimed(tokens, max_tokens, tags, own_tag)
+        if claimed is not None and claimed[1] > 0 and (found is None or claimed[1] >= found[1]):
+            return self._adopt(claimed[0], claimed[1], own_tag)
         if found is None:
             return None
         source, n = found
-        if source in self._lru and n == self._sources[source].num_tokens:
+        entry = self._lru.get(source)
+        if entry is not None and entry.tag is None and n == self._sources[source].num_tokens:
             del self._lru[source]
-            return PrefixHit(source, n, source)
+            return PrefixHit(source, n, source, source_tokens=n)
         slot = self.arena.branch(source, n)
-        if source in self._lru:
+        if entry is not None:
             self._lru.move_to_end(source)
-        return PrefixHit(slot, n, source)
+        return PrefixHit(slot, n, source, source_tokens=self._sources[source].num_tokens)
 
     # ------------------------------------------------------------------ eviction
-    def evict_one(self) -> bool:
-        """Free the least recently used entry; False if the cache holds none."""
-        if not self._lru:
+    def evict_one(self, max_rank: EntryRank = EntryRank.RETAINED) -> bool:
+        """Free one entry of rank <= ``max_rank``: the lowest rank, then the lowest priority,
+        then the least recently used. False if there is none."""
+        victim: int | None = None
+        best: tuple[int, float] | None = None
+        for slot, entry in self._lru.items():
+            key = entry.eviction_key()
+            if entry.rank <= max_rank and (best is None or key < best):
+                victim, best = slot, key
+        if victim is None:
             return False
-        slot, _ = self._lru.popitem(last=False)
-        self._unindex(slot)
-        self.arena.free(slot)
+        self._free_entry(victim)
         return True
 
     def clear(self) -> int:
@@ -185,6 +265,57 @@ class PrefixCache:
             raise KVMemoryError("an entry is not indexed")
 
     # ------------------------------------------------------------------ internals
+    def _free_entry(self, slot: int) -> None:
+        del self._lru[slot]
+        self._unindex(slot)
+        self.arena.free(slot)
+
+    def _best_claimed(self, tokens: list[int], max_tokens: int, tags: set[str],
+                      own_tag: str | None) -> tuple[int, int] | None:
+        """``(slot, n)`` of the claimed entry sharing the longest prefix with ``tokens``; on a
+        tie the own-tagged entry wins (nothing to retire), then the most recent one."""
+        best: tuple[int, int] | None = None
+        best_key = (-1, False)
+        limit = min(len(tokens), max_tokens)
+        for slot, entry in self._lru.items():
+            if entry.tag not in tags:
+                continue
+            src = self._sources[slot]
+            n = common_prefix_len(src.tokens, tokens, min(limit, src.num_tokens))
+            key = (n, entry.tag == own_tag)
+            if key >= best_key:
+                best, best_key = (slot, n), key
+        return best
+
+    def _adopt(self, slot: int, n: int, own_tag: str | None) -> PrefixHit:
+        """Adopt claimed entry ``slot`` truncated to ``n`` tokens; retire the own-tagged
+        entries it supersedes (`KVArena.commit`: an index swap, no copy, no driver call)."""
+        entry = self._lru.pop(slot)
+        held = self._sources[slot].num_tokens
+        committed: list[int] = []
+        if own_tag is not None and entry.tag != own_tag:
+            for old in self.tagged(own_tag):
+                del self._lru[old]
+                self._unindex(old)
+                self.arena.commit(old, slot)  # retired: reclaimed after the step
+                committed.append(old)
+        if n < held:
+            self.arena.truncate(slot, n)
+            self._shrink(slot, n)
+        return PrefixHit(slot, n, slot, entry.tag, held, tuple(committed))
+
+    def _shrink(self, slot: int, num_tokens: int) -> None:
+        """Forget the tokens of source ``slot`` past ``num_tokens`` (after a truncate)."""
+        src = self._sources[slot]
+        keep = num_tokens // self.block_size
+        for h in src.hashes[keep:]:
+            slots = self._index[h]
+            del slots[slot]
+            if not slots:
+                del self._index[h]
+        del src.hashes[keep:]
+        src.tokens, src.num_tokens = src.tokens[:num_tokens], num_tokens
+
     def _extend(self, slot: int, src: _Source, num_tokens: int) -> None:
         """Index the full blocks of ``src.tokens[:num_tokens]`` not indexed yet."""
         if num_tokens < src.num_tokens:
@@ -214,6 +345,22 @@ class PrefixCache:
         while n < end and src.tokens[n] == tokens[n]:
             n += 1
         return n
+
+
+def common_prefix_len(a: list[int], b: list[int], limit: int | None = None) -> int:
+    """Length of the longest common prefix of ``a`` and ``b`` (at most ``limit``).
+
+    Compares slices of 256 tokens at C speed, then the mismatching slice token by token.
+    """
+    n = min(len(a), len(b)) if limit is None else min(len(a), len(b), limit)
+    step = 256
+    i = 0
+    while i + step <= n and a[i:i + step] == b[i:i + step]:
+        i += step
+    end = min(i + step, n)
+    while i < end and a[i] == b[i]:
+        i += 1
+    return i
 
 
 def _chain(prev: int, block: list[int]) -> int:

@@ -9,14 +9,22 @@ Each step spends at most ``max_num_batched_tokens`` tokens:
    holds the longest cached prefix (`PrefixCache.acquire`: no recompute), else a fresh slot
    is taken.
 
+3. speculative prefills (`SequenceKind.SPECULATIVE`, an agent's branches in a tool window) get
+   only what is left: the whole remaining budget when no request ran in the step, else at most
+   ``speculative_tokens_when_busy`` tokens (small enough not to slow a decode step), within a
+   cap on the pages speculation holds. They never sample; once every token has KV the sequence
+   finishes and its slot becomes a tagged `EntryRank.SPECULATIVE` cache entry.
+
 Admission stops at the first sequence whose tokens do not all fit, so a partially prefilled
 sequence is always the most recently admitted one: admission order puts decodes first.
 
 Memory: before its tokens are computed, a sequence's slot is grown (`KVArena.grow`) to map them.
-When the pool is short, the scheduler evicts prefix-cache entries (LRU) and then preempts the most
-recently admitted running sequence: its slot is released (to the prefix cache, so a resume may
-reuse it) and it goes back to the front of the queue to be recomputed (vLLM's recompute
-preemption). A waiting sequence never preempts a running one.
+When the pool (or the slots) are short for a request, the scheduler reclaims in this order:
+speculation entries, running speculative prefills, the other prefix-cache entries (by rank,
+priority, then LRU), and finally it preempts the most recently admitted running request: its
+slot is released (to the prefix cache, so a resume may reuse it) and it goes back to the front
+of the queue to be recomputed (vLLM's recompute preemption). A waiting request never preempts a
+running one; a speculative prefill only ever evicts speculation entries.
 
 The scheduler is the one owner of sequence status and token accounting; it hands the runner a
 plain `ScheduledBatch` and takes the sampled tokens back in `update`.
@@ -24,13 +32,15 @@ plain `ScheduledBatch` and takes the sampled tokens back in `update`.
 
 from __future__ import annotations
 
+import dataclasses
+import time
 from collections import deque
 from dataclasses import dataclass, field
 
 from edmm.engine.errors import EngineConfigError
-from edmm.engine.prefix_cache import PrefixCache
+from edmm.engine.prefix_cache import EntryRank, PrefixCache, PrefixHit
 from edmm.engine.sampling import RequestRng, SamplingParams
-from edmm.engine.sequence import ABORTED, Sequence, SequenceStatus
+from edmm.engine.sequence import ABORTED, SPECULATED, Sequence, SequenceStatus
 from edmm.memory import KVArena, NoFreeSlotError, PoolExhaustedError
 
 
@@ -40,8 +50,14 @@ class SchedulerConfig:
 
     max_num_batched_tokens: int
     max_num_seqs: int
+    speculative_tokens_when_busy: int = 64  # speculation tokens in a step that runs requests
+    max_speculative_pages: int | None = None  # pages speculation may hold; None: no cap
 
     def __post_init__(self) -> None:
+        if self.speculative_tokens_when_busy < 0:
+            raise EngineConfigError("speculative_tokens_when_busy must be >= 0")
+        if self.max_speculative_pages is not None and self.max_speculative_pages < 0:
+            raise EngineConfigError("max_speculative_pages must be >= 0")
         if self.max_num_seqs < 1:
             raise EngineConfigError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
         if self.max_num_batched_tokens < self.max_num_seqs:
@@ -98,6 +114,8 @@ class Scheduler:
         self.config = config
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order
+        self.spec_waiting: deque[Sequence] = deque()
+        self.spec_running: list[Sequence] = []  # admission order
         self.num_preemptions = 0
         self._seqs: dict[str, Sequence] = {}
 
@@ -107,23 +125,28 @@ class Scheduler:
         if seq.request_id in self._seqs:
             raise ValueError(f"request id {seq.request_id!r} is already scheduled")
         self._seqs[seq.request_id] = seq
-        self.waiting.append(seq)
+        self._queue(seq).append(seq)
 
     def get(self, request_id: str) -> Sequence | None:
         """The unfinished sequence of a request, if any."""
         return self._seqs.get(request_id)
 
     def has_unfinished(self) -> bool:
-        """True while any sequence waits or runs."""
-        return bool(self._seqs)
+        """True while any request (speculative prefills aside) waits or runs."""
+        return bool(self.waiting or self.running)
+
+    def has_speculation(self) -> bool:
+        """True while any speculative prefill waits or runs."""
+        return bool(self.spec_waiting or self.spec_running)
 
     def finish(self, seq: Sequence, reason: str) -> None:
-        """Stop a sequence (``reason``: a FinishReason value or ABORTED) and release its slot."""
+        """Stop a sequence (``reason``: a FinishReason value, ABORTED or SPECULATED) and
+        release its slot (to the prefix cache, with the sequence's slot hints)."""
         if seq.status == SequenceStatus.RUNNING:
-            self.running.remove(seq)
+            self._running(seq).remove(seq)
             self._release_slot(seq)
         elif seq.status == SequenceStatus.WAITING:
-            self.waiting.remove(seq)
+            self._queue(seq).remove(seq)
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, reason
         self._seqs.pop(seq.request_id, None)
 
@@ -136,11 +159,16 @@ class Scheduler:
 
     # ------------------------------------------------------------------ scheduling
     def schedule(self) -> ScheduledBatch:
-        """Decide the next step: running sequences first, then admissions (module docstring)."""
+        """Decide the next step: running sequences first, then admissions, then speculation
+        in what is left (module docstring)."""
         batch = ScheduledBatch()
         budget = self._schedule_running(batch, self.config.max_num_batched_tokens)
-        if not batch.preempted:
-            self._schedule_waiting(batch, budget)
+        if batch.preempted:
+            return batch
+        budget = self._schedule_waiting(batch, budget)
+        if batch.seqs:
+            budget = min(budget, self.config.speculative_tokens_when_busy)
+        self._schedule_speculation(batch, budget)
         return batch
 
     def update(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:
@@ -149,9 +177,12 @@ class Scheduler:
         if len(sampled) != len(batch.seqs):
             raise ValueError(f"{len(sampled)} results for {len(batch.seqs)} scheduled sequences")
         out = []
+        done = []
         for item, token in zip(batch.seqs, sampled, strict=True):
             seq = self._seqs[item.request_id]
             seq.num_computed_tokens = item.context_len
+            if seq.is_speculative and seq.num_uncomputed_tokens == 0:
+                done.append(seq)
             if item.sample:
                 if token is None:
                     raise ValueError(f"request {item.request_id!r} was sampled but got no token")
@@ -159,6 +190,8 @@ class Scheduler:
                 out.append(seq)
             assert seq.slot is not None
             self.prefix_cache.track(seq.slot, seq.token_ids, seq.num_computed_tokens)
+        for seq in done:
+            self.finish(seq, SPECULATED)
         return out
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
@@ -173,7 +206,7 @@ class Scheduler:
             i += 1
         return budget
 
-    def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> None:
+    def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0]
             n = self._admit(seq, budget)
@@ -184,11 +217,42 @@ class Scheduler:
             seq.status = SequenceStatus.RUNNING
             batch.seqs.append(self._entry(seq, n))
             budget -= n
+        return budget
+
+    def _schedule_speculation(self, batch: ScheduledBatch, budget: int) -> None:
+        """Running speculative prefills, then admissions, in ``budget`` tokens; a speculation
+        that cannot get memory (or would pass the page cap) stops where it is."""
+        idle = not batch.seqs
+        for seq in list(self.spec_running):
+            if budget <= 0:
+                return
+            n = min(seq.num_uncomputed_tokens, budget)
+            if not self._grow_speculation(seq, seq.num_computed_tokens + n):
+                self.finish(seq, SPECULATED)
+                continue
+            batch.seqs.append(self._entry(seq, n))
+            budget -= n
+        while self.spec_waiting and budget > 0:
+            seq = self.spec_waiting[0]
+            chunk = self._admit_speculation(seq, budget)
+            if chunk is None:
+                if not idle:
+                    return  # memory is short while requests run: wait for them
+                self.finish(seq, ABORTED)  # no memory even with nothing else running
+                continue
+            self.spec_waiting.popleft()
+            seq.status = SequenceStatus.RUNNING
+            self.spec_running.append(seq)
+            if chunk == 0:
+                self.finish(seq, SPECULATED)  # every token already has KV
+                continue
+            batch.seqs.append(self._entry(seq, chunk))
+            budget -= chunk
 
     def _entry(self, seq: Sequence, n: int) -> ScheduledSeq:
         start = seq.num_computed_tokens
         assert seq.slot is not None
-        sample = start + n == seq.num_tokens
+        sample = start + n == seq.num_tokens and not seq.is_speculative
         outputs = seq.output_token_ids if sample and seq.params.logits_processors else []
         return ScheduledSeq(
             request_id=seq.request_id, slot=seq.slot, token_ids=seq.token_ids[start:start + n],
@@ -206,7 +270,7 @@ class Scheduler:
                 self.arena.grow(seq.slot, num_tokens)
                 return True
             except PoolExhaustedError:
-                if self.prefix_cache.evict_one():
+                if self._make_room():
                     continue
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -220,26 +284,95 @@ class Scheduler:
         short even with the prefix cache empty."""
         while True:
             try:
-                self._assign_slot(seq)
+                hit = self._assign_slot(seq)
                 assert seq.slot is not None
                 n = min(seq.num_uncomputed_tokens, budget)
                 self.arena.grow(seq.slot, seq.num_computed_tokens + n)
+                self._record_admission(seq, hit)
                 return n
             except (NoFreeSlotError, PoolExhaustedError):
                 if seq.slot is not None:
                     self._release_slot(seq)  # an adopted entry goes back to the cache
-                if not self.prefix_cache.evict_one():
+                if not self._make_room():
                     return 0
 
-    def _assign_slot(self, seq: Sequence) -> None:
-        # The last token must be computed to get logits, so reuse at most num_tokens - 1.
-        hit = self.prefix_cache.acquire(seq.token_ids, seq.num_tokens - 1)
+    def _admit_speculation(self, seq: Sequence, budget: int) -> int | None:
+        """Give a waiting speculative prefill a slot mapped for its next chunk, evicting only
+        speculation entries; return the chunk's size (0: nothing left to compute), or None
+        (sequence unchanged) if memory or the page cap does not allow it."""
+        while True:
+            try:
+                hit = self._assign_slot(seq)
+                assert seq.slot is not None
+                n = min(seq.num_uncomputed_tokens, budget)
+                if n and not self._grow_speculation(seq, seq.num_computed_tokens + n):
+                    raise PoolExhaustedError(0, 0)
+                self._record_admission(seq, hit)
+                return n
+            except (NoFreeSlotError, PoolExhaustedError):
+                if seq.slot is not None:
+                    self._release_slot(seq)
+                if not self.prefix_cache.evict_one(EntryRank.SPECULATIVE):
+                    return None
+
+    def _grow_speculation(self, seq: Sequence, num_tokens: int) -> bool:
+        """Map a speculative slot up to ``num_tokens`` within the pool and the page cap."""
+        assert seq.slot is not None
+        cap = self.config.max_speculative_pages
+        new_pages = self.arena.pages_for(num_tokens) - len(self.arena.slot_pages(seq.slot))
+        while cap is not None and self.speculative_pages() + new_pages > cap:
+            if not self.prefix_cache.evict_one(EntryRank.SPECULATIVE):
+                return False
+        try:
+            self.arena.grow(seq.slot, num_tokens)
+        except PoolExhaustedError:
+            return False
+        return True
+
+    def speculative_pages(self) -> int:
+        """Pages held only by speculation (running prefills and speculation entries)."""
+        slots = [s.slot for s in self.spec_running if s.slot is not None]
+        slots += self.prefix_cache.entry_slots(EntryRank.SPECULATIVE)
+        pool = self.arena.pool
+        return sum(pool.refcount(p) == 1 for slot in slots for p in self.arena.slot_pages(slot))
+
+    def _make_room(self) -> bool:
+        """Free memory for a request: a speculation entry, else the latest speculative
+        prefill, else any other cache entry (rank, priority, LRU). False if none is left."""
+        if self.prefix_cache.evict_one(EntryRank.SPECULATIVE):
+            return True
+        if self.spec_running:
+            seq = self.spec_running.pop()
+            self._drop(seq)
+            return True
+        return self.prefix_cache.evict_one()
+
+    def _drop(self, seq: Sequence) -> None:
+        """Finish a speculative prefill and free its slot outright (memory pressure)."""
+        assert seq.slot is not None
+        self.prefix_cache.release(seq.slot, seq.token_ids, 0)  # 0 tokens: freed, unindexed
+        seq.slot, seq.num_computed_tokens = None, 0
+        seq.status, seq.finish_reason = SequenceStatus.FINISHED, ABORTED
+        self._seqs.pop(seq.request_id, None)
+
+    def _assign_slot(self, seq: Sequence) -> PrefixHit | None:
+        """A slot for ``seq``: the longest cached prefix (claimed entries adopted), else a
+        fresh one. Returns the hit, timed."""
+        # A request must compute its last token to get logits: reuse at most num_tokens - 1.
+        limit = seq.num_tokens if seq.is_speculative else seq.num_tokens - 1
+        t0 = time.perf_counter()
+        hit = self.prefix_cache.acquire(seq.token_ids, limit, seq.hints.claim, seq.hints.tag)
         if hit is None:
             seq.slot, seq.num_computed_tokens = self.arena.allocate(), 0
-        else:
-            seq.slot, seq.num_computed_tokens = hit.slot, hit.num_tokens
+            return None
+        seq.slot, seq.num_computed_tokens = hit.slot, hit.num_tokens
+        return dataclasses.replace(hit, seconds=time.perf_counter() - t0)
+
+    @staticmethod
+    def _record_admission(seq: Sequence, hit: PrefixHit | None) -> None:
         if seq.num_preemptions == 0:
             seq.num_cached_tokens = seq.num_computed_tokens
+            seq.prefix_hit = hit
 
     def _preempt(self, seq: Sequence) -> None:
         self._release_slot(seq)
@@ -250,5 +383,14 @@ class Scheduler:
 
     def _release_slot(self, seq: Sequence) -> None:
         assert seq.slot is not None
-        self.prefix_cache.release(seq.slot, seq.token_ids, seq.num_computed_tokens)
+        h = seq.hints
+        rank = EntryRank.SPECULATIVE if seq.is_speculative else h.rank
+        self.prefix_cache.release(seq.slot, seq.token_ids, seq.num_computed_tokens, h.tag, rank,
+                                  h.priority)
         seq.slot, seq.num_computed_tokens = None, 0
+
+    def _queue(self, seq: Sequence) -> deque[Sequence]:
+        return self.spec_waiting if seq.is_speculative else self.waiting
+
+    def _running(self, seq: Sequence) -> list[Sequence]:
+        return self.spec_running if seq.is_speculative else self.running

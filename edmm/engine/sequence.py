@@ -12,6 +12,7 @@ import enum
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
+from edmm.engine.prefix_cache import EntryRank, PrefixHit
 from edmm.engine.sampling import RequestRng, SamplingParams
 
 
@@ -23,7 +24,31 @@ class SequenceStatus(enum.IntEnum):
     FINISHED = 2  # done; its slot went to the prefix cache or back to the arena
 
 
+class SequenceKind(enum.IntEnum):
+    """What a sequence is for: a request, or a speculative prefill (low priority, never
+    sampled, scheduled only in the token budget requests leave, preempted first)."""
+
+    REQUEST = 0
+    SPECULATIVE = 1
+
+
+@dataclass(frozen=True)
+class SlotHints:
+    """How a sequence's arena slot relates to tagged prefix-cache entries (agent sessions).
+
+    ``tag``/``rank``/``priority``: what the slot becomes when the sequence releases it (see
+    `PrefixCache.release`); ``claim``: tags of entries the sequence may adopt at admission
+    besides its own ``tag`` (the speculation branches of a resuming session).
+    """
+
+    tag: str | None = None
+    rank: EntryRank = EntryRank.PLAIN
+    priority: float = 0.0
+    claim: tuple[str, ...] = ()
+
+
 ABORTED = "abort"  # finish reason of an aborted request (besides FinishReason's stop/length)
+SPECULATED = "speculated"  # finish reason of a speculative prefill that computed all its tokens
 
 
 @dataclass(eq=False)
@@ -40,13 +65,24 @@ class Sequence:
     num_cached_tokens: int = 0  # tokens reused from the prefix cache at first admission
     num_preemptions: int = 0
     slot: int | None = None
-    finish_reason: str | None = None  # FinishReason value or ABORTED
+    finish_reason: str | None = None  # FinishReason value, ABORTED or SPECULATED
+    kind: SequenceKind = SequenceKind.REQUEST
+    hints: SlotHints = SlotHints()
+    prefix_hit: PrefixHit | None = None  # how the first admission found its KV
 
     @classmethod
-    def new(cls, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams) -> Sequence:
+    def new(cls, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
+            kind: SequenceKind = SequenceKind.REQUEST, hints: SlotHints | None = None,
+            ) -> Sequence:
         """A waiting sequence for a prompt, with its own random state."""
         return cls(request_id, list(prompt_token_ids), len(prompt_token_ids), params,
-                   RequestRng.for_params(params))
+                   RequestRng.for_params(params), kind=kind,
+                   hints=hints if hints is not None else SlotHints())
+
+    @property
+    def is_speculative(self) -> bool:
+        """True for a speculative prefill."""
+        return self.kind == SequenceKind.SPECULATIVE
 
     @property
     def num_tokens(self) -> int:
