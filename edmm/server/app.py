@@ -1,0 +1,167 @@
+"""The FastAPI app: routes, OpenAI-style errors, client-disconnect handling.
+
+`build_app(state)` is the factory: everything the routes use hangs off ``state`` (a
+`ServerState`); there is no module-level state, so several apps can live in one process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import AsyncIterator, Awaitable
+from contextlib import asynccontextmanager
+from typing import Any, TypeVar
+
+from fastapi import FastAPI, Header, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from edmm.server.errors import APIError, error_body
+from edmm.server.protocol import (
+    ChatCompletion,
+    ChatCompletionRequest,
+    Completion,
+    CompletionRequest,
+    ModelList,
+    ToolOutputRequest,
+)
+from edmm.server.state import ServerState
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+SESSION_HEADER = "X-Session-Id"
+DISCONNECT_POLL_S = 0.2  # how often a non-streamed request checks that its client is still there
+CLIENT_CLOSED = 499  # nginx's status for a request whose client went away (never seen by it)
+
+
+def build_app(state: ServerState) -> FastAPI:
+    """The OpenAI-compatible app over ``state`` (its engine loop starts with the app)."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        state.start()
+        try:
+            yield
+        finally:
+            state.stop()
+
+    app = FastAPI(title="EDMM", lifespan=lifespan)
+    app.state.edmm = state
+    _add_error_handlers(app)
+    _add_openai_routes(app, state)
+    _add_edmm_routes(app, state)
+    return app
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(request: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = exc.errors()
+        first = errors[0] if errors else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        message = "; ".join(_describe(e) for e in errors[:5]) or "invalid request body"
+        return JSONResponse(error_body(message, "invalid_request_error",
+                                       ".".join(loc) or None, "invalid_request"),
+                            status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(exc.detail), kind), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error on %s", request.url.path)
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}",
+                                       "internal_error"), status_code=500)
+
+
+def _describe(error: Any) -> str:
+    loc = ".".join(str(p) for p in error.get("loc", ()) if p != "body")
+    return f"{loc}: {error.get('msg', 'invalid')}" if loc else str(error.get("msg", "invalid"))
+
+
+def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
+    serving = state.serving
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if state.loop.is_alive:
+            return JSONResponse({"status": "ok"})
+        return JSONResponse(error_body("the engine is not running", "service_unavailable"),
+                            status_code=503)
+
+    @app.get("/v1/models", response_model=ModelList)
+    async def models() -> ModelList:
+        return serving.models()
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(await serving.render_metrics(), media_type=CONTENT_TYPE_LATEST)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat(body: ChatCompletionRequest, request: Request,
+                   x_session_id: str | None = Header(default=None)) -> Response:
+        turn = await serving.start_chat(body, x_session_id)
+        headers = {SESSION_HEADER: turn.session_id}
+        if body.stream:
+            return StreamingResponse(serving.chat_stream(turn), media_type="text/event-stream",
+                                     headers=headers)
+        result = await _until_disconnected(request, serving.chat_completion(turn))
+        return _json(result, headers)
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        queued = await serving.start_completion(body)
+        if body.stream:
+            return StreamingResponse(serving.completion_stream(body, queued),
+                                     media_type="text/event-stream")
+        return _json(await _until_disconnected(request, serving.completion(body, queued)))
+
+
+def _add_edmm_routes(app: FastAPI, state: ServerState) -> None:
+    @app.get("/v1/edmm/sessions/{session_id}")
+    async def session(session_id: str) -> JSONResponse:
+        found = await state.loop.run(lambda b: b.session_state(session_id))
+        return JSONResponse({"id": session_id, "object": "edmm.session",
+                             "state": found.name.lower()})
+
+    @app.post("/v1/edmm/sessions/{session_id}/tool_output")
+    async def tool_output(session_id: str, body: ToolOutputRequest) -> JSONResponse:
+        await state.loop.run(
+            lambda b: b.feed_tool_output(session_id, body.tool_call_id, body.content))
+        return JSONResponse({"id": session_id, "object": "edmm.tool_output",
+                             "tool_call_id": body.tool_call_id, "accepted": len(body.content)})
+
+
+def _json(result: ChatCompletion | Completion | Response,
+          headers: dict[str, str] | None = None) -> Response:
+    if isinstance(result, Response):
+        return result
+    return Response(result.model_dump_json(), media_type="application/json", headers=headers)
+
+
+async def _until_disconnected(request: Request,
+                              work: Awaitable[T]) -> T | Response:
+    """Await ``work`` unless the client goes away first: then cancel it (which aborts its
+    engine requests) and return a response nobody will read."""
+    task = asyncio.ensure_future(work)
+    try:
+        while not task.done():
+            await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+            if not task.done() and await request.is_disconnected():
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+                return Response(status_code=CLIENT_CLOSED)
+        return task.result()
+    finally:
+        task.cancel()  # no-op once done; stops the work if this handler itself is cancelled

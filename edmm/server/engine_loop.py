@@ -1,0 +1,242 @@
+"""One engine thread behind the asyncio server.
+
+The engine is not thread-safe, so exactly one thread touches it: `EngineLoop` runs that thread.
+It executes commands (submit, abort, any call into the engine) between steps, steps while any
+request is unfinished, and sleeps on its command queue when idle. Each request's outputs go to
+an `asyncio.Queue` on the event loop that asked for them (``call_soon_threadsafe``).
+
+An exception out of `step` fails the requests in flight (each gets an `EngineStepError` and is
+aborted) and the loop carries on serving; it never takes the server down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import contextlib
+import logging
+import queue
+import threading
+from collections.abc import AsyncIterator, Callable
+from typing import Any, Generic, Protocol, TypeVar
+
+from edmm.engine import RequestOutput
+from edmm.server.errors import EngineStepError, ServiceUnavailableError
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+
+class SteppableEngine(Protocol):
+    """What the loop needs of an engine (`edmm.engine.Engine` provides it)."""
+
+    def step(self) -> list[RequestOutput]: ...
+
+    def has_unfinished(self) -> bool: ...
+
+    def abort(self, request_id: str) -> bool: ...
+
+
+E = TypeVar("E", bound=SteppableEngine)
+_Item = RequestOutput | BaseException
+
+
+class _Stream:
+    """The outputs of one request, handed from the engine thread to its event loop."""
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.loop = asyncio.get_running_loop()
+        self.queue: asyncio.Queue[_Item] = asyncio.Queue()
+
+    def put(self, item: _Item) -> None:
+        """Thread-safe; a closed event loop (its client is gone) drops the item."""
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
+class OutputStream:
+    """The outputs of one submitted request."""
+
+    def __init__(self, loop: EngineLoop[Any], stream: _Stream) -> None:
+        self._loop = loop
+        self._stream = stream
+        self.finished = False
+        self.aborted = False  # left before the request finished
+
+    @property
+    def request_id(self) -> str:
+        """The request's id."""
+        return self._stream.request_id
+
+    async def outputs(self) -> AsyncIterator[RequestOutput]:
+        """Yield the request's outputs until it finishes; an engine error is raised here.
+
+        Leaving early (the client disconnected, the consumer was cancelled) aborts the request
+        and frees its memory.
+        """
+        try:
+            while not self.finished:
+                item = await self._stream.queue.get()
+                if isinstance(item, BaseException):
+                    self.finished = True
+                    raise item
+                self.finished = item.finished
+                yield item
+        finally:
+            if not self.finished:
+                self.abort()
+
+    def abort(self) -> None:
+        """Abort the request (no-op once it finished)."""
+        if not self.finished:
+            self.finished = self.aborted = True
+            with contextlib.suppress(ServiceUnavailableError):
+                self._loop.abort(self.request_id)
+
+
+class EngineLoop(Generic[E]):
+    """Runs ``engine`` on its own thread; see the module docstring."""
+
+    def __init__(self, engine: E, name: str = "edmm-engine") -> None:
+        self.engine = engine
+        self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
+        self._streams: dict[str, _Stream] = {}  # engine thread only
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._stopping = False
+        self.error: BaseException | None = None  # set if the thread died
+        self.num_steps = 0
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Start the engine thread."""
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Fail pending requests, stop the thread and wait for it."""
+        if not self._thread.is_alive():
+            return
+        self._commands.put(None)
+        self._thread.join(timeout)
+
+    @property
+    def num_streams(self) -> int:
+        """Requests with a listener that have not finished (read it on the engine thread)."""
+        return len(self._streams)
+
+    @property
+    def is_alive(self) -> bool:
+        """True while the engine thread runs."""
+        return self._thread.is_alive() and not self._stopping
+
+    # ------------------------------------------------------------------ calls
+    def call(self, fn: Callable[[E], T]) -> concurrent.futures.Future[T]:
+        """Run ``fn(engine)`` on the engine thread between steps."""
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+        def run() -> None:
+            if not future.set_running_or_notify_cancel():
+                return
+            try:
+                future.set_result(fn(self.engine))
+            except BaseException as e:  # handed to the caller
+                future.set_exception(e)
+
+        self._put(run)
+        return future
+
+    async def run(self, fn: Callable[[E], T]) -> T:
+        """`call` from a coroutine."""
+        return await asyncio.wrap_future(self.call(fn))
+
+    async def submit(self, request_id: str,
+                     submit: Callable[[E], T]) -> tuple[T, OutputStream]:
+        """Run ``submit(engine)`` on the engine thread to queue a request; return its result
+        and the stream of the request's outputs (read it with `OutputStream.outputs`).
+
+        An error of ``submit`` is raised here, and nothing was queued.
+        """
+        stream = _Stream(request_id)
+        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        self._put(lambda: self._submit(stream, submit, future))
+        try:
+            result = await asyncio.wrap_future(future)
+        except asyncio.CancelledError:  # the caller left: the request may be queued already
+            self._put(lambda: self._abort(request_id))
+            raise
+        return result, OutputStream(self, stream)
+
+    def abort(self, request_id: str) -> None:
+        """Abort a request (from any thread)."""
+        self._put(lambda: self._abort(request_id))
+
+    # ------------------------------------------------------------------ engine thread
+    def _put(self, command: Callable[[], None]) -> None:
+        if self._stopping or not self._thread.is_alive():
+            raise ServiceUnavailableError("the engine is not running")
+        self._commands.put(command)
+
+    def _run(self) -> None:
+        try:
+            while not self._stopping:
+                self._run_commands(block=not self.engine.has_unfinished())
+                if not self._stopping and self.engine.has_unfinished():
+                    self._step()
+        except BaseException as e:  # a bug: report it on /health, fail every request
+            logger.exception("engine loop died")
+            self.error = e
+        finally:
+            self._stopping = True
+            self._fail_all(ServiceUnavailableError("the engine stopped"))
+
+    def _run_commands(self, block: bool) -> None:
+        try:
+            command = self._commands.get(block=block)
+            while True:
+                if command is None:
+                    self._stopping = True
+                    return
+                command()
+                command = self._commands.get_nowait()
+        except queue.Empty:
+            return
+
+    def _step(self) -> None:
+        try:
+            outputs = self.engine.step()
+        except Exception as e:
+            logger.exception("engine step failed; aborting the requests in flight")
+            self._fail_all(EngineStepError(f"the engine failed: {e}"))
+            return
+        self.num_steps += 1
+        for out in outputs:
+            stream = self._streams.get(out.request_id)
+            if stream is None:
+                continue  # a request nobody listens to (e.g. speculation)
+            if out.finished:
+                del self._streams[out.request_id]
+            stream.put(out)
+
+    def _submit(self, stream: _Stream, submit: Callable[[E], T],
+                future: concurrent.futures.Future[T]) -> None:
+        try:
+            result = submit(self.engine)
+        except Exception as e:
+            future.set_exception(e)
+            return
+        self._streams[stream.request_id] = stream
+        future.set_result(result)
+
+    def _abort(self, request_id: str) -> None:
+        self._streams.pop(request_id, None)
+        self.engine.abort(request_id)
+
+    def _fail_all(self, error: BaseException) -> None:
+        for request_id, stream in list(self._streams.items()):
+            try:
+                self.engine.abort(request_id)
+            except Exception:
+                logger.exception("abort of %s failed", request_id)
+            stream.put(error)
+        self._streams.clear()

@@ -1,0 +1,135 @@
+"""Prometheus metrics: one registry per app, filled from a snapshot taken on the engine thread.
+
+Engine-side values (KV pages, session states, speculation outcomes, prefix hits) are read when
+``/metrics`` is scraped, in one call on the engine thread, so they are consistent with each
+other; request counters kept by the HTTP layer live in `RequestCounters`.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from edmm.agent import SessionState
+from edmm.server.sessions import SessionBackend, SessionStats
+
+SPECULATION_OUTCOMES = ("hit", "partial", "miss")
+
+
+@dataclass
+class RequestCounters:
+    """Counters of the HTTP layer (event-loop thread only)."""
+
+    finished: Counter[str] = field(default_factory=Counter)  # by finish reason
+    generation_tokens: int = 0
+
+
+@dataclass(frozen=True)
+class EngineSnapshot:
+    """Engine-side values at one instant (built on the engine thread)."""
+
+    sessions: SessionStats
+    pages_in_use: int
+    pages_total: int
+    num_steps: int
+    num_preemptions: int
+    num_running: int  # requests with a listener, not finished
+
+    @classmethod
+    def take(cls, backend: SessionBackend, num_steps: int, num_running: int) -> EngineSnapshot:
+        """Read everything from ``backend`` (call on the engine thread)."""
+        engine = backend.engine
+        return cls(backend.stats(), engine.pool.num_used, engine.pool.capacity, num_steps,
+                   engine.scheduler.num_preemptions, num_running)
+
+
+class ServerMetrics(Collector):
+    """The app's registry and the collector that renders a snapshot into it."""
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.requests = RequestCounters()
+        self.registry = CollectorRegistry(auto_describe=False)
+        self.registry.register(self)
+        self._snapshot: EngineSnapshot | None = None
+
+    def render(self, snapshot: EngineSnapshot) -> bytes:
+        """The Prometheus text exposition of ``snapshot`` and the request counters."""
+        self._snapshot = snapshot
+        return generate_latest(self.registry)
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        snap = self._snapshot
+        if snap is None:
+            return
+        yield from self._token_metrics(snap.sessions)
+        yield from self._session_metrics(snap.sessions)
+        yield from self._engine_metrics(snap)
+        yield from self._request_metrics(snap)
+
+    def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
+        c = CounterMetricFamily(name, doc, labels=["model_name"])
+        c.add_metric([self.model_name], value)
+        return c
+
+    def _gauge(self, name: str, doc: str, value: float) -> GaugeMetricFamily:
+        g = GaugeMetricFamily(name, doc, labels=["model_name"])
+        g.add_metric([self.model_name], value)
+        return g
+
+    def _token_metrics(self, s: SessionStats) -> Iterator[CounterMetricFamily]:
+        yield self._counter("edmm_prompt_tokens", "Prompt tokens of finished requests.",
+                            s.prompt_tokens)
+        yield self._counter("edmm_prefix_hit_tokens",
+                            "Prompt tokens whose KV was reused (prefix cache, retained or "
+                            "speculated KV) instead of computed.", s.cached_tokens)
+        yield self._counter("edmm_recomputed_tokens",
+                            "Tokens a session had already computed in an earlier turn and "
+                            "that were computed again.", s.recomputed_tokens)
+        yield self._counter("edmm_speculated_tokens",
+                            "Tokens prefilled speculatively during tool windows.",
+                            s.speculated_tokens)
+
+    def _session_metrics(self, s: SessionStats,
+                         ) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        spec = CounterMetricFamily("edmm_speculation_outcomes",
+                                   "Resumes by speculation outcome.",
+                                   labels=["model_name", "outcome"])
+        for outcome in SPECULATION_OUTCOMES:
+            spec.add_metric([self.model_name, outcome], s.speculation.get(outcome, 0))
+        yield spec
+        yield self._counter("edmm_session_resumes", "Turns that resumed a session awaiting "
+                            "tool results.", s.resumes)
+        states = GaugeMetricFamily("edmm_sessions", "Sessions known to the server, by state.",
+                                   labels=["model_name", "state"])
+        for state in SessionState:
+            name = state.name.lower()
+            states.add_metric([self.model_name, name], s.states.get(name, 0))
+        yield states
+
+    def _engine_metrics(self, snap: EngineSnapshot) -> Iterator[CounterMetricFamily |
+                                                                GaugeMetricFamily]:
+        yield self._gauge("edmm_kv_pages_in_use", "Physical KV pages mapped.",
+                          snap.pages_in_use)
+        yield self._gauge("edmm_kv_pages_total", "Physical KV pages in the pool.",
+                          snap.pages_total)
+        yield self._counter("edmm_engine_steps", "Engine steps run.", snap.num_steps)
+        yield self._counter("edmm_preemptions", "Sequences preempted for memory.",
+                            snap.num_preemptions)
+
+    def _request_metrics(self, snap: EngineSnapshot,
+                         ) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        r = self.requests
+        yield self._gauge("edmm_requests_running", "Requests queued or running.",
+                          snap.num_running)
+        yield self._counter("edmm_generation_tokens", "Tokens generated.", r.generation_tokens)
+        finished = CounterMetricFamily("edmm_requests_finished", "Finished requests by reason.",
+                                       labels=["model_name", "finish_reason"])
+        for reason in ("stop", "length", "tool_calls", "abort"):
+            finished.add_metric([self.model_name, reason], r.finished.get(reason, 0))
+        yield finished

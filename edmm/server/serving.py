@@ -1,0 +1,416 @@
+"""The OpenAI endpoints' logic, independent of the web framework.
+
+`OpenAIServing` validates a request, renders and tokenizes its prompt on the event loop, queues
+it on the engine thread (through the session backend, for chat) and turns the engine's outputs
+into OpenAI responses or server-sent-event chunks.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import uuid
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import BaseModel
+
+from edmm.engine import Engine, InvalidRequestError, RequestOutput
+from edmm.engine.engine import Request
+from edmm.engine.sampling import LogitsProcessor
+from edmm.server.engine_loop import EngineLoop, OutputStream
+from edmm.server.errors import (
+    APIError,
+    BadRequestError,
+    ContextLengthError,
+    ModelNotFoundError,
+)
+from edmm.server.guided import GuidedDecoding
+from edmm.server.metrics import EngineSnapshot, ServerMetrics
+from edmm.server.prompts import (
+    assistant_message,
+    check_chat_options,
+    parses_tools,
+    render_chat,
+    sampling_params,
+    template_messages,
+    template_tools,
+    trailing_tool_results,
+)
+from edmm.server.protocol import (
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatCompletionChunk,
+    ChatCompletionRequest,
+    ChatDelta,
+    Completion,
+    CompletionChoice,
+    CompletionRequest,
+    FinishReason,
+    FunctionCall,
+    FunctionCallDelta,
+    ModelCard,
+    ModelList,
+    NamedToolChoice,
+    ResponseMessage,
+    ToolCall,
+    ToolCallDelta,
+    Usage,
+    random_id,
+)
+from edmm.server.sessions import SessionBackend, Turn, TurnEnd
+from edmm.server.tool_parser import ParsedReply, ParsedToolCall, StreamingToolParser, parse_reply
+
+SSE_DONE = "data: [DONE]\n\n"
+
+
+def sse(payload: BaseModel | dict[str, Any]) -> str:
+    """One server-sent event carrying ``payload`` as JSON."""
+    data = payload.model_dump_json() if isinstance(payload, BaseModel) else json.dumps(payload)
+    return f"data: {data}\n\n"
+
+
+@dataclass
+class ChatTurn:
+    """Everything known about a chat request once it is queued."""
+
+    id: str
+    request: ChatCompletionRequest
+    engine_request: Request
+    session_id: str
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    parse_tools: bool
+    stream: OutputStream
+    last: RequestOutput | None = None
+    content: str = ""  # content sent so far (streaming)
+    calls: list[ParsedToolCall] = field(default_factory=list)
+
+    @property
+    def prompt_len(self) -> int:
+        """Prompt tokens."""
+        return len(self.engine_request.prompt_token_ids)
+
+
+class OpenAIServing:
+    """Chat and text completions over an `EngineLoop` running a `SessionBackend`."""
+
+    def __init__(self, loop: EngineLoop[SessionBackend], engine: Engine, tokenizer: Any,
+                 model_name: str, metrics: ServerMetrics,
+                 guided: GuidedDecoding | None) -> None:
+        self.loop = loop
+        self.engine = engine
+        self.tokenizer = tokenizer  # the event loop's own copy (tokenizers are not shared)
+        self.model_name = model_name
+        self.metrics = metrics
+        self.guided = guided
+        self.max_model_len = engine.max_model_len
+
+    # ------------------------------------------------------------------ models, metrics
+    def models(self) -> ModelList:
+        """``GET /v1/models``."""
+        return ModelList(data=[ModelCard(id=self.model_name, max_model_len=self.max_model_len)])
+
+    def check_model(self, model: str) -> None:
+        """404 unless ``model`` is the served model."""
+        if model != self.model_name:
+            raise ModelNotFoundError(model)
+
+    async def render_metrics(self) -> bytes:
+        """``GET /metrics``: a snapshot from the engine thread, rendered."""
+        loop = self.loop
+        snap = await loop.run(lambda b: EngineSnapshot.take(b, loop.num_steps, loop.num_streams))
+        return self.metrics.render(snap)
+
+    # ------------------------------------------------------------------ chat
+    async def start_chat(self, req: ChatCompletionRequest,
+                         session_header: str | None) -> ChatTurn:
+        """Validate, render and queue a chat request (any error is raised before queuing)."""
+        self.check_model(req.model)
+        check_chat_options(req)
+        messages = template_messages(req.messages)
+        tools = template_tools(req.tools)
+        ids = render_chat(self.tokenizer, messages, tools, req.chat_template_kwargs)
+        params = sampling_params(req, req.completion_limit, len(ids), self.max_model_len,
+                                 self._chat_processors(req))
+        request = self._make_request(ids, params)
+        ext = req.edmm
+        turn = Turn(request, session_header or (ext.session_id if ext else None),
+                    trailing_tool_results(req.messages))
+        session_id, stream = await self.loop.submit(request.request_id, lambda b: b.begin(turn))
+        return ChatTurn(random_id("chatcmpl"), req, request, session_id, messages, tools,
+                        parses_tools(req), stream)
+
+    async def chat_completion(self, turn: ChatTurn) -> ChatCompletion:
+        """Run a queued chat turn to the end: the whole response."""
+        async for out in self._outputs(turn.stream):
+            turn.last = out
+        reply = self._reply(turn)
+        turn.calls = reply.tool_calls
+        finish = await self._finish_chat(turn, reply.content)
+        message = ResponseMessage(content=reply.content, tool_calls=_tool_calls(reply.tool_calls))
+        return ChatCompletion(id=turn.id, model=self.model_name,
+                              choices=[ChatChoice(index=0, message=message,
+                                                  finish_reason=finish)],
+                              usage=self._usage(turn.engine_request, turn.last))
+
+    async def chat_stream(self, turn: ChatTurn) -> AsyncIterator[str]:
+        """Run a queued chat turn as server-sent events (aborted if the client leaves)."""
+        yield self._chunk(turn, ChatDelta(role="assistant", content=""))
+        parser = StreamingToolParser() if turn.parse_tools else None
+        sent = 0
+        try:
+            async for out in self._outputs(turn.stream):
+                turn.last = out
+                text = _stable_text(out, turn.engine_request.params.stop)
+                delta, sent = self._chat_delta(turn, parser, text, sent)
+                if delta is not None:
+                    yield self._chunk(turn, delta)
+        except APIError as e:
+            yield sse(e.body())
+            yield SSE_DONE
+            return
+        final = turn.last.outputs[0].text if turn.last is not None else ""
+        rest = parser.finish(final) if parser is not None else final[sent:]
+        if rest:
+            turn.content += rest
+            yield self._chunk(turn, ChatDelta(content=rest))
+        finish = await self._finish_chat(turn, turn.content or None)
+        yield self._chunk(turn, ChatDelta(), finish)
+        opts = turn.request.stream_options
+        if opts is not None and opts.include_usage:
+            yield sse(ChatCompletionChunk(id=turn.id, model=self.model_name, choices=[],
+                                          usage=self._usage(turn.engine_request, turn.last)))
+        yield SSE_DONE
+
+    def _chat_delta(self, turn: ChatTurn, parser: StreamingToolParser | None, text: str,
+                    sent: int) -> tuple[ChatDelta | None, int]:
+        """The delta for the stable ``text`` so far, and how much of it is sent."""
+        if parser is None:
+            if len(text) <= sent:
+                return None, sent
+            turn.content += text[sent:]
+            return ChatDelta(content=text[sent:]), len(text)
+        content, calls = parser.feed(text)
+        turn.content += content
+        first = len(turn.calls)
+        turn.calls.extend(calls)
+        if not content and not calls:
+            return None, sent
+        deltas = [ToolCallDelta(index=first + i, id=c.id, type="function",
+                                function=FunctionCallDelta(name=c.name, arguments=c.arguments))
+                  for i, c in enumerate(calls)]
+        return ChatDelta(content=content or None, tool_calls=deltas or None), sent
+
+    def _chunk(self, turn: ChatTurn, delta: ChatDelta,
+               finish: FinishReason | None = None) -> str:
+        choice = ChatChunkChoice(index=0, delta=delta, finish_reason=finish)
+        return sse(ChatCompletionChunk(id=turn.id, model=self.model_name, choices=[choice]))
+
+    def _reply(self, turn: ChatTurn) -> ParsedReply:
+        text = turn.last.outputs[0].text if turn.last is not None else ""
+        return parse_reply(text) if turn.parse_tools else ParsedReply(text, [])
+
+    async def _finish_chat(self, turn: ChatTurn, content: str | None) -> FinishReason:
+        """Report the turn's end to its session (tool calls: AWAITING_TOOL, speculation
+        starts) before the client sees it; return the finish reason."""
+        out = turn.last
+        assert out is not None
+        completion = out.outputs[0]
+        ext = turn.request.edmm
+        end = TurnEnd(
+            session_id=turn.session_id, request_id=turn.engine_request.request_id,
+            context=[*out.prompt_token_ids, *completion.token_ids],
+            num_cached_tokens=out.num_cached_tokens, tool_calls=turn.calls,
+            messages=[*turn.messages, assistant_message(content, turn.calls)],
+            tools=turn.tools, expected_duration_s=ext.expected_tool_duration_s if ext else None,
+            predictions=ext.predicted_tool_results if ext else {})
+        await self.loop.run(lambda b: b.end(end))
+        reason = "tool_calls" if turn.calls else _reason(completion.finish_reason)
+        self._count_finished(turn.engine_request, out, reason)
+        return reason
+
+    def _chat_processors(self, req: ChatCompletionRequest) -> list[LogitsProcessor]:
+        """Grammar constraints: forced tool calls, or a JSON response format."""
+        choice = req.tool_choice
+        if choice == "required" or isinstance(choice, NamedToolChoice):
+            tools = [t.function for t in req.tools or []]
+            if isinstance(choice, NamedToolChoice):
+                tools = [f for f in tools if f.name == choice.function.name]
+            return [self._guided().tool_calls(tools, req.parallel_tool_calls
+                                              and choice == "required")]
+        fmt = req.response_format
+        if fmt is None or fmt.type == "text":
+            return []
+        schema = fmt.json_schema.schema_ if fmt.type == "json_schema" and fmt.json_schema else None
+        if fmt.type == "json_schema" and fmt.json_schema is None:
+            raise BadRequestError("response_format json_schema needs a json_schema",
+                                  param="response_format")
+        return [self._guided().json_schema(schema)]
+
+    def _guided(self) -> GuidedDecoding:
+        if self.guided is None:
+            raise BadRequestError("constrained decoding needs a model with a tokenizer",
+                                  param="tool_choice")
+        return self.guided
+
+    # ------------------------------------------------------------------ completions
+    async def start_completion(self, req: CompletionRequest) -> list[tuple[Request,
+                                                                            OutputStream]]:
+        """Validate and queue every prompt of a text-completion request."""
+        self.check_model(req.model)
+        if req.echo or req.logprobs is not None or req.suffix is not None:
+            raise BadRequestError("echo, logprobs and suffix are not supported")
+        if req.best_of not in (None, 1):
+            raise BadRequestError("best_of is not supported", param="best_of")
+        requests = [self._completion_request(req, p) for p in self._prompts(req.prompt)]
+        queued: list[tuple[Request, OutputStream]] = []
+        try:
+            for request in requests:
+                queued.append((request, await self._queue(request)))
+        except BaseException:
+            for _, stream in queued:
+                stream.abort()
+            raise
+        return queued
+
+    async def completion(self, req: CompletionRequest,
+                         queued: list[tuple[Request, OutputStream]]) -> Completion:
+        """Run queued prompts to the end: one choice per prompt."""
+        choices, usage = [], Usage.of(0, 0, 0)
+        for index, (request, stream) in enumerate(queued):
+            last = None
+            async for out in self._outputs(stream):
+                last = out
+            assert last is not None
+            reason = _reason(last.outputs[0].finish_reason)
+            self._count_finished(request, last, reason)
+            choices.append(CompletionChoice(index=index, text=last.outputs[0].text,
+                                            finish_reason=reason))
+            usage = _add_usage(usage, self._usage(request, last))
+        return Completion(id=random_id("cmpl"), model=self.model_name, choices=choices,
+                          usage=usage)
+
+    async def completion_stream(self, req: CompletionRequest,
+                                queued: list[tuple[Request, OutputStream]],
+                                ) -> AsyncIterator[str]:
+        """Server-sent events of queued prompts, one after the other."""
+        cid, usage = random_id("cmpl"), Usage.of(0, 0, 0)
+        try:
+            for index, (request, stream) in enumerate(queued):
+                async for event, last in self._completion_events(cid, index, request, stream):
+                    yield event
+                    if last is not None:
+                        usage = _add_usage(usage, self._usage(request, last))
+        except APIError as e:
+            yield sse(e.body())
+        else:
+            if req.stream_options is not None and req.stream_options.include_usage:
+                yield sse(Completion(id=cid, model=self.model_name, choices=[], usage=usage))
+        finally:
+            for _, stream in queued:
+                stream.abort()
+        yield SSE_DONE
+
+    async def _completion_events(self, cid: str, index: int, request: Request,
+                                 stream: OutputStream,
+                                 ) -> AsyncIterator[tuple[str, RequestOutput | None]]:
+        sent = 0
+        async for out in self._outputs(stream):
+            text = _stable_text(out, request.params.stop)
+            reason = _reason(out.outputs[0].finish_reason) if out.finished else None
+            if reason is not None:
+                self._count_finished(request, out, reason)
+            if len(text) > sent or reason is not None:
+                choice = CompletionChoice(index=index, text=text[sent:], finish_reason=reason)
+                yield sse(Completion(id=cid, model=self.model_name, choices=[choice])), (
+                    out if out.finished else None)
+                sent = len(text)
+
+    def _prompts(self, prompt: str | list[str] | list[int] | list[list[int]],
+                 ) -> list[str | list[int]]:
+        if isinstance(prompt, str):
+            return [prompt]
+        if not prompt:
+            raise BadRequestError("prompt is empty", param="prompt")
+        if all(isinstance(p, int) for p in prompt):
+            return [list(prompt)]  # type: ignore[arg-type]
+        return list(prompt)  # type: ignore[arg-type]
+
+    def _completion_request(self, req: CompletionRequest, prompt: str | list[int]) -> Request:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise BadRequestError("this model has no tokenizer; send token ids",
+                                      param="prompt")
+            ids = list(self.tokenizer.encode(prompt))
+        else:
+            ids = prompt
+        if not ids:
+            raise BadRequestError("prompt is empty", param="prompt")
+        params = sampling_params(req, req.max_tokens, len(ids), self.max_model_len)
+        return self._make_request(ids, params)
+
+    async def _queue(self, request: Request) -> OutputStream:
+        _, stream = await self.loop.submit(request.request_id, lambda b: b.submit(request))
+        return stream
+
+    # ------------------------------------------------------------------ shared
+    def _make_request(self, ids: list[int], params: Any) -> Request:
+        """Validate a tokenized request (token ids in the vocabulary, length)."""
+        try:
+            return self.engine.make_request(f"req-{uuid.uuid4().hex}", ids, params)
+        except InvalidRequestError as e:
+            if "max_model_len" in str(e):
+                raise ContextLengthError(str(e)) from e
+            raise BadRequestError(str(e), param="prompt") from e
+
+    async def _outputs(self, stream: OutputStream) -> AsyncIterator[RequestOutput]:
+        """The stream's outputs; a request left unfinished is counted as aborted."""
+        try:
+            async for out in stream.outputs():
+                yield out
+        finally:
+            if stream.aborted:
+                self.metrics.requests.finished["abort"] += 1
+
+    def _count_finished(self, request: Request, out: RequestOutput, reason: str) -> None:
+        counters = self.metrics.requests
+        counters.finished[reason] += 1
+        counters.generation_tokens += len(out.outputs[0].token_ids)
+        prompt, cached = len(request.prompt_token_ids), out.num_cached_tokens
+        with contextlib.suppress(APIError):  # the engine stopped: nothing left to count
+            self.loop.call(lambda b: b.count_usage(prompt, cached))
+
+    @staticmethod
+    def _usage(request: Request, out: RequestOutput | None) -> Usage:
+        completion = len(out.outputs[0].token_ids) if out is not None else 0
+        cached = out.num_cached_tokens if out is not None else 0
+        return Usage.of(len(request.prompt_token_ids), completion, cached)
+
+
+def _reason(value: str | None) -> FinishReason:
+    """An engine finish reason as the protocol's (None: stopped)."""
+    if value in ("stop", "length", "abort"):
+        return value  # type: ignore[return-value]
+    return "stop"
+
+
+def _tool_calls(calls: Sequence[ParsedToolCall]) -> list[ToolCall]:
+    return [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
+            for c in calls]
+
+
+def _add_usage(a: Usage, b: Usage) -> Usage:
+    return Usage.of(a.prompt_tokens + b.prompt_tokens, a.completion_tokens + b.completion_tokens,
+                    a.prompt_tokens_details.cached_tokens + b.prompt_tokens_details.cached_tokens)
+
+
+def _stable_text(out: RequestOutput, stop: Sequence[str]) -> str:
+    """The text that can be sent now: all of it once finished; while running, without the
+    tail that could still turn out to be the start of a stop string (it would be cut)."""
+    text = out.outputs[0].text
+    if out.finished or not stop:
+        return text
+    return text[:max(0, len(text) - (max(map(len, stop)) - 1))]
