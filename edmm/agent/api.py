@@ -18,10 +18,27 @@ Not thread-safe: call every method from the thread that calls `step()`.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
+from edmm.agent.errors import (
+    AgentError,
+    InsertionPositionError,
+    UnknownSessionError,
+    UnknownToolCallError,
+)
+from edmm.agent.render import PromptRenderer, TemplateRenderer, TokenRenderer
+from edmm.agent.retention import RETENTION_POLICIES, PausedSession
+from edmm.agent.session import Session
+from edmm.agent.speculation import (
+    SPECULATION_SOURCES,
+    Speculation,
+    SpeculationSource,
+    ToolWindow,
+)
 from edmm.agent.types import (
     AgentConfig,
     SessionMetrics,
@@ -32,10 +49,23 @@ from edmm.agent.types import (
     ToolResult,
     ToolSpec,
 )
-from edmm.engine import Engine, EngineConfig, RequestOutput, SamplingParams
+from edmm.engine import (
+    Engine,
+    EngineConfig,
+    EngineConfigError,
+    EntryRank,
+    PrefixHit,
+    Request,
+    RequestOutput,
+    SamplingParams,
+    SlotHints,
+)
 from edmm.engine.engine import PromptInput
+from edmm.engine.prefix_cache import common_prefix_len
 
 Message = Mapping[str, Any]
+S = SessionState
+DURATION_EMA = 0.5  # weight of the newest observed duration of a tool
 
 
 class AgentEngine:
@@ -44,6 +74,7 @@ class AgentEngine:
 
     Args:
         engine: the engine to drive, or the config to build one (None: the tiny model).
+            Prefix caching must be on: retained and speculated KV are cache entries.
         config: agent settings (speculation sources, retention policy, tool deadline).
         clock: monotonic seconds (injectable for tests).
     """
@@ -51,7 +82,24 @@ class AgentEngine:
     def __init__(self, engine: Engine | EngineConfig | None = None,
                  config: AgentConfig | None = None, *,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        raise NotImplementedError
+        self.config = config if config is not None else AgentConfig()
+        self._sources = [SPECULATION_SOURCES.create(n) for n in self.config.speculation]
+        self._retention = RETENTION_POLICIES.create(self.config.retention)
+        self._owns_engine = not isinstance(engine, Engine)
+        self.engine = engine if isinstance(engine, Engine) else Engine(engine)
+        if not self.engine.config.enable_prefix_caching:
+            raise EngineConfigError("agent sessions need enable_prefix_caching=True")
+        self._clock = clock
+        self._sessions: dict[str, Session] = {}
+        self._by_request: dict[str, str] = {}  # request id -> session id
+        self._tools: dict[str, ToolSpec] = {}
+        self._durations: dict[str, float] = {}  # tool name -> EMA of observed seconds
+        self._memo: dict[tuple[str, str], ToolContent] = {}  # idempotent calls' results
+
+    @property
+    def tokenizer(self) -> Any:
+        """The engine's tokenizer (None for presets without one)."""
+        return self.engine.tokenizer
 
     # ------------------------------------------------------------------ requests
     def add_request(self, request_id: str, prompt: PromptInput,
@@ -60,29 +108,56 @@ class AgentEngine:
         """Queue a request; with ``session_id``, a turn of that session (created if new; a
         FINISHED session takes its next user turn). Raises `SessionStateError` if the session
         is generating, awaiting a tool (use `resume`) or abandoned."""
-        raise NotImplementedError
+        if session_id is None:
+            self.engine.add_request(request_id, prompt, params)
+            return
+        session = self._sessions.get(session_id)
+        if session is not None:
+            session.require(S.FINISHED, "a new turn")
+        request = self.engine.make_request(request_id, prompt, params)
+        session = session if session is not None else Session(session_id)
+        self._submit_turn(session, request, claim=())
+        self._sessions[session_id] = session
+        session.transition(S.GENERATING)
 
     def step(self) -> list[RequestOutput]:
         """One engine step; also abandons sessions past their tool deadline and advances
         session states. Returns the outputs of requests that got a token."""
-        raise NotImplementedError
+        self._expire_windows()
+        outputs = self.engine.step()
+        for out in outputs:
+            session_id = self._by_request.get(out.request_id)
+            if session_id is not None:
+                self._on_output(self._sessions[session_id], out)
+        for session in self._sessions.values():
+            if session.state == S.AWAITING_TOOL:
+                self._apply_retention(session)
+        return outputs
 
     def has_unfinished(self) -> bool:
         """True while any request (not speculation) waits or runs."""
-        raise NotImplementedError
+        return self.engine.has_unfinished()
 
     def has_speculation(self) -> bool:
         """True while some speculation branch is still being prefilled."""
-        raise NotImplementedError
+        return self.engine.has_speculation()
 
     def abort(self, request_id: str) -> bool:
         """Stop a request; its session (if any) becomes FINISHED. False if unknown."""
-        raise NotImplementedError
+        session_id = self._by_request.pop(request_id, None)
+        found = self.engine.abort(request_id)
+        if session_id is not None:
+            session = self._sessions[session_id]
+            if session.window is not None:
+                self._drop_branches(session, session.window)
+            session.request_id = session.window = session.resume_started = None
+            session.transition(S.FINISHED)
+        return found
 
     # ------------------------------------------------------------------ tool window
     def declare_tool(self, spec: ToolSpec) -> None:
         """Declare a tool's properties (idempotent -> results memoised, expected duration)."""
-        raise NotImplementedError
+        self._tools[spec.name] = spec
 
     def await_tools(self, session_id: str, tool_calls: Sequence[ToolCall], *,
                     messages: Sequence[Message] | None = None,
@@ -98,21 +173,50 @@ class AgentEngine:
         the next prompt with the chat template; without them the next prompt follows
         ``layout`` (token ids). ``predictions``: call id -> predicted result.
         ``deadline_s``: seconds until the session is abandoned (default: the config's).
-        Raises `SessionStateError` unless the session's turn has finished.
+        Raises `SessionStateError` unless the session's turn has finished,
+        `UnknownToolCallError` for predictions or positions of other calls,
+        `InsertionPositionError` for a layout position outside the context.
         """
-        raise NotImplementedError
+        session = self._get(session_id)
+        session.require(S.FINISHED, "await_tools")
+        calls = _check_calls(tool_calls)
+        for call_id in [*(predictions or {}), *(layout.positions if layout else {})]:
+            if call_id not in calls:
+                raise UnknownToolCallError(session_id, call_id)
+        for pos in (layout.positions.values() if layout else ()):
+            self._check_position(session, pos)
+        renderer = self._renderer(session, calls, messages, tools, layout)
+        now = self._clock()
+        deadline = deadline_s if deadline_s is not None else self.config.tool_timeout_s
+        expected = expected_duration_s if expected_duration_s is not None else \
+            self._expected_duration(calls.values())
+        window = ToolWindow(calls, renderer, now, now + deadline, expected)
+        window.predictions.update(self._memoised(calls.values()))
+        window.predictions.update(predictions or {})
+        session.window = window
+        session.transition(S.AWAITING_TOOL)
+        self._apply_retention(session)
+        self._run_sources(session, lambda src: src.on_await(window))
 
     def feed_tool_output(self, session_id: str, call_id: str, chunk: ToolContent) -> None:
         """Append partial output of a running tool; it is prefilled incrementally.
         Raises `UnknownToolCallError` / `SessionStateError`."""
-        raise NotImplementedError
+        window = self._window(session_id, call_id, "feed_tool_output")
+        window.streamed[call_id] = _concat(window.streamed.get(call_id), chunk)
+        self._run_sources(self._sessions[session_id], lambda src: src.on_output(window, call_id))
 
     def predict_tool_result(self, session_id: str, call_id: str, result: ToolContent, *,
                             position: int | None = None) -> None:
         """Predict a pending call's result (inserted at token ``position`` of the context, or
         where the layout puts it): the next prompt with it is prefilled in a branch.
         Raises `UnknownToolCallError`, `InsertionPositionError`, `SessionStateError`."""
-        raise NotImplementedError
+        window = self._window(session_id, call_id, "predict_tool_result")
+        session = self._sessions[session_id]
+        if position is not None:
+            self._check_position(session, position)
+            window.renderer = window.renderer.with_positions({call_id: position})
+        window.predictions[call_id] = result
+        self._run_sources(session, lambda src: src.on_predict(window, call_id))
 
     def resume(self, session_id: str, request_id: str, results: Sequence[ToolResult],
                params: SamplingParams | None = None, *,
@@ -126,34 +230,307 @@ class AgentEngine:
         the rest is prefilled. All checks happen first (`SessionStateError`,
         `UnknownToolCallError`, `InsertionPositionError`): on error nothing changes.
         """
-        raise NotImplementedError
+        started = self._clock()
+        session = self._get(session_id)
+        session.require(S.AWAITING_TOOL, "resume")
+        window = session.window
+        assert window is not None
+        positions: dict[str, int] = {}
+        for r in results:
+            if r.call_id not in window.calls:
+                raise UnknownToolCallError(session_id, r.call_id)
+            if r.position is not None:
+                self._check_position(session, r.position)
+                positions[r.call_id] = r.position
+        if prompt is None:
+            renderer = window.renderer.with_positions(positions)
+            prompt = renderer.render({r.call_id: r.content for r in results})
+        request = self.engine.make_request(request_id, prompt, params)
+        self._stop_speculation(session, window)
+        self._learn(window, results, started)
+        claim = tuple(_branch_tag(session_id, key) for key in sorted(window.branches))
+        self._submit_turn(session, request, claim)
+        session.resume_started = started
+        session.transition(S.RESUMING)
 
     # ------------------------------------------------------------------ sessions
     def session_state(self, session_id: str) -> SessionState:
         """The session's state (`UnknownSessionError` if there is none)."""
-        raise NotImplementedError
+        return self._get(session_id).state
 
     def session_context(self, session_id: str) -> list[int]:
-        """Token ids of the session's conversation as the engine last saw it (a copy)."""
-        raise NotImplementedError
+        """Token ids of the session's conversation as the engine last saw it (a copy): the
+        last turn's prompt, and its output once the turn finished."""
+        return list(self._get(session_id).context)
 
     def session_metrics(self, session_id: str) -> SessionMetrics:
         """The session's counters (a copy)."""
-        raise NotImplementedError
+        m = self._get(session_id).metrics
+        return dataclasses.replace(m, resume_ttft_s=list(m.resume_ttft_s),
+                                   commit_s=list(m.commit_s))
 
-    def find_session(self, prompt_token_ids: Sequence[int]) -> str | None:
-        """The live session whose context is the longest prefix of ``prompt_token_ids``
-        (a server without a session header finds a conversation's session this way)."""
-        raise NotImplementedError
+    def session_ids(self) -> list[str]:
+        """Ids of every session, abandoned ones included, in creation order."""
+        return list(self._sessions)
+
+    def find_session(self, prompt_token_ids: Sequence[int], min_match: float = 0.5,
+                     ) -> str | None:
+        """The live session sharing the longest token prefix with ``prompt_token_ids``, if
+        that prefix covers at least ``min_match`` of its context (a server without a session
+        header finds a conversation's session this way)."""
+        prompt = list(prompt_token_ids)
+        best: tuple[int, str] | None = None
+        for session in self._sessions.values():
+            if session.state == S.ABANDONED or not session.context:
+                continue
+            n = common_prefix_len(session.context, prompt)
+            if n >= min_match * len(session.context) and (best is None or n >= best[0]):
+                best = (n, session.id)
+        return best[1] if best is not None and best[0] > 0 else None
 
     def close_session(self, session_id: str) -> None:
         """Abort its request, drop its speculation and retained KV, forget it."""
-        raise NotImplementedError
+        session = self._get(session_id)
+        if session.request_id is not None:
+            self._by_request.pop(session.request_id, None)
+            self.engine.abort(session.request_id)
+        self._drop_kv(session)
+        del self._sessions[session_id]
 
     def check_integrity(self) -> None:
         """Raise if a session breaks its state's invariants, or the engine its own."""
-        raise NotImplementedError
+        self.engine.check_integrity()
+        live_specs = set(self.engine.speculation_ids())
+        for session in self._sessions.values():
+            session.check()
+            if session.request_id is not None and (
+                    self._by_request.get(session.request_id) != session.id):
+                raise AgentError(f"session {session.id!r}: request map out of sync")
+            if session.state == S.ABANDONED and self.engine.tagged(_session_tag(session.id)):
+                raise AgentError(f"abandoned session {session.id!r} still holds KV")
+            keys = session.window.branches if session.window is not None else set()
+            running = {sid for sid in live_specs if sid in self._spec_ids(session.id, keys)}
+            if running and session.state != S.AWAITING_TOOL:
+                raise AgentError(f"session {session.id!r} speculates in {session.state}")
+            live_specs -= running
+        if live_specs:
+            raise AgentError(f"speculation without a session: {sorted(live_specs)}")
 
     def close(self) -> None:
         """Close every session and the engine (if this object built it)."""
-        raise NotImplementedError
+        for session_id in list(self._sessions):
+            self.close_session(session_id)
+        if self._owns_engine:
+            self.engine.close()
+
+    def __enter__(self) -> AgentEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # ------------------------------------------------------------------ internals
+    def _get(self, session_id: str) -> Session:
+        session = self._sessions.get(session_id)
+        if session is None:
+            raise UnknownSessionError(f"no session {session_id!r}")
+        return session
+
+    def _window(self, session_id: str, call_id: str, action: str) -> ToolWindow:
+        session = self._get(session_id)
+        session.require(S.AWAITING_TOOL, action)
+        assert session.window is not None
+        if call_id not in session.window.calls:
+            raise UnknownToolCallError(session_id, call_id)
+        return session.window
+
+    def _check_position(self, session: Session, position: int) -> None:
+        if not 0 <= position <= len(session.context):
+            raise InsertionPositionError(session.id, position, len(session.context))
+
+    def _renderer(self, session: Session, calls: dict[str, ToolCall],
+                  messages: Sequence[Message] | None, tools: Sequence[Mapping[str, Any]] | None,
+                  layout: TokenLayout | None) -> PromptRenderer:
+        if messages is None:
+            return TokenRenderer(tuple(session.context), tuple(calls.values()),
+                                 layout if layout is not None else TokenLayout(),
+                                 self.tokenizer)
+        if self.tokenizer is None:
+            raise AgentError("messages need a tokenizer with a chat template")
+        if layout is not None:
+            raise AgentError("pass messages (chat template) or a token layout, not both")
+        return TemplateRenderer(self.tokenizer, tuple(messages), tuple(calls.values()),
+                                tuple(tools) if tools is not None else None,
+                                self.config.reserialize_arguments)
+
+    def _submit_turn(self, session: Session, request: Request, claim: tuple[str, ...]) -> None:
+        """Queue a turn whose slot is the session's (tagged) and may adopt ``claim``."""
+        rank, priority = self._retention.retention(
+            PausedSession(len(request.prompt_token_ids), False, None))
+        self.engine.submit(request, SlotHints(_session_tag(session.id), rank, priority, claim))
+        session.request_id = request.request_id
+        session.context = list(request.prompt_token_ids)
+        self._by_request[request.request_id] = session.id
+
+    def _on_output(self, session: Session, out: RequestOutput) -> None:
+        if session.state == S.RESUMING:
+            self._on_resumed(session, out)
+        if out.finished:
+            session.context = out.prompt_token_ids + out.outputs[0].token_ids
+            self._by_request.pop(out.request_id, None)
+            session.request_id = None
+            session.metrics.turns += 1
+            session.transition(S.FINISHED)
+
+    def _on_resumed(self, session: Session, out: RequestOutput) -> None:
+        """First token of a resume: record what was reused, drop the losing branches."""
+        assert session.window is not None and session.resume_started is not None
+        m = session.metrics
+        m.resumes += 1
+        m.resume_ttft_s.append(self._clock() - session.resume_started)
+        m.tokens_reused += out.num_cached_tokens
+        m.tokens_recomputed += len(out.prompt_token_ids) - out.num_cached_tokens
+        if out.prefix_hit is not None:
+            m.commit_s.append(out.prefix_hit.seconds)
+        self._classify(session, out.prefix_hit, len(out.prompt_token_ids))
+        self._drop_branches(session, session.window)
+        self.engine.discard([_session_tag(session.id)])  # earlier turns' KV, superseded
+        session.window = session.resume_started = None
+        session.transition(S.GENERATING)
+
+    def _classify(self, session: Session, hit: PrefixHit | None, prompt_len: int) -> None:
+        """Speculation hit (a branch matched entirely), partial, or miss."""
+        assert session.window is not None
+        if not session.window.branches:
+            return
+        branches = {_branch_tag(session.id, k) for k in session.window.branches}
+        m = session.metrics
+        if hit is None or hit.claimed not in branches:
+            m.spec_misses += 1
+        elif hit.num_tokens >= min(hit.source_tokens, prompt_len - 1):
+            m.spec_hits += 1
+        else:
+            m.spec_partial += 1
+
+    def _run_sources(self, session: Session,
+                     hook: Callable[[SpeculationSource], list[Speculation]]) -> None:
+        for source in self._sources:
+            for spec in hook(source):
+                self._speculate(session, spec)
+
+    def _speculate(self, session: Session, spec: Speculation) -> None:
+        assert session.window is not None
+        if not spec.token_ids or len(spec.token_ids) > self.engine.max_model_len:
+            return
+        tag = _branch_tag(session.id, spec.key)
+        self.engine.speculate(_spec_id(tag), spec.token_ids,
+                              SlotHints(tag, EntryRank.SPECULATIVE))
+        session.window.branches.add(spec.key)
+
+    def _stop_speculation(self, session: Session, window: ToolWindow) -> None:
+        """Stop the window's prefills where they are (their KV stays claimable)."""
+        for key in window.branches:
+            tag = _branch_tag(session.id, key)
+            self.engine.stop_speculation(_spec_id(tag))
+            session.metrics.tokens_speculated += self.engine.take_speculated_tokens(tag)
+
+    def _drop_branches(self, session: Session, window: ToolWindow) -> None:
+        self._stop_speculation(session, window)
+        self.engine.discard(_branch_tag(session.id, k) for k in window.branches)
+
+    def _drop_kv(self, session: Session) -> None:
+        if session.window is not None:
+            self._drop_branches(session, session.window)
+        self.engine.discard([_session_tag(session.id)])
+
+    def _expire_windows(self) -> None:
+        """Abandon the sessions whose tool window passed its deadline; reclaim their KV."""
+        now = self._clock()
+        for session in self._sessions.values():
+            window = session.window
+            if session.state == S.AWAITING_TOOL and window is not None and now > window.deadline:
+                self._drop_kv(session)
+                session.window = None
+                session.metrics.abandoned = True
+                session.transition(S.ABANDONED)
+
+    def _apply_retention(self, session: Session) -> None:
+        window = session.window
+        assert window is not None
+        remaining = None
+        if window.expected_s is not None:
+            remaining = window.expected_s - (self._clock() - window.started)
+        rank, priority = self._retention.retention(
+            PausedSession(len(session.context), True, remaining))
+        self.engine.set_retention(_session_tag(session.id), rank, priority)
+
+    def _expected_duration(self, calls: Iterable[ToolCall]) -> float | None:
+        """The longest expected duration among the calls' tools (learned, else declared)."""
+        known = []
+        for call in calls:
+            learned = self._durations.get(call.name)
+            spec = self._tools.get(call.name)
+            declared = spec.expected_duration_s if spec is not None else None
+            value = learned if learned is not None else declared
+            if value is not None:
+                known.append(value)
+        return max(known) if known else None
+
+    def _memoised(self, calls: Iterable[ToolCall]) -> dict[str, ToolContent]:
+        """Remembered results of earlier identical calls of idempotent tools."""
+        out: dict[str, ToolContent] = {}
+        for call in calls:
+            spec = self._tools.get(call.name)
+            key = call.memo_key()
+            if spec is not None and spec.cacheable and key is not None and key in self._memo:
+                out[call.id] = self._memo[key]
+        return out
+
+    def _learn(self, window: ToolWindow, results: Sequence[ToolResult], now: float) -> None:
+        """Observed tool durations (EMA per tool) and results of idempotent tools (memo)."""
+        elapsed = now - window.started
+        for r in results:
+            call = window.calls[r.call_id]
+            old = self._durations.get(call.name)
+            self._durations[call.name] = elapsed if old is None else \
+                DURATION_EMA * elapsed + (1 - DURATION_EMA) * old
+            spec = self._tools.get(call.name)
+            key = call.memo_key()
+            if spec is not None and spec.cacheable and key is not None:
+                self._memo[key] = r.content
+
+    def _spec_ids(self, session_id: str, keys: Iterable[str]) -> set[str]:
+        return {_spec_id(_branch_tag(session_id, k)) for k in keys}
+
+
+def _session_tag(session_id: str) -> str:
+    return json.dumps(["session", session_id])
+
+
+def _branch_tag(session_id: str, key: str) -> str:
+    return json.dumps(["branch", session_id, key])
+
+
+def _spec_id(tag: str) -> str:
+    return "\x00spec" + tag  # outside any client's request id space
+
+
+def _check_calls(tool_calls: Sequence[ToolCall]) -> dict[str, ToolCall]:
+    calls = {c.id: c for c in tool_calls}
+    if not calls:
+        raise AgentError("await_tools needs at least one tool call")
+    if len(calls) != len(tool_calls):
+        raise AgentError("tool call ids must be unique")
+    return calls
+
+
+def _concat(prev: ToolContent | None, chunk: ToolContent) -> ToolContent:
+    """Streamed output so far plus a chunk (text to text, ids to ids)."""
+    if prev is None:
+        return chunk if isinstance(chunk, str) else list(chunk)
+    if isinstance(prev, str) != isinstance(chunk, str):
+        raise AgentError("streamed output mixes text and token ids")
+    if isinstance(prev, str):
+        assert isinstance(chunk, str)
+        return prev + chunk
+    return [*prev, *chunk]

@@ -169,6 +169,18 @@ class Engine:
         """True while a speculative prefill waits or runs."""
         return self.scheduler.has_speculation()
 
+    def speculation_ids(self) -> list[str]:
+        """Ids of the speculative prefills that wait or run."""
+        return [s.request_id for s in (*self.scheduler.spec_waiting, *self.scheduler.spec_running)]
+
+    def take_speculated_tokens(self, tag: str) -> int:
+        """Tokens speculation computed under ``tag`` since the last call (then forgotten)."""
+        return self.scheduler.speculated.pop(tag, 0)
+
+    def tagged(self, tag: str) -> list[int]:
+        """Slots of the cache entries tagged ``tag``."""
+        return self.prefix_cache.tagged(tag)
+
     def set_retention(self, tag: str, rank: EntryRank, priority: float = 0.0) -> int:
         """Eviction class and priority of the cache entries tagged ``tag``; return how many."""
         return self.prefix_cache.set_retention(tag, rank, priority)

@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from edmm.engine.errors import EngineConfigError
@@ -117,6 +117,7 @@ class Scheduler:
         self.spec_waiting: deque[Sequence] = deque()
         self.spec_running: list[Sequence] = []  # admission order
         self.num_preemptions = 0
+        self.speculated: Counter[str] = Counter()  # tag -> tokens computed by speculation
         self._seqs: dict[str, Sequence] = {}
 
     # ------------------------------------------------------------------ requests
@@ -181,8 +182,10 @@ class Scheduler:
         for item, token in zip(batch.seqs, sampled, strict=True):
             seq = self._seqs[item.request_id]
             seq.num_computed_tokens = item.context_len
-            if seq.is_speculative and seq.num_uncomputed_tokens == 0:
-                done.append(seq)
+            if seq.is_speculative:
+                self.speculated[seq.hints.tag or ""] += len(item.token_ids)
+                if seq.num_uncomputed_tokens == 0:
+                    done.append(seq)
             if item.sample:
                 if token is None:
                     raise ValueError(f"request {item.request_id!r} was sampled but got no token")

@@ -1,0 +1,171 @@
+"""Next-prompt renderers: the session's next prompt from (possibly partial or predicted) results.
+
+A tool window knows the next prompt except for the tool results. A renderer builds it from the
+results known so far, in call order, and stops right before the first call without one (a head:
+everything up to that result's position), or right after the content of ``stop_after`` (a
+streamed, still open result). With every result it gives the whole next prompt.
+
+- `TokenRenderer` works on token ids (no tokenizer needed, e.g. for presets with random
+  weights): results are inserted into the session's context at token positions, wrapped, and a
+  suffix follows.
+- `TemplateRenderer` renders chat messages with the model's chat template (tool results as
+  ``tool`` messages, tool-call arguments re-serialised as clients do), then tokenizes the text.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import json
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+from edmm.agent.errors import AgentError
+from edmm.agent.types import TokenLayout, ToolCall, ToolContent
+
+_SENTINEL = "\u0000EDMM-RESULT\u0000"  # never produced by a template; cut the text at it
+
+
+class PromptRenderer(abc.ABC):
+    """Builds a session's next prompt (token ids) from tool results; see the module docstring."""
+
+    calls: tuple[ToolCall, ...]
+
+    @abc.abstractmethod
+    def render(self, results: Mapping[str, ToolContent], stop_after: str | None = None,
+               ) -> list[int]:
+        """The next prompt with ``results`` (call id -> content) filled in call order, up to
+        the first call without a result, or up to the end of ``stop_after``'s content."""
+
+    def with_positions(self, positions: Mapping[str, int]) -> PromptRenderer:
+        """A renderer that inserts the given calls' results at other token positions."""
+        if positions:
+            raise AgentError("insertion positions need a token layout, not a chat template")
+        return self
+
+
+def content_ids(content: ToolContent, tokenizer: Any) -> list[int]:
+    """Token ids of a result: ids as given, text tokenized without special tokens."""
+    if isinstance(content, str):
+        if tokenizer is None:
+            raise AgentError("a text tool result needs a tokenizer; pass token ids")
+        return list(tokenizer.encode(content, add_special_tokens=False))
+    return [int(t) for t in content]
+
+
+def content_text(content: ToolContent, tokenizer: Any) -> str:
+    """Text of a result: text as given, ids decoded."""
+    if isinstance(content, str):
+        return content
+    if tokenizer is None:
+        raise AgentError("token-id results in a chat template need a tokenizer")
+    return str(tokenizer.decode(list(content)))
+
+
+@dataclass(frozen=True)
+class TokenRenderer(PromptRenderer):
+    """``context`` with each result (``before + result + after``) inserted at its position
+    (default: the end of the context), then ``suffix``; calls ordered by position."""
+
+    context: tuple[int, ...]
+    calls: tuple[ToolCall, ...]
+    layout: TokenLayout
+    tokenizer: Any = None
+
+    def position(self, call_id: str) -> int:
+        """Where a call's result goes, as a token index into the context."""
+        return self.layout.positions.get(call_id, len(self.context))
+
+    def with_positions(self, positions: Mapping[str, int]) -> TokenRenderer:
+        """A copy whose layout puts the given calls' results at these positions."""
+        merged = {**self.layout.positions, **positions}
+        return replace(self, layout=replace(self.layout, positions=merged))
+
+    def ordered_calls(self) -> list[ToolCall]:
+        """Calls in the order their results appear in the prompt."""
+        order = {c.id: i for i, c in enumerate(self.calls)}
+        return sorted(self.calls, key=lambda c: (self.position(c.id), order[c.id]))
+
+    def render(self, results: Mapping[str, ToolContent], stop_after: str | None = None,
+               ) -> list[int]:
+        out: list[int] = []
+        cursor = 0
+        for call in self.ordered_calls():
+            pos = self.position(call.id)
+            out += self.context[cursor:pos]
+            cursor = pos
+            out += self.layout.before
+            if call.id not in results:
+                return out
+            out += content_ids(results[call.id], self.tokenizer)
+            if call.id == stop_after:
+                return out
+            out += self.layout.after
+        return out + list(self.context[cursor:]) + list(self.layout.suffix)
+
+
+@dataclass(frozen=True)
+class TemplateRenderer(PromptRenderer):
+    """``messages`` plus one ``tool`` message per call, rendered with the tokenizer's chat
+    template (generation prompt added) and tokenized, as an OpenAI-compatible server does."""
+
+    tokenizer: Any
+    messages: tuple[Mapping[str, Any], ...]
+    calls: tuple[ToolCall, ...]
+    tools: tuple[Mapping[str, Any], ...] | None = None
+    reserialize_arguments: bool = True
+
+    def render(self, results: Mapping[str, ToolContent], stop_after: str | None = None,
+               ) -> list[int]:
+        tool_msgs: list[dict[str, Any]] = []
+        cut = False
+        for call in self.calls:
+            if call.id not in results:
+                content, cut = _SENTINEL, True
+            else:
+                content = content_text(results[call.id], self.tokenizer)
+                if call.id == stop_after:
+                    content, cut = content + _SENTINEL, True
+            tool_msgs.append({"role": "tool", "tool_call_id": call.id, "name": call.name,
+                              "content": content})
+            if cut:
+                break
+        text = self._apply(tool_msgs)
+        if cut:
+            text = text[: text.index(_SENTINEL)]
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def _apply(self, tool_msgs: list[dict[str, Any]]) -> str:
+        messages = [self._client_view(m) for m in self.messages] + tool_msgs
+        tools = list(self.tools) if self.tools is not None else None
+        return str(self.tokenizer.apply_chat_template(
+            messages, tools=tools, add_generation_prompt=True, tokenize=False))
+
+    def _client_view(self, message: Mapping[str, Any]) -> dict[str, Any]:
+        """A message as a client sends it back: tool-call arguments re-serialised."""
+        msg = dict(message)
+        if self.reserialize_arguments and msg.get("tool_calls"):
+            msg["tool_calls"] = [_reserialized(tc) for tc in msg["tool_calls"]]
+        return msg
+
+
+def _reserialized(tool_call: Mapping[str, Any]) -> dict[str, Any]:
+    """``json.dumps(json.loads(arguments))``, as the OpenAI Python client's users do."""
+    tc = dict(tool_call)
+    fn = dict(tc.get("function", tc))
+    args = fn.get("arguments")
+    if isinstance(args, str):
+        with contextlib.suppress(json.JSONDecodeError):  # malformed: sent back as is
+            fn["arguments"] = json.dumps(json.loads(args))
+    if "function" in tc:
+        tc["function"] = fn
+        return tc
+    return fn
+
+
+def assistant_message(content: str, calls: Sequence[ToolCall]) -> dict[str, Any]:
+    """An OpenAI-style assistant message carrying ``calls``."""
+    return {"role": "assistant", "content": content, "tool_calls": [
+        {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
+        for c in calls]}
