@@ -6,7 +6,8 @@ values), in one process:
 - prefill of ``new_tokens`` (default 512) new tokens on a cached (n - 512)-token prefix;
 - full prefill of n tokens into an empty slot.
 EDMM runs them on its KV arena (mapping pages as it grows, as the engine does), with Triton
-attention and CUDA-graph decode on the GPU (``eager``: reference SDPA, no graphs); the peer is HF
+attention, fused pointwise ops and CUDA-graph decode on the GPU (``eager``: reference SDPA,
+no fusion, no graphs); the peer is HF
 transformers' best path for the same work (SDPA, a DynamicCache cropped back between repeats).
 Wall-clock times with the device synchronised around each repeat.
 """
@@ -88,6 +89,7 @@ class EdmmSide:
         self.runner: ModelRunner
         if cuda and not cfg.eager:
             self.model.set_backend(default_backend(self.device, max_tokens))
+            self.model.enable_fusion()
             self.runner = CudaGraphRunner(self.model, self.arena, self.device, sizes=(1,))
         else:
             self.runner = ModelRunner(self.model, self.arena, self.device)

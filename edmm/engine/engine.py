@@ -371,11 +371,13 @@ def _num_pages(config: EngineConfig, page_size: int, per_seq: int) -> int:
 
 def _build_runner(config: EngineConfig, model: CausalLM, arena: KVArena,
                   max_model_len: int) -> ModelRunner:
-    """On CUDA (unless ``enforce_eager``): Triton attention and CUDA-graph decode."""
+    """On CUDA (unless ``enforce_eager``): Triton attention, fused pointwise ops, CUDA-graph
+    decode."""
     sampler = Sampler(config.seed)
     if torch.device(config.device).type != "cuda" or config.enforce_eager:
         return ModelRunner(model, arena, config.device, sampler)
     from edmm.model.attention_triton import default_backend
 
     model.set_backend(default_backend(config.device, max_model_len))
+    model.enable_fusion()
     return CudaGraphRunner(model, arena, config.device, sampler)

@@ -148,15 +148,3 @@ class RotaryEmbedding(nn.Module):
     def forward(self, positions: Tensor) -> tuple[Tensor, Tensor]:
         """positions [T] int64 -> (cos, sin), each [T, head_dim]."""
         return self.cos_cache[positions], self.sin_cache[positions]
-
-
-def rotate_half(x: Tensor) -> Tensor:
-    """[..., D] -> [..., D] with halves (x1, x2) mapped to (-x2, x1)."""
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def apply_rotary(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """x [T, H, D], cos/sin [T, D] -> rotated x [T, H, D]."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [T, 1, D]
-    return x * cos + rotate_half(x) * sin

@@ -14,8 +14,9 @@ from torch import Tensor, nn
 from edmm.model.attention import AttentionBackend, AttentionMetadata, TorchSDPABackend
 from edmm.model.config import ModelConfig
 from edmm.model.errors import ContextTooLongError, KVCacheError
+from edmm.model.fusion import PointwiseOps
 from edmm.model.layers import RMSNorm, SwiGLUMLP
-from edmm.model.rope import RotaryEmbedding, apply_rotary, default_max_positions
+from edmm.model.rope import RotaryEmbedding, default_max_positions
 
 
 class Attention(nn.Module):
@@ -36,6 +37,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.ops = PointwiseOps()
 
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor, meta: AttentionMetadata
@@ -48,7 +50,7 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rotary(q, cos, sin), apply_rotary(k, cos, sin)
+        q, k = self.ops.rotary_qk(q, k, cos, sin)
         o = self.backend.forward(
             q, k, v, kv_cache, self.layer_idx, meta, self.scale, self.window
         )  # [T, Hq, D]
@@ -109,6 +111,14 @@ class CausalLM(nn.Module):
             else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
         )
         self.rotary = RotaryEmbedding(cfg, max_positions or default_max_positions(cfg))
+        self.ops = PointwiseOps()  # shared by every layer; see `enable_fusion`
+        for m in self.modules():
+            if isinstance(m, (Attention, RMSNorm, SwiGLUMLP)):
+                m.ops = self.ops
+
+    def enable_fusion(self) -> None:
+        """Run RMSNorm, RoPE and SiLU-and-multiply as fused compiled kernels (for CUDA)."""
+        self.ops.compile()
 
     def set_backend(self, backend: AttentionBackend) -> None:
         """Swap the attention implementation of every layer."""

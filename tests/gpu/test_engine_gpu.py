@@ -32,7 +32,8 @@ def test_graphs_and_triton_match_eager_and_hf_in_float32(tmp_path: Path) -> None
     prompts = [torch.randint(0, 2048, (n,), generator=g).tolist() for n in (5, 77, 300)]
     params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
     inputs = [{"prompt_token_ids": p} for p in prompts]
-    kw = {"device": "cuda", "dtype": "float32", "num_pages": 64, "num_slots": 8}
+    kw = {"device": "cuda", "dtype": "float32", "num_pages": 64, "num_slots": 8,
+          "max_num_seqs": 4}
     fast = LLM(str(folder), **kw)
     assert isinstance(fast.llm_engine.runner, CudaGraphRunner)
     got = [o.outputs[0].token_ids for o in fast.generate(inputs, params)]

@@ -181,7 +181,7 @@ class ArenaMachine(RuleBasedStateMachine):
         for slot, m in itertools.chain(self.model.items(), self.retired.items()):
             real = self.arena.slot_pages(slot)
             assert len(real) == len(m.pages)
-            for abstract, page in zip(m.pages, real):
+            for abstract, page in zip(m.pages, real, strict=True):
                 assert real_of.setdefault(abstract, page) == page
                 assert self.pool.refcount(page) == counts[abstract]
         assert len(set(real_of.values())) == len(real_of)

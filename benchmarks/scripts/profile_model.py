@@ -1,0 +1,79 @@
+"""Where the time of a decode step and of a cached-prefix prefill goes (torch.profiler, H200).
+
+    PYTHONPATH=. python3 benchmarks/scripts/profile_model.py [--context 16384] [--out DIR]
+
+Prints, for the qwen2.5-7b preset on the arena: the top CUDA kernels of an eager decode step
+and of a 512-token prefill on a cached prefix (time per step), their sum against the wall time,
+and the wall time of the parts of a graph-replayed decode step.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+from edmm.bench.ttft import EdmmSide, TTFTBenchConfig
+
+
+def _kernel_table(prof: profile, steps: int, top: int = 18) -> str:
+    events = [e for e in prof.key_averages()
+              if e.device_type == DeviceType.CUDA and e.device_time_total > 0]  # kernels only
+    events.sort(key=lambda e: e.device_time_total, reverse=True)
+    total = sum(e.device_time_total for e in events)
+    lines = [f"GPU kernel time per step: {total / steps / 1e3:.3f} ms",
+             "| kernel | calls/step | us/step | share |", "|---|---:|---:|---:|"]
+    for e in events[:top]:
+        lines.append(f"| {e.key[:90]} | {e.count / steps:.0f} | "
+                     f"{e.device_time_total / steps:.1f} | {e.device_time_total / total:.1%} |")
+    return "\n".join(lines)
+
+
+def _profile(side: EdmmSide, ids: torch.Tensor, keep: int, end: int, steps: int) -> str:
+    for _ in range(2):
+        side.truncate(keep)
+        side.extend(ids[keep:end])
+    walls = []
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            side.truncate(keep)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            side.extend(ids[keep:end])
+            torch.cuda.synchronize()
+            walls.append((time.perf_counter() - t0) * 1e3)
+    return f"wall per step (profiled): {sum(walls) / len(walls):.3f} ms\n" + _kernel_table(
+        prof, steps)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--context", type=int, default=16384)
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--fast-only", action="store_true", help="skip the eager SDPA variant")
+    args = parser.parse_args()
+    ctx = args.context
+    report = [f"# profile, qwen2.5-7b preset, context {ctx}, {torch.cuda.get_device_name()}"]
+    for eager in (False,) if args.fast_only else (True, False):
+        cfg = TTFTBenchConfig(contexts=(ctx,), eager=eager)
+        side = EdmmSide(cfg, ctx)
+        ids = torch.randint(0, side.cfg.vocab_size, (ctx + 1,), device="cuda")
+        side.extend(ids[:ctx])
+        name = "eager SDPA" if eager else "Triton + fused pointwise + CUDA graph"
+        report.append(f"\n## decode step ({name})\n" + _profile(side, ids, ctx, ctx + 1, 10))
+        report.append(f"\n## prefill 512 on cached prefix ({name})\n"
+                      + _profile(side, ids, ctx - 512, ctx, 5))
+        side.close()
+    text = "\n".join(report)
+    print(text)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "profile.md").write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
