@@ -229,9 +229,9 @@ class Scheduler:
         for seq in list(self.spec_running):
             if budget <= 0:
                 return
-            n = min(seq.num_uncomputed_tokens, budget)
-            if not self._grow_speculation(seq, seq.num_computed_tokens + n):
-                self.finish(seq, SPECULATED)
+            n = self._map_speculation(seq, min(seq.num_uncomputed_tokens, budget))
+            if not n:
+                self.finish(seq, SPECULATED)  # the cap or the pool stops it here
                 continue
             batch.seqs.append(self._entry(seq, n))
             budget -= n
@@ -302,42 +302,64 @@ class Scheduler:
     def _admit_speculation(self, seq: Sequence, budget: int) -> int | None:
         """Give a waiting speculative prefill a slot mapped for its next chunk, evicting only
         speculation entries; return the chunk's size (0: nothing left to compute), or None
-        (sequence unchanged) if memory or the page cap does not allow it."""
+        (sequence unchanged) if memory or the page cap allows no token."""
         while True:
             try:
                 hit = self._assign_slot(seq)
-                assert seq.slot is not None
-                n = min(seq.num_uncomputed_tokens, budget)
-                if n and not self._grow_speculation(seq, seq.num_computed_tokens + n):
-                    raise PoolExhaustedError(0, 0)
-                self._record_admission(seq, hit)
-                return n
+                break
             except (NoFreeSlotError, PoolExhaustedError):
-                if seq.slot is not None:
-                    self._release_slot(seq)
                 if not self.prefix_cache.evict_one(EntryRank.SPECULATIVE):
                     return None
+        want = min(seq.num_uncomputed_tokens, budget)
+        chunk = self._map_speculation(seq, want) if want else 0
+        if want and not chunk:
+            self._release_slot(seq)
+            return None
+        self._record_admission(seq, hit)
+        return chunk
 
-    def _grow_speculation(self, seq: Sequence, num_tokens: int) -> bool:
-        """Map a speculative slot up to ``num_tokens`` within the pool and the page cap."""
+    def _map_speculation(self, seq: Sequence, want: int) -> int:
+        """Map up to ``want`` more tokens of a speculative slot within the page cap and the
+        pool, evicting older speculation entries when short; return how many (0: none)."""
         assert seq.slot is not None
+        start = seq.num_computed_tokens
+        while True:
+            n = min(want, self._speculation_room(seq.slot) - start)
+            if n < want and self.prefix_cache.evict_one(EntryRank.SPECULATIVE):
+                continue
+            if n <= 0:
+                return 0
+            try:
+                self.arena.grow(seq.slot, start + n)
+                return n
+            except PoolExhaustedError:
+                if not self.prefix_cache.evict_one(EntryRank.SPECULATIVE):
+                    return 0
+
+    def _speculation_room(self, slot: int) -> int:
+        """Most tokens speculative ``slot`` may hold under ``max_speculative_pages``."""
         cap = self.config.max_speculative_pages
-        new_pages = self.arena.pages_for(num_tokens) - len(self.arena.slot_pages(seq.slot))
-        while cap is not None and self.speculative_pages() + new_pages > cap:
-            if not self.prefix_cache.evict_one(EntryRank.SPECULATIVE):
-                return False
-        try:
-            self.arena.grow(seq.slot, num_tokens)
-        except PoolExhaustedError:
-            return False
-        return True
+        if cap is None:
+            return self.arena.max_tokens
+        mine = self._private_pages(slot)
+        others = self.speculative_pages() - (mine if self._is_speculative_slot(slot) else 0)
+        pages = len(self.arena.slot_pages(slot)) + cap - others - mine
+        return max(pages, 0) * self.arena.page_size // self.arena.spec.token_bytes
 
     def speculative_pages(self) -> int:
         """Pages held only by speculation (running prefills and speculation entries)."""
+        return sum(self._private_pages(slot) for slot in self._speculative_slots())
+
+    def _speculative_slots(self) -> list[int]:
         slots = [s.slot for s in self.spec_running if s.slot is not None]
-        slots += self.prefix_cache.entry_slots(EntryRank.SPECULATIVE)
+        return slots + self.prefix_cache.entry_slots(EntryRank.SPECULATIVE)
+
+    def _is_speculative_slot(self, slot: int) -> bool:
+        return slot in self._speculative_slots()
+
+    def _private_pages(self, slot: int) -> int:
         pool = self.arena.pool
-        return sum(pool.refcount(p) == 1 for slot in slots for p in self.arena.slot_pages(slot))
+        return sum(pool.refcount(p) == 1 for p in self.arena.slot_pages(slot))
 
     def _make_room(self) -> bool:
         """Free memory for a request: a speculation entry, else the latest speculative

@@ -1,0 +1,208 @@
+"""The session state machine, and bad input: typed errors that leave the session intact."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from agent_helpers import FakeClock, drain, greedy, run
+from conftest import MakeAgent
+
+from edmm.agent import (
+    AgentEngine,
+    InsertionPositionError,
+    SessionState,
+    SessionStateError,
+    TokenLayout,
+    ToolCall,
+    ToolResult,
+    UnknownSessionError,
+    UnknownToolCallError,
+)
+from edmm.agent.session import Session
+from edmm.engine import InvalidRequestError
+
+S = SessionState
+ALLOWED = {  # written out by hand: the issue's state machine
+    (S.GENERATING, S.FINISHED), (S.GENERATING, S.ABANDONED),
+    (S.AWAITING_TOOL, S.RESUMING), (S.AWAITING_TOOL, S.ABANDONED),
+    (S.RESUMING, S.GENERATING), (S.RESUMING, S.FINISHED), (S.RESUMING, S.ABANDONED),
+    (S.FINISHED, S.GENERATING), (S.FINISHED, S.AWAITING_TOOL), (S.FINISHED, S.ABANDONED),
+}
+PROMPT = list(range(40, 100))
+CALL = ToolCall("c1", "lookup", '{"q": 1}')
+
+
+def test_states_are_ordered_by_lifecycle() -> None:
+    assert S.GENERATING < S.AWAITING_TOOL < S.RESUMING < S.FINISHED < S.ABANDONED
+
+
+@pytest.mark.parametrize("src,dst", list(itertools.product(S, S)))
+def test_only_allowed_transitions_pass(src: SessionState, dst: SessionState) -> None:
+    session = Session("s", state=src)
+    if (src, dst) in ALLOWED:
+        session.transition(dst)
+        assert session.state == dst
+    else:
+        with pytest.raises(SessionStateError):
+            session.transition(dst)
+        assert session.state == src
+
+
+def paused(agent: AgentEngine, session_id: str = "s") -> list[int]:
+    """Run a first turn and open a tool window with one call; the session's context."""
+    agent.add_request(f"{session_id}-t0", PROMPT, greedy(), session_id=session_id)
+    run(agent)
+    agent.await_tools(session_id, [CALL])
+    return agent.session_context(session_id)
+
+
+def test_agent_loop_walks_the_states(make_agent: MakeAgent) -> None:
+    agent = make_agent()
+    agent.add_request("t0", PROMPT, greedy(), session_id="s")
+    assert agent.session_state("s") == S.GENERATING
+    run(agent)
+    assert agent.session_state("s") == S.FINISHED
+    assert len(agent.session_context("s")) == len(PROMPT) + 6
+    agent.await_tools("s", [CALL])
+    assert agent.session_state("s") == S.AWAITING_TOOL
+    agent.resume("s", "t1", [ToolResult("c1", [7, 8, 9])], greedy())
+    assert agent.session_state("s") == S.RESUMING
+    while agent.session_state("s") == S.RESUMING:
+        agent.step()
+    assert agent.session_state("s") == S.GENERATING
+    run(agent)
+    assert agent.session_state("s") == S.FINISHED
+    agent.add_request("t2", [*agent.session_context("s"), 11], greedy(), session_id="s")
+    assert agent.session_state("s") == S.GENERATING
+    run(agent)
+    agent.check_integrity()
+
+
+def test_resume_of_a_session_not_awaiting_a_tool_is_refused(make_agent: MakeAgent) -> None:
+    agent = make_agent()
+    agent.add_request("t0", PROMPT, greedy(), session_id="s")
+    with pytest.raises(SessionStateError):  # still generating
+        agent.resume("s", "t1", [ToolResult("c1", [1])])
+    run(agent)
+    context = agent.session_context("s")
+    with pytest.raises(SessionStateError) as err:  # finished, no tool call reported
+        agent.resume("s", "t1", [ToolResult("c1", [1])])
+    assert err.value.state == S.FINISHED
+    assert agent.session_state("s") == S.FINISHED and agent.session_context("s") == context
+    with pytest.raises(SessionStateError):
+        agent.feed_tool_output("s", "c1", [1])
+    with pytest.raises(UnknownSessionError):
+        agent.resume("nope", "t1", [])
+    agent.check_integrity()
+
+
+def test_new_turn_while_awaiting_a_tool_is_refused(make_agent: MakeAgent) -> None:
+    agent = make_agent()
+    paused(agent)
+    with pytest.raises(SessionStateError):
+        agent.add_request("t1", PROMPT, greedy(), session_id="s")
+    with pytest.raises(SessionStateError):
+        agent.await_tools("s", [CALL])
+    assert agent.session_state("s") == S.AWAITING_TOOL
+    agent.check_integrity()
+
+
+def test_unknown_tool_call_id_leaves_the_session_intact(make_agent: MakeAgent) -> None:
+    agent = make_agent()
+    context = paused(agent)
+    with pytest.raises(UnknownToolCallError) as err:
+        agent.resume("s", "t1", [ToolResult("c1", [5]), ToolResult("zz", [6])], greedy())
+    assert err.value.call_id == "zz"
+    with pytest.raises(UnknownToolCallError):
+        agent.predict_tool_result("s", "zz", [1])
+    with pytest.raises(UnknownToolCallError):
+        agent.feed_tool_output("s", "zz", [1])
+    assert agent.session_state("s") == S.AWAITING_TOOL
+    assert not agent.has_unfinished()
+    agent.check_integrity()
+    agent.resume("s", "t1", [ToolResult("c1", [5])], greedy())  # the right one still works
+    out = run(agent)["t1"]
+    assert out.prompt_token_ids == [*context, 5]
+    assert out.num_cached_tokens == len(context) - 1  # the retained KV: only new tokens run
+
+
+def test_insertion_outside_the_prompt_leaves_the_session_intact(make_agent: MakeAgent) -> None:
+    agent = make_agent()
+    context = paused(agent)
+    for bad in (-1, len(context) + 1):
+        with pytest.raises(InsertionPositionError) as err:
+            agent.resume("s", "t1", [ToolResult("c1", [5], position=bad)], greedy())
+        assert err.value.length == len(context)
+        with pytest.raises(InsertionPositionError):
+            agent.predict_tool_result("s", "c1", [5], position=bad)
+    with pytest.raises(InvalidRequestError):  # a token outside the vocabulary
+        agent.resume("s", "t1", [ToolResult("c1", [10**6])], greedy())
+    assert agent.session_state("s") == S.AWAITING_TOOL and not agent.has_unfinished()
+    agent.check_integrity()
+    agent.resume("s", "t1", [ToolResult("c1", [5, 6], position=10)], greedy())
+    out = run(agent)["t1"]
+    assert out.prompt_token_ids == [*context[:10], 5, 6, *context[10:]]
+    assert out.num_cached_tokens == 10  # recomputed from the insertion point only
+
+
+def test_layout_positions_are_checked_at_await(make_agent: MakeAgent) -> None:
+    agent = make_agent()
+    agent.add_request("t0", PROMPT, greedy(), session_id="s")
+    run(agent)
+    n = len(agent.session_context("s"))
+    with pytest.raises(InsertionPositionError):
+        agent.await_tools("s", [CALL], layout=TokenLayout(positions={"c1": n + 1}))
+    with pytest.raises(UnknownToolCallError):
+        agent.await_tools("s", [CALL], layout=TokenLayout(positions={"c9": 0}))
+    with pytest.raises(UnknownToolCallError):
+        agent.await_tools("s", [CALL], predictions={"c9": [1]})
+    assert agent.session_state("s") == S.FINISHED
+    agent.check_integrity()
+
+
+def test_deadline_abandons_the_session_and_reclaims_its_kv(make_agent: MakeAgent) -> None:
+    clock = FakeClock()
+    agent = make_agent(clock=clock)
+    paused(agent)
+    agent.predict_tool_result("s", "c1", list(range(200, 230)))
+    agent.step()  # speculation starts
+    pool = agent.engine.pool
+    assert pool.num_used > 0
+    clock.advance(599.0)
+    agent.step()
+    assert agent.session_state("s") == S.AWAITING_TOOL
+    clock.advance(2.0)  # past the default 600 s deadline
+    agent.step()
+    assert agent.session_state("s") == S.ABANDONED
+    assert agent.session_metrics("s").abandoned
+    assert pool.num_used == 0 and not agent.has_speculation()
+    with pytest.raises(SessionStateError):
+        agent.resume("s", "t1", [ToolResult("c1", [5])], greedy())
+    with pytest.raises(SessionStateError):
+        agent.add_request("t1", PROMPT, greedy(), session_id="s")
+    agent.check_integrity()
+
+
+def test_close_session_while_speculating_frees_everything(make_agent: MakeAgent) -> None:
+    agent = make_agent(max_num_batched_tokens=32)  # the speculation takes several steps
+    paused(agent)
+    agent.predict_tool_result("s", "c1", list(range(200, 260)))
+    agent.step()
+    assert agent.has_speculation()
+    agent.close_session("s")
+    assert not agent.has_speculation() and agent.engine.pool.num_used == 0
+    with pytest.raises(UnknownSessionError):
+        agent.session_state("s")
+    agent.check_integrity()
+
+
+def test_abort_of_a_resume_finishes_the_session(make_agent: MakeAgent) -> None:
+    agent = make_agent()
+    paused(agent)
+    agent.predict_tool_result("s", "c1", [5, 6, 7])
+    drain(agent)
+    agent.resume("s", "t1", [ToolResult("c1", [5, 6, 7])], greedy())
+    assert agent.abort("t1")
+    assert agent.session_state("s") == S.FINISHED
+    agent.check_integrity()
