@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,8 @@ from edmm.engine import Engine, EngineConfig, RequestOutput, SamplingParams
 HOST_PAGE = 16384
 TOKENS_PER_PAGE = 8
 MAX_LEN = 256
+
+MakeAgent = Callable[..., AgentEngine]
 
 
 def engine_config(folder: Path | str, **overrides: Any) -> EngineConfig:

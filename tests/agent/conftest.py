@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 import torch
-from agent_helpers import engine_config
+from agent_helpers import MakeAgent, engine_config
 
 from edmm.agent import AgentConfig, AgentEngine
 from edmm.model.tiny import ensure_tiny_model
@@ -27,9 +27,6 @@ def _single_thread() -> Iterator[None]:
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The embedded tiny model (with its tokenizer and chat template), built once."""
     return ensure_tiny_model(tmp_path_factory.mktemp("edmm-cache"))
-
-
-MakeAgent = Callable[..., AgentEngine]
 
 
 @pytest.fixture

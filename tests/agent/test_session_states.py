@@ -5,8 +5,7 @@ from __future__ import annotations
 import itertools
 
 import pytest
-from agent_helpers import FakeClock, drain, greedy, run
-from conftest import MakeAgent
+from agent_helpers import FakeClock, MakeAgent, drain, greedy, run
 
 from edmm.agent import (
     AgentEngine,
