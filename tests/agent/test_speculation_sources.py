@@ -1,0 +1,243 @@
+"""Speculation sources (template, streamed, predicted / memoised), renderers, retention."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+from agent_helpers import MakeAgent, drain, greedy, run
+
+from edmm.agent import AgentConfig, AgentEngine, TokenLayout, ToolCall, ToolResult, ToolSpec
+from edmm.agent.errors import UnknownPolicyError
+from edmm.agent.render import TemplateRenderer, TokenRenderer, assistant_message
+from edmm.agent.retention import RETENTION_POLICIES, PausedSession
+from edmm.agent.speculation import SPECULATION_SOURCES
+from edmm.engine import EntryRank
+
+CONTEXT_PROMPT = list(range(100, 160))  # 60 tokens; +6 generated = a 66-token context
+SUFFIX = (2, 10, 11, 12)  # e.g. "<|im_end|>" + the next assistant header
+RESULT = list(range(600, 620))
+
+
+def first_turn(agent: AgentEngine, session_id: str = "s", prompt: list[int] | None = None,
+               ) -> list[int]:
+    agent.add_request(f"{session_id}-t0", prompt or CONTEXT_PROMPT, greedy(),
+                      session_id=session_id)
+    run(agent)
+    return agent.session_context(session_id)
+
+
+def reference_tokens(make_agent: MakeAgent, prompt: list[int]) -> list[int]:
+    """Greedy output of ``prompt`` on an engine with no reuse at all."""
+    ref = make_agent(enable_prefix_caching=True, num_pages=64).engine
+    ref.add_request("ref", prompt, greedy())
+    ref.reset_prefix_cache()
+    return run(ref)["ref"].outputs[0].token_ids
+
+
+def resume_and_run(agent: AgentEngine, result: list[int], **kw: Any) -> Any:
+    agent.resume("s", "t1", [ToolResult("c1", result, **kw)], greedy())
+    return run(agent)["t1"]
+
+
+# ---------------------------------------------------------------------- renderers
+def test_token_renderer_inserts_wraps_and_stops_at_the_first_unknown_result() -> None:
+    calls = (ToolCall("c1", "f"), ToolCall("c2", "g"))
+    r = TokenRenderer(tuple(range(1, 11)), calls,
+                      TokenLayout(before=(90,), after=(91,), suffix=(99,), positions={"c1": 3}))
+    assert r.render({}) == [1, 2, 3, 90]
+    assert r.render({"c1": [5]}) == [1, 2, 3, 90, 5, 91, *range(4, 11), 90]
+    assert r.render({"c1": [5, 6]}, stop_after="c1") == [1, 2, 3, 90, 5, 6]
+    assert r.render({"c1": [5], "c2": [6]}) == [1, 2, 3, 90, 5, 91, *range(4, 11), 90, 6, 91, 99]
+    moved = r.with_positions({"c2": 0})
+    assert moved.render({"c2": [6]}) == [90, 6, 91, 1, 2, 3, 90]
+
+
+def test_template_renderer_matches_the_chat_template(tiny_dir: Any) -> None:
+    from edmm.model import load_tokenizer
+
+    tok = load_tokenizer(tiny_dir)
+    calls = (ToolCall("c1", "get_weather", '{"city":"Paris"}'),)
+    msgs = ({"role": "user", "content": "Weather in Paris?"},
+            assistant_message("Let me check.", calls))
+    r = TemplateRenderer(tok, msgs, calls)
+    client = [msgs[0], assistant_message("Let me check.", [
+        ToolCall("c1", "get_weather", json.dumps(json.loads(calls[0].arguments)))])]
+    full = tok.apply_chat_template(
+        [*client, {"role": "tool", "tool_call_id": "c1", "content": "sunny"}],
+        add_generation_prompt=True, tokenize=False)
+    assert '{"city": "Paris"}' in full  # re-serialised as clients do
+    assert r.render({"c1": "sunny"}) == tok.encode(full, add_special_tokens=False)
+    head = tok.decode(r.render({}))
+    assert full.startswith(head) and head.endswith("<tool_response>\n")
+
+
+def test_registries_know_the_sources_and_policies() -> None:
+    assert {"template", "streamed", "predicted"} <= set(SPECULATION_SOURCES)
+    assert {"lru", "keep", "cost"} <= set(RETENTION_POLICIES)
+    with pytest.raises(UnknownPolicyError):
+        SPECULATION_SOURCES.create("oracle")
+    with pytest.raises(UnknownPolicyError):
+        AgentEngine(config=AgentConfig(retention="forever"))
+
+
+def test_cost_policy_keeps_sessions_that_return_soon_and_cost_most() -> None:
+    cost = RETENTION_POLICIES.create("cost")
+    soon = cost.retention(PausedSession(1000, True, 0.5))
+    late = cost.retention(PausedSession(1000, True, 30.0))
+    small = cost.retention(PausedSession(100, True, 0.5))
+    assert soon[0] == late[0] == EntryRank.RETAINED and soon[1] > late[1] and soon[1] > small[1]
+    assert cost.retention(PausedSession(1000, False, None))[0] == EntryRank.PLAIN
+    assert RETENTION_POLICIES.create("lru").retention(PausedSession(9, True, 1.0)) == (
+        EntryRank.PLAIN, 0.0)
+
+
+# ---------------------------------------------------------------------- sources end to end
+def test_predicted_result_hit_prefills_only_the_last_token(make_agent: MakeAgent) -> None:
+    agent = make_agent(AgentConfig(speculation=("predicted",)))
+    context = first_turn(agent)
+    agent.await_tools("s", [ToolCall("c1", "f")], layout=TokenLayout(suffix=SUFFIX),
+                      predictions={"c1": RESULT})
+    drain(agent)
+    out = resume_and_run(agent, RESULT)
+    prompt = [*context, *RESULT, *SUFFIX]
+    assert out.prompt_token_ids == prompt
+    assert out.num_cached_tokens == len(prompt) - 1
+    m = agent.session_metrics("s")
+    assert (m.spec_hits, m.spec_partial, m.spec_misses) == (1, 0, 0)
+    assert m.tokens_recomputed == 1 and m.tokens_reused == len(prompt) - 1
+    assert m.tokens_speculated == len(RESULT) + len(SUFFIX) + 1  # + the context's last token
+    assert len(m.commit_s) == 1 and len(m.resume_ttft_s) == 1
+    assert out.prefix_hit is not None and out.prefix_hit.committed  # the old slot retired
+    assert out.outputs[0].token_ids == reference_tokens(make_agent, prompt)
+
+
+def test_partly_right_prediction_commits_the_matching_prefix(make_agent: MakeAgent) -> None:
+    agent = make_agent()
+    context = first_turn(agent)
+    wrong_tail = [*RESULT[:12], *range(700, 708)]
+    agent.await_tools("s", [ToolCall("c1", "f")], layout=TokenLayout(suffix=SUFFIX),
+                      predictions={"c1": wrong_tail})
+    drain(agent)
+    out = resume_and_run(agent, RESULT)
+    prompt = [*context, *RESULT, *SUFFIX]
+    assert out.num_cached_tokens == len(context) + 12
+    m = agent.session_metrics("s")
+    assert (m.spec_hits, m.spec_partial, m.spec_misses) == (0, 1, 0)
+    assert m.tokens_recomputed == len(prompt) - len(context) - 12
+    assert out.outputs[0].token_ids == reference_tokens(make_agent, prompt)
+
+
+def test_wrong_mid_prompt_prediction_loses_to_the_retained_kv(make_agent: MakeAgent) -> None:
+    agent = make_agent(AgentConfig(speculation=("predicted",)))
+    context = first_turn(agent)
+    agent.await_tools("s", [ToolCall("c1", "f")])
+    agent.predict_tool_result("s", "c1", RESULT, position=10)  # the result is appended instead
+    drain(agent)
+    out = resume_and_run(agent, RESULT, position=len(context))
+    assert out.num_cached_tokens == len(context) - 1  # the session's own KV, not the branch
+    m = agent.session_metrics("s")
+    assert (m.spec_hits, m.spec_partial, m.spec_misses) == (0, 0, 1)
+    assert out.outputs[0].token_ids == reference_tokens(make_agent, [*context, *RESULT])
+
+
+def test_mid_prompt_prediction_recomputes_nothing_before_the_end(make_agent: MakeAgent) -> None:
+    """The bench's group C: a result inserted before a suffix, predicted right."""
+    agent = make_agent()
+    context = first_turn(agent)
+    p = len(context) - 20
+    agent.await_tools("s", [ToolCall("c1", "f")], predictions={"c1": RESULT},
+                      layout=TokenLayout(positions={"c1": p}))
+    drain(agent)
+    out = resume_and_run(agent, RESULT)
+    prompt = [*context[:p], *RESULT, *context[p:]]
+    assert out.prompt_token_ids == prompt and out.num_cached_tokens == len(prompt) - 1
+    assert out.outputs[0].token_ids == reference_tokens(make_agent, prompt)
+
+    plain = make_agent(num_pages=64)  # no speculation: recompute from the insertion point
+    context = first_turn(plain)
+    plain.await_tools("s", [ToolCall("c1", "f")], layout=TokenLayout(positions={"c1": p}))
+    assert resume_and_run(plain, RESULT).num_cached_tokens == p
+
+
+def test_streamed_output_is_prefilled_incrementally(make_agent: MakeAgent) -> None:
+    agent = make_agent(AgentConfig(speculation=("streamed",)))
+    context = first_turn(agent)
+    agent.await_tools("s", [ToolCall("c1", "f")], layout=TokenLayout(suffix=SUFFIX))
+    agent.feed_tool_output("s", "c1", RESULT[:5])
+    drain(agent)
+    agent.feed_tool_output("s", "c1", RESULT[5:12])
+    drain(agent)
+    out = resume_and_run(agent, RESULT)
+    assert out.num_cached_tokens == len(context) + 12
+    m = agent.session_metrics("s")
+    assert m.tokens_recomputed == len(RESULT) - 12 + len(SUFFIX)
+    assert m.spec_hits == 1
+    # the second chunk continued the first branch's KV: each token speculated once
+    assert m.tokens_speculated == 1 + 12
+    assert out.outputs[0].token_ids == reference_tokens(
+        make_agent, [*context, *RESULT, *SUFFIX])
+
+
+def test_memoised_result_of_an_idempotent_tool_is_predicted(make_agent: MakeAgent) -> None:
+    agent = make_agent()
+    agent.declare_tool(ToolSpec("get_weather", cacheable=True))
+    first_turn(agent, "a")
+    agent.await_tools("a", [ToolCall("x", "get_weather", '{"city": "Paris"}')])
+    agent.resume("a", "a-t1", [ToolResult("x", RESULT)], greedy())
+    run(agent)
+    context = first_turn(agent, "s", prompt=list(range(300, 350)))
+    agent.await_tools("s", [ToolCall("c1", "get_weather", '{"city":"Paris"}')],
+                      layout=TokenLayout(suffix=SUFFIX))
+    drain(agent)
+    out = resume_and_run(agent, RESULT)
+    assert out.num_cached_tokens == len(context) + len(RESULT) + len(SUFFIX) - 1
+    assert agent.session_metrics("s").spec_hits == 1
+
+
+def test_template_source_prefills_up_to_the_tool_result(make_agent: MakeAgent) -> None:
+    speculating = make_agent(max_model_len=512)
+    plain = make_agent(AgentConfig(speculation=()), max_model_len=512)
+    tok = speculating.tokenizer
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}}}}}]
+    msgs = [{"role": "user", "content": "What is the weather in Paris?"}]
+    prompt = tok.encode(tok.apply_chat_template(msgs, tools=tools, add_generation_prompt=True,
+                                                tokenize=False), add_special_tokens=False)
+    outputs = []
+    for agent in (speculating, plain):
+        first_turn(agent, prompt=prompt)
+        text = tok.decode(agent.session_context("s")[len(prompt):])
+        calls = [ToolCall("c1", "get_weather", '{"city":"Paris"}')]
+        history = [*msgs, assistant_message(text, calls)]
+        agent.await_tools("s", calls, messages=history, tools=tools)
+        drain(agent)
+        client = [*msgs, assistant_message(text, [ToolCall("c1", "get_weather",
+                                                           '{"city": "Paris"}')]),
+                  {"role": "tool", "tool_call_id": "c1", "content": '{"temp": 21}'}]
+        ids = tok.encode(tok.apply_chat_template(client, tools=tools, add_generation_prompt=True,
+                                                 tokenize=False), add_special_tokens=False)
+        agent.resume("s", "t1", [ToolResult("c1", '{"temp": 21}')], greedy(), prompt=ids)
+        outputs.append(run(agent)["t1"].outputs[0].token_ids)
+    with_template = speculating.session_metrics("s")
+    without = plain.session_metrics("s")
+    assert with_template.spec_hits == 1 and without.spec_hits == 0
+    tail = tok.encode('{"temp": 21}\n</tool_response><|im_end|>\n<|im_start|>assistant\n',
+                      add_special_tokens=False)
+    assert with_template.tokens_recomputed <= len(tail) + 1
+    assert without.tokens_recomputed > with_template.tokens_recomputed + 10
+    assert outputs[0] == outputs[1]
+
+
+@pytest.mark.parametrize("policy,kept", [("cost", True), ("lru", False)])
+def test_retention_policy_decides_who_survives_pressure(make_agent: MakeAgent, policy: str,
+                                                        kept: bool) -> None:
+    agent = make_agent(AgentConfig(retention=policy), num_pages=48)  # 48 pages of 8 tokens
+    context = first_turn(agent)  # 66 tokens: 9 pages
+    agent.await_tools("s", [ToolCall("c1", "f")], expected_duration_s=5.0)
+    for i in range(3):  # other traffic: 124 tokens (16 pages) each, finished -> cache entries
+        agent.add_request(f"r{i}", list(range(200 + i, 320 + i)), greedy(4))
+        run(agent)
+    out = resume_and_run(agent, RESULT)
+    assert out.num_cached_tokens == (len(context) - 1 if kept else 0)
