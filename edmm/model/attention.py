@@ -112,8 +112,7 @@ def write_kv(kv_cache: Tensor, layer: int, k: Tensor, v: Tensor, meta: Attention
         _write_kv_slices(kv_cache, layer, k, v, meta)
         return
     index = (meta.slot_index, meta.token_index)
-    kv_cache[:, :, layer, 0].index_put_(index, k)  # view [S, M, Hkv, D]
-    kv_cache[:, :, layer, 1].index_put_(index, v)
+    kv_cache[:, :, layer].index_put_(index, torch.stack((k, v), dim=1))  # [S, M, 2, Hkv, D]
 
 
 def _write_kv_slices(

@@ -1,10 +1,11 @@
 """The elementwise chains of a decoder layer, run eagerly or compiled into fused kernels.
 
-Eager PyTorch runs RMSNorm as ~8 kernels, RoPE as ~10 and SiLU-and-multiply as 2; at one token
-per sequence (decode) each is a few microseconds of launch and latency, ~1.4 ms of a 7B decode
-step on an H200 (measured: benchmarks/results/2026-11-29-h200/profile.md). `PointwiseOps.compile`
-turns each chain into one Triton kernel with ``torch.compile`` (dynamic shapes, so one compile
-serves every token count). The math is the same as HF's (RMSNorm in float32, cast, then scale).
+Eager PyTorch runs a residual add and RMSNorm as ~9 kernels, RoPE as ~10 and SiLU-and-multiply
+as 2; at one token per sequence (decode) each is a few microseconds of launch and latency,
+~1.4 ms of a 7B decode step on an H200 (measured with benchmarks/scripts/profile_model.py).
+`PointwiseOps.compile` turns each chain into one Triton kernel with ``torch.compile``
+(dynamic shapes, so one compile serves every token count). The math is HF's: RMSNorm in
+float32, cast, then scaled.
 """
 
 from __future__ import annotations
@@ -22,6 +23,13 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
     return weight * x32.to(x.dtype)
+
+
+def add_rms_norm(x: Tensor, residual: Tensor, weight: Tensor, eps: float
+                 ) -> tuple[Tensor, Tensor]:
+    """(rms_norm(x + residual), x + residual): the residual add folded into the next norm."""
+    summed = x + residual  # in the activations' dtype, as HF adds
+    return rms_norm(summed, weight, eps), summed
 
 
 def rotate_half(x: Tensor) -> Tensor:
@@ -47,6 +55,7 @@ class PointwiseOps:
     """The functions a model's layers call for their elementwise work; one instance per model."""
 
     rms_norm: Callable[[Tensor, Tensor, float], Tensor] = rms_norm
+    add_rms_norm: Callable[[Tensor, Tensor, Tensor, float], tuple[Tensor, Tensor]] = add_rms_norm
     rotary_qk: Callable[[Tensor, Tensor, Tensor, Tensor], tuple[Tensor, Tensor]] = rotary_qk
     silu_mul: Callable[[Tensor], Tensor] = silu_mul
     compiled: bool = False
@@ -57,6 +66,7 @@ class PointwiseOps:
             return
         opts = {"dynamic": True, "fullgraph": True}
         self.rms_norm = torch.compile(rms_norm, **opts)  # type: ignore[call-overload]
+        self.add_rms_norm = torch.compile(add_rms_norm, **opts)  # type: ignore[call-overload]
         self.rotary_qk = torch.compile(rotary_qk, **opts)  # type: ignore[call-overload]
         self.silu_mul = torch.compile(silu_mul, **opts)  # type: ignore[call-overload]
         self.compiled = True

@@ -21,6 +21,10 @@ class RMSNorm(nn.Module):
         """x [..., dim] -> [..., dim]."""
         return self.ops.rms_norm(x, self.weight, self.eps)
 
+    def add_forward(self, x: Tensor, residual: Tensor) -> tuple[Tensor, Tensor]:
+        """``(norm(x + residual), x + residual)``, one fused kernel when compiled."""
+        return self.ops.add_rms_norm(x, residual, self.weight, self.eps)
+
 
 class SwiGLUMLP(nn.Module):
     """``down(silu(gate(x)) * up(x))`` with gate and up stacked in one ``gate_up_proj``.

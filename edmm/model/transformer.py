@@ -58,7 +58,12 @@ class Attention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """Pre-norm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``."""
+    """Pre-norm block: ``x + attn(norm(x))`` then ``x + mlp(norm(x))``.
+
+    The residual stream is carried separately, vLLM-style: each block returns its output and
+    the residual, and the next norm adds them (`RMSNorm.add_forward`), so the add fuses into
+    the norm's kernel. The arithmetic is HF's: the same adds in the same dtype.
+    """
 
     def __init__(self, cfg: ModelConfig, layer_idx: int, backend: AttentionBackend) -> None:
         super().__init__()
@@ -68,11 +73,23 @@ class DecoderLayer(nn.Module):
         self.mlp = SwiGLUMLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
 
     def forward(
-        self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor, meta: AttentionMetadata
-    ) -> Tensor:
-        """x [T, hidden] -> [T, hidden]."""
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, kv_cache, meta)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        self,
+        x: Tensor,
+        residual: Tensor | None,
+        cos: Tensor,
+        sin: Tensor,
+        kv_cache: Tensor,
+        meta: AttentionMetadata,
+    ) -> tuple[Tensor, Tensor]:
+        """x [T, hidden] (the previous block's output), residual [T, hidden] or None for the
+        first layer -> (this block's output, the residual stream before it), each [T, hidden]."""
+        if residual is None:
+            residual, h = x, self.input_layernorm(x)
+        else:
+            h, residual = self.input_layernorm.add_forward(x, residual)
+        h = self.self_attn(h, cos, sin, kv_cache, meta)
+        h, residual = self.post_attention_layernorm.add_forward(h, residual)
+        return self.mlp(h), residual
 
 
 class DecoderModel(nn.Module):
@@ -143,9 +160,12 @@ class CausalLM(nn.Module):
         meta = meta.to(input_ids.device)
         cos, sin = self.rotary(positions)  # [T, D] each
         h = self.model.embed_tokens(input_ids)  # [T, hidden]
+        residual: Tensor | None = None
         for layer in self.model.layers:
-            h = layer(h, cos, sin, kv_cache, meta)
-        return self.model.norm(h)
+            h, residual = layer(h, residual, cos, sin, kv_cache, meta)
+        if residual is None:  # a model with no layers
+            return self.model.norm(h)
+        return self.model.norm.add_forward(h, residual)[0]
 
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab]."""
