@@ -9,7 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
@@ -65,12 +65,10 @@ def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
         errors = exc.errors()
-        first = errors[0] if errors else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         message = "; ".join(_describe(e) for e in errors[:5]) or "invalid request body"
-        return JSONResponse(error_body(message, "invalid_request_error",
-                                       ".".join(loc) or None, "invalid_request"),
-                            status_code=400)
+        param = _param(errors[0].get("loc", ())) if errors else None
+        return JSONResponse(error_body(message, "invalid_request_error", param,
+                                       "invalid_request"), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
@@ -82,6 +80,20 @@ def _add_error_handlers(app: FastAPI) -> None:
         logger.exception("unhandled error on %s", request.url.path)
         return JSONResponse(error_body(f"internal error: {type(exc).__name__}",
                                        "internal_error"), status_code=500)
+
+
+def _param(loc: Sequence[Any]) -> str | None:
+    """The request parameter of an error location: the top-level field and the list indexes
+    right after it (``messages.2``); the message has the rest."""
+    parts = [p for p in loc if p != "body"]
+    if not parts or not isinstance(parts[0], str):
+        return None
+    head = [parts[0]]
+    for p in parts[1:]:
+        if not isinstance(p, int):
+            break
+        head.append(str(p))
+    return ".".join(head)
 
 
 def _describe(error: Any) -> str:

@@ -95,12 +95,21 @@ def _serve(state: ServerState) -> Iterator[LiveServer]:
         state.close()
 
 
+def _config(tiny_cache: Path) -> ServerConfig:
+    return ServerConfig(model=str(tiny_cache), served_model_name=MODEL,
+                        engine=dict(max_model_len=MAX_MODEL_LEN, max_num_seqs=8, num_slots=32))
+
+
 @pytest.fixture(scope="session")
 def server(tiny_cache: Path) -> Iterator[LiveServer]:
     """The server on the tiny model (execution-aware when the agent layer is available)."""
-    config = ServerConfig(model=str(tiny_cache), served_model_name=MODEL,
-                          engine=dict(max_model_len=MAX_MODEL_LEN, max_num_seqs=8, num_slots=32))
-    yield from _serve(ServerState(config))
+    yield from _serve(ServerState(_config(tiny_cache)))
+
+
+@pytest.fixture(scope="module")
+def fresh_server(tiny_cache: Path) -> Iterator[LiveServer]:
+    """A server of its own for a test module (tests that count what the engine keeps)."""
+    yield from _serve(ServerState(_config(tiny_cache)))
 
 
 @pytest.fixture

@@ -1,0 +1,137 @@
+"""`EngineLoop` on a fake engine: outputs, aborts, calls, failing steps, shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import threading
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from edmm.engine import CompletionOutput, RequestOutput
+from edmm.server.engine_loop import EngineLoop
+from edmm.server.errors import EngineStepError, ServiceUnavailableError
+
+
+class FakeEngine:
+    """Each queued request gets one token per step, and finishes after ``length`` tokens."""
+
+    def __init__(self, length: int = 3) -> None:
+        self.length = length
+        self.requests: dict[str, int] = {}
+        self.aborted: list[str] = []
+        self.fail_next = False
+        self.gate = threading.Event()
+        self.gate.set()
+
+    def add(self, request_id: str) -> None:
+        if request_id in self.requests:
+            raise ValueError(f"duplicate {request_id}")
+        self.requests[request_id] = 0
+
+    def step(self) -> list[RequestOutput]:
+        if not self.gate.is_set():  # paused: no progress
+            time.sleep(0.001)
+            return []
+        if self.fail_next:
+            self.fail_next = False
+            raise RuntimeError("boom")
+        outs = []
+        for rid in list(self.requests):
+            self.requests[rid] += 1
+            n = self.requests[rid]
+            done = n >= self.length
+            if done:
+                del self.requests[rid]
+            outs.append(RequestOutput(rid, None, [1], [CompletionOutput(
+                0, "x" * n, [7] * n, "length" if done else None)], done, 0))
+        return outs
+
+    def has_unfinished(self) -> bool:
+        return bool(self.requests)
+
+    def abort(self, request_id: str) -> bool:
+        self.aborted.append(request_id)
+        return self.requests.pop(request_id, None) is not None
+
+
+@pytest.fixture
+def loop() -> Iterator[EngineLoop[FakeEngine]]:
+    lp = EngineLoop(FakeEngine())
+    lp.start()
+    yield lp
+    lp.stop()
+
+
+async def _collect(lp: EngineLoop[FakeEngine], rid: str) -> list[str]:
+    _, stream = await lp.submit(rid, lambda e: e.add(rid))
+    return [out.outputs[0].text async for out in stream.outputs()]
+
+
+def test_outputs_stream_until_finished(loop: EngineLoop[FakeEngine]) -> None:
+    async def main() -> list[list[str]]:
+        return list(await asyncio.gather(*(_collect(loop, f"r{i}") for i in range(3))))
+
+    assert asyncio.run(main()) == [["x", "xx", "xxx"]] * 3
+
+
+def test_submit_error_is_raised_and_nothing_queued(loop: EngineLoop[FakeEngine]) -> None:
+    async def main() -> None:
+        loop.engine.gate.clear()
+        _, stream = await loop.submit("dup", lambda e: e.add("dup"))
+        with pytest.raises(ValueError, match="duplicate"):
+            await loop.submit("dup", lambda e: e.add("dup"))
+        loop.engine.gate.set()
+        assert [o.outputs[0].text async for o in stream.outputs()] == ["x", "xx", "xxx"]
+
+    asyncio.run(main())
+
+
+def test_leaving_early_aborts(loop: EngineLoop[FakeEngine]) -> None:
+    loop.engine.length = 1000
+
+    async def main() -> None:
+        _, stream = await loop.submit("long", lambda e: e.add("long"))
+        async with contextlib.aclosing(stream.outputs()) as outputs:
+            async for _ in outputs:
+                break  # the consumer leaves after one output
+        assert stream.aborted
+        await loop.run(lambda e: None)  # the abort command ran before this one
+
+    asyncio.run(main())
+    assert loop.engine.aborted == ["long"]
+    assert not loop.call(lambda e: e.has_unfinished()).result(5)
+
+
+def test_failing_step_fails_requests_and_loop_survives(loop: EngineLoop[FakeEngine]) -> None:
+    async def main() -> None:
+        loop.engine.gate.clear()
+        _, stream = await loop.submit("a", lambda e: e.add("a"))
+        loop.engine.fail_next = True
+        loop.engine.gate.set()
+        with pytest.raises(EngineStepError, match="boom"):
+            async for _ in stream.outputs():
+                pass
+        assert await _collect(loop, "b") == ["x", "xx", "xxx"]
+
+    asyncio.run(main())
+    assert loop.engine.aborted == ["a"] and loop.is_alive
+
+
+def test_stop_fails_pending_and_refuses_new_work() -> None:
+    lp = EngineLoop(FakeEngine(length=10**6))
+    lp.start()
+
+    async def main() -> None:
+        _, stream = await lp.submit("a", lambda e: e.add("a"))
+        lp.stop()
+        with pytest.raises(ServiceUnavailableError):
+            async for _ in stream.outputs():
+                pass
+        with pytest.raises(ServiceUnavailableError):
+            await lp.submit("b", lambda e: e.add("b"))
+
+    asyncio.run(main())
+    assert not lp.is_alive

@@ -1,0 +1,159 @@
+"""Execution-aware sessions over HTTP: awaiting tool, resume, extensions, partial output."""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any
+
+import httpx
+import openai
+import pytest
+from conftest import MODEL, LiveServer
+from test_openai_sdk import QUESTION, TOOLS, WEATHER
+
+RESULT = json.dumps({"temp": 21, "sky": "sunny"})
+
+
+@pytest.fixture
+def server(fresh_server: LiveServer) -> LiveServer:
+    """This module's own server: speculation competes with no other test's sessions."""
+    return fresh_server
+
+
+@pytest.fixture
+def client(server: LiveServer) -> openai.OpenAI:
+    """A client of this module's server."""
+    return server.client()
+
+
+def _state(server: LiveServer, session_id: str) -> str:
+    resp = httpx.get(f"{server.url}/v1/edmm/sessions/{session_id}")
+    assert resp.status_code == 200, resp.text
+    return str(resp.json()["state"])
+
+
+def _call(client: openai.OpenAI, **extra: Any) -> tuple[str, Any, Any]:
+    """A forced weather call: (session id, assistant message, usage)."""
+    resp = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=QUESTION, tools=[WEATHER], tool_choice="required",
+        parallel_tool_calls=False, temperature=0, max_tokens=100, **extra)
+    out = resp.parse()
+    assert out.choices[0].finish_reason == "tool_calls"
+    return resp.headers["x-session-id"], out.choices[0].message, out.usage
+
+
+def _resume(client: openai.OpenAI, message: Any, result: str = RESULT,
+            **extra: Any) -> tuple[str, Any]:
+    messages = [*QUESTION, message.model_dump(exclude_none=True),
+                *[{"role": "tool", "tool_call_id": c.id, "content": result}
+                  for c in message.tool_calls]]
+    resp = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=messages, tools=[WEATHER], temperature=0, max_tokens=4, **extra)
+    return resp.headers["x-session-id"], resp.parse().usage
+
+
+def _wait_speculation(server: LiveServer, timeout: float = 10.0) -> None:
+    """Let the tool window's speculative prefill run (the engine runs it in the background)."""
+    deadline = time.monotonic() + timeout
+    if not server.state.execution_aware:
+        return
+    while server.state.loop.call(lambda b: b.has_unfinished()).result():
+        assert time.monotonic() < deadline
+        time.sleep(0.02)
+
+
+def test_tool_call_awaits_and_results_resume(server: LiveServer,
+                                             client: openai.OpenAI) -> None:
+    resumes = server.metric("edmm_session_resumes_total")
+    session_id, message, first = _call(client)
+    assert _state(server, session_id) == "awaiting_tool"
+    _wait_speculation(server)
+    resumed_id, usage = _resume(client, message)  # no header: found by its tool call ids
+    assert resumed_id == session_id
+    assert _state(server, session_id) == "finished"
+    assert server.metric("edmm_session_resumes_total") == resumes + 1
+    assert usage.prompt_tokens_details.cached_tokens >= first.prompt_tokens - 1
+    assert server.metric("edmm_prefix_hit_tokens_total") > 0
+
+
+def test_speculation_prefills_the_next_prompt(server: LiveServer,
+                                              client: openai.OpenAI) -> None:
+    if not server.state.execution_aware:
+        pytest.skip("needs the agent layer")
+    outcomes = sum(server.metric("edmm_speculation_outcomes_total", outcome=o)
+                   for o in ("hit", "partial", "miss"))
+    result = json.dumps({"temp": 21, "nonce": uuid.uuid4().hex})  # never seen before
+    _, message, _ = _call(client, extra_body={"edmm": {
+        "predicted_tool_results": {"get_weather": result}, "expected_tool_duration_s": 0.5}})
+    _wait_speculation(server)
+    _, usage = _resume(client, message, result)
+    # The predicted result was exact: the whole prompt but its last token was prefilled.
+    assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - 1
+    after = sum(server.metric("edmm_speculation_outcomes_total", outcome=o)
+                for o in ("hit", "partial", "miss"))
+    assert after == outcomes + 1
+    assert server.metric("edmm_speculation_outcomes_total", outcome="hit") >= 1
+    assert server.metric("edmm_speculated_tokens_total") > 0
+
+
+def test_partial_tool_output(server: LiveServer, client: openai.OpenAI) -> None:
+    result = json.dumps({"temp": 21, "nonce": uuid.uuid4().hex})  # never seen before
+    session_id, message, _ = _call(client)
+    call_id = message.tool_calls[0].id
+    url = f"{server.url}/v1/edmm/sessions/{session_id}/tool_output"
+    for chunk in (result[:10], result[10:]):
+        resp = httpx.post(url, json={"tool_call_id": call_id, "content": chunk})
+        assert resp.status_code == 200, resp.text
+    unknown = httpx.post(url, json={"tool_call_id": "call_nope", "content": "x"})
+    assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "tool_call_id"
+    nobody = httpx.post(f"{server.url}/v1/edmm/sessions/nobody/tool_output",
+                        json={"tool_call_id": call_id, "content": "x"})
+    assert nobody.status_code == 404
+    bad = httpx.post(url, json={"content": "x"})
+    assert bad.status_code == 400
+    _wait_speculation(server)
+    resumed_id, usage = _resume(client, message, result)
+    assert resumed_id == session_id
+    if server.state.execution_aware:  # the streamed output was prefilled during the window
+        assert usage.prompt_tokens_details.cached_tokens >= usage.prompt_tokens - 16
+    late = httpx.post(url, json={"tool_call_id": call_id, "content": "x"})
+    assert late.status_code == 404  # the call is no longer pending
+
+
+def test_explicit_session_and_prefix_lookup(server: LiveServer, client: openai.OpenAI) -> None:
+    first = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=QUESTION, temperature=0, max_tokens=6,
+        extra_headers={"X-Session-Id": "my-session"})
+    assert first.headers["x-session-id"] == "my-session"
+    reply = first.parse().choices[0].message.content or ""
+    follow = [*QUESTION, {"role": "assistant", "content": reply},
+              {"role": "user", "content": "And tomorrow?"}]
+    second = client.chat.completions.with_raw_response.create(  # no header: by prefix
+        model=MODEL, messages=follow, temperature=0, max_tokens=4)
+    assert second.headers["x-session-id"] == "my-session"
+    assert second.parse().usage.prompt_tokens_details.cached_tokens > 0
+    by_body = client.chat.completions.with_raw_response.create(
+        model=MODEL, messages=QUESTION, temperature=0, max_tokens=2,
+        extra_body={"edmm": {"session_id": "body-session"}})
+    assert by_body.headers["x-session-id"] == "body-session"
+    assert _state(server, "body-session") == "finished"
+    assert httpx.get(f"{server.url}/v1/edmm/sessions/unknown").status_code == 404
+
+
+def test_sessions_by_state_metric(server: LiveServer, client: openai.OpenAI) -> None:
+    before = server.metric("edmm_sessions", state="awaiting_tool")
+    _call(client)
+    assert server.metric("edmm_sessions", state="awaiting_tool") == before + 1
+    assert server.metric("edmm_kv_pages_in_use") > 0
+    assert server.metric("edmm_kv_pages_total") >= server.metric("edmm_kv_pages_in_use")
+
+
+def test_bad_extension_is_400(server: LiveServer) -> None:
+    body = {"model": MODEL, "messages": QUESTION, "tools": TOOLS,
+            "edmm": {"expected_tool_duration_s": -1}}
+    resp = httpx.post(f"{server.url}/v1/chat/completions", json=body)
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "edmm"
+    body["edmm"] = {"unknown_hint": 1}
+    assert httpx.post(f"{server.url}/v1/chat/completions", json=body).status_code == 400
