@@ -207,14 +207,16 @@ class AgentEngine:
 
     def predict_tool_result(self, session_id: str, call_id: str, result: ToolContent, *,
                             position: int | None = None) -> None:
-        """Predict a pending call's result (inserted at token ``position`` of the context, or
-        where the layout puts it): the next prompt with it is prefilled in a branch.
+        """Predict a pending call's result, inserted at token ``position`` of the context (or
+        where the layout puts it; the position applies to this prediction only, not to the real
+        result): the next prompt with it is prefilled in a branch.
         Raises `UnknownToolCallError`, `InsertionPositionError`, `SessionStateError`."""
         window = self._window(session_id, call_id, "predict_tool_result")
         session = self._sessions[session_id]
         if position is not None:
             self._check_position(session, position)
-            window.renderer = window.renderer.with_positions({call_id: position})
+            window.renderer.with_positions({call_id: position})  # a template cannot
+            window.predicted_positions[call_id] = position
         window.predictions[call_id] = result
         self._run_sources(session, lambda src: src.on_predict(window, call_id))
 

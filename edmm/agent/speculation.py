@@ -32,6 +32,7 @@ class ToolWindow:
     deadline: float  # clock time after which the session is abandoned
     expected_s: float | None = None  # predicted tool duration
     predictions: dict[str, ToolContent] = field(default_factory=dict)  # call id -> result
+    predicted_positions: dict[str, int] = field(default_factory=dict)  # where they would go
     streamed: dict[str, ToolContent] = field(default_factory=dict)  # call id -> output so far
     branches: set[str] = field(default_factory=set)  # keys of the speculations started
 
@@ -108,7 +109,8 @@ class PredictedSource(SpeculationSource):
     def _speculate(self, window: ToolWindow) -> list[Speculation]:
         if not window.predictions:
             return []
-        return [Speculation(self.name, window.renderer.render(window.predictions))]
+        renderer = window.renderer.with_positions(window.predicted_positions)
+        return [Speculation(self.name, renderer.render(window.predictions))]
 
 
 def _known_before(window: ToolWindow, call_id: str,
