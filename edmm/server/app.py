@@ -146,6 +146,11 @@ def _add_edmm_routes(app: FastAPI, state: ServerState) -> None:
         return JSONResponse({"id": session_id, "object": "edmm.session",
                              "state": found.name.lower()})
 
+    @app.delete("/v1/edmm/sessions/{session_id}")
+    async def close_session(session_id: str) -> JSONResponse:
+        await state.loop.run(lambda b: b.close(session_id))
+        return JSONResponse({"id": session_id, "object": "edmm.session", "deleted": True})
+
     @app.post("/v1/edmm/sessions/{session_id}/tool_output")
     async def tool_output(session_id: str, body: ToolOutputRequest) -> JSONResponse:
         await state.loop.run(

@@ -171,6 +171,19 @@ class SessionBackend(abc.ABC):
                                 param="tool_call_id")
         self._feed(session_id, call_id, chunk)
 
+    def close(self, session_id: str) -> None:
+        """Forget a session and release the KV the engine keeps for it (404 if unknown,
+        409 while it generates)."""
+        record = self._sessions.get(session_id)
+        if record is None:
+            raise NotFoundError(f"no session {session_id!r}", param="session_id")
+        if record.state in _BUSY:
+            raise ConflictError(f"session {session_id!r} is generating", param="session_id",
+                                code="session_busy")
+        del self._sessions[session_id]
+        self._forget_calls(record)
+        self._drop(session_id)
+
     def session_state(self, session_id: str) -> SessionState:
         """A session's state (`NotFoundError` if unknown)."""
         record = self._sessions.get(session_id)

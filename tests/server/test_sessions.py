@@ -157,3 +157,15 @@ def test_bad_extension_is_400(server: LiveServer) -> None:
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "edmm"
     body["edmm"] = {"unknown_hint": 1}
     assert httpx.post(f"{server.url}/v1/chat/completions", json=body).status_code == 400
+
+
+def test_close_session_releases_it(server: LiveServer, client: openai.OpenAI) -> None:
+    session_id, message, _ = _call(client)
+    url = f"{server.url}/v1/edmm/sessions/{session_id}"
+    assert httpx.delete(url).json() == {"id": session_id, "object": "edmm.session",
+                                        "deleted": True}
+    assert httpx.get(url).status_code == 404
+    assert httpx.delete(url).status_code == 404
+    resumed_id, _ = _resume(client, message)  # the conversation goes on in a new session
+    assert resumed_id != session_id
+    server.state.loop.call(lambda b: b.engine.check_integrity()).result(10)
