@@ -197,7 +197,10 @@ class EngineLoop(Generic[E]):
                 if command is None:
                     self._stopping = True
                     return
-                command()
+                try:
+                    command()
+                except Exception:  # commands report their own errors; this is a bug
+                    logger.exception("engine command failed")
                 command = self._commands.get_nowait()
         except queue.Empty:
             return
@@ -220,6 +223,8 @@ class EngineLoop(Generic[E]):
 
     def _submit(self, stream: _Stream, submit: Callable[[E], T],
                 future: concurrent.futures.Future[T]) -> None:
+        if not future.set_running_or_notify_cancel():
+            return  # the caller left before its request was queued
         try:
             result = submit(self.engine)
         except Exception as e:

@@ -7,6 +7,7 @@ into OpenAI responses or server-sent-event chunks.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import json
 import uuid
@@ -157,33 +158,36 @@ class OpenAIServing:
                               usage=self._usage(turn.engine_request, turn.last))
 
     async def chat_stream(self, turn: ChatTurn) -> AsyncIterator[str]:
-        """Run a queued chat turn as server-sent events (aborted if the client leaves)."""
+        """Run a queued chat turn as server-sent events (aborted if the client leaves); an
+        error after the stream started is sent as an error event."""
+        try:
+            async for event in self._chat_events(turn):
+                yield event
+        except APIError as e:
+            yield sse(e.body())
+        yield SSE_DONE
+
+    async def _chat_events(self, turn: ChatTurn) -> AsyncIterator[str]:
         yield self._chunk(turn, ChatDelta(role="assistant", content=""))
         parser = StreamingToolParser() if turn.parse_tools else None
         sent = 0
-        try:
-            async for out in self._outputs(turn.stream):
-                turn.last = out
-                text = _stable_text(out, turn.engine_request.params.stop)
-                delta, sent = self._chat_delta(turn, parser, text, sent)
-                if delta is not None:
-                    yield self._chunk(turn, delta)
-        except APIError as e:
-            yield sse(e.body())
-            yield SSE_DONE
-            return
-        final = turn.last.outputs[0].text if turn.last is not None else ""
-        rest = parser.finish(final) if parser is not None else final[sent:]
-        if rest:
-            turn.content += rest
-            yield self._chunk(turn, ChatDelta(content=rest))
+        async for out in self._outputs(turn.stream):
+            turn.last = out
+            text = _stable_text(out, turn.engine_request.params.stop)  # all of it at the end
+            delta, sent = self._chat_delta(turn, parser, text, sent)
+            if delta is not None:
+                yield self._chunk(turn, delta)
+        if parser is not None and turn.last is not None:
+            rest = parser.finish(turn.last.outputs[0].text)  # an unclosed or invalid block
+            if rest:
+                turn.content += rest
+                yield self._chunk(turn, ChatDelta(content=rest))
         finish = await self._finish_chat(turn, turn.content or None)
         yield self._chunk(turn, ChatDelta(), finish)
         opts = turn.request.stream_options
         if opts is not None and opts.include_usage:
             yield sse(ChatCompletionChunk(id=turn.id, model=self.model_name, choices=[],
                                           usage=self._usage(turn.engine_request, turn.last)))
-        yield SSE_DONE
 
     def _chat_delta(self, turn: ChatTurn, parser: StreamingToolParser | None, text: str,
                     sent: int) -> tuple[ChatDelta | None, int]:
@@ -219,15 +223,18 @@ class OpenAIServing:
         out = turn.last
         assert out is not None
         completion = out.outputs[0]
-        ext = turn.request.edmm
-        end = TurnEnd(
-            session_id=turn.session_id, request_id=turn.engine_request.request_id,
-            context=[*out.prompt_token_ids, *completion.token_ids],
-            num_cached_tokens=out.num_cached_tokens, tool_calls=turn.calls,
-            messages=[*turn.messages, assistant_message(content, turn.calls)],
-            tools=turn.tools, expected_duration_s=ext.expected_tool_duration_s if ext else None,
-            predictions=ext.predicted_tool_results if ext else {})
-        await self.loop.run(lambda b: b.end(end))
+        if turn.calls:
+            ext = turn.request.edmm
+            end = TurnEnd(
+                session_id=turn.session_id, request_id=turn.engine_request.request_id,
+                tool_calls=turn.calls,
+                messages=[*turn.messages, assistant_message(content, turn.calls)],
+                tools=turn.tools,
+                expected_duration_s=ext.expected_tool_duration_s if ext else None,
+                predictions=ext.predicted_tool_results if ext else {})
+            # Shielded: once the reply exists its session must await the calls, even if the
+            # client leaves now.
+            await asyncio.shield(self.loop.run(lambda b: b.end(end)))
         reason = "tool_calls" if turn.calls else _reason(completion.finish_reason)
         self._count_finished(turn.engine_request, out, reason)
         return reason
@@ -280,16 +287,20 @@ class OpenAIServing:
                          queued: list[tuple[Request, OutputStream]]) -> Completion:
         """Run queued prompts to the end: one choice per prompt."""
         choices, usage = [], Usage.of(0, 0, 0)
-        for index, (request, stream) in enumerate(queued):
-            last = None
-            async for out in self._outputs(stream):
-                last = out
-            assert last is not None
-            reason = _reason(last.outputs[0].finish_reason)
-            self._count_finished(request, last, reason)
-            choices.append(CompletionChoice(index=index, text=last.outputs[0].text,
-                                            finish_reason=reason))
-            usage = _add_usage(usage, self._usage(request, last))
+        try:
+            for index, (request, stream) in enumerate(queued):
+                last = None
+                async for out in self._outputs(stream):
+                    last = out
+                assert last is not None
+                reason = _reason(last.outputs[0].finish_reason)
+                self._count_finished(request, last, reason)
+                choices.append(CompletionChoice(index=index, text=last.outputs[0].text,
+                                                finish_reason=reason))
+                usage = _add_usage(usage, self._usage(request, last))
+        finally:  # an error or a client that left: the other prompts stop too
+            for _, stream in queued:
+                stream.abort()
         return Completion(id=random_id("cmpl"), model=self.model_name, choices=choices,
                           usage=usage)
 

@@ -55,13 +55,11 @@ class Turn:
 
 @dataclass(frozen=True)
 class TurnEnd:
-    """How a turn ended: its tool calls (if any) and what speculation needs to know."""
+    """A turn that ended in tool calls, and what speculation needs to know."""
 
     session_id: str
     request_id: str
-    context: list[int]  # prompt + output token ids
-    num_cached_tokens: int = 0  # prompt tokens whose KV was reused
-    tool_calls: Sequence[ParsedToolCall] = ()
+    tool_calls: Sequence[ParsedToolCall]
     messages: Sequence[Mapping[str, Any]] = ()  # the conversation incl. the assistant message
     tools: Sequence[Mapping[str, Any]] | None = None
     expected_duration_s: float | None = None
@@ -88,7 +86,8 @@ class _Record:
     state: SessionState
     prompt: list[int] = field(default_factory=list)  # the last turn's prompt
     context: list[int] = field(default_factory=list)  # the last finished turn's prompt + output
-    request_id: str | None = None
+    request_id: str | None = None  # the running turn's request
+    finished_request_id: str | None = None  # the last finished turn's request
     pending: set[str] = field(default_factory=set)  # tool call ids awaiting results
 
 
@@ -105,9 +104,14 @@ class SessionBackend(abc.ABC):
         self._stats = SessionStats()
 
     # ------------------------------------------------------------------ engine protocol
-    @abc.abstractmethod
     def step(self) -> list[RequestOutput]:
-        """One engine step."""
+        """One engine step; a finished turn's session is FINISHED at once (whether or not its
+        client is still there to call `end`)."""
+        outputs = self._step()
+        for out in outputs:
+            if out.finished and out.request_id in self._by_request:
+                self._turn_finished(out)
+        return outputs
 
     @abc.abstractmethod
     def has_unfinished(self) -> bool:
@@ -144,16 +148,13 @@ class SessionBackend(abc.ABC):
         return session_id
 
     def end(self, end: TurnEnd) -> None:
-        """Record a finished turn; with tool calls the session awaits them."""
-        self._by_request.pop(end.request_id, None)
-        repeated = self._repeated.pop(end.request_id, 0)
-        self._stats.recomputed_tokens += max(0, repeated - end.num_cached_tokens)
+        """A finished turn ended in tool calls: its session awaits them (speculation starts).
+
+        Ignored if the session moved on (closed, or a newer turn started meanwhile).
+        """
         record = self._sessions.get(end.session_id)
-        if record is None:
-            return
-        record.request_id, record.context = None, list(end.context)
-        record.state = SessionState.FINISHED
-        if not end.tool_calls:
+        if (not end.tool_calls or record is None or record.state != SessionState.FINISHED
+                or record.finished_request_id != end.request_id):
             return
         self._await(end)
         record.state = SessionState.AWAITING_TOOL
@@ -210,6 +211,16 @@ class SessionBackend(abc.ABC):
         self._stats.cached_tokens += cached_tokens
 
     # ------------------------------------------------------------------ lookup
+    def _turn_finished(self, out: RequestOutput) -> None:
+        session_id = self._by_request.pop(out.request_id)
+        repeated = self._repeated.pop(out.request_id, 0)
+        self._stats.recomputed_tokens += max(0, repeated - out.num_cached_tokens)
+        record = self._sessions.get(session_id)
+        if record is not None and record.request_id == out.request_id:
+            record.context = [*out.prompt_token_ids, *out.outputs[0].token_ids]
+            record.state, record.request_id = SessionState.FINISHED, None
+            record.finished_request_id = out.request_id
+
     def _lookup(self, turn: Turn) -> tuple[str, _Record | None]:
         if turn.session_id is not None:
             record = self._sessions.get(turn.session_id)
@@ -259,6 +270,10 @@ class SessionBackend(abc.ABC):
 
     # ------------------------------------------------------------------ backend hooks
     @abc.abstractmethod
+    def _step(self) -> list[RequestOutput]:
+        """One step of the engine."""
+
+    @abc.abstractmethod
     def _queue(self, session_id: str, turn: Turn, resumed: bool) -> None:
         """Queue the turn's request in the engine."""
 
@@ -302,7 +317,7 @@ def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 class PlainSessions(SessionBackend):
     """Sessions over a plain `Engine`: bookkeeping and prefix-cache reuse, no speculation."""
 
-    def step(self) -> list[RequestOutput]:
+    def _step(self) -> list[RequestOutput]:
         return self.engine.step()
 
     def has_unfinished(self) -> bool:
@@ -342,7 +357,7 @@ class AgentSessions(SessionBackend):
         self.agent = agent
         self._folded: Counter[str] = Counter()  # counters of sessions already forgotten
 
-    def step(self) -> list[RequestOutput]:
+    def _step(self) -> list[RequestOutput]:
         return self.agent.step()
 
     def has_unfinished(self) -> bool:

@@ -1,0 +1,60 @@
+"""``python -m edmm.server`` (what ``edmm serve`` runs): options, start, serve, clean exit."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from edmm.server.cli import build_parser, config_from_args
+
+
+def test_options_map_to_the_config() -> None:
+    args = build_parser().parse_args(["--model", "qwen2.5-7b", "--device", "cuda", "--port",
+                                      "9000", "--max-model-len", "4096",
+                                      "--no-execution-aware"])
+    config = config_from_args(args)
+    assert (config.model, config.device, config.host, config.port) == (
+        "qwen2.5-7b", "cuda", "127.0.0.1", 9000)
+    assert config.engine == {"max_model_len": 4096} and not config.execution_aware
+    assert config.model_name == "qwen2.5-7b"
+    assert config_from_args(build_parser().parse_args([])).model_name == "edmm-tiny"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_serve_starts_answers_and_stops_on_sigint(tiny_cache: Path) -> None:
+    port = _free_port()
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "edmm.server", "--model", str(tiny_cache), "--port", str(port),
+         "--served-model-name", "tiny", "--max-model-len", "512", "--log-level", "warning"],
+        env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert proc.poll() is None, proc.stdout.read() if proc.stdout else ""
+            assert time.monotonic() < deadline, "the server did not come up"
+            try:
+                if httpx.get(f"http://127.0.0.1:{port}/health").status_code == 200:
+                    break
+            except httpx.TransportError:
+                time.sleep(0.1)
+        models = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()
+        assert [m["id"] for m in models["data"]] == ["tiny"]
+        proc.send_signal(signal.SIGINT)
+        assert proc.wait(timeout=30) == 0
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
