@@ -19,6 +19,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from edmm.server.engine_loop import OutputStream
 from edmm.server.errors import APIError, error_body
 from edmm.server.protocol import (
     ChatCompletion,
@@ -125,8 +126,8 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
         turn = await serving.start_chat(body, x_session_id)
         headers = {SESSION_HEADER: turn.session_id}
         if body.stream:
-            return StreamingResponse(serving.chat_stream(turn), media_type="text/event-stream",
-                                     headers=headers)
+            return EventStreamResponse(serving.chat_stream(turn), [turn.stream],
+                                       headers=headers)
         result = await _until_disconnected(request, serving.chat_completion(turn))
         return _json(result, headers)
 
@@ -134,8 +135,8 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
     async def completions(body: CompletionRequest, request: Request) -> Response:
         queued = await serving.start_completion(body)
         if body.stream:
-            return StreamingResponse(serving.completion_stream(body, queued),
-                                     media_type="text/event-stream")
+            return EventStreamResponse(serving.completion_stream(body, queued),
+                                       [stream for _, stream in queued])
         return _json(await _until_disconnected(request, serving.completion(body, queued)))
 
 
@@ -157,6 +158,23 @@ def _add_edmm_routes(app: FastAPI, state: ServerState) -> None:
             lambda b: b.feed_tool_output(session_id, body.tool_call_id, body.content))
         return JSONResponse({"id": session_id, "object": "edmm.tool_output",
                              "tool_call_id": body.tool_call_id, "accepted": len(body.content)})
+
+
+class EventStreamResponse(StreamingResponse):
+    """Server-sent events of engine requests, which are aborted however the response ends
+    (even when the client leaves before the first event, and the body never starts)."""
+
+    def __init__(self, events: AsyncIterator[str], streams: Sequence[OutputStream],
+                 headers: dict[str, str] | None = None) -> None:
+        super().__init__(events, media_type="text/event-stream", headers=headers)
+        self._streams = streams
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            for stream in self._streams:
+                stream.abort()  # no-op for a finished request
 
 
 def _json(result: ChatCompletion | Completion | Response,

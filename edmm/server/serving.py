@@ -89,11 +89,6 @@ class ChatTurn:
     content: str = ""  # content sent so far (streaming)
     calls: list[ParsedToolCall] = field(default_factory=list)
 
-    @property
-    def prompt_len(self) -> int:
-        """Prompt tokens."""
-        return len(self.engine_request.prompt_token_ids)
-
 
 class OpenAIServing:
     """Chat and text completions over an `EngineLoop` running a `SessionBackend`."""
@@ -251,11 +246,12 @@ class OpenAIServing:
         fmt = req.response_format
         if fmt is None or fmt.type == "text":
             return []
-        schema = fmt.json_schema.schema_ if fmt.type == "json_schema" and fmt.json_schema else None
-        if fmt.type == "json_schema" and fmt.json_schema is None:
+        if fmt.type == "json_object":
+            return [self._guided().json_schema(None)]
+        if fmt.json_schema is None:
             raise BadRequestError("response_format json_schema needs a json_schema",
                                   param="response_format")
-        return [self._guided().json_schema(schema)]
+        return [self._guided().json_schema(fmt.json_schema.schema_)]
 
     def _guided(self) -> GuidedDecoding:
         if self.guided is None:
