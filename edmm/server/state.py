@@ -3,19 +3,17 @@
 from __future__ import annotations
 
 import copy
-import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from edmm.agent import AgentEngine
 from edmm.engine import Engine, EngineConfig
 from edmm.server.engine_loop import EngineLoop
 from edmm.server.guided import GuidedDecoding
 from edmm.server.metrics import ServerMetrics
 from edmm.server.serving import OpenAIServing
 from edmm.server.sessions import AgentSessions, PlainSessions, SessionBackend
-
-logger = logging.getLogger(__name__)
 
 TINY_MODEL_NAME = "edmm-tiny"
 
@@ -88,14 +86,7 @@ class ServerState:
 def _backend(engine: Engine, execution_aware: bool) -> SessionBackend:
     if not execution_aware:
         return PlainSessions(engine)
-    from edmm.agent import AgentEngine
-
-    try:
-        return AgentSessions(AgentEngine(engine), engine)
-    except NotImplementedError:
-        logger.warning("edmm.agent.AgentEngine is not implemented yet; serving without "
-                       "execution awareness (prefix caching only)")
-        return PlainSessions(engine)
+    return AgentSessions(AgentEngine(engine), engine)
 
 
 def _guided(engine: Engine, tokenizer: Any) -> GuidedDecoding | None:

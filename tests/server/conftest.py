@@ -95,8 +95,9 @@ def _serve(state: ServerState) -> Iterator[LiveServer]:
         state.close()
 
 
-def _config(tiny_cache: Path) -> ServerConfig:
+def _config(tiny_cache: Path, execution_aware: bool = True) -> ServerConfig:
     return ServerConfig(model=str(tiny_cache), served_model_name=MODEL,
+                        execution_aware=execution_aware,
                         engine=dict(max_model_len=MAX_MODEL_LEN, max_num_seqs=8, num_slots=32))
 
 
@@ -106,10 +107,11 @@ def server(tiny_cache: Path) -> Iterator[LiveServer]:
     yield from _serve(ServerState(_config(tiny_cache)))
 
 
-@pytest.fixture(scope="module")
-def fresh_server(tiny_cache: Path) -> Iterator[LiveServer]:
-    """A server of its own for a test module (tests that count what the engine keeps)."""
-    yield from _serve(ServerState(_config(tiny_cache)))
+@pytest.fixture(scope="module", params=[True, False], ids=["agent", "plain"])
+def fresh_server(request: pytest.FixtureRequest, tiny_cache: Path) -> Iterator[LiveServer]:
+    """A server of its own for a test module (tests that count what the engine keeps), with
+    the agent layer and without it (``--no-execution-aware``)."""
+    yield from _serve(ServerState(_config(tiny_cache, execution_aware=request.param)))
 
 
 @pytest.fixture
