@@ -169,3 +169,16 @@ def test_close_session_releases_it(server: LiveServer, client: openai.OpenAI) ->
     resumed_id, _ = _resume(client, message)  # the conversation goes on in a new session
     assert resumed_id != session_id
     server.state.loop.call(lambda b: b.engine.check_integrity()).result(10)
+
+
+def test_recomputed_tokens_count_a_lost_context(server: LiveServer,
+                                                client: openai.OpenAI) -> None:
+    if server.state.execution_aware:
+        pytest.skip("the agent layer owns its retained KV; dropping it is a plain-engine test")
+    before = server.metric("edmm_recomputed_tokens_total")
+    _, message, first = _call(client)
+    server.state.loop.call(lambda b: b.engine.reset_prefix_cache()).result(10)  # evicted
+    _, usage = _resume(client, message)
+    assert usage.prompt_tokens_details.cached_tokens == 0
+    recomputed = server.metric("edmm_recomputed_tokens_total") - before
+    assert recomputed >= first.prompt_tokens  # the whole first turn was computed again
