@@ -9,7 +9,7 @@ import asyncio
 from typing import Literal
 
 import pytest
-from conftest import MODEL, LiveServer
+from server_helpers import MODEL, LiveServer
 
 agents = pytest.importorskip("agents")
 

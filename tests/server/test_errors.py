@@ -7,7 +7,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from conftest import MAX_MODEL_LEN, MODEL, LiveServer
+from server_helpers import MAX_MODEL_LEN, MODEL, LiveServer
 
 USER = [{"role": "user", "content": "hi"}]
 TOOL = {"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}

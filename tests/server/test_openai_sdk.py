@@ -7,38 +7,7 @@ from typing import Any
 
 import httpx
 import openai
-from conftest import MODEL, LiveServer
-
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "description": "Current weather of a city.",
-        "parameters": {
-            "type": "object",
-            "properties": {"city": {"type": "string", "enum": ["Paris", "London", "Tokyo"]},
-                           "unit": {"type": "string", "enum": ["celsius", "fahrenheit"]}},
-            "required": ["city", "unit"],
-            "additionalProperties": False,
-        },
-    },
-}
-CALCULATOR = {
-    "type": "function",
-    "function": {
-        "name": "calculator",
-        "parameters": {
-            "type": "object",
-            "properties": {"op": {"type": "string", "enum": ["add", "mul"]},
-                           "x": {"type": "boolean"}},
-            "required": ["op", "x"],
-            "additionalProperties": False,
-        },
-    },
-}
-TOOLS: list[Any] = [WEATHER, CALCULATOR]
-QUESTION = [{"role": "system", "content": "You are a helpful assistant."},
-            {"role": "user", "content": "What is the weather in Paris today?"}]
+from server_helpers import MODEL, QUESTION, TOOLS, LiveServer
 
 
 def _check_call(call: Any, names: set[str]) -> dict[str, Any]:

@@ -6,7 +6,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 
 import httpx
-from conftest import MODEL, LiveServer
+from server_helpers import MODEL, LiveServer
 
 USER = [{"role": "user", "content": "Tell me a long story about a robot."}]
 LONG: dict[str, object] = {"model": MODEL, "messages": USER, "max_tokens": 1500,

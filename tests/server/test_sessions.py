@@ -10,8 +10,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from conftest import MODEL, LiveServer
-from test_openai_sdk import QUESTION, TOOLS, WEATHER
+from server_helpers import MODEL, QUESTION, TOOLS, WEATHER, LiveServer
 
 RESULT = json.dumps({"temp": 21, "sky": "sunny"})
 
