@@ -39,6 +39,11 @@ def build_parser() -> argparse.ArgumentParser:
     doctor = sub.add_parser("doctor", help="which VMM backend is usable here, and why")
     doctor.add_argument("--device-index", type=int, default=0)
 
+    from edmm.server import cli as server_cli
+
+    serve = sub.add_parser("serve", help="OpenAI-compatible server (default: the tiny model)")
+    server_cli.add_arguments(serve)
+
     bench = sub.add_parser("bench", help="benchmarks (results stamped with device and date)")
     bsub = bench.add_subparsers(dest="bench", required=True)
     vmm = bsub.add_parser("vmm", help="VMM page costs, branch and commit, copy baseline")
@@ -64,6 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
                       help="EDMM with reference SDPA attention and no CUDA graphs")
     ttft.add_argument("--out", type=Path, default=None)
     return parser
+
+
+@_command("serve")
+def _serve(args: argparse.Namespace) -> int:
+    from edmm.server import cli as server_cli
+
+    return server_cli.run(args)
 
 
 @_command("doctor")
