@@ -189,6 +189,11 @@ class Engine:
         """Free the cache entries tagged with any of ``tags``; return how many."""
         return self.prefix_cache.discard(tags)
 
+    def untag(self, tags: Iterable[str], rank: EntryRank) -> int:
+        """Turn the entries tagged with any of ``tags`` into plain entries of ``rank`` (no
+        memory touched: freed lazily, under pressure); return how many."""
+        return self.prefix_cache.untag(tags, rank)
+
     def abort(self, request_id: str) -> bool:
         """Stop a request and release its memory; False if it is unknown or finished."""
         self._states.pop(request_id, None)
@@ -206,11 +211,10 @@ class Engine:
             if self.has_unfinished() and not batch.preempted:
                 raise SchedulerStallError(
                     f"{len(self.scheduler.waiting)} waiting request(s) cannot be admitted")
+            self.arena.reclaim()  # idle: release slots retired by zero-copy commits
             return []
         sampled = self.runner.execute(batch)
-        outputs = [self._process(seq) for seq in self.scheduler.update(batch, sampled)]
-        self.arena.reclaim()  # slots retired by zero-copy commits, off the critical path
-        return outputs
+        return [self._process(seq) for seq in self.scheduler.update(batch, sampled)]
 
     def _process(self, seq: Seq) -> RequestOutput:
         """Detokenize a sequence's new token and finish it if it stops here."""
@@ -229,7 +233,8 @@ class Engine:
 
     # ------------------------------------------------------------------ memory
     def reset_prefix_cache(self) -> int:
-        """Free every prefix-cache entry; return how many."""
+        """Free every prefix-cache entry (and slots retired by commits); return how many."""
+        self.arena.reclaim()
         return self.prefix_cache.clear()
 
     def check_integrity(self) -> None:
@@ -269,6 +274,10 @@ class Engine:
         elif not isinstance(prompt, Sequence):
             raise InvalidRequestError(f"prompt must be text or token ids, got {type(prompt)}")
         vocab = self.model_config.vocab_size
+        if set(map(type, prompt)) == {int}:  # the common case, checked at C speed
+            ints: list[int] = list(prompt)  # type: ignore[arg-type]
+            if min(ints) >= 0 and max(ints) < vocab:
+                return text, ints
         ids: list[int] = []
         for t in prompt:
             tok = _token_id(t)

@@ -37,6 +37,10 @@ from dataclasses import dataclass, field
 from edmm.memory import KVArena, KVMemoryError
 
 _CHAIN_SEED = 0x45444D4D  # "EDMM": the hash chain's value before the first block
+# Driver costs per 2 MiB page measured on an H200 (DESIGN.md): they decide whether a claimed
+# entry is truncated in place (unmaps its tail) or branched from (maps its full prefix pages).
+UNMAP_PAGE_US = 40.0
+MAP_PAGE_US = 28.0
 
 
 class EntryRank(enum.IntEnum):
@@ -159,6 +163,15 @@ class PrefixCache:
             self._lru[slot].rank, self._lru[slot].priority = rank, priority
         return len(slots)
 
+    def untag(self, tags: Iterable[str], rank: EntryRank) -> int:
+        """Make the entries tagged with any of ``tags`` plain untagged entries of ``rank`` (no
+        memory is touched: stale but valid KV, reusable by lookups, evicted in turn)."""
+        wanted = set(tags)
+        slots = [slot for slot, e in self._lru.items() if e.tag in wanted]
+        for slot in slots:
+            self._lru[slot] = _Entry(None, rank)
+        return len(slots)
+
     def discard(self, tags: Iterable[str]) -> int:
         """Free every entry tagged with one of ``tags``; return how many."""
         wanted = set(tags)
@@ -201,15 +214,19 @@ class PrefixCache:
         An untagged entry that the new sequence extends entirely is adopted: its slot becomes
         the sequence's (no copy, no new slot) and stays indexed as a live source. An entry
         tagged with one of ``claim`` (or ``own_tag``) that matches at least as far as any
-        source is adopted even on a partial match, truncated after it; the entries tagged
-        ``own_tag`` that it supersedes are retired by `KVArena.commit` (zero-copy commit).
+        source is adopted even on a partial match, truncated after it (or branched from, when
+        unmapping its tail would cost more driver time than mapping the prefix); the entries
+        tagged ``own_tag`` that an adopted one supersedes are retired by `KVArena.commit`
+        (zero-copy commit).
         Otherwise the slot is `KVArena.branch` of the source: shared full pages, one copied
         boundary page. Raises `NoFreeSlotError` / `PoolExhaustedError` from the branch
         (nothing changed); the caller may `evict_one` and retry.
         """
-        found = self.lookup(tokens, max_tokens)
         tags = set(claim) | ({own_tag} if own_tag is not None else set())
         claimed = self._best_claimed(tokens, max_tokens, tags, own_tag)
+        if claimed is not None and claimed[1] >= min(len(tokens), max_tokens):
+            return self._adopt(claimed[0], claimed[1], own_tag)  # nothing can match more
+        found = self.lookup(tokens, max_tokens)
         if claimed is not None and claimed[1] > 0 and (found is None or claimed[1] >= found[1]):
             return self._adopt(claimed[0], claimed[1], own_tag)
         if found is None:
@@ -289,9 +306,14 @@ class PrefixCache:
 
     def _adopt(self, slot: int, n: int, own_tag: str | None) -> PrefixHit:
         """Adopt claimed entry ``slot`` truncated to ``n`` tokens; retire the own-tagged
-        entries it supersedes (`KVArena.commit`: an index swap, no copy, no driver call)."""
-        entry = self._lru.pop(slot)
+        entries it supersedes (`KVArena.commit`: an index swap, no copy, no driver call).
+        When its tail is long, branch from it instead (the entry stays)."""
         held = self._sources[slot].num_tokens
+        if self._branch_is_cheaper(slot, n):
+            new = self.arena.branch(slot, n)
+            self._lru.move_to_end(slot)
+            return PrefixHit(new, n, slot, self._lru[slot].tag, held)
+        entry = self._lru.pop(slot)
         committed: list[int] = []
         if own_tag is not None and entry.tag != own_tag:
             for old in self.tagged(own_tag):
@@ -303,6 +325,13 @@ class PrefixCache:
             self.arena.truncate(slot, n)
             self._shrink(slot, n)
         return PrefixHit(slot, n, slot, entry.tag, held, tuple(committed))
+
+    def _branch_is_cheaper(self, slot: int, n: int) -> bool:
+        """True when truncating ``slot`` to ``n`` tokens would unmap more (driver time) than a
+        branch of it at ``n`` maps."""
+        tail = len(self.arena.slot_pages(slot)) - self.arena.pages_for(n)
+        prefix = n * self.arena.spec.token_bytes // self.arena.page_size
+        return tail * UNMAP_PAGE_US > prefix * MAP_PAGE_US
 
     def _shrink(self, slot: int, num_tokens: int) -> None:
         """Forget the tokens of source ``slot`` past ``num_tokens`` (after a truncate)."""

@@ -286,6 +286,7 @@ class Scheduler:
         for its next chunk; return the chunk's size, or 0 (sequence unchanged) if memory is
         short even with the prefix cache empty."""
         while True:
+            hit = None
             try:
                 hit = self._assign_slot(seq)
                 assert seq.slot is not None
@@ -295,7 +296,7 @@ class Scheduler:
                 return n
             except (NoFreeSlotError, PoolExhaustedError):
                 if seq.slot is not None:
-                    self._release_slot(seq)  # an adopted entry goes back to the cache
+                    self._unassign(seq, hit)
                 if not self._make_room():
                     return 0
 
@@ -308,12 +309,12 @@ class Scheduler:
                 hit = self._assign_slot(seq)
                 break
             except (NoFreeSlotError, PoolExhaustedError):
-                if not self.prefix_cache.evict_one(EntryRank.SPECULATIVE):
+                if not self._free_for_speculation():
                     return None
         want = min(seq.num_uncomputed_tokens, budget)
         chunk = self._map_speculation(seq, want) if want else 0
         if want and not chunk:
-            self._release_slot(seq)
+            self._unassign(seq, hit)
             return None
         self._record_admission(seq, hit)
         return chunk
@@ -325,7 +326,7 @@ class Scheduler:
         start = seq.num_computed_tokens
         while True:
             n = min(want, self._speculation_room(seq.slot) - start)
-            if n < want and self.prefix_cache.evict_one(EntryRank.SPECULATIVE):
+            if n < want and self._free_for_speculation():
                 continue
             if n <= 0:
                 return 0
@@ -333,7 +334,7 @@ class Scheduler:
                 self.arena.grow(seq.slot, start + n)
                 return n
             except PoolExhaustedError:
-                if not self.prefix_cache.evict_one(EntryRank.SPECULATIVE):
+                if not self._free_for_speculation():
                     return 0
 
     def _speculation_room(self, slot: int) -> int:
@@ -357,14 +358,19 @@ class Scheduler:
     def _is_speculative_slot(self, slot: int) -> bool:
         return slot in self._speculative_slots()
 
+    def _free_for_speculation(self) -> bool:
+        """Reclaim retired slots, else evict one speculation entry; False if neither."""
+        return self.arena.reclaim() > 0 or self.prefix_cache.evict_one(EntryRank.SPECULATIVE)
+
     def _private_pages(self, slot: int) -> int:
         pool = self.arena.pool
         return sum(pool.refcount(p) == 1 for p in self.arena.slot_pages(slot))
 
     def _make_room(self) -> bool:
-        """Free memory for a request: a speculation entry, else the latest speculative
-        prefill, else any other cache entry (rank, priority, LRU). False if none is left."""
-        if self.prefix_cache.evict_one(EntryRank.SPECULATIVE):
+        """Free memory for a request: slots retired by zero-copy commits, a speculation entry,
+        else the latest speculative prefill, else any other cache entry (rank, priority, LRU).
+        False if none is left."""
+        if self._free_for_speculation():
             return True
         if self.spec_running:
             seq = self.spec_running.pop()
@@ -392,6 +398,17 @@ class Scheduler:
             return None
         seq.slot, seq.num_computed_tokens = hit.slot, hit.num_tokens
         return dataclasses.replace(hit, seconds=time.perf_counter() - t0)
+
+    def _unassign(self, seq: Sequence, hit: PrefixHit | None) -> None:
+        """Undo `_assign_slot` after memory ran short: an adopted entry goes back to the cache
+        (with its KV); a fresh slot or a branch is freed (caching a branch, a copy of part of
+        its source, and evicting it would loop forever)."""
+        assert seq.slot is not None
+        if hit is not None and hit.slot == hit.source:
+            self._release_slot(seq)
+            return
+        self.prefix_cache.release(seq.slot, seq.token_ids, 0)  # 0 tokens: freed, unindexed
+        seq.slot, seq.num_computed_tokens = None, 0
 
     @staticmethod
     def _record_admission(seq: Sequence, hit: PrefixHit | None) -> None:

@@ -63,10 +63,29 @@ def test_claimed_branch_is_committed_by_slot_swap_and_truncated(arena: KVArena) 
     assert cache.tagged("s") == [] and cache.tagged("b") == []
     assert arena.reclaim() == 1
     cache.release(sb, prompt, 17, tag="s")
+    assert cache.untag(["s"], EntryRank.PLAIN) == 1 and cache.tagged("s") == []
+    assert cache.entry_slots() == [sb] and arena.stats().pages_used == 3  # nothing freed
     cache.check_integrity()
 
 
-def test_own_entry_is_adopted_and_truncated_at_a_mid_prompt_change(arena: KVArena) -> None:
+def test_own_entry_is_adopted_and_truncated_at_a_late_change(arena: KVArena) -> None:
+    cache = PrefixCache(arena, block_size=4)
+    a = list(range(1, 31))  # 4 pages
+    sa = filled(arena, a)
+    cache.release(sa, a, 30, tag="s")
+    prompt = [*a[:17], 99, *a[17:]]  # a result inserted at position 17
+
+    hit = cache.acquire(prompt, len(prompt) - 1, own_tag="s")
+
+    assert hit is not None and (hit.slot, hit.num_tokens, hit.committed) == (sa, 17, ())
+    assert arena.num_tokens(sa) == 17 and kv_values(arena, sa) == a[:17]
+    assert arena.stats().pages_used == 3  # ceil(17 tokens / 8 per page): the tail unmapped
+    cache.release(sa, prompt, 17)
+    cache.check_integrity()
+
+
+def test_own_entry_with_a_long_tail_is_branched_from(arena: KVArena) -> None:
+    """Unmapping 3 tail pages (3 x 40 us) costs more than mapping 1 prefix page (28 us)."""
     cache = PrefixCache(arena, block_size=4)
     a = list(range(1, 31))
     sa = filled(arena, a)
@@ -75,10 +94,11 @@ def test_own_entry_is_adopted_and_truncated_at_a_mid_prompt_change(arena: KVAren
 
     hit = cache.acquire(prompt, len(prompt) - 1, own_tag="s")
 
-    assert hit is not None and (hit.slot, hit.num_tokens, hit.committed) == (sa, 9, ())
-    assert arena.num_tokens(sa) == 9 and kv_values(arena, sa) == a[:9]
-    assert arena.stats().pages_used == 2  # ceil(9 tokens / 8 per page): the tail unmapped
-    cache.release(sa, prompt, 9)
+    assert hit is not None and hit.slot != sa and (hit.num_tokens, hit.source) == (9, sa)
+    assert hit.claimed == "s" and cache.tagged("s") == [sa]  # the entry stays, whole
+    assert arena.slot_pages(hit.slot)[0] == arena.slot_pages(sa)[0]  # shared, not copied
+    assert kv_values(arena, hit.slot) == a[:9] and kv_values(arena, sa) == a
+    cache.release(hit.slot, prompt, 9)
     cache.check_integrity()
 
 

@@ -313,5 +313,10 @@ def test_greedy_outputs_identical_with_edmm_on_and_off(
     off = reference(reference_engine(), script, plans, tag)
     assert on == off
     agent.check_integrity()
-    assert agent.engine.pool.num_used == 0 and not agent.has_speculation()
-    assert agent.engine.arena.stats().slots_in_use == 0
+    assert not agent.has_speculation() and not agent.session_ids()
+    arena = agent.engine.arena
+    cached = arena.stats().slots_in_use
+    assert cached == agent.engine.prefix_cache.num_entries + arena.stats().slots_retired
+    agent.engine.reset_prefix_cache()  # what is left is plain cache, and frees completely
+    assert agent.engine.pool.num_used == 0 and arena.stats().slots_in_use == 0
+    agent.check_integrity()
