@@ -395,11 +395,10 @@ class AgentEngine:
         if out.prefix_hit is not None:
             m.commit_s.append(out.prefix_hit.seconds)
         self._classify(session, out.prefix_hit, len(out.prompt_token_ids))
-        # The losing branches and earlier turns' entries become plain entries: no unmapping
-        # here, on the resume's critical path; they are reused or evicted like any other.
+        # The losing branches become plain speculation entries: no unmapping here, on the
+        # resume's critical path; they are reused or evicted first like any other.
         tags = [_branch_tag(session.id, k) for k in session.window.branches]
         self.engine.untag(tags, EntryRank.SPECULATIVE)
-        self.engine.untag([_session_tag(session.id)], EntryRank.PLAIN)
         session.window = session.resume_started = None
         session.transition(S.GENERATING)
 

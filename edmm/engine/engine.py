@@ -232,6 +232,11 @@ class Engine:
         return _output(seq, state)
 
     # ------------------------------------------------------------------ memory
+    def reclaim(self) -> int:
+        """Release the slots retired by zero-copy commits (driver unmaps: call it off the
+        critical path; the scheduler also does when idle or short of memory)."""
+        return self.arena.reclaim()
+
     def reset_prefix_cache(self) -> int:
         """Free every prefix-cache entry (and slots retired by commits); return how many."""
         self.arena.reclaim()

@@ -24,7 +24,8 @@ speculation entries, running speculative prefills, the other prefix-cache entrie
 priority, then LRU), and finally it preempts the most recently admitted running request: its
 slot is released (to the prefix cache, so a resume may reuse it) and it goes back to the front
 of the queue to be recomputed (vLLM's recompute preemption). A waiting request never preempts a
-running one; a speculative prefill only ever evicts speculation entries.
+running one; a speculative prefill only ever evicts speculation and plain entries, never a
+retained session's KV.
 
 The scheduler is the one owner of sequence status and token accounting; it hands the runner a
 plain `ScheduledBatch` and takes the sampled tokens back in `update`.
@@ -359,8 +360,9 @@ class Scheduler:
         return slot in self._speculative_slots()
 
     def _free_for_speculation(self) -> bool:
-        """Reclaim retired slots, else evict one speculation entry; False if neither."""
-        return self.arena.reclaim() > 0 or self.prefix_cache.evict_one(EntryRank.SPECULATIVE)
+        """Reclaim retired slots, else evict one speculation or plain entry (never a retained
+        session's); False if none."""
+        return self.arena.reclaim() > 0 or self.prefix_cache.evict_one(EntryRank.PLAIN)
 
     def _private_pages(self, slot: int) -> int:
         pool = self.arena.pool
@@ -370,7 +372,7 @@ class Scheduler:
         """Free memory for a request: slots retired by zero-copy commits, a speculation entry,
         else the latest speculative prefill, else any other cache entry (rank, priority, LRU).
         False if none is left."""
-        if self._free_for_speculation():
+        if self.arena.reclaim() or self.prefix_cache.evict_one(EntryRank.SPECULATIVE):
             return True
         if self.spec_running:
             seq = self.spec_running.pop()
@@ -410,8 +412,12 @@ class Scheduler:
         self.prefix_cache.release(seq.slot, seq.token_ids, 0)  # 0 tokens: freed, unindexed
         seq.slot, seq.num_computed_tokens = None, 0
 
-    @staticmethod
-    def _record_admission(seq: Sequence, hit: PrefixHit | None) -> None:
+    def _record_admission(self, seq: Sequence, hit: PrefixHit | None) -> None:
+        """The sequence holds its slot: entries still tagged like it are stale (earlier KV it
+        did not adopt) and become plain entries; the first admission's hit is kept."""
+        if seq.hints.tag is not None:
+            stale = EntryRank.SPECULATIVE if seq.is_speculative else EntryRank.PLAIN
+            self.prefix_cache.untag([seq.hints.tag], stale)
         if seq.num_preemptions == 0:
             seq.num_cached_tokens = seq.num_computed_tokens
             seq.prefix_hit = hit

@@ -1,0 +1,252 @@
+"""The agent TTFT groups (``edmm bench ttft`` A/B/C): time to first token of a resume turn.
+
+For each context length n, prompts are synthetic token ids (no tokenizer needed, so presets
+with random weights run unchanged on a GPU): a context C of n tokens, a tool result R of
+``result_tokens`` tokens, and an insertion point p = ``insert_fraction`` x n.
+
+- **A, cached prefix**: the next prompt is the session's context + R appended; the session's KV
+  is retained, so only R (and the last context token) is prefilled.
+- **B, mid-prompt contamination**: R is inserted at p, before the suffix C[p:], and the prompt
+  is submitted as a plain request, as engines do today: the prefix cache hits up to p (a
+  branch of the paused session's KV) and everything after it is recomputed.
+- **C, speculative prefill + zero-copy commit**: the same prompt as B, but R was predicted: the
+  predicted-result speculation prefilled it in a branch during the tool window (untimed); the
+  resume commits the branch by slot swap and prefills only the last token.
+
+Every iteration opens a fresh session on the cached context (a branch of one base prefill),
+reports its tool calls, and times ``resume`` to the first token (the device is synchronised by
+the sampled token's copy to the host). The CSV holds every iteration; the summary trimmed means
+(10% each side) and B/A, C/A ratios beside the seed's; ``commit_ms`` is the admission's
+lookup + commit + truncate.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from edmm.agent import AgentConfig, AgentEngine, TokenLayout, ToolCall, ToolResult
+from edmm.bench.report import ResultWriter, collect_environment
+from edmm.bench.stats import ratio, summarize
+from edmm.engine import EngineConfig, EntryRank, SamplingParams, SlotHints
+
+GROUPS = ("A", "B", "C")
+GROUP_NAMES = {"A": "cached prefix, result appended",
+               "B": "result inserted mid-prompt, recompute from it",
+               "C": "B's prompt, speculative prefill + zero-copy commit"}
+SEED_RATIOS = {"B/A": (8.21, 4.18), "C/A": (1.17, 0.96)}  # the seed's H200 numbers
+_ONE_TOKEN = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+_BASE_TAG, _B_TAG = "bench:base", "bench:B"
+
+
+@dataclass(frozen=True)
+class AgentBenchConfig:
+    """What to run. ``model``: a preset or local HF folder (None: the embedded tiny model);
+    ``max_num_batched_tokens`` None: large enough to prefill the longest prompt in one step."""
+
+    model: str | None = "qwen2.5-7b"
+    device: str = "cuda"
+    dtype: str | None = "bfloat16"
+    contexts: tuple[int, ...] = (4096, 16384, 32768)
+    result_tokens: int = 512
+    insert_fraction: float = 0.5
+    iterations: int = 20
+    warmup: int = 2
+    max_num_batched_tokens: int | None = None
+    num_pages: int | None = None
+    host_page_size: int = 64 * 1024
+    enforce_eager: bool = False
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if not self.contexts or min(self.contexts) < 2:
+            raise ValueError(f"contexts must be >= 2 tokens, got {self.contexts}")
+        if self.result_tokens < 1 or self.iterations < 1 or self.warmup < 0:
+            raise ValueError("result_tokens and iterations must be >= 1, warmup >= 0")
+        if not 0.0 <= self.insert_fraction < 1.0:
+            raise ValueError(f"insert_fraction must be in [0, 1), got {self.insert_fraction}")
+
+    @classmethod
+    def cpu_smoke(cls, **overrides: Any) -> AgentBenchConfig:
+        """The tiny model on the CPU, small contexts: seconds."""
+        base = dict(model=None, device="cpu", dtype="float32", contexts=(256, 1024),
+                    result_tokens=32, iterations=5, warmup=1, host_page_size=16384)
+        return cls(**{**base, **overrides})
+
+    def engine_config(self) -> EngineConfig:
+        """One engine for every context: the longest prompt fits, and prefills in one step."""
+        longest = max(self.contexts) + self.result_tokens + 2
+        budget = self.max_num_batched_tokens or longest
+        return EngineConfig(model=self.model, device=self.device, dtype=self.dtype,
+                            max_model_len=longest + 8, max_num_batched_tokens=budget,
+                            num_pages=self.num_pages, host_page_size=self.host_page_size,
+                            num_slots=16, max_num_seqs=4, enforce_eager=self.enforce_eager)
+
+
+@dataclass(frozen=True)
+class _Iteration:
+    """One timed resume."""
+
+    ttft_ms: float
+    prompt_tokens: int
+    cached_tokens: int
+    commit_ms: float
+    speculation: str  # hit / partial / miss / none
+
+
+class _Runner:
+    """Sessions on one agent engine, each resumed once in the way its group prescribes."""
+
+    def __init__(self, agent: AgentEngine, cfg: AgentBenchConfig, rng: random.Random) -> None:
+        self.agent = agent
+        self.cfg = cfg
+        self.rng = rng
+        self.vocab = agent.engine.model_config.vocab_size
+        self._ids = 0
+
+    def tokens(self, n: int) -> list[int]:
+        """``n`` random token ids (their values do not change the work)."""
+        return [self.rng.randrange(self.vocab) for _ in range(n)]
+
+    def prefill_base(self, context: list[int]) -> None:
+        """Cache the context once (a tagged entry: branched from, never adopted)."""
+        self.agent.engine.add_request(self._next_id("base"), context, _ONE_TOKEN,
+                                      SlotHints(_BASE_TAG, EntryRank.RETAINED))
+        self._run_until_idle()
+
+    def drop_base(self) -> None:
+        self.agent.engine.discard([_BASE_TAG])
+        self.agent.engine.reclaim()
+
+    def iteration(self, group: str, context: list[int]) -> _Iteration:
+        sid = self._next_id(f"s{group}")
+        self.agent.add_request(f"{sid}-t0", context, _ONE_TOKEN, session_id=sid)
+        self._run_until_idle()
+        result = self.tokens(self.cfg.result_tokens)
+        position = None if group == "A" else int(self.cfg.insert_fraction * len(context))
+        predictions = {"c": result} if group == "C" else None
+        layout = TokenLayout(positions={"c": position} if position is not None else {})
+        self.agent.await_tools(sid, [ToolCall("c", "tool")], layout=layout,
+                               predictions=predictions)
+        self._run_until_idle()  # the tool window: speculation prefills (untimed)
+        ctx = self.agent.session_context(sid)
+        t0 = time.perf_counter()
+        if group == "B":  # no session: the engine alone, prefix cache only
+            assert position is not None
+            prompt = [*ctx[:position], *result, *ctx[position:]]
+            self.agent.engine.add_request(f"{sid}-t1", prompt, _ONE_TOKEN, SlotHints(_B_TAG))
+        else:
+            self.agent.resume(sid, f"{sid}-t1", [ToolResult("c", result)], _ONE_TOKEN)
+        out = self._first_token(f"{sid}-t1")
+        ttft = (time.perf_counter() - t0) * 1e3
+        m = self.agent.session_metrics(sid)
+        self.agent.close_session(sid)
+        self.agent.engine.discard([_B_TAG])
+        self.agent.engine.reclaim()  # off the clock: only the base entry stays
+        hit = out.prefix_hit
+        return _Iteration(ttft, len(out.prompt_token_ids), out.num_cached_tokens,
+                          hit.seconds * 1e3 if hit is not None else 0.0, _speculation(m))
+
+    def _first_token(self, request_id: str) -> Any:
+        while True:
+            for out in self.agent.step():
+                if out.request_id == request_id:
+                    self._run_until_idle()
+                    return out
+
+    def _run_until_idle(self) -> None:
+        while self.agent.has_unfinished() or self.agent.has_speculation():
+            self.agent.step()
+
+    def _next_id(self, prefix: str) -> str:
+        self._ids += 1
+        return f"{prefix}-{self._ids}"
+
+
+def _speculation(m: Any) -> str:
+    for name, count in (("hit", m.spec_hits), ("partial", m.spec_partial),
+                        ("miss", m.spec_misses)):
+        if count:
+            return name
+    return "none"
+
+
+def measure(agent: AgentEngine, cfg: AgentBenchConfig) -> list[dict[str, Any]]:
+    """Per-iteration rows of every group at every context (warm-up iterations dropped)."""
+    runner = _Runner(agent, cfg, random.Random(cfg.seed))
+    rows: list[dict[str, Any]] = []
+    for ctx in cfg.contexts:
+        context = runner.tokens(ctx)
+        runner.prefill_base(context)
+        for group in GROUPS:
+            for i in range(cfg.warmup + cfg.iterations):
+                it = runner.iteration(group, context)
+                if i >= cfg.warmup:
+                    rows.append({"context_tokens": ctx, "group": group,
+                                 "iteration": i - cfg.warmup, **dataclasses.asdict(it),
+                                 "prefilled_tokens": it.prompt_tokens - it.cached_tokens})
+        runner.drop_base()
+    return rows
+
+
+def summarize_groups(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per context and group: TTFT trimmed mean / median / p10 / p90, tokens, commit time,
+    and the group's ratio to A."""
+    out = []
+    for ctx in dict.fromkeys(r["context_tokens"] for r in rows):
+        means: dict[str, float] = {}
+        for group in GROUPS:
+            sel = [r for r in rows if r["context_tokens"] == ctx and r["group"] == group]
+            if not sel:
+                continue
+            s = summarize([r["ttft_ms"] for r in sel])
+            means[group] = s.trimmed_mean
+            out.append({
+                "context_tokens": ctx, "group": group, "what": GROUP_NAMES[group],
+                "ttft_trimmed_mean_ms": s.trimmed_mean, "median_ms": s.median,
+                "p10_ms": s.p10, "p90_ms": s.p90, "n": s.n,
+                "prefilled_tokens": sel[0]["prefilled_tokens"],
+                "cached_tokens": sel[0]["cached_tokens"],
+                "commit_ms": summarize([r["commit_ms"] for r in sel]).trimmed_mean,
+                "speculation": sel[0]["speculation"],
+                "ratio_to_A": ratio(s.trimmed_mean, means["A"]) if "A" in means else None,
+            })
+    return out
+
+
+def run_agent_bench(cfg: AgentBenchConfig, out_dir: Path) -> dict[str, Path]:
+    """Run the A/B/C groups; write ``agent-ttft.{csv,json,md}`` into ``out_dir``."""
+    agent = AgentEngine(cfg.engine_config(), AgentConfig(speculation=("predicted",)))
+    try:
+        rows = measure(agent, cfg)
+        mcfg = agent.engine.model_config
+    finally:
+        agent.close()
+    summary = summarize_groups(rows)
+    writer = ResultWriter(out_dir, "agent-ttft", collect_environment(cfg.device))
+    writer.add_rows(rows)
+    notes = [f"model: {cfg.model or 'tiny (embedded)'} ({mcfg.architecture}, "
+             f"{mcfg.num_layers} layers), {cfg.dtype}, random token ids",
+             f"result: {cfg.result_tokens} tokens; B/C insert it at {cfg.insert_fraction:.2f}"
+             " of the context",
+             f"iterations: {cfg.iterations} after {cfg.warmup} warm-up; trimmed mean drops 10% "
+             "each side",
+             *ratio_notes(summary)]
+    return writer.write(summary, title=f"edmm bench ttft: agent resume groups ({cfg.device})",
+                        notes=notes)
+
+
+def ratio_notes(summary: list[dict[str, Any]]) -> list[str]:
+    """B/A and C/A per context, beside the seed's H200 ratios."""
+    seed = "; ".join(f"{k} {' and '.join(f'{v:.2f}x' for v in vals)}"
+                     for k, vals in SEED_RATIOS.items())
+    lines = [f"seed (H200): {seed}"]
+    for ctx in dict.fromkeys(r["context_tokens"] for r in summary):
+        by = {r["group"]: r for r in summary if r["context_tokens"] == ctx}
+        parts = [f"{g}/A {by[g]['ratio_to_A']:.2f}x" for g in ("B", "C") if g in by]
+        lines.append(f"{ctx} tokens: " + ", ".join(parts))
+    return lines
