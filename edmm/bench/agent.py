@@ -1,8 +1,10 @@
 """The agent TTFT groups (``edmm bench ttft`` A/B/C): time to first token of a resume turn.
 
-For each context length n, prompts are synthetic token ids (no tokenizer needed, so presets
-with random weights run unchanged on a GPU): a context C of n tokens, a tool result R of
-``result_tokens`` tokens, and an insertion point p = ``insert_fraction`` x n.
+For each context length n (the resume prompt's length, so that n = the model's context fits),
+prompts are synthetic token ids (no tokenizer needed, so presets with random weights run
+unchanged on a GPU): a tool result R of ``result_tokens`` tokens, a session context C of
+n - |R| tokens (the first turn's prompt and its one generated token), and an insertion point
+p = ``insert_fraction`` x |C|.
 
 - **A, cached prefix**: the next prompt is the session's context + R appended; the session's KV
   is retained, so only R (and the last context token) is prefilled.
@@ -63,10 +65,10 @@ class AgentBenchConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if not self.contexts or min(self.contexts) < 2:
-            raise ValueError(f"contexts must be >= 2 tokens, got {self.contexts}")
         if self.result_tokens < 1 or self.iterations < 1 or self.warmup < 0:
             raise ValueError("result_tokens and iterations must be >= 1, warmup >= 0")
+        if not self.contexts or min(self.contexts) < self.result_tokens + 3:
+            raise ValueError(f"contexts must exceed result_tokens + 2, got {self.contexts}")
         if not 0.0 <= self.insert_fraction < 1.0:
             raise ValueError(f"insert_fraction must be in [0, 1), got {self.insert_fraction}")
 
@@ -79,10 +81,10 @@ class AgentBenchConfig:
 
     def engine_config(self) -> EngineConfig:
         """One engine for every context: the longest prompt fits, and prefills in one step."""
-        longest = max(self.contexts) + self.result_tokens + 2
+        longest = max(self.contexts)
         budget = self.max_num_batched_tokens or longest
         return EngineConfig(model=self.model, device=self.device, dtype=self.dtype,
-                            max_model_len=longest + 8, max_num_batched_tokens=budget,
+                            max_model_len=longest, max_num_batched_tokens=budget,
                             num_pages=self.num_pages, host_page_size=self.host_page_size,
                             num_slots=16, max_num_seqs=4, enforce_eager=self.enforce_eager)
 
@@ -123,33 +125,42 @@ class _Runner:
         self.agent.engine.reclaim()
 
     def iteration(self, group: str, context: list[int]) -> _Iteration:
+        """One session on the cached context: a first turn, a tool window, a timed resume."""
         sid = self._next_id(f"s{group}")
-        self.agent.add_request(f"{sid}-t0", context, _ONE_TOKEN, session_id=sid)
-        self._run_until_idle()
-        result = self.tokens(self.cfg.result_tokens)
-        position = None if group == "A" else int(self.cfg.insert_fraction * len(context))
-        predictions = {"c": result} if group == "C" else None
-        layout = TokenLayout(positions={"c": position} if position is not None else {})
-        self.agent.await_tools(sid, [ToolCall("c", "tool")], layout=layout,
-                               predictions=predictions)
-        self._run_until_idle()  # the tool window: speculation prefills (untimed)
-        ctx = self.agent.session_context(sid)
-        t0 = time.perf_counter()
-        if group == "B":  # no session: the engine alone, prefix cache only
-            assert position is not None
+        result, position = self._open_window(sid, group, context)
+        request_id = f"{sid}-t1"
+        if group == "B":  # no session: the engine alone, its prefix cache only
+            ctx = self.agent.session_context(sid)
             prompt = [*ctx[:position], *result, *ctx[position:]]
-            self.agent.engine.add_request(f"{sid}-t1", prompt, _ONE_TOKEN, SlotHints(_B_TAG))
+            t0 = time.perf_counter()
+            self.agent.engine.add_request(request_id, prompt, _ONE_TOKEN, SlotHints(_B_TAG))
         else:
-            self.agent.resume(sid, f"{sid}-t1", [ToolResult("c", result)], _ONE_TOKEN)
-        out = self._first_token(f"{sid}-t1")
+            t0 = time.perf_counter()
+            self.agent.resume(sid, request_id, [ToolResult("c", result)], _ONE_TOKEN)
+        out = self._first_token(request_id)
         ttft = (time.perf_counter() - t0) * 1e3
-        m = self.agent.session_metrics(sid)
+        spec = _speculation(self.agent.session_metrics(sid))
         self.agent.close_session(sid)
         self.agent.engine.discard([_B_TAG])
         self.agent.engine.reclaim()  # off the clock: only the base entry stays
         hit = out.prefix_hit
         return _Iteration(ttft, len(out.prompt_token_ids), out.num_cached_tokens,
-                          hit.seconds * 1e3 if hit is not None else 0.0, _speculation(m))
+                          hit.seconds * 1e3 if hit is not None else 0.0, spec)
+
+    def _open_window(self, sid: str, group: str, context: list[int]) -> tuple[list[int], int]:
+        """The session's first turn, then its tool call (C: with the result predicted) and
+        the tool window, in which speculation prefills (untimed). Returns the result and its
+        insertion position (the end of the context for A)."""
+        self.agent.add_request(f"{sid}-t0", context, _ONE_TOKEN, session_id=sid)
+        self._run_until_idle()
+        result = self.tokens(self.cfg.result_tokens)
+        ctx_len = len(self.agent.session_context(sid))  # the prompt and its generated token
+        position = ctx_len if group == "A" else int(self.cfg.insert_fraction * ctx_len)
+        predictions = {"c": result} if group == "C" else None
+        self.agent.await_tools(sid, [ToolCall("c", "tool")], predictions=predictions,
+                               layout=TokenLayout(positions={"c": position}))
+        self._run_until_idle()
+        return result, position
 
     def _first_token(self, request_id: str) -> Any:
         while True:
@@ -180,7 +191,7 @@ def measure(agent: AgentEngine, cfg: AgentBenchConfig) -> list[dict[str, Any]]:
     runner = _Runner(agent, cfg, random.Random(cfg.seed))
     rows: list[dict[str, Any]] = []
     for ctx in cfg.contexts:
-        context = runner.tokens(ctx)
+        context = runner.tokens(ctx - cfg.result_tokens - 1)  # + 1 generated token + R = ctx
         runner.prefill_base(context)
         for group in GROUPS:
             for i in range(cfg.warmup + cfg.iterations):
