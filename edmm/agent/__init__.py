@@ -10,6 +10,7 @@ from edmm.agent.errors import (
     UnknownSessionError,
     UnknownToolCallError,
 )
+from edmm.agent.render import assistant_message
 from edmm.agent.types import (
     AgentConfig,
     SessionMetrics,
@@ -37,4 +38,5 @@ __all__ = [
     "UnknownPolicyError",
     "UnknownSessionError",
     "UnknownToolCallError",
+    "assistant_message",
 ]

@@ -150,7 +150,9 @@ class AgentEngine:
             session = self._sessions[session_id]
             if session.window is not None:
                 self._drop_branches(session, session.window)
-            session.request_id = session.window = session.resume_started = None
+            session.request_id = None
+            session.window = None
+            session.resume_started = None
             session.transition(S.FINISHED)
         return found
 
@@ -304,17 +306,7 @@ class AgentEngine:
         self.engine.check_integrity()
         live_specs = set(self.engine.speculation_ids())
         for session in self._sessions.values():
-            session.check()
-            if session.request_id is not None and (
-                    self._by_request.get(session.request_id) != session.id):
-                raise AgentError(f"session {session.id!r}: request map out of sync")
-            if session.state == S.ABANDONED and self.engine.tagged(_session_tag(session.id)):
-                raise AgentError(f"abandoned session {session.id!r} still holds KV")
-            keys = session.window.branches if session.window is not None else set()
-            running = {sid for sid in live_specs if sid in self._spec_ids(session.id, keys)}
-            if running and session.state != S.AWAITING_TOOL:
-                raise AgentError(f"session {session.id!r} speculates in {session.state}")
-            live_specs -= running
+            live_specs -= self._check_session(session, live_specs)
         if live_specs:
             raise AgentError(f"speculation without a session: {sorted(live_specs)}")
 
@@ -332,6 +324,20 @@ class AgentEngine:
         self.close()
 
     # ------------------------------------------------------------------ internals
+    def _check_session(self, session: Session, live_specs: set[str]) -> set[str]:
+        """Check one session against the engine; return the speculation ids it owns."""
+        session.check()
+        if session.request_id is not None and (
+                self._by_request.get(session.request_id) != session.id):
+            raise AgentError(f"session {session.id!r}: request map out of sync")
+        if session.state == S.ABANDONED and self.engine.tagged(_session_tag(session.id)):
+            raise AgentError(f"abandoned session {session.id!r} still holds KV")
+        keys = session.window.branches if session.window is not None else set()
+        owned = live_specs & self._spec_ids(session.id, keys)
+        if owned and session.state != S.AWAITING_TOOL:
+            raise AgentError(f"session {session.id!r} speculates in {session.state}")
+        return owned
+
     def _get(self, session_id: str) -> Session:
         session = self._sessions.get(session_id)
         if session is None:
@@ -399,7 +405,8 @@ class AgentEngine:
         # resume's critical path; they are reused or evicted first like any other.
         tags = [_branch_tag(session.id, k) for k in session.window.branches]
         self.engine.untag(tags, EntryRank.SPECULATIVE)
-        session.window = session.resume_started = None
+        session.window = None
+        session.resume_started = None
         session.transition(S.GENERATING)
 
     def _classify(self, session: Session, hit: PrefixHit | None, prompt_len: int) -> None:

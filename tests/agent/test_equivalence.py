@@ -298,7 +298,7 @@ HEAVY = Script(  # three long sessions in a pool that holds barely one: eviction
     tuple(SessionScript(110 + k, 4, (_HEAVY_STEP, _HEAVY_STEP)) for k in range(3)), 34, 16, 7)
 
 
-@settings(max_examples=150, deadline=None, derandomize=True,
+@settings(max_examples=300, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(script=script_st)
 @example(script=HEAVY)
