@@ -44,6 +44,10 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="OpenAI-compatible server (default: the tiny model)")
     server_cli.add_arguments(serve)
 
+    demo = sub.add_parser("demo", add_help=False,
+                          help="agent tool loop on the tiny model: EDMM on vs off, A/B/C TTFT")
+    demo.add_argument("demo_args", nargs=argparse.REMAINDER)
+
     bench = sub.add_parser("bench", help="benchmarks (results stamped with device and date)")
     bsub = bench.add_subparsers(dest="bench", required=True)
     vmm = bsub.add_parser("vmm", help="VMM page costs, branch and commit, copy baseline")
@@ -55,8 +59,14 @@ def build_parser() -> argparse.ArgumentParser:
     vmm.add_argument("--host-page-size", type=int, default=2 * 1024 * 1024)
     vmm.add_argument("--out", type=Path, default=None,
                      help="output folder (default benchmarks/results/<date>-<device>)")
-    ttft = bsub.add_parser("ttft", help="decode step, 512-token prefill on a cached prefix, "
-                           "full prefill; EDMM beside transformers")
+    ttft = bsub.add_parser("ttft", help="the seed's A/B/C resume groups, then decode step, "
+                           "cached-prefix prefill and full prefill beside transformers")
+    ttft.add_argument("--only", choices=("groups", "model"), default=None,
+                      help="run only the A/B/C groups or only the model-level ops")
+    ttft.add_argument("--result-tokens", type=int, default=512,
+                      help="tool result length of the A/B/C groups")
+    ttft.add_argument("--insert-fraction", type=float, default=0.5,
+                      help="where B/C insert the result, as a fraction of the context")
     ttft.add_argument("--model", default="qwen2.5-7b", help="preset name or local HF folder")
     ttft.add_argument("--device", default="cuda")
     ttft.add_argument("--dtype", default="bfloat16")
@@ -69,6 +79,13 @@ def build_parser() -> argparse.ArgumentParser:
                       help="EDMM with reference SDPA attention and no CUDA graphs")
     ttft.add_argument("--out", type=Path, default=None)
     return parser
+
+
+@_command("demo")
+def _demo(args: argparse.Namespace) -> int:
+    from edmm.demo import main as demo_main
+
+    return demo_main(args.demo_args)
 
 
 @_command("serve")
@@ -112,7 +129,19 @@ def _bench(args: argparse.Namespace) -> int:
                              host_page_size=args.host_page_size)
         paths = run_vmm_bench(cfg, args.out or default_out_dir(_device_tag(
             args.backend != "host")))
-    else:
+        print(Path(paths["md"]).read_text())
+        print("wrote " + ", ".join(str(p) for p in paths.values()))
+        return 0
+    out = args.out or default_out_dir(_device_tag(args.device.startswith("cuda")))
+    if args.only != "model":
+        from edmm.bench.agent import AgentBenchConfig, run_agent_bench
+
+        acfg = AgentBenchConfig(model=args.model, device=args.device, dtype=args.dtype,
+                                contexts=args.contexts, result_tokens=args.result_tokens,
+                                insert_fraction=args.insert_fraction, iterations=args.repeats,
+                                enforce_eager=args.eager)
+        print(Path(run_agent_bench(acfg, out)["md"]).read_text())
+    if args.only != "groups":
         from edmm.bench.ttft import TTFTBenchConfig, run_ttft_bench
 
         tcfg = TTFTBenchConfig(model=args.model, device=args.device, dtype=args.dtype,
@@ -120,10 +149,8 @@ def _bench(args: argparse.Namespace) -> int:
                                full_prefill_repeats=args.full_prefill_repeats,
                                new_tokens=args.new_tokens, peer=not args.no_peer,
                                eager=args.eager)
-        paths = run_ttft_bench(tcfg, args.out or default_out_dir(_device_tag(
-            args.device.startswith("cuda"))))
-    print(Path(paths["md"]).read_text())
-    print("wrote " + ", ".join(str(p) for p in paths.values()))
+        print(Path(run_ttft_bench(tcfg, out)["md"]).read_text())
+    print(f"wrote {out}")
     return 0
 
 
