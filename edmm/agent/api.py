@@ -85,10 +85,11 @@ class AgentEngine:
         self.config = config if config is not None else AgentConfig()
         self._sources = [SPECULATION_SOURCES.create(n) for n in self.config.speculation]
         self._retention = RETENTION_POLICIES.create(self.config.retention)
+        config_in = engine.config if isinstance(engine, Engine) else engine
+        if config_in is not None and not config_in.enable_prefix_caching:
+            raise EngineConfigError("agent sessions need enable_prefix_caching=True")
         self._owns_engine = not isinstance(engine, Engine)
         self.engine = engine if isinstance(engine, Engine) else Engine(engine)
-        if not self.engine.config.enable_prefix_caching:
-            raise EngineConfigError("agent sessions need enable_prefix_caching=True")
         self._clock = clock
         self._sessions: dict[str, Session] = {}
         self._by_request: dict[str, str] = {}  # request id -> session id

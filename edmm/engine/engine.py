@@ -143,8 +143,9 @@ class Engine:
         if not ids or len(ids) > self.max_model_len:
             raise InvalidRequestError(
                 f"speculation {spec_id!r}: {len(ids)} tokens, need 1..{self.max_model_len}")
-        if hints.tag is None:
-            raise InvalidRequestError(f"speculation {spec_id!r} needs a tag to be claimed by")
+        if hints.tag is None or not self.prefix_cache.enabled:
+            raise InvalidRequestError(
+                f"speculation {spec_id!r} needs a tag and prefix caching to be claimed by")
         self.stop_speculation(spec_id)
         self.scheduler.add(Seq.new(spec_id, ids, SamplingParams(), SequenceKind.SPECULATIVE,
                                    hints))

@@ -19,7 +19,7 @@ from edmm.agent import (
     UnknownToolCallError,
 )
 from edmm.agent.session import Session
-from edmm.engine import InvalidRequestError
+from edmm.engine import EngineConfigError, InvalidRequestError
 
 S = SessionState
 ALLOWED = {  # written out by hand: the state machine
@@ -205,3 +205,31 @@ def test_abort_of_a_resume_finishes_the_session(make_agent: MakeAgent) -> None:
     assert agent.abort("t1")
     assert agent.session_state("s") == S.FINISHED
     agent.check_integrity()
+
+
+def test_abort_of_a_generating_turn_finishes_the_session(make_agent: MakeAgent) -> None:
+    agent = make_agent()
+    agent.add_request("t0", PROMPT, greedy(), session_id="s")
+    agent.step()
+    assert agent.abort("t0") and not agent.abort("t0")
+    assert agent.session_state("s") == S.FINISHED and not agent.has_unfinished()
+    agent.add_request("t1", PROMPT, greedy(), session_id="s")  # the next user turn
+    run(agent)
+    agent.check_integrity()
+
+
+def test_find_session_by_conversation_prefix(make_agent: MakeAgent) -> None:
+    agent = make_agent()
+    agent.add_request("a0", PROMPT, greedy(), session_id="a")
+    agent.add_request("b0", list(range(500, 540)), greedy(), session_id="b")
+    run(agent)
+    a = agent.session_context("a")
+    assert agent.find_session([*a, 1, 2, 3]) == "a"
+    assert agent.find_session([*a[:10], 9, 9]) is None  # under half of a's context
+    assert agent.find_session(list(range(700, 760))) is None
+    assert agent.session_ids() == ["a", "b"]
+
+
+def test_agent_needs_prefix_caching(make_agent: MakeAgent) -> None:
+    with pytest.raises(EngineConfigError):
+        make_agent(enable_prefix_caching=False)
