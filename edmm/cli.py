@@ -39,10 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
     doctor = sub.add_parser("doctor", help="which VMM backend is usable here, and why")
     doctor.add_argument("--device-index", type=int, default=0)
 
-    from edmm.server import cli as server_cli
-
-    serve = sub.add_parser("serve", help="OpenAI-compatible server (default: the tiny model)")
-    server_cli.add_arguments(serve)
+    serve = sub.add_parser("serve", add_help=False,
+                           help="OpenAI-compatible server (default: the tiny model)")
+    serve.add_argument("serve_args", nargs=argparse.REMAINDER)
 
     demo = sub.add_parser("demo", add_help=False,
                           help="agent tool loop on the tiny model: EDMM on vs off, A/B/C TTFT")
@@ -90,9 +89,9 @@ def _demo(args: argparse.Namespace) -> int:
 
 @_command("serve")
 def _serve(args: argparse.Namespace) -> int:
-    from edmm.server import cli as server_cli
+    from edmm.server.cli import main as serve_main
 
-    return server_cli.run(args)
+    return serve_main(args.serve_args)
 
 
 @_command("doctor")
