@@ -158,6 +158,7 @@ class Driver:
     step_index: int = 0
     actions: list[str] = field(default_factory=list)
     done: bool = False
+    last_prompt_len: int = 0
 
     def start(self, agent: AgentEngine) -> None:
         agent.add_request(f"{self.sid}-0", self.plan.prompt, greedy(self.script.max_tokens),
@@ -183,7 +184,7 @@ class Driver:
 
     def _turn_finished(self, agent: AgentEngine) -> None:
         context = agent.session_context(self.sid)
-        prompt_len = len(self.plan.prompt) if not self.turns else self._last_prompt_len
+        prompt_len = len(self.plan.prompt) if not self.turns else self.last_prompt_len
         self.turns.append(context[prompt_len:])
         if len(self.turns) > 1:
             self.step_index += 1
@@ -211,13 +212,11 @@ class Driver:
         i = self.step_index
         context = agent.session_context(self.sid)
         prompt = next_prompt(context, step, self.plan.results[i])
-        self._last_prompt_len = len(prompt)
+        self.last_prompt_len = len(prompt)
         results = [ToolResult(f"c{j}", r) for j, r in enumerate(self.plan.results[i])]
+        client_sends_prompt = i % 2 == 1  # else the agent renders it from its layout
         agent.resume(self.sid, f"{self.sid}-{i + 1}", results, greedy(step.max_tokens),
-                     prompt=prompt if any(c.insert_at is not None for c in step.calls) and
-                     i % 2 else None)
-
-    _last_prompt_len: int = 0
+                     prompt=prompt if client_sends_prompt else None)
 
 
 def _chunk(result: list[int], step: ToolStep, j: int) -> list[int]:
