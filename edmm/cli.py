@@ -39,13 +39,12 @@ def build_parser() -> argparse.ArgumentParser:
     doctor = sub.add_parser("doctor", help="which VMM backend is usable here, and why")
     doctor.add_argument("--device-index", type=int, default=0)
 
-    serve = sub.add_parser("serve", add_help=False,
-                           help="OpenAI-compatible server (default: the tiny model)")
-    serve.add_argument("serve_args", nargs=argparse.REMAINDER)
+    # `serve` and `demo` parse their own arguments (see `main`); listed here for --help.
+    sub.add_parser("serve", add_help=False,
+                   help="OpenAI-compatible server (default: the tiny model); serve --help")
 
-    demo = sub.add_parser("demo", add_help=False,
-                          help="agent tool loop on the tiny model: EDMM on vs off, A/B/C TTFT")
-    demo.add_argument("demo_args", nargs=argparse.REMAINDER)
+    sub.add_parser("demo", add_help=False,
+                   help="agent tool loop on the tiny model: EDMM on vs off, A/B/C TTFT")
 
     bench = sub.add_parser("bench", help="benchmarks (results stamped with device and date)")
     bsub = bench.add_subparsers(dest="bench", required=True)
@@ -80,18 +79,20 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-@_command("demo")
-def _demo(args: argparse.Namespace) -> int:
+def _demo(argv: list[str]) -> int:
     from edmm.demo import main as demo_main
 
-    return demo_main(args.demo_args)
+    return demo_main(argv)
 
 
-@_command("serve")
-def _serve(args: argparse.Namespace) -> int:
+def _serve(argv: list[str]) -> int:
     from edmm.server.cli import main as serve_main
 
-    return serve_main(args.serve_args)
+    return serve_main(argv)
+
+
+# Subcommands that own their argument parsers (imported only when run).
+DELEGATED: dict[str, Callable[[list[str]], int]] = {"demo": _demo, "serve": _serve}
 
 
 @_command("doctor")
@@ -155,6 +156,9 @@ def _bench(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``edmm`` script."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] in DELEGATED:
+        return DELEGATED[argv[0]](argv[1:])
     args = build_parser().parse_args(argv)
     return COMMANDS[args.command](args)
 
