@@ -31,6 +31,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from edmm.agent import AgentConfig, AgentEngine, TokenLayout, ToolCall, ToolResult
 from edmm.bench.report import ResultWriter, collect_environment
 from edmm.bench.stats import ratio, summarize
@@ -160,6 +162,10 @@ class _Runner:
         self.agent.await_tools(sid, [ToolCall("c", "tool")], predictions=predictions,
                                layout=TokenLayout(positions={"c": position}))
         self._run_until_idle()
+        # The tool window has passed: the device has finished the speculation's queued work
+        # (its steps sample nothing, so nothing waited for them).
+        if self.agent.engine.arena.kv.is_cuda:
+            torch.cuda.synchronize()
         return result, position
 
     def _first_token(self, request_id: str) -> Any:

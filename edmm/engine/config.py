@@ -42,6 +42,8 @@ class EngineConfig:
             the reference SDPA attention instead of the Triton kernels.
         speculative_tokens_when_busy: most tokens of speculative prefill (agent sessions' tool
             windows) added to a step that runs requests; an idle step gives them its budget.
+        speculative_tokens_when_idle: most tokens of speculative prefill in a step with no
+            requests: a resume that arrives meanwhile waits for that step on the device.
         max_speculative_pages: most KV pages speculation may hold; None: a quarter of the pool.
     """
 
@@ -62,6 +64,7 @@ class EngineConfig:
     seed: int | None = 0
     enforce_eager: bool = False
     speculative_tokens_when_busy: int = 64
+    speculative_tokens_when_idle: int = 2048
     max_speculative_pages: int | None = None
 
     def __post_init__(self) -> None:
@@ -95,7 +98,8 @@ class EngineConfig:
         if cap is None and num_pages is not None:
             cap = num_pages // 4
         return SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs,
-                               self.speculative_tokens_when_busy, cap)
+                               self.speculative_tokens_when_busy,
+                               self.speculative_tokens_when_idle, cap)
 
     @property
     def backend_kind(self) -> str:

@@ -52,11 +52,12 @@ class SchedulerConfig:
     max_num_batched_tokens: int
     max_num_seqs: int
     speculative_tokens_when_busy: int = 64  # speculation tokens in a step that runs requests
+    speculative_tokens_when_idle: int = 2048  # bounds how long a resume waits behind a step
     max_speculative_pages: int | None = None  # pages speculation may hold; None: no cap
 
     def __post_init__(self) -> None:
-        if self.speculative_tokens_when_busy < 0:
-            raise EngineConfigError("speculative_tokens_when_busy must be >= 0")
+        if self.speculative_tokens_when_busy < 0 or self.speculative_tokens_when_idle < 0:
+            raise EngineConfigError("speculative_tokens_when_busy/_idle must be >= 0")
         if self.max_speculative_pages is not None and self.max_speculative_pages < 0:
             raise EngineConfigError("max_speculative_pages must be >= 0")
         if self.max_num_seqs < 1:
@@ -168,9 +169,9 @@ class Scheduler:
         if batch.preempted:
             return batch
         budget = self._schedule_waiting(batch, budget)
-        if batch.seqs:
-            budget = min(budget, self.config.speculative_tokens_when_busy)
-        self._schedule_speculation(batch, budget)
+        cap = (self.config.speculative_tokens_when_busy if batch.seqs
+               else self.config.speculative_tokens_when_idle)
+        self._schedule_speculation(batch, min(budget, cap))
         return batch
 
     def update(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:

@@ -217,3 +217,21 @@ def test_speculation_pages_are_capped(tiny_dir: Path) -> None:
     assert engine.arena.num_tokens(slot) == 48  # 6 pages x 8 tokens
     engine.check_integrity()
     engine.close()
+
+
+def test_idle_speculation_steps_are_capped(tiny_dir: Path) -> None:
+    # A resume arriving while speculation runs waits for at most one capped step on the device.
+    engine = Engine(engine_config(tiny_dir, max_num_batched_tokens=256,
+                                  speculative_tokens_when_idle=48))
+    engine.speculate("sp", list(range(300, 500)), spec_hints("b"))
+    steps = []
+    while engine.has_speculation():
+        before = engine.speculation_progress("sp")
+        engine.step()
+        after = engine.speculation_progress("sp")
+        if before is not None and after is not None:
+            steps.append(after[0] - before[0])
+    assert steps == [48, 48, 48, 48]  # then a last step of 8 finishes it
+    assert engine.take_speculated_tokens("b") == 200
+    engine.check_integrity()
+    engine.close()
