@@ -235,15 +235,69 @@ def summarize_groups(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+def measure_interference(agent: AgentEngine, cfg: AgentBenchConfig, context: int,
+                         steps: int = 40) -> list[dict[str, Any]]:
+    """Decode steps of one running request at ``context`` tokens, alone and while a long
+    speculative prefill rides along in the budget they leave (per-step wall time, rows)."""
+    engine, rng = agent.engine, random.Random(cfg.seed + 1)
+    vocab = engine.model_config.vocab_size
+    prompt = [rng.randrange(vocab) for _ in range(context - 2 * steps - 2)]
+    params = SamplingParams(temperature=0.0, max_tokens=2 * steps + 1, ignore_eos=True)
+    engine.add_request("interference", prompt, params)
+    engine.step()  # the prompt's prefill (one step: the budget holds the longest prompt)
+    rows = []
+    for phase in ("decode alone", "decode + speculative prefill"):
+        if phase != "decode alone":
+            spec = [rng.randrange(vocab) for _ in range(context // 2)]
+            engine.speculate("interference-spec", spec, SlotHints("bench:spec",
+                                                                  EntryRank.SPECULATIVE))
+        for i in range(steps):
+            t0 = time.perf_counter()
+            engine.step()  # samples: the host waits for the device
+            rows.append({"phase": phase, "context_tokens": context, "iteration": i,
+                         "step_ms": (time.perf_counter() - t0) * 1e3})
+    while engine.has_unfinished() or engine.has_speculation():
+        engine.step()
+    engine.discard(["bench:spec"])
+    engine.reclaim()
+    return rows
+
+
+def _interference_notes(rows: list[dict[str, Any]]) -> list[str]:
+    if not rows:
+        return []
+    alone, shared = (summarize([r["step_ms"] for r in rows if r["phase"] == p]).median
+                     for p in ("decode alone", "decode + speculative prefill"))
+    return [f"decode step at {rows[0]['context_tokens']} tokens, median of "
+            f"{sum(r['phase'] == 'decode alone' for r in rows)}: alone {alone:.3f} ms, with "
+            f"speculation riding along {shared:.3f} ms ({shared / alone:.2f}x)"]
+
+
+def _write_interference(rows: list[dict[str, Any]], cfg: AgentBenchConfig,
+                        out_dir: Path) -> None:
+    summary = []
+    for phase in dict.fromkeys(r["phase"] for r in rows):
+        s = summarize([r["step_ms"] for r in rows if r["phase"] == phase])
+        summary.append({"phase": phase, "context_tokens": rows[0]["context_tokens"],
+                        "median_ms": s.median, "p10_ms": s.p10, "p90_ms": s.p90, "n": s.n})
+    writer = ResultWriter(out_dir, "agent-interference", collect_environment(cfg.device))
+    writer.add_rows(rows)
+    writer.write(summary, title=f"decode steps with and without speculation ({cfg.device})",
+                 notes=_interference_notes(rows))
+
+
 def run_agent_bench(cfg: AgentBenchConfig, out_dir: Path) -> dict[str, Path]:
-    """Run the A/B/C groups; write ``agent-ttft.{csv,json,md}`` into ``out_dir``."""
+    """Run the A/B/C groups and the decode-interference check; write
+    ``agent-ttft.{csv,json,md}`` and ``agent-interference.{csv,json,md}`` into ``out_dir``."""
     agent = AgentEngine(cfg.engine_config(), AgentConfig(speculation=("predicted",)))
     try:
         rows = measure(agent, cfg)
+        interference = measure_interference(agent, cfg, max(cfg.contexts) // 2)
         mcfg = agent.engine.model_config
     finally:
         agent.close()
     summary = summarize_groups(rows)
+    _write_interference(interference, cfg, out_dir)
     writer = ResultWriter(out_dir, "agent-ttft", collect_environment(cfg.device))
     writer.add_rows(rows)
     notes = [f"model: {cfg.model or 'tiny (embedded)'} ({mcfg.architecture}, "
@@ -252,7 +306,7 @@ def run_agent_bench(cfg: AgentBenchConfig, out_dir: Path) -> dict[str, Path]:
              " of the context",
              f"iterations: {cfg.iterations} after {cfg.warmup} warm-up; trimmed mean drops 10% "
              "each side",
-             *ratio_notes(summary)]
+             *ratio_notes(summary), *_interference_notes(interference)]
     return writer.write(summary, title=f"edmm bench ttft: agent resume groups ({cfg.device})",
                         notes=notes)
 
