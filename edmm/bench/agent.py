@@ -240,6 +240,7 @@ def measure_interference(agent: AgentEngine, cfg: AgentBenchConfig, context: int
     """Decode steps of one running request at ``context`` tokens, alone and while a long
     speculative prefill rides along in the budget they leave (per-step wall time, rows)."""
     engine, rng = agent.engine, random.Random(cfg.seed + 1)
+    steps = max(1, min(steps, context // 8))  # small contexts (CPU smoke runs)
     vocab = engine.model_config.vocab_size
     prompt = [rng.randrange(vocab) for _ in range(context - 2 * steps - 2)]
     params = SamplingParams(temperature=0.0, max_tokens=2 * steps + 1, ignore_eos=True)
