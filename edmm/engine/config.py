@@ -41,7 +41,7 @@ class EngineConfig:
         enforce_eager: on CUDA, run decode eagerly instead of replaying CUDA graphs, and keep
             the reference SDPA attention instead of the Triton kernels.
         speculative_tokens_when_busy: most tokens of speculative prefill (agent sessions' tool
-            windows) added to a step that runs requests; an idle step gives them its budget.
+            windows) added to a step that runs requests; None: `busy_speculation_tokens`.
         speculative_tokens_when_idle: most tokens of speculative prefill in a step with no
             requests: a resume that arrives meanwhile waits for that step on the device.
         max_speculative_pages: most KV pages speculation may hold; None: a quarter of the pool.
@@ -63,7 +63,7 @@ class EngineConfig:
     prefix_block_size: int = 16
     seed: int | None = 0
     enforce_eager: bool = False
-    speculative_tokens_when_busy: int = 64
+    speculative_tokens_when_busy: int | None = None
     speculative_tokens_when_idle: int = 2048
     max_speculative_pages: int | None = None
 
@@ -91,6 +91,24 @@ class EngineConfig:
             raise EngineConfigError("gpu_memory_utilization must be in (0, 1]")
         self.scheduler_config()  # validates the scheduler limits
 
+    @property
+    def uses_cuda_graphs(self) -> bool:
+        """Decode steps replay CUDA graphs (a CUDA device, not ``enforce_eager``)."""
+        return torch.device(self.device).type == "cuda" and not self.enforce_eager
+
+    @property
+    def busy_speculation_tokens(self) -> int:
+        """``speculative_tokens_when_busy``, or its default: 64 eagerly, 0 with CUDA graphs.
+
+        Measured on an H200 (benchmarks/results/2026-11-29-h200/agent-interference.md): 64
+        speculative tokens in a 7B decode step at 16K make it a mixed batch, which runs
+        eagerly instead of replaying the decode graph: 26.1 ms instead of 5.2 ms. Until mixed
+        batches are captured too, speculation on CUDA runs only in steps with no request.
+        """
+        if self.speculative_tokens_when_busy is not None:
+            return self.speculative_tokens_when_busy
+        return 0 if self.uses_cuda_graphs else 64
+
     def scheduler_config(self, num_pages: int | None = None) -> SchedulerConfig:
         """The per-step limits of the scheduler (the speculation page cap defaults to a
         quarter of ``num_pages``, the pool's size)."""
@@ -98,7 +116,7 @@ class EngineConfig:
         if cap is None and num_pages is not None:
             cap = num_pages // 4
         return SchedulerConfig(self.max_num_batched_tokens, self.max_num_seqs,
-                               self.speculative_tokens_when_busy,
+                               self.busy_speculation_tokens,
                                self.speculative_tokens_when_idle, cap)
 
     @property

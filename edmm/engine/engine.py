@@ -389,7 +389,7 @@ def _build_runner(config: EngineConfig, model: CausalLM, arena: KVArena,
     """On CUDA (unless ``enforce_eager``): Triton attention, fused pointwise ops, CUDA-graph
     decode."""
     sampler = Sampler(config.seed)
-    if torch.device(config.device).type != "cuda" or config.enforce_eager:
+    if not config.uses_cuda_graphs:
         return ModelRunner(model, arena, config.device, sampler)
     from edmm.model.attention_triton import default_backend
 

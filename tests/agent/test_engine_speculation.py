@@ -10,7 +10,7 @@ import pytest
 import torch
 from agent_helpers import engine_config, greedy, run
 
-from edmm.engine import Engine, EntryRank, PrefixCache, SlotHints
+from edmm.engine import Engine, EngineConfig, EntryRank, PrefixCache, SlotHints
 from edmm.memory import KVArena, KVSpec, PagePool, open_backend
 
 # 1 layer x {K, V} x 1 head x 64 dims x 4 B = 512 B per token: 8 tokens per 4 KiB page.
@@ -235,3 +235,12 @@ def test_idle_speculation_steps_are_capped(tiny_dir: Path) -> None:
     assert engine.take_speculated_tokens("b") == 200
     engine.check_integrity()
     engine.close()
+
+
+def test_busy_speculation_default_follows_cuda_graphs() -> None:
+    # Measured on an H200: a speculative chunk in a decode step forfeits the decode graph (5x).
+    assert EngineConfig(device="cuda").busy_speculation_tokens == 0
+    assert EngineConfig(device="cuda", enforce_eager=True).busy_speculation_tokens == 64
+    assert EngineConfig(device="cpu").busy_speculation_tokens == 64
+    assert EngineConfig(device="cuda", speculative_tokens_when_busy=16).busy_speculation_tokens \
+        == 16

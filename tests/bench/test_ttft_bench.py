@@ -12,9 +12,9 @@ from edmm.cli import main
 
 def test_bench_ttft_smoke(tmp_path: Path) -> None:
     pytest.importorskip("transformers")
-    rc = main(["bench", "ttft", "--only", "model", "--model", "tiny", "--device", "cpu", "--dtype", "float32",
-               "--contexts", "48,96", "--repeats", "2", "--full-prefill-repeats", "1",
-               "--new-tokens", "16", "--out", str(tmp_path)])
+    rc = main(["bench", "ttft", "--only", "model", "--model", "tiny", "--device", "cpu",
+               "--dtype", "float32", "--contexts", "48,96", "--repeats", "2",
+               "--full-prefill-repeats", "1", "--new-tokens", "16", "--out", str(tmp_path)])
     assert rc == 0
     data = json.loads((tmp_path / "ttft-model.json").read_text())
     keys = {(r["engine"], r["op"], r["context_tokens"]) for r in data["summary"]}
