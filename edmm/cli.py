@@ -141,6 +141,10 @@ def _bench(args: argparse.Namespace) -> int:
                                 insert_fraction=args.insert_fraction, iterations=args.repeats,
                                 enforce_eager=args.eager)
         print(Path(run_agent_bench(acfg, out)["md"]).read_text())
+        if not args.no_peer:
+            from edmm.bench.agent_peer import run_peer_bench
+
+            print(Path(run_peer_bench(acfg, out)["md"]).read_text())
     if args.only != "groups":
         from edmm.bench.ttft import TTFTBenchConfig, run_ttft_bench
 
