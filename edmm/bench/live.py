@@ -1,0 +1,512 @@
+"""The A/B/C resume groups measured at the client: HTTP, the ``openai`` SDK, ``edmm serve``.
+
+`edmm.bench.agent` times the groups inside the engine on synthetic token ids; here they run as
+an agent would see them: chat messages rendered by the server's chat template, a first turn
+forced to call a tool (``tool_choice``, so random weights emit one), a tool window the client
+sleeps through (``expected_tool_duration_s``), and the resume request timed at the client:
+streamed, to the first content delta (TTFT); not streamed, to the whole response. Each
+iteration runs two fresh sessions (one per mode, ``X-Session-Id``), deleted afterwards.
+
+The conversation is padded with long user messages to reach about ``context`` prompt tokens.
+A tool result R of about ``result_tokens`` tokens:
+
+- **A**, prefix hit: R appended as the tool message (a normal agent resume).
+- **B**, mid-prompt contamination: R inserted earlier, as a ``<memory>`` block at the end of
+  the padding message at ``insert_fraction`` of the conversation (0: the system message); the
+  tool message only says so. The server can reuse the session's KV up to the insertion only.
+- **C**: B's prompt, R announced on the turn that emits the call through
+  ``extra_body={"edmm": {"predicted_tool_results": {tool name: R}}}``. The server renders a
+  prediction with the chat template *as the tool message* (`edmm.agent.render`: a template
+  renderer cannot take insertion positions, and the protocol has no position field), so its
+  speculation is A's prompt and cannot match B's past the insertion: over HTTP, C measures
+  what a mid-prompt result gets from an appended prediction (expect about B).
+- **C-append**: A's prompt with R predicted the same way: the speculation the server can
+  express (expect a hit and fewer prefilled tokens than A).
+
+``cached_tokens`` comes from ``usage.prompt_tokens_details``; the speculation outcome of each
+resume from the change of ``edmm_speculation_outcomes_total`` in ``/metrics``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import random
+import re
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from edmm.bench.agent import ratio_notes
+from edmm.bench.report import ResultWriter, collect_environment, plot_bars
+from edmm.bench.stats import ratio, summarize
+
+NAME = "agent-ttft-live"
+GROUPS = ("A", "B", "C", "C-append")
+GROUP_NAMES = {"A": "result appended as the tool message (prefix hit)",
+               "B": "result inserted mid-prompt (memory block), reuse up to it",
+               "C": "B's prompt, result predicted in advance (rendered appended by the server)",
+               "C-append": "A's prompt, result predicted in advance (speculation hit)"}
+TOOL_NAME = "lookup"
+TOOL = {"type": "function", "function": {
+    "name": TOOL_NAME, "description": "Look a record up in the knowledge base.",
+    "parameters": {"type": "object",
+                   "properties": {"key": {"type": "string", "enum": ["record"]}},
+                   "required": ["key"], "additionalProperties": False}}}
+MEMORY_NOTE = "The result was stored in the <memory> block above."
+_WORDS = ("agent", "tool", "memory", "result", "page", "cache", "token", "prefix", "branch",
+          "commit", "session", "window", "model", "prompt", "record", "value", "table", "query",
+          "server", "client", "stream", "engine", "kernel", "layer", "vector", "block", "slot",
+          "river", "mountain", "garden", "window", "paper", "signal", "market", "energy",
+          "history", "science", "number", "letter", "answer", "question", "summary", "report")
+_SPEC_RE = re.compile(r'^edmm_speculation_outcomes_total\{[^}]*outcome="(\w+)"[^}]*\}\s+(\S+)')
+
+
+class LiveBenchError(RuntimeError):
+    """The server could not be started or reached, or a turn did not go as the bench needs."""
+
+
+@dataclass(frozen=True)
+class LiveBenchConfig:
+    """What to run.
+
+    ``model``: a local HF folder with a tokenizer and chat template (None: the embedded tiny
+    model); the bench renders chat with it to size the padding, and the server renders the
+    prompts. ``url``: a running server's base URL (``http://host:port``) instead of starting
+    ``python -m edmm serve`` on a free loopback port. ``contexts``: target prompt tokens of the
+    resume request. ``server_args``: more ``edmm serve`` options (the started server only).
+    """
+
+    model: str | None = None
+    device: str = "cpu"
+    url: str | None = None
+    contexts: tuple[int, ...] = (1024, 4096)
+    result_tokens: int = 256
+    insert_fraction: float = 0.5
+    iterations: int = 10
+    warmup: int = 2
+    tool_duration_s: float = 0.2
+    resume_tokens: int = 8
+    groups: tuple[str, ...] = GROUPS
+    server_args: tuple[str, ...] = ()
+    start_timeout_s: float = 300.0
+    request_timeout_s: float = 600.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.result_tokens < 1 or self.iterations < 1 or self.warmup < 0:
+            raise ValueError("result_tokens and iterations must be >= 1, warmup >= 0")
+        if self.resume_tokens < 1 or self.tool_duration_s < 0:
+            raise ValueError("resume_tokens must be >= 1, tool_duration_s >= 0")
+        if not self.contexts or min(self.contexts) < 2 * self.result_tokens + 128:
+            raise ValueError(f"contexts must be at least 2 x result_tokens + 128, "
+                             f"got {self.contexts}")
+        if not 0.0 <= self.insert_fraction < 1.0:
+            raise ValueError(f"insert_fraction must be in [0, 1), got {self.insert_fraction}")
+        unknown = [g for g in self.groups if g not in GROUPS]
+        if unknown or not self.groups:
+            raise ValueError(f"groups must be among {GROUPS}, got {self.groups}")
+
+    @property
+    def max_model_len(self) -> int:
+        """The started server's ``--max-model-len``: the longest prompt, its slack, the reply."""
+        return max(self.contexts) + self.result_tokens + 256 + self.resume_tokens
+
+
+# ---------------------------------------------------------------- the server
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def server_command(cfg: LiveBenchConfig, port: int) -> list[str]:
+    """The ``python -m edmm serve`` command line of the bench's own server."""
+    cmd = [sys.executable, "-m", "edmm", "serve", "--device", cfg.device, "--host",
+           "127.0.0.1", "--port", str(port), "--log-level", "warning"]
+    if cfg.model is not None:
+        cmd += ["--model", cfg.model]
+    if "--max-model-len" not in cfg.server_args:
+        cmd += ["--max-model-len", str(cfg.max_model_len)]
+    return cmd + list(cfg.server_args)
+
+
+def _log_tail(path: Path, chars: int = 3000) -> str:
+    try:
+        return path.read_text(errors="replace")[-chars:]
+    except OSError:
+        return ""
+
+
+@contextlib.contextmanager
+def launched_server(cfg: LiveBenchConfig) -> Iterator[str]:
+    """Start ``edmm serve`` on a free loopback port, wait for ``/health``, yield its URL; the
+    process is always stopped (SIGINT, then killed after 15 s), whatever happens meanwhile."""
+    import httpx
+
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    with tempfile.TemporaryDirectory(prefix="edmm-live-") as tmp:
+        log_path = Path(tmp) / "server.log"
+        with log_path.open("wb") as log:
+            proc = subprocess.Popen(server_command(cfg, port), stdout=log,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
+            try:
+                deadline = time.monotonic() + cfg.start_timeout_s
+                while True:
+                    if proc.poll() is not None:
+                        raise LiveBenchError(f"edmm serve exited with {proc.returncode}:\n"
+                                             + _log_tail(log_path))
+                    with contextlib.suppress(httpx.HTTPError):
+                        if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
+                            break
+                    if time.monotonic() > deadline:
+                        raise LiveBenchError(f"edmm serve not healthy after "
+                                             f"{cfg.start_timeout_s:.0f} s:\n"
+                                             + _log_tail(log_path))
+                    time.sleep(0.1)
+                yield url
+            finally:
+                stop_process(proc)
+
+
+def stop_process(proc: subprocess.Popen[Any], grace_s: float = 15.0) -> None:
+    """Interrupt ``proc`` (uvicorn shuts down and the engine is released), kill it if it is
+    still there after ``grace_s``."""
+    if proc.poll() is None:
+        with contextlib.suppress(ProcessLookupError):
+            proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait(10)
+
+
+# ---------------------------------------------------------------- prompts
+
+
+def load_tokenizer(model: str | None) -> Any:
+    """The chat tokenizer of a local folder (None: the embedded tiny model)."""
+    from transformers import AutoTokenizer
+
+    from edmm.model.tiny import ensure_tiny_model
+
+    folder = Path(ensure_tiny_model()) if model is None else Path(model)
+    if not folder.is_dir():
+        raise LiveBenchError(f"--model must be a local HF folder with a tokenizer and chat "
+                             f"template (presets have none, so the server cannot render chat), "
+                             f"got {model!r}")
+    tok = AutoTokenizer.from_pretrained(folder)
+    if getattr(tok, "chat_template", None) is None:
+        raise LiveBenchError(f"{folder} has no chat template")
+    return tok
+
+
+class Prompts:
+    """Chat conversations of about a given number of prompt tokens, and their resume turns."""
+
+    def __init__(self, tokenizer: Any, cfg: LiveBenchConfig, rng: random.Random) -> None:
+        self.tok = tokenizer
+        self.cfg = cfg
+        self.rng = rng
+        sample = " ".join(rng.choice(_WORDS) for _ in range(200))
+        self._per_word = len(tokenizer.encode(sample, add_special_tokens=False)) / 200
+
+    def count(self, messages: list[dict[str, Any]]) -> int:
+        """Prompt tokens of ``messages`` with the tool, as the server renders them."""
+        text = self.tok.apply_chat_template(messages, tools=[TOOL], tokenize=False,
+                                            add_generation_prompt=True)
+        return len(self.tok.encode(text, add_special_tokens=False))
+
+    def text(self, tokens: int) -> str:
+        """Random words of about ``tokens`` tokens."""
+        words = [self.rng.choice(_WORDS) for _ in range(max(1, round(tokens / self._per_word)))]
+        return " ".join(words)
+
+    def conversation(self, context: int) -> list[dict[str, Any]]:
+        """System, padding user/assistant turns, a question: with the tool call and a result of
+        ``result_tokens`` appended, about ``context`` prompt tokens."""
+        question = {"role": "user", "content": "Look the record up, then summarise it."}
+        system = {"role": "system", "content": "You are an agent. Use the tools."}
+        bare = self.count([system, question])
+        call = 48  # the assistant's tool call and the tool message's wrapping
+        pad = context - bare - call - self.cfg.result_tokens
+        turns = max(2, min(32, pad // 256))
+        msgs: list[dict[str, Any]] = [system]
+        for _ in range(turns):
+            msgs.append({"role": "user", "content": self.text(max(1, pad // turns - 8))})
+            msgs.append({"role": "assistant", "content": "Noted."})
+        msgs.append(question)
+        # One correction: the words' token counts vary.
+        over = self.count(msgs) + call + self.cfg.result_tokens - context
+        if abs(over) > 8:
+            idx = 1 + 2 * (turns - 1)
+            n = len(self.tok.encode(msgs[idx]["content"], add_special_tokens=False))
+            msgs[idx]["content"] = self.text(max(1, n - over))
+        return msgs
+
+    def insertion_index(self, conversation: list[dict[str, Any]]) -> int:
+        """The message B and C put the memory block into (0: the system message)."""
+        users = [i for i, m in enumerate(conversation[:-1]) if m["role"] == "user"]
+        k = round(self.cfg.insert_fraction * len(users)) - 1  # it ends at that fraction
+        return users[min(k, len(users) - 1)] if k >= 0 and users else 0
+
+    def resume(self, group: str, conversation: list[dict[str, Any]],
+               assistant: dict[str, Any], call_id: str, result: str) -> list[dict[str, Any]]:
+        """The resume request's messages of ``group``."""
+        if group in ("A", "C-append"):
+            return [*conversation, assistant,
+                    {"role": "tool", "tool_call_id": call_id, "content": result}]
+        msgs = [dict(m) for m in conversation]
+        i = self.insertion_index(msgs)
+        msgs[i]["content"] = f"{msgs[i]['content']}\n\n<memory>\n{result}\n</memory>"
+        return [*msgs, assistant, {"role": "tool", "tool_call_id": call_id,
+                                   "content": MEMORY_NOTE}]
+
+
+# ---------------------------------------------------------------- the client side
+
+
+@dataclass(frozen=True)
+class _Resume:
+    """One timed resume request."""
+
+    ttft_ms: float | None  # streamed: to the first content or tool-call delta
+    total_ms: float
+    prompt_tokens: int
+    cached_tokens: int
+    speculation: str  # hit / partial / miss / none (from /metrics)
+
+
+class LiveClient:
+    """The ``openai`` SDK and plain HTTP against one server."""
+
+    def __init__(self, url: str, cfg: LiveBenchConfig) -> None:
+        import httpx
+        import openai
+
+        self.url = url.rstrip("/")
+        self.cfg = cfg
+        self.http = httpx.Client(timeout=cfg.request_timeout_s)
+        self.openai = openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused",
+                                    max_retries=0, timeout=cfg.request_timeout_s)
+        self.model = self.openai.models.list().data[0].id
+
+    def close(self) -> None:
+        self.openai.close()
+        self.http.close()
+
+    def speculation_counts(self) -> Counter[str]:
+        """``edmm_speculation_outcomes_total`` by outcome."""
+        out: Counter[str] = Counter()
+        for line in self.http.get(f"{self.url}/metrics").text.splitlines():
+            m = _SPEC_RE.match(line)
+            if m:
+                out[m.group(1)] += int(float(m.group(2)))
+        return out
+
+    def first_turn(self, sid: str, messages: list[dict[str, Any]],
+                   prediction: str | None) -> tuple[dict[str, Any], str]:
+        """The turn forced to call the tool; returns the assistant message and the call id."""
+        ext: dict[str, Any] = {"expected_tool_duration_s": self.cfg.tool_duration_s}
+        if prediction is not None:
+            ext["predicted_tool_results"] = {TOOL_NAME: prediction}
+        create: Any = self.openai.chat.completions.create  # messages are plain dicts
+        reply = create(
+            model=self.model, messages=messages, tools=[TOOL],
+            tool_choice={"type": "function", "function": {"name": TOOL_NAME}},
+            temperature=0, max_tokens=128, extra_body={"edmm": ext},
+            extra_headers={"X-Session-Id": sid})
+        msg = reply.choices[0].message
+        if not msg.tool_calls:
+            raise LiveBenchError(f"the forced tool call did not come: {msg.content!r}")
+        return msg.model_dump(exclude_none=True), msg.tool_calls[0].id
+
+    def resume(self, sid: str, messages: list[dict[str, Any]], stream: bool) -> _Resume:
+        """Send the resume turn and time it."""
+        before = self.speculation_counts()
+        kwargs: dict[str, Any] = dict(
+            model=self.model, messages=messages, tools=[TOOL], tool_choice="none",
+            temperature=0, max_tokens=self.cfg.resume_tokens, extra_body={"ignore_eos": True},
+            extra_headers={"X-Session-Id": sid})
+        create: Any = self.openai.chat.completions.create  # messages are plain dicts
+        ttft = None
+        t0 = time.perf_counter()
+        if stream:
+            usage = None
+            for chunk in create(
+                    stream=True, stream_options={"include_usage": True}, **kwargs):
+                if ttft is None and chunk.choices:
+                    delta = chunk.choices[0].delta
+                    if delta.content or delta.tool_calls:
+                        ttft = (time.perf_counter() - t0) * 1e3
+                if chunk.usage is not None:
+                    usage = chunk.usage
+        else:
+            usage = create(**kwargs).usage
+        total = (time.perf_counter() - t0) * 1e3
+        if usage is None:
+            raise LiveBenchError("the server sent no usage")
+        details = usage.prompt_tokens_details
+        gained = self.speculation_counts() - before
+        spec = next((k for k in ("hit", "partial", "miss") if gained[k]), "none")
+        return _Resume(ttft, total, usage.prompt_tokens,
+                       details.cached_tokens or 0 if details is not None else 0, spec)
+
+    def close_session(self, sid: str) -> None:
+        with contextlib.suppress(Exception):
+            self.http.delete(f"{self.url}/v1/edmm/sessions/{sid}")
+
+
+def _session(client: LiveClient, prompts: Prompts, group: str,
+             conversation: list[dict[str, Any]], result: str, stream: bool) -> _Resume:
+    """One session: the forced tool call, the tool window, the timed resume; deleted after."""
+    sid = f"live-{uuid.uuid4().hex[:12]}"
+    try:
+        predicted = result if group in ("C", "C-append") else None
+        assistant, call_id = client.first_turn(sid, conversation, predicted)
+        time.sleep(client.cfg.tool_duration_s)  # the tool runs
+        return client.resume(sid, prompts.resume(group, conversation, assistant, call_id,
+                                                 result), stream)
+    finally:
+        client.close_session(sid)
+
+
+class _Progress:
+    """One line on stderr, rewritten in place."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.done, self.t0 = total, 0, time.monotonic()
+
+    def step(self, what: str) -> None:
+        self.done += 1
+        end = "\n" if self.done == self.total else ""
+        print(f"\r[live] {self.done}/{self.total} {what} "
+              f"({time.monotonic() - self.t0:.0f} s)   ", end=end, file=sys.stderr, flush=True)
+
+
+def measure(client: LiveClient, prompts: Prompts, cfg: LiveBenchConfig) -> list[dict[str, Any]]:
+    """Per-iteration rows (warm-up dropped); the groups alternate within an iteration."""
+    rows: list[dict[str, Any]] = []
+    progress = _Progress(len(cfg.contexts) * (cfg.warmup + cfg.iterations) * len(cfg.groups))
+    for ctx in cfg.contexts:
+        conversation = prompts.conversation(ctx)
+        for i in range(cfg.warmup + cfg.iterations):
+            for group in cfg.groups:
+                result = prompts.text(cfg.result_tokens)  # new every time: no stale cache hits
+                streamed = _session(client, prompts, group, conversation, result, True)
+                whole = _session(client, prompts, group, conversation, result, False)
+                progress.step(f"context {ctx} group {group} iteration {i + 1}")
+                if i < cfg.warmup:
+                    continue
+                rows.append({"context_tokens": ctx, "group": group, "iteration": i - cfg.warmup,
+                             "ttft_ms": streamed.ttft_ms, "stream_total_ms": streamed.total_ms,
+                             "total_ms": whole.total_ms, "prompt_tokens": whole.prompt_tokens,
+                             "cached_tokens": whole.cached_tokens,
+                             "prefilled_tokens": whole.prompt_tokens - whole.cached_tokens,
+                             "cached_tokens_stream": streamed.cached_tokens,
+                             "speculation": whole.speculation,
+                             "speculation_stream": streamed.speculation})
+    return rows
+
+
+def _median_int(xs: list[int]) -> int:
+    return int(sorted(xs)[len(xs) // 2])
+
+
+def summarize_live(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Per context and group: client TTFT and total latency statistics, tokens, outcome."""
+    out = []
+    for ctx in dict.fromkeys(r["context_tokens"] for r in rows):
+        a_mean: float | None = None
+        for group in GROUPS:
+            sel = [r for r in rows if r["context_tokens"] == ctx and r["group"] == group]
+            if not sel:
+                continue
+            ttfts = [r["ttft_ms"] for r in sel if r["ttft_ms"] is not None]
+            s = summarize(ttfts) if ttfts else None
+            total = summarize([r["total_ms"] for r in sel])
+            mean = s.trimmed_mean if s is not None else math.nan
+            if group == "A":
+                a_mean = mean
+            outcomes = Counter(r["speculation"] for r in sel)
+            out.append({
+                "context_tokens": ctx, "group": group, "what": GROUP_NAMES[group],
+                "prompt_tokens": _median_int([r["prompt_tokens"] for r in sel]),
+                "cached_tokens": _median_int([r["cached_tokens"] for r in sel]),
+                "ttft_trimmed_mean_ms": mean,
+                "ttft_median_ms": s.median if s is not None else None,
+                "ttft_p10_ms": s.p10 if s is not None else None,
+                "ttft_p90_ms": s.p90 if s is not None else None,
+                "total_trimmed_mean_ms": total.trimmed_mean, "total_median_ms": total.median,
+                "n": len(sel), "speculation": outcomes.most_common(1)[0][0],
+                "ratio_to_A": (ratio(mean, a_mean) if a_mean is not None and s is not None
+                               and math.isfinite(a_mean) else None),
+            })
+    return out
+
+
+def run_live_bench(cfg: LiveBenchConfig, out_dir: Path) -> dict[str, Path]:
+    """Run the groups against ``cfg.url`` or a started ``edmm serve``; write
+    ``agent-ttft-live.{csv,json,md,png}`` into ``out_dir`` (png: when matplotlib is there)."""
+    tokenizer = load_tokenizer(cfg.model)
+    prompts = Prompts(tokenizer, cfg, random.Random(cfg.seed))
+    env = collect_environment(cfg.device)
+    with contextlib.ExitStack() as stack:
+        url = cfg.url or stack.enter_context(launched_server(cfg))
+        client = LiveClient(url, cfg)
+        stack.callback(client.close)
+        rows = measure(client, prompts, cfg)
+        served = client.model
+    summary = summarize_live(rows)
+    writer = ResultWriter(out_dir, NAME, env)
+    writer.add_rows(rows)
+    server = (f"the running server at {cfg.url}" if cfg.url else
+              "`" + " ".join(server_command(cfg, 0)[1:]).replace("--port 0", "--port <free>")
+              + "` (started by the bench)")
+    notes = [f"client: openai {_version('openai')} over HTTP against {server}; model "
+             f"{served} ({cfg.model or 'tiny, embedded'}), device {cfg.device}",
+             f"result: ~{cfg.result_tokens} tokens of random words, new each iteration; B/C put "
+             f"it in a <memory> block in the message at {cfg.insert_fraction:.2f} of the "
+             "conversation (0: the system message)",
+             "C: the server renders a predicted result as the tool message (a chat template "
+             "takes no insertion position), so its speculation cannot match B's prompt past "
+             "the insertion; C-append is the prediction the server can express (A's prompt)",
+             f"tool window: the client sleeps {cfg.tool_duration_s} s "
+             "(expected_tool_duration_s); resume: "
+             f"{cfg.resume_tokens} tokens, temperature 0, ignore_eos; TTFT: streamed, to the "
+             "first content delta; total: not streamed, a second session",
+             f"iterations: {cfg.iterations} after {cfg.warmup} warm-up; trimmed mean drops 10% "
+             "each side", *ratio_notes([r for r in summary if r["ratio_to_A"] is not None])]
+    paths = writer.write(summary, title=f"A/B/C resume groups at the client, over HTTP "
+                         f"({cfg.device})", notes=notes)
+    with contextlib.suppress(RuntimeError):
+        plotted = [r for r in summary if r["ttft_trimmed_mean_ms"] is not None
+                   and math.isfinite(r["ttft_trimmed_mean_ms"])]
+        if plotted:
+            paths["png"] = plot_bars(plotted, "context_tokens", "ttft_trimmed_mean_ms", "group",
+                                     Path(out_dir) / f"{NAME}.png",
+                                     f"client TTFT of the resume ({cfg.device})")
+    return paths
+
+
+def _version(package: str) -> str:
+    from importlib import metadata
+
+    try:
+        return metadata.version(package)
+    except metadata.PackageNotFoundError:
+        return "?"
+

@@ -1,0 +1,85 @@
+"""CPU smoke of the live A/B/C bench: `edmm serve` as a subprocess, the openai SDK over HTTP."""
+
+from __future__ import annotations
+
+import json
+import socket
+from pathlib import Path
+
+import httpx
+import pytest
+import torch
+
+from edmm.bench.live import (
+    LiveBenchConfig,
+    LiveBenchError,
+    launched_server,
+    run_live_bench,
+    server_command,
+)
+
+SMALL = dict(contexts=(640,), result_tokens=64, iterations=2, warmup=0, tool_duration_s=0.05,
+             resume_tokens=4, start_timeout_s=120.0, request_timeout_s=60.0)
+
+
+@pytest.fixture(autouse=True)
+def _one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
+    torch.set_num_threads(1)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the server subprocess too
+
+
+def _listening(url: str) -> bool:
+    host, port = url.removeprefix("http://").split(":")
+    with socket.socket() as s:
+        s.settimeout(1.0)
+        return s.connect_ex((host, int(port))) == 0
+
+
+def test_live_groups_over_http(tmp_path: Path) -> None:
+    paths = run_live_bench(LiveBenchConfig(**SMALL), tmp_path)  # type: ignore[arg-type]
+    assert {"csv", "json", "md"} <= set(paths) and all(p.is_file() for p in paths.values())
+    doc = json.loads(paths["json"].read_text())
+    rows = doc["rows"]
+    assert len(rows) == 2 * 4
+    for r in rows:
+        assert r["ttft_ms"] > 0 and r["total_ms"] > 0
+        assert 0 < r["cached_tokens"] < r["prompt_tokens"] + 1
+        assert abs(r["prompt_tokens"] - 640) < 80  # padded to about the context
+    by = {s["group"]: s for s in doc["summary"]}
+    assert set(by) == {"A", "B", "C", "C-append"} and by["A"]["ratio_to_A"] == 1.0
+    # B reuses the session's KV only up to the insertion: fewer cached tokens than A.
+    assert by["B"]["cached_tokens"] < by["A"]["cached_tokens"] - 64
+    # The appended prediction is a speculation hit: all but the last few tokens cached.
+    assert by["C-append"]["speculation"] == "hit"
+    assert by["C-append"]["prompt_tokens"] - by["C-append"]["cached_tokens"] < 8
+    assert doc["environment"]["device"] == "cpu"
+    assert "C-append" in paths["md"].read_text()
+
+
+def test_server_stopped_when_the_body_fails() -> None:
+    cfg = LiveBenchConfig(**SMALL)  # type: ignore[arg-type]
+    seen = []
+    with pytest.raises(RuntimeError, match="boom"), launched_server(cfg) as url:
+        seen.append(url)
+        assert httpx.get(f"{url}/health", timeout=5).status_code == 200
+        raise RuntimeError("boom")
+    assert seen and not _listening(seen[0])
+
+
+def test_server_that_cannot_start_is_reported() -> None:
+    cfg = LiveBenchConfig(**SMALL, server_args=("--no-such-option",))  # type: ignore[arg-type]
+    with pytest.raises(LiveBenchError, match="exited"), launched_server(cfg):
+        pass
+
+
+def test_config_and_command() -> None:
+    cfg = LiveBenchConfig(**SMALL, model="/models/x")  # type: ignore[arg-type]
+    cmd = server_command(cfg, 1234)
+    assert cmd[1:4] == ["-m", "edmm", "serve"] and "--model" in cmd and "1234" in cmd
+    assert cmd[cmd.index("--max-model-len") + 1] == str(cfg.max_model_len)
+    with pytest.raises(ValueError):
+        LiveBenchConfig(contexts=(100,))
+    with pytest.raises(ValueError):
+        LiveBenchConfig(groups=("D",))
+    with pytest.raises(LiveBenchError, match="local HF folder"):
+        run_live_bench(LiveBenchConfig(model="qwen2.5-7b"), Path("/nonexistent"))

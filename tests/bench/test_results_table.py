@@ -1,0 +1,94 @@
+"""The README results tables, regenerated from the committed H200 results."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from edmm.bench.results_table import BEGIN, END, ResultsTableError, main, render, replace_block
+
+H200 = Path(__file__).resolve().parents[2] / "benchmarks/results/2026-11-29-h200"
+
+
+def _summary(name: str) -> list[dict]:
+    return json.loads((H200 / name).read_text())["summary"]
+
+
+def _row(table: str, label: str) -> list[str]:
+    for line in table.splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if cells[0] == label:
+            return cells
+    raise AssertionError(f"no row {label!r}")
+
+
+def test_group_rows_equal_the_json() -> None:
+    out = render(H200)
+    for name, label in (("agent-ttft.json", "EDMM"),
+                        ("agent-ttft-transformers.json", "transformers")):
+        by = {(r["context_tokens"], r["group"]): r["ttft_trimmed_mean_ms"]
+              for r in _summary(name)}
+        for ctx in (4096, 16384, 32768):
+            cells = _row(out, f"{ctx // 1024}K {label}")
+            t = {g: by[(ctx, g)] for g in "ABC"}
+            for cell, g in zip(cells[1:4], "ABC", strict=True):
+                want = f"{t[g]:.0f} ms" if t[g] >= 1000 else f"{t[g]:.1f} ms"
+                assert cell == want
+            assert cells[4] == f"{t['B'] / t['A']:.2f}x" and cells[5] == f"{t['C'] / t['A']:.2f}"
+    seed = _row(out, "seed (vLLM live / standalone)")
+    assert seed[4:] == ["8.21x / 4.18x", "1.17 / 0.96"]
+    # Spot checks against the README as written.
+    assert _row(out, "4K EDMM")[1:] == ["35.3 ms", "65.2 ms", "6.2 ms", "1.85x", "0.18"]
+    assert _row(out, "32K transformers")[2] == "1175 ms"
+
+
+def test_vmm_line_and_model_table_equal_the_json() -> None:
+    out = render(H200)
+    vmm = {(r["op"], r["context_tokens"]): r for r in _summary("vmm-cuda.json")}
+    commits = [vmm[("commit at resume (slot swap)", c)]["median_us"]
+               for c in (4096, 16384, 32768)]
+    assert " / ".join(f"{x:.1f}" for x in commits) + " µs at 4K / 16K / 32K" in out
+    assert "remap 42.8 µs per 2 MiB page" in out and "40.0 µs through bare" in out
+    assert "(1.07x, target ≤ 1.2x)" in out and "448 shared pages in 13.2 ms" in out
+    assert "0.94 GB: 0.45 ms" in out and "0.25 / 0.64 / 1.12 ms at 4K / 16K / 32K" in out
+    model = {(r["engine"], r["op"]): r for r in _summary("ttft-model.json")
+             if r["context_tokens"] == 16384}
+    decode = _row(out, "decode step")
+    assert decode[1] == f"{model[('edmm', 'decode step')]['trimmed_mean_ms']:.2f} ms" == "5.14 ms"
+    assert decode[2] == "18.7 ms" and "missed by 3%" in decode[3]
+    assert _row(out, "512 tokens on a cached prefix")[1:3] == ["22.7 ms", "38.6 ms"]
+    full = _row(out, "full prefill")
+    assert full[1:3] == ["504 ms", "506 ms"] and full[3].endswith("(339 ms) — missed: 1.49x")
+    assert "12.7 ms" in _row(out, "512 tokens on a cached prefix")[3]
+
+
+def test_every_number_comes_from_the_folder(tmp_path: Path) -> None:
+    """Only the agent file: only the A/B/C table, EDMM rows; numbers follow the file."""
+    doc = json.loads((H200 / "agent-ttft.json").read_text())
+    for r in doc["summary"]:
+        r["ttft_trimmed_mean_ms"] *= 2
+    (tmp_path / "agent-ttft.json").write_text(json.dumps(doc))
+    out = render(tmp_path)
+    assert "transformers" not in out and "VMM" not in out
+    assert _row(out, "4K EDMM")[1] == "70.6 ms"
+    with pytest.raises(ResultsTableError):
+        render(tmp_path / "empty")
+
+
+def test_readme_block_is_replaced(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\nbefore\n{BEGIN}\nold table\n{END}\nafter\n")
+    assert main([str(H200), "--readme", str(readme)]) == 0
+    text = readme.read_text()
+    assert "old table" not in text and text.startswith("# x\n\nbefore\n" + BEGIN + "\n")
+    assert text.endswith(f"\n{END}\nafter\n") and "| 16K EDMM |" in text
+    assert capsys.readouterr().out.strip() in text
+    # Idempotent.
+    assert main([str(H200), "--readme", str(readme)]) == 0 and readme.read_text() == text
+    readme.write_text("no markers\n")
+    assert main([str(H200), "--readme", str(readme)]) == 1
+    with pytest.raises(ResultsTableError):
+        replace_block(f"{END}\n{BEGIN}\n", "x")
+    assert "results:begin" in capsys.readouterr().err and readme.read_text() == "no markers\n"
