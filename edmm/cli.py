@@ -76,6 +76,22 @@ def build_parser() -> argparse.ArgumentParser:
     ttft.add_argument("--eager", action="store_true",
                       help="EDMM with reference SDPA attention and no CUDA graphs")
     ttft.add_argument("--out", type=Path, default=None)
+    live = bsub.add_parser("live", help="A/B/C resume groups at the client: the openai SDK over "
+                           "HTTP against edmm serve (started on a free port, or --url)")
+    live.add_argument("--model", default=None,
+                      help="local HF folder with a tokenizer (default: the embedded tiny model)")
+    live.add_argument("--device", default="cpu")
+    live.add_argument("--url", default=None, help="a running server instead of starting one")
+    live.add_argument("--contexts", type=_ints, default=(1024, 4096))
+    live.add_argument("--result-tokens", type=int, default=256)
+    live.add_argument("--insert-fraction", type=float, default=0.5)
+    live.add_argument("--iterations", type=int, default=10)
+    live.add_argument("--warmup", type=int, default=2)
+    live.add_argument("--tool-duration", type=float, default=0.2,
+                      help="seconds the client waits before resuming (expected_tool_duration_s)")
+    live.add_argument("--server-arg", action="append", default=[],
+                      help="extra edmm serve option, repeatable: --server-arg=--dtype=bfloat16")
+    live.add_argument("--out", type=Path, default=None)
     return parser
 
 
@@ -129,6 +145,19 @@ def _bench(args: argparse.Namespace) -> int:
                              host_page_size=args.host_page_size)
         paths = run_vmm_bench(cfg, args.out or default_out_dir(_device_tag(
             args.backend != "host")))
+        print(Path(paths["md"]).read_text())
+        print("wrote " + ", ".join(str(p) for p in paths.values()))
+        return 0
+    if args.bench == "live":
+        from edmm.bench.live import LiveBenchConfig, run_live_bench
+
+        lcfg = LiveBenchConfig(model=args.model, device=args.device, url=args.url,
+                               contexts=args.contexts, result_tokens=args.result_tokens,
+                               insert_fraction=args.insert_fraction, iterations=args.iterations,
+                               warmup=args.warmup, tool_duration_s=args.tool_duration,
+                               server_args=tuple(args.server_arg))
+        paths = run_live_bench(lcfg, args.out or default_out_dir(
+            _device_tag(args.device.startswith("cuda"))))
         print(Path(paths["md"]).read_text())
         print("wrote " + ", ".join(str(p) for p in paths.values()))
         return 0
