@@ -1,13 +1,17 @@
-"""Shared fixtures: VMM backends (the host twin everywhere, CUDA under the ``gpu`` marker)."""
+"""Shared fixtures: VMM backends (the host twin everywhere, CUDA under the ``gpu`` marker),
+one torch thread, the embedded tiny model."""
 
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+import torch
 
 from edmm.memory.backends import open_backend
 from edmm.memory.vmm import VMMBackend
+from edmm.model.tiny import ensure_tiny_model
 
 HOST_TEST_PAGE = 4096  # small pages: many page boundaries with tiny KV specs
 
@@ -23,3 +27,19 @@ def backend(request: pytest.FixtureRequest) -> Iterator[VMMBackend]:
     b = open_backend(request.param, host_page_size=HOST_TEST_PAGE)
     yield b
     b.close()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _single_thread() -> Iterator[None]:
+    """Tiny models run fastest on one thread: OpenMP spinning on a busy 2-core box is ~7x
+    slower."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The embedded tiny model (tokenizer and chat template included), built once."""
+    return ensure_tiny_model(tmp_path_factory.mktemp("edmm-cache"))

@@ -7,26 +7,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from agent_helpers import MakeAgent, engine_config
 
 from edmm.agent import AgentConfig, AgentEngine
-from edmm.model.tiny import ensure_tiny_model
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread() -> Iterator[None]:
-    """Tiny models run fastest on one thread (OpenMP spinning on a busy 2-core box is slow)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The embedded tiny model (with its tokenizer and chat template), built once."""
-    return ensure_tiny_model(tmp_path_factory.mktemp("edmm-cache"))
 
 
 @pytest.fixture

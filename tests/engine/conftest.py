@@ -7,11 +7,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from engine_helpers import HOST_PAGE, HFCase, MakeEngine, build_case
 
 from edmm.engine import Engine, EngineConfig
-from edmm.model.tiny import ensure_tiny_model
 
 
 @pytest.fixture(scope="session")
@@ -40,14 +38,6 @@ def qwen2_case(hf_cases: Callable[[str], HFCase]) -> HFCase:
     return hf_cases("qwen2")
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _single_thread() -> Iterator[None]:
-    """Tiny models run fastest on one thread (OpenMP spinning on a busy 2-core box is slow)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
 
 @pytest.fixture
 def make_engine() -> Iterator[MakeEngine]:
@@ -67,9 +57,3 @@ def make_engine() -> Iterator[MakeEngine]:
     for engine in engines:
         engine.check_integrity()
         engine.close()
-
-
-@pytest.fixture(scope="session")
-def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """The embedded tiny model (with its tokenizer), built once in a temp cache."""
-    return ensure_tiny_model(tmp_path_factory.mktemp("edmm-cache"))

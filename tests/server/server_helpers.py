@@ -79,9 +79,9 @@ def serve(state: ServerState) -> Iterator[LiveServer]:
         state.close()
 
 
-def server_config(tiny_cache: Path, execution_aware: bool = True) -> ServerConfig:
+def server_config(tiny_dir: Path, execution_aware: bool = True) -> ServerConfig:
     """The test servers' config: the tiny model, small limits."""
-    return ServerConfig(model=str(tiny_cache), served_model_name=MODEL,
+    return ServerConfig(model=str(tiny_dir), served_model_name=MODEL,
                         execution_aware=execution_aware,
                         engine=dict(max_model_len=MAX_MODEL_LEN, max_num_seqs=8, num_slots=32))
 

@@ -33,11 +33,11 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def test_serve_starts_answers_and_stops_on_sigint(tiny_cache: Path) -> None:
+def test_serve_starts_answers_and_stops_on_sigint(tiny_dir: Path) -> None:
     port = _free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "edmm.server", "--model", str(tiny_cache), "--port", str(port),
+        [sys.executable, "-m", "edmm.server", "--model", str(tiny_dir), "--port", str(port),
          "--served-model-name", "tiny", "--max-model-len", "512", "--log-level", "warning"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:

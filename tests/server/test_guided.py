@@ -24,8 +24,8 @@ FUNCTIONS = [
 
 
 @pytest.fixture(scope="module")
-def engine(tiny_cache: Path) -> Any:
-    with Engine(EngineConfig(model=str(tiny_cache), max_model_len=1024, num_slots=4,
+def engine(tiny_dir: Path) -> Any:
+    with Engine(EngineConfig(model=str(tiny_dir), max_model_len=1024, num_slots=4,
                              max_num_seqs=4)) as e:
         yield e
 
