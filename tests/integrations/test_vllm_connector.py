@@ -82,6 +82,13 @@ def test_resume_after_prefix_cache_reset_hits_the_session(
     assert r["resume_len"] - r["cached2"] < r["resume_len"] - r["prompt_len"] + BLOCK
 
 
+def test_second_tool_call_keeps_the_resumed_turn(runs: dict[str, dict[str, Any]]) -> None:
+    a, b = runs["with"]["plain"], runs["without"]["plain"]
+    assert a["out3"] == b["out3"]
+    assert a["cached3"] == (a["resume_len"] + OUT_TOKENS - 1) // BLOCK * BLOCK
+    assert b["cached3"] == 0
+
+
 def test_without_connector_the_resume_recomputes_everything(
     runs: dict[str, dict[str, Any]],
 ) -> None:

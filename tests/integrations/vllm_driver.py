@@ -138,6 +138,11 @@ def main(model_dir: str, out_json: str, store_dir: str | None) -> None:
         resume = prompt + out1 + tool
         out2, cached2, dt = gen(resume, session)
         info.update(resume_len=len(resume), out2=out2, cached2=cached2, resume_s=dt)
+        if scenario == "plain":  # a second tool call: the resumed turn is kept in its turn
+            assert llm.reset_prefix_cache(), "prefix cache reset refused"
+            resume3 = resume + out2 + [rng.randrange(10, 1000) for _ in range(40)]
+            out3, cached3, _ = gen(resume3, session)
+            info.update(resume3_len=len(resume3), out3=out3, cached3=cached3)
         results[scenario] = info
         if store_dir and Path(store_dir).exists():  # next scenario starts from a clean store
             for d in (Path(store_dir) / "sessions").iterdir():

@@ -149,6 +149,8 @@ class EDMMConnector(KVConnectorBase_V1):
             logger.warning("EDMMConnector: store unreadable (%s); recomputing", e)
             return 0, False
         self._matched[request.request_id] = hashes
+        # the session already holds these blocks under the same keys: no need to save them again
+        self._saved_upto[request.request_id] = len(hashes)
         n_ext = len(hashes) * self.block_size - num_computed_tokens
         return max(0, n_ext), False
 
