@@ -63,7 +63,7 @@ def test_expiry_drops_the_session(tmp_path: Path) -> None:
 
 
 def test_full_store_keeps_what_fits(tmp_path: Path) -> None:
-    store = SessionKVStore(tmp_path / "store", max_bytes=250)  # 2 blocks of 64 + 48 header
+    store = SessionKVStore(tmp_path / "store", max_bytes=250, rescan_s=0.0)  # 2 blocks + headers
     assert store.save_pending("r", 0, b"x" * 64)
     assert store.save_pending("r", 1, b"x" * 64)
     assert not store.save_pending("r", 2, b"x" * 64)
@@ -77,3 +77,12 @@ def test_missing_store_is_a_miss(tmp_path: Path) -> None:
     assert store.match("sess/1", list(range(3 * BS)), BS, now=1001.0) == []
     assert store.drop_expired() == 0
     assert store.save_pending("req-2", 0, b"y" * 8)  # recreated on the next save
+
+
+def test_size_written_by_another_process_counts_after_a_rescan(tmp_path: Path) -> None:
+    store = SessionKVStore(tmp_path / "store", max_bytes=1000, rescan_s=3600.0)
+    assert store.save_pending("r", 0, b"x" * 64)
+    (tmp_path / "store" / "other.bin").write_bytes(bytes(900))  # another process's data
+    assert store.save_pending("r", 1, b"x" * 64)  # not seen yet: a soft bound
+    store.rescan_s = 0.0
+    assert not store.save_pending("r", 2, b"x" * 64)

@@ -124,6 +124,7 @@ def main(model_dir: str, out_json: str, store_dir: str | None) -> None:
         if store_dir and scenario == "full":  # no room left: nothing can be kept
             filler.parent.mkdir(parents=True, exist_ok=True)
             filler.write_bytes(bytes(STORE_MAX_BYTES))
+            time.sleep(1.2)  # the worker rescans the store's size at most once a second
         out1, cached1, _ = gen(prompt, session, tool_s)
         if store_dir and scenario == "full":
             filler.unlink()

@@ -90,9 +90,12 @@ class SessionKVStore:
     sessions) is skipped, so the session simply recomputes at resume.
     """
 
-    def __init__(self, root: str | Path, max_bytes: int = 1 << 30) -> None:
+    def __init__(self, root: str | Path, max_bytes: int = 1 << 30, rescan_s: float = 1.0) -> None:
         self.root = Path(root)
         self.max_bytes = max_bytes
+        self.rescan_s = rescan_s
+        self._used: int | None = None
+        self._used_at = 0.0
         (self.root / "pending").mkdir(parents=True, exist_ok=True)
         (self.root / "sessions").mkdir(parents=True, exist_ok=True)
 
@@ -105,6 +108,14 @@ class SessionKVStore:
 
     # -- worker side ------------------------------------------------------------------------
     def used_bytes(self) -> int:
+        """Bytes under the store (all processes' files), rescanned at most every
+        ``rescan_s`` seconds; this process's own writes are added in between."""
+        now = time.monotonic()
+        if self._used is None or now - self._used_at > self.rescan_s:
+            self._used, self._used_at = self._scan_bytes(), now
+        return self._used
+
+    def _scan_bytes(self) -> int:
         total = 0
         for dirpath, _, files in os.walk(self.root):
             for f in files:
@@ -117,9 +128,12 @@ class SessionKVStore:
         data = encode_block(payload)
         if self.used_bytes() + len(data) > self.max_bytes:
             self.drop_expired()
+            self._used = None
             if self.used_bytes() + len(data) > self.max_bytes:
                 return False
         _atomic_write(self._pending_dir(req_id) / f"{index}.kvb", data)
+        if self._used is not None:
+            self._used += len(data)
         return True
 
     def load(self, session: str, block_hash: str, expected_len: int) -> bytes | None:
