@@ -21,6 +21,7 @@ pytest.importorskip("vllm")
 DRIVER = Path(__file__).with_name("vllm_driver.py")
 BLOCK = 32
 OUT_TOKENS = 16
+LOCAL_PREFIX = 100  # as in vllm_driver.py
 
 
 def _run(args: list[str], timeout: int = 600) -> None:
@@ -63,7 +64,7 @@ def _kept_tokens(r: dict[str, Any]) -> int:
     return (r["prompt_len"] + OUT_TOKENS - 1) // BLOCK * BLOCK
 
 
-SCENARIOS = ["plain", "corrupt", "missing", "full", "expired", "untagged"]
+SCENARIOS = ["plain", "local_prefix", "corrupt", "missing", "full", "expired", "untagged"]
 
 
 @pytest.mark.parametrize("scenario", SCENARIOS)
@@ -98,7 +99,16 @@ def test_without_connector_the_resume_recomputes_everything(
     runs: dict[str, dict[str, Any]],
 ) -> None:
     for scenario in SCENARIOS:
-        assert runs["without"][scenario]["cached2"] == 0
+        local = LOCAL_PREFIX // BLOCK * BLOCK if scenario == "local_prefix" else 0
+        assert runs["without"][scenario]["cached2"] == local
+
+
+def test_session_blocks_complete_a_partial_local_prefix_hit(
+    runs: dict[str, dict[str, Any]],
+) -> None:
+    """vLLM's prefix cache holds the first blocks, the store the rest: loads go after them."""
+    r = runs["with"]["local_prefix"]
+    assert r["cached2"] == _kept_tokens(r)
 
 
 @pytest.mark.parametrize("scenario", ["corrupt", "missing", "full", "expired", "untagged"])

@@ -15,8 +15,9 @@ from pathlib import Path
 from typing import Any
 
 BLOCK = 32
+LOCAL_PREFIX = 100  # tokens of the prompt recomputed by another request before the resume
 STORE_MAX_BYTES = 4 << 20  # a session of this model is ~0.3 MiB
-SCENARIOS = ("plain", "corrupt", "missing", "full", "expired", "untagged")
+SCENARIOS = ("plain", "local_prefix", "corrupt", "missing", "full", "expired", "untagged")
 
 
 def build_model(folder: Path) -> Path:
@@ -136,6 +137,8 @@ def main(model_dir: str, out_json: str, store_dir: str | None) -> None:
             shutil.rmtree(store_dir)
         if scenario == "expired":
             time.sleep(0.2)
+        if scenario == "local_prefix":  # vLLM's own cache gets back the first blocks only
+            gen(prompt[:LOCAL_PREFIX], None)
         resume = prompt + out1 + tool
         out2, cached2, dt = gen(resume, session)
         info.update(resume_len=len(resume), out2=out2, cached2=cached2, resume_s=dt)

@@ -121,6 +121,7 @@ class EDMMConnector(KVConnectorBase_V1):
         self._saved_upto: dict[str, int] = {}  # request id -> blocks already sent for saving
         self._matched: dict[str, list[str]] = {}  # request id -> session block hashes matched
         self._pending_loads: dict[str, tuple[int, int]] = {}  # req -> (first, end) block index
+        self._local_hit: dict[str, int] = {}  # req -> tokens vLLM's own prefix cache had
         self._last_sweep = 0.0
         # worker side
         self._layers: list[tuple[str, torch.Tensor, int]] = []  # name, cache, block dim
@@ -149,6 +150,7 @@ class EDMMConnector(KVConnectorBase_V1):
             logger.warning("EDMMConnector: store unreadable (%s); recomputing", e)
             return 0, False
         self._matched[request.request_id] = hashes
+        self._local_hit[request.request_id] = num_computed_tokens
         # the session already holds these blocks under the same keys: no need to save them again
         self._saved_upto[request.request_id] = len(hashes)
         n_ext = len(hashes) * self.block_size - num_computed_tokens
@@ -159,23 +161,31 @@ class EDMMConnector(KVConnectorBase_V1):
     ) -> None:
         if num_external_tokens <= 0:
             return
-        first = request.num_computed_tokens // self.block_size
-        end = (request.num_computed_tokens + num_external_tokens) // self.block_size
+        # request.num_computed_tokens is not updated yet: the local hit is the one vLLM gave
+        # get_num_new_matched_tokens (block-aligned); the external tokens follow it
+        local = self._local_hit.get(request.request_id, 0)
+        first = local // self.block_size
+        end = (local + num_external_tokens) // self.block_size
         self._pending_loads[request.request_id] = (first, end)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = EDMMConnectorMetadata()
-        for new_req in scheduler_output.scheduled_new_reqs:
-            rng = self._pending_loads.pop(new_req.req_id, None)
-            if rng is None:
-                continue
-            tag = self._tags[new_req.req_id]
-            hashes = self._matched.get(new_req.req_id, [])
-            block_ids = new_req.block_ids[0]
-            for i in range(rng[0], rng[1]):
-                meta.loads.append((tag.session, hashes[i], block_ids[i]))
-        self._pending_loads.clear()  # a load not scheduled this step is not done later
         mgr = self._kv_cache_manager
+        new_block_ids = {r.req_id: r.block_ids[0] for r in scheduler_output.scheduled_new_reqs}
+        # Every request given external tokens is scheduled in this very step: a new request,
+        # or one resumed after preemption (listed among the cached requests).
+        for req_id, (first, end) in self._pending_loads.items():
+            if mgr is not None:
+                block_ids = list(mgr.get_block_ids(req_id)[0])
+            else:
+                block_ids = list(new_block_ids.get(req_id, []))
+            hashes = self._matched.get(req_id, [])
+            tag = self._tags[req_id]
+            if len(block_ids) < end or len(hashes) < end:
+                raise RuntimeError(f"EDMMConnector: no blocks to load {req_id} into")
+            for i in range(first, end):
+                meta.loads.append((tag.session, hashes[i], block_ids[i]))
+        self._pending_loads.clear()
         for req_id, n_sched in scheduler_output.num_scheduled_tokens.items():
             req = self._requests.get(req_id)
             if req is None or mgr is None:
@@ -205,6 +215,7 @@ class EDMMConnector(KVConnectorBase_V1):
         self._saved_upto.pop(req_id, None)
         self._matched.pop(req_id, None)
         self._pending_loads.pop(req_id, None)
+        self._local_hit.pop(req_id, None)
         if tag is None:
             return False, None
         outputs = set(request.output_token_ids)
