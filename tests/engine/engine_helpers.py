@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from hf_weights import randomize_
 
 from edmm.engine import Engine, RequestOutput, SamplingParams
 
@@ -44,28 +45,13 @@ class HFCase:
         return out[0, len(prompt):].tolist()
 
 
-@torch.no_grad()
-def _randomize(model: torch.nn.Module, seed: int) -> None:
-    """Strong random layers (HF init leaves norms at 1 and biases at 0, and greedy decoding of
-    such a model just repeats a token); weak embeddings."""
-    gen = torch.Generator().manual_seed(seed)
-    for name, p in model.named_parameters():
-        noise = torch.randn(p.shape, generator=gen)
-        if "norm" in name:
-            p.copy_(1.0 + 0.2 * noise)
-        elif "embed_tokens" in name or "lm_head" in name:
-            p.copy_(0.05 * noise)
-        else:
-            p.copy_(0.2 * noise)
-
-
 def build_case(root: Path, arch: str) -> HFCase:
     import transformers
 
     cfg_cls = {"qwen2": transformers.Qwen2Config, "llama": transformers.LlamaConfig}[arch]
     model = transformers.AutoModelForCausalLM.from_config(
         cfg_cls(**HF_SHAPE), dtype=torch.float32, attn_implementation="eager")
-    _randomize(model, seed=0)
+    randomize_(model, seed=0)
     model.eval()
     folder = root / arch
     model.save_pretrained(str(folder))

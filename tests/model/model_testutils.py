@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from hf_weights import randomize_
 
 HF_CONFIG_CLASSES = {
     "llama": "LlamaConfig",
@@ -32,21 +33,6 @@ BASE_SHAPE: dict[str, Any] = dict(
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 
 MakeHFFolder = Callable[..., Path]  # make_hf_folder with the tokenizer folder bound
-
-
-@torch.no_grad()
-def randomize_(model: torch.nn.Module, seed: int, std: float, emb_std: float) -> None:
-    """Random weights everywhere (HF init leaves biases at 0 and norms at 1). Layers are
-    strong relative to the embeddings so that greedy decoding does not just repeat tokens."""
-    gen = torch.Generator().manual_seed(seed)
-    for name, p in model.named_parameters():
-        noise = torch.randn(p.shape, generator=gen)
-        if "norm" in name:
-            p.copy_(1.0 + 0.2 * noise)
-        elif "embed_tokens" in name or "lm_head" in name:
-            p.copy_(emb_std * noise)
-        else:
-            p.copy_(std * noise)
 
 
 def build_hf_model(
