@@ -4,12 +4,15 @@
 
 Prints, for the qwen2.5-7b preset on the arena: the top CUDA kernels of an eager decode step
 and of a 512-token prefill on a cached prefix (time per step), their sum against the wall time,
-and the wall time of the parts of a graph-replayed decode step.
+and the wall time of the parts of a graph-replayed decode step (medians of 50): building the
+inputs, `forward` (copy into the graph's buffers, launch the replay), `sample` (launch), the wait
+for the device, and the graph's replay alone.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 from pathlib import Path
 
@@ -18,6 +21,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from edmm.bench.ttft import EdmmSide, TTFTBenchConfig
+from edmm.engine.cuda_graph import CudaGraphRunner
 
 
 def _kernel_table(prof: profile, steps: int, top: int = 18) -> str:
@@ -50,6 +54,38 @@ def _profile(side: EdmmSide, ids: torch.Tensor, keep: int, end: int, steps: int)
         prof, steps)
 
 
+def _decode_parts(side: EdmmSide, ids: torch.Tensor, ctx: int, steps: int = 50) -> str:
+    """Host-side parts of a graph-replayed decode step against the graph alone."""
+    parts: dict[str, list[float]] = {k: [] for k in ("inputs", "forward", "sample", "wait",
+                                                      "total", "graph alone")}
+    runner = side.runner
+    assert isinstance(runner, CudaGraphRunner)
+    with torch.inference_mode():
+        for _ in range(steps):
+            side.truncate(ctx)
+            torch.cuda.synchronize()
+            t = [time.perf_counter()]
+            inputs = side.inputs(ids[ctx:ctx + 1])
+            t.append(time.perf_counter())
+            hidden = runner.forward(inputs)
+            t.append(time.perf_counter())
+            token = runner.sample(hidden, inputs)
+            t.append(time.perf_counter())
+            token.item()
+            t.append(time.perf_counter())
+            for k, a, b in zip(("inputs", "forward", "sample", "wait"), t, t[1:], strict=False):
+                parts[k].append((b - a) * 1e3)
+            parts["total"].append((t[-1] - t[0]) * 1e3)
+            graph = runner._decode[1].graph  # the inputs of the step above are still loaded
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            graph.replay()
+            torch.cuda.synchronize()
+            parts["graph alone"].append((time.perf_counter() - t0) * 1e3)
+    rows = [f"| {k} | {statistics.median(v):.3f} |" for k, v in parts.items()]
+    return "| part | median ms |\n|---|---:|\n" + "\n".join(rows)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--context", type=int, default=16384)
@@ -67,6 +103,8 @@ def main() -> None:
         report.append(f"\n## decode step ({name})\n" + _profile(side, ids, ctx, ctx + 1, 10))
         report.append(f"\n## prefill 512 on cached prefix ({name})\n"
                       + _profile(side, ids, ctx - 512, ctx, 5))
+        if not eager:
+            report.append("\n## decode step parts (CUDA graph)\n" + _decode_parts(side, ids, ctx))
         side.close()
     text = "\n".join(report)
     print(text)

@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -235,31 +235,46 @@ def summarize_groups(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
+RIDE_ALONG_TOKENS = (0, 32, 128)  # speculative_tokens_when_busy of the interference phases
+
+
 def measure_interference(agent: AgentEngine, cfg: AgentBenchConfig, context: int,
                          steps: int = 40) -> list[dict[str, Any]]:
     """Decode steps of one running request at ``context`` tokens, alone and while a long
-    speculative prefill rides along in the budget they leave (per-step wall time, rows)."""
+    speculative prefill is queued, with ``speculative_tokens_when_busy`` at each of
+    `RIDE_ALONG_TOKENS` (0: speculation waits for steps with no request); per-step wall time
+    and the speculation's progress, as rows."""
     engine, rng = agent.engine, random.Random(cfg.seed + 1)
-    steps = max(1, min(steps, context // 8))  # small contexts (CPU smoke runs)
+    steps = max(1, min(steps, context // (2 * len(RIDE_ALONG_TOKENS) + 2)))  # CPU smoke runs
     vocab = engine.model_config.vocab_size
-    prompt = [rng.randrange(vocab) for _ in range(context - 2 * steps - 2)]
-    params = SamplingParams(temperature=0.0, max_tokens=2 * steps + 1, ignore_eos=True)
+    phases = [("decode alone", None)] + [
+        (f"decode + speculation, {n} tokens riding along", n) for n in RIDE_ALONG_TOKENS]
+    prompt = [rng.randrange(vocab) for _ in range(context - len(phases) * steps - 2)]
+    params = SamplingParams(temperature=0.0, max_tokens=len(phases) * steps + 1,
+                            ignore_eos=True)
     engine.add_request("interference", prompt, params)
     engine.step()  # the prompt's prefill (one step: the budget holds the longest prompt)
+    base = engine.scheduler.config
     rows = []
-    for phase in ("decode alone", "decode + speculative prefill"):
-        if phase != "decode alone":
-            spec = [rng.randrange(vocab) for _ in range(context // 2)]
-            engine.speculate("interference-spec", spec, SlotHints("bench:spec",
-                                                                  EntryRank.SPECULATIVE))
-        for i in range(steps):
-            t0 = time.perf_counter()
-            engine.step()  # samples: the host waits for the device
-            elapsed = (time.perf_counter() - t0) * 1e3
-            progress = engine.speculation_progress("interference-spec")
-            rows.append({"phase": phase, "context_tokens": context, "iteration": i,
-                         "step_ms": elapsed,
-                         "speculated_tokens": progress[0] if progress else None})
+    try:
+        for phase, busy in phases:
+            if busy is not None:
+                engine.scheduler.config = replace(base, speculative_tokens_when_busy=busy)
+                spec = [rng.randrange(vocab) for _ in range(context // 2)]
+                engine.speculate(f"interference-{busy}", spec,
+                                 SlotHints("bench:spec", EntryRank.SPECULATIVE))
+            for i in range(steps):
+                t0 = time.perf_counter()
+                engine.step()  # samples: the host waits for the device
+                elapsed = (time.perf_counter() - t0) * 1e3
+                progress = engine.speculation_progress(f"interference-{busy}")
+                rows.append({"phase": phase, "context_tokens": context, "iteration": i,
+                             "step_ms": elapsed,
+                             "speculated_tokens": progress[0] if progress else None})
+            if busy is not None:
+                engine.stop_speculation(f"interference-{busy}")
+    finally:
+        engine.scheduler.config = base
     while engine.has_unfinished() or engine.has_speculation():
         engine.step()
     engine.discard(["bench:spec"])
@@ -270,14 +285,17 @@ def measure_interference(agent: AgentEngine, cfg: AgentBenchConfig, context: int
 def _interference_notes(rows: list[dict[str, Any]]) -> list[str]:
     if not rows:
         return []
-    alone, shared = (summarize([r["step_ms"] for r in rows if r["phase"] == p]).median
-                     for p in ("decode alone", "decode + speculative prefill"))
-    spec = [r["speculated_tokens"] for r in rows if r["phase"] != "decode alone"]
-    done = max((t for t in spec if t is not None), default=0)
-    return [f"decode step at {rows[0]['context_tokens']} tokens, median of "
-            f"{sum(r['phase'] == 'decode alone' for r in rows)}: alone {alone:.3f} ms, with "
-            f"a speculation queued {shared:.3f} ms ({shared / alone:.2f}x); speculative "
-            f"tokens computed meanwhile: {done}"]
+    phases = list(dict.fromkeys(r["phase"] for r in rows))
+    alone = summarize([r["step_ms"] for r in rows if r["phase"] == phases[0]]).median
+    notes = [f"decode step at {rows[0]['context_tokens']} tokens, medians of "
+             f"{sum(r['phase'] == phases[0] for r in rows)} steps: alone {alone:.3f} ms"]
+    for phase in phases[1:]:
+        shared = summarize([r["step_ms"] for r in rows if r["phase"] == phase]).median
+        done = max((r["speculated_tokens"] or 0 for r in rows if r["phase"] == phase),
+                   default=0)
+        notes.append(f"{phase}: {shared:.3f} ms ({shared / alone:.2f}x), speculative tokens "
+                     f"computed meanwhile: {done}")
+    return notes
 
 
 def _write_interference(rows: list[dict[str, Any]], cfg: AgentBenchConfig,

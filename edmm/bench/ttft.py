@@ -90,7 +90,8 @@ class EdmmSide:
         if cuda and not cfg.eager:
             self.model.set_backend(default_backend(self.device, max_tokens))
             self.model.enable_fusion()
-            self.runner = CudaGraphRunner(self.model, self.arena, self.device, sizes=(1,))
+            self.runner = CudaGraphRunner(self.model, self.arena, self.device, sizes=(1,),
+                                          token_sizes=(cfg.new_tokens,), max_seqs=1)
         else:
             self.runner = ModelRunner(self.model, self.arena, self.device)
         self.slot = self.arena.allocate()
@@ -100,18 +101,25 @@ class EdmmSide:
     def extend(self, ids: torch.Tensor) -> torch.Tensor:
         """Append ``ids`` [n] to the slot: map pages, run the model, greedy-pick the next token.
 
-        Decode steps replay the CUDA graph on the GPU (unless ``eager``).
+        On the GPU (unless ``eager``) a decode step and a prefill of ``new_tokens`` on the
+        cached prefix replay CUDA graphs; a full prefill runs eagerly.
         """
+        inputs = self.inputs(ids)
+        hidden = self.runner.forward(inputs)  # [n, hidden]
+        return self.runner.sample(hidden, inputs)  # [1]
+
+    def inputs(self, ids: torch.Tensor) -> ModelInputs:
+        """Map pages for ``ids`` [n] after the slot's tokens; the model inputs that append them
+        and sample after the last."""
         n = ids.shape[0]
         start = self.arena.num_tokens(self.slot)
         self.arena.grow(self.slot, start + n)
-        inputs = ModelInputs(
-            input_ids=ids, positions=torch.arange(start, start + n, device=self.device),
-            meta=AttentionMetadata.build([self.slot], [n], [start + n], self.device),
-            sample_rows=torch.tensor([n - 1], device=self.device), sample_seqs=[0],
-            params=self._greedy, rngs=[RequestRng()])
-        hidden = self.runner.forward(inputs)  # [n, hidden]
-        return self.runner.sample(hidden, inputs)  # [1]
+        meta = AttentionMetadata.build([self.slot], [n], [start + n], self.device)
+        assert meta.token_index is not None and meta.last_token_index is not None
+        return ModelInputs(
+            input_ids=ids, positions=meta.token_index, meta=meta,
+            sample_rows=meta.last_token_index, sample_seqs=[0], params=self._greedy,
+            rngs=[RequestRng()])
 
     def truncate(self, n: int) -> None:
         self.arena.truncate(self.slot, n)

@@ -14,6 +14,11 @@ from edmm.memory.host import DEFAULT_HOST_PAGE_SIZE
 HOST_POOL_BYTES = 4 << 30  # default cap of the host pool (memfd pages are committed on touch)
 
 
+# Steps of 32 tokens up to 512, of 64 up to 1024, then of 256: padding costs at most ~12%.
+DEFAULT_GRAPH_TOKEN_SIZES = (*range(32, 513, 32), *range(576, 1025, 64),
+                             *range(1280, 2049, 256))
+
+
 @dataclass
 class EngineConfig:
     """Everything an `Engine` is built from.
@@ -38,8 +43,12 @@ class EngineConfig:
         enable_prefix_caching: reuse KV of finished and running sequences' prefixes.
         prefix_block_size: tokens per hashed block of the prefix index.
         seed: seed of the sampler's shared stream (requests without their own seed).
-        enforce_eager: on CUDA, run decode eagerly instead of replaying CUDA graphs, and keep
-            the reference SDPA attention instead of the Triton kernels.
+        enforce_eager: on CUDA, run every step eagerly instead of replaying CUDA graphs, and
+            keep the reference SDPA attention instead of the Triton kernels.
+        cuda_graph_token_sizes: token counts at which batches with a prefill (chunks, resumes,
+            decodes with speculation riding along) replay captured graphs; sizes above
+            ``max_num_batched_tokens`` or not above ``max_num_seqs`` are skipped. Empty: such
+            batches run eagerly (decode batches still replay graphs).
         speculative_tokens_when_busy: most tokens of speculative prefill (agent sessions' tool
             windows) added to a step that runs requests; None: `busy_speculation_tokens`.
         speculative_tokens_when_idle: most tokens of speculative prefill in a step with no
@@ -63,6 +72,7 @@ class EngineConfig:
     prefix_block_size: int = 16
     seed: int | None = 0
     enforce_eager: bool = False
+    cuda_graph_token_sizes: tuple[int, ...] = DEFAULT_GRAPH_TOKEN_SIZES
     speculative_tokens_when_busy: int | None = None
     speculative_tokens_when_idle: int = 2048
     max_speculative_pages: int | None = None

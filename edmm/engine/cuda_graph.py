@@ -1,11 +1,23 @@
-"""Decode steps replayed from CUDA graphs.
+"""Forward passes replayed from CUDA graphs: decode batches and mixed / prefill batches.
 
-A decode step of a 7B model is a few hundred small kernels; launching them one by one costs
-more CPU time than the GPU needs to run them. `CudaGraphRunner` captures the model's forward
-for decode batches padded to a few sizes, into static input buffers, and replays the graph
-after copying the step's inputs in. Padding rows attend to a reserved one-token pad slot, so
-they read and write only mapped memory. Anything that is not a pure decode batch, or is larger
-than the largest captured size, runs eagerly through `ModelRunner.forward`.
+A forward pass of a 7B model is a few hundred kernels; launched one by one from Python they cost
+more CPU time than the GPU needs for a decode step, and milliseconds of gaps in a 512-token
+prefill. `CudaGraphRunner` captures the model's forward once per padded shape, into static
+input buffers, and replays the graph after copying a step's inputs in:
+
+- **decode graphs**, one per batch size in ``sizes``: every sequence computes one token (the
+  split-K decode kernel), and the graph ends with the logits of every row, so a decode step
+  launches only the sampler after it;
+- **mixed graphs**, one per token count in ``token_sizes``: any batch of at most ``max_seqs``
+  sequences and that many tokens — prefill chunks, a resume's new tokens, decodes with a
+  speculation riding along (the varlen prefill kernel, whose launch depends on the token and
+  sequence counts only).
+
+Padding never touches a live slot: padding tokens write their KV to token 0 of a reserved
+one-token pad slot, padding sequences have no queries (query offsets repeat the last one) and
+attend to the pad slot. Padding rows of the output hold garbage that no sampled row reads
+(rows never mix outside attention). Batches larger than every captured shape run eagerly
+through `ModelRunner.forward`.
 
 The attention backend must take lengths from device tensors (the Triton backend does); the
 reference SDPA backend loops over Python lengths and is not captured.
@@ -13,6 +25,7 @@ reference SDPA backend loops over Python lengths and is not captured.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 
 import torch
@@ -24,82 +37,163 @@ from edmm.memory import KVArena
 from edmm.model.attention import AttentionMetadata
 
 DEFAULT_GRAPH_SIZES = (1, 2, 4, 8, 16, 32)
+DEFAULT_TOKEN_SIZES = (64, 128, 256, 384, 512, 768, 1024, 1536, 2048)
 
 
 @dataclass
 class _Graph:
     graph: torch.cuda.CUDAGraph
-    meta: AttentionMetadata  # static device tensors of this size
-    hidden: Tensor  # [bs, hidden] output written by the graph
+    hidden: Tensor  # [size, hidden] output written by the graph
+    logits: Tensor | None  # [size, vocab] float32 of every row (decode graphs)
+
+
+class _StaticInputs:
+    """Device buffers a family of graphs reads (a graph of ``t`` tokens and ``b`` sequences
+    uses the leading rows), and the copy of a step's inputs into them.
+
+    Rows past the step's tokens / sequences are reset to padding only where an earlier, larger
+    step left real values (``_dirty_*``), so a steady decode batch costs five copies.
+    """
+
+    def __init__(self, tokens: int, seqs: int, pad_slot: int, device: torch.device) -> None:
+        def buf(n: int, fill: int) -> Tensor:
+            return torch.full((n,), fill, dtype=torch.int64, device=device)
+
+        self.pad_slot = pad_slot
+        self.ids, self.pos = buf(tokens, 0), buf(tokens, 0)  # [tokens]
+        self.slot_index, self.token_index = buf(tokens, pad_slot), buf(tokens, 0)  # [tokens]
+        self.slot_ids, self.ctx = buf(seqs, pad_slot), buf(seqs, 1)  # [seqs]
+        self.query_start = buf(seqs + 1, 0)  # [seqs + 1]
+        self._dirty_tokens = 0
+        self._dirty_seqs = 0
+
+    def meta(self, tokens: int, seqs: int, query_lens: list[int]) -> AttentionMetadata:
+        """Static metadata over the leading rows. Its Python lists (``query_lens`` must sum to
+        ``tokens``) only satisfy the model's shape checks and pick the kernel: the kernels read
+        the tensors."""
+        return AttentionMetadata(
+            slot_ids=list(range(seqs)), query_lens=query_lens, context_lens=list(query_lens),
+            slot_index=self.slot_index[:tokens], token_index=self.token_index[:tokens],
+            last_token_index=None,  # not read by the model
+            slot_ids_t=self.slot_ids[:seqs], context_lens_t=self.ctx[:seqs],
+            query_start_loc=self.query_start[:seqs + 1])
+
+    def load(self, inputs: ModelInputs) -> None:
+        """Copy a step's tokens and metadata in; reset stale rows to padding."""
+        meta = inputs.meta
+        assert (meta.slot_index is not None and meta.token_index is not None
+                and meta.slot_ids_t is not None and meta.context_lens_t is not None
+                and meta.query_start_loc is not None)
+        t, b = inputs.input_ids.shape[0], meta.num_seqs
+        self.ids[:t].copy_(inputs.input_ids)
+        self.pos[:t].copy_(inputs.positions)
+        self.slot_index[:t].copy_(meta.slot_index)
+        self.token_index[:t].copy_(meta.token_index)
+        self.slot_ids[:b].copy_(meta.slot_ids_t)
+        self.ctx[:b].copy_(meta.context_lens_t)
+        self.query_start[:b + 1].copy_(meta.query_start_loc)
+        if self._dirty_tokens > t:
+            end = self._dirty_tokens
+            self.ids[t:end].zero_()
+            self.pos[t:end].zero_()
+            self.slot_index[t:end].fill_(self.pad_slot)
+            self.token_index[t:end].zero_()
+        if self._dirty_seqs > b:
+            self.slot_ids[b:self._dirty_seqs].fill_(self.pad_slot)
+            self.ctx[b:self._dirty_seqs].fill_(1)
+        self.query_start[b + 1:].fill_(t)  # padding sequences: no queries
+        self._dirty_tokens, self._dirty_seqs = t, b
 
 
 class CudaGraphRunner(ModelRunner):
-    """A `ModelRunner` whose decode batches replay captured CUDA graphs."""
+    """A `ModelRunner` whose batches replay captured CUDA graphs (see the module docstring).
+
+    Args:
+        sizes: decode batch sizes to capture.
+        token_sizes: token counts of the mixed graphs; each must exceed ``max_seqs`` (the
+            static metadata then always selects the prefill kernel) and fit a slot. Empty: no
+            mixed graphs.
+        max_seqs: sequences a mixed graph takes (default: the most the arena can hold).
+    """
 
     def __init__(self, model: CausalModel, arena: KVArena, device: torch.device | str,
                  sampler: Sampler | None = None,
-                 sizes: tuple[int, ...] = DEFAULT_GRAPH_SIZES) -> None:
+                 sizes: tuple[int, ...] = DEFAULT_GRAPH_SIZES,
+                 token_sizes: tuple[int, ...] = (), max_seqs: int | None = None) -> None:
         super().__init__(model, arena, device, sampler)
         self.pad_slot = arena.allocate()
         arena.grow(self.pad_slot, 1)
         usable = arena.num_slots - 1
+        self.max_seqs = min(max_seqs or usable, usable)
         self.sizes = tuple(sorted(s for s in sizes if s <= usable))
-        top = max(self.sizes, default=0)
-        dev = self.device
-        # Static inputs shared by every graph (a graph of size bs uses the first bs rows).
-        self._ids = torch.zeros(top, dtype=torch.int64, device=dev)
-        self._pos = torch.zeros(top, dtype=torch.int64, device=dev)
-        self._slot = torch.full((top,), self.pad_slot, dtype=torch.int64, device=dev)
-        self._tok = torch.zeros(top, dtype=torch.int64, device=dev)
-        self._ctx = torch.ones(top, dtype=torch.int64, device=dev)
-        self._rows = torch.arange(top + 1, dtype=torch.int64, device=dev)
+        self.token_sizes = tuple(sorted(
+            t for t in token_sizes if self.max_seqs < t <= arena.max_tokens))
+        self._decode_in = _StaticInputs(max(self.sizes, default=0), max(self.sizes, default=0),
+                                        self.pad_slot, self.device)
+        self._mixed_in = _StaticInputs(max(self.token_sizes, default=0), self.max_seqs,
+                                       self.pad_slot, self.device)
         self._pool = torch.cuda.graph_pool_handle()
-        self._graphs = {bs: self._capture(bs) for bs in reversed(self.sizes)}
+        # Largest first, so smaller graphs reuse the pool's blocks.
+        self._mixed = {t: self._capture(self._mixed_in, t, self.max_seqs, logits=False)
+                       for t in reversed(self.token_sizes)}
+        self._decode = {bs: self._capture(self._decode_in, bs, bs, logits=True)
+                        for bs in reversed(self.sizes)}
+        self._logits: Tensor | None = None  # [T, vocab] of the decode graph just replayed
+        self.replays: Counter[str] = Counter()  # forward passes by path: decode, mixed, eager
 
-    def _static_meta(self, bs: int) -> AttentionMetadata:
-        # Python lists only satisfy the model's shape checks; kernels read the tensors.
-        return AttentionMetadata(
-            slot_ids=list(range(bs)), query_lens=[1] * bs, context_lens=[1] * bs,
-            slot_index=self._slot[:bs], token_index=self._tok[:bs],
-            last_token_index=self._rows[:bs], slot_ids_t=self._slot[:bs],
-            context_lens_t=self._ctx[:bs], query_start_loc=self._rows[:bs + 1])
+    @property
+    def reserved_slots(self) -> int:
+        """The pad slot (one token, one page)."""
+        return 1
 
-    def _capture(self, bs: int) -> _Graph:
-        meta = self._static_meta(bs)
-        kv = self.arena.kv
+    def _capture(self, static: _StaticInputs, tokens: int, seqs: int, logits: bool) -> _Graph:
+        query_lens = [tokens - seqs + 1] + [1] * (seqs - 1)  # sums to tokens
+        meta = static.meta(tokens, seqs, query_lens)
+        ids, pos, kv = static.ids[:tokens], static.pos[:tokens], self.arena.kv
+
+        def run() -> tuple[Tensor, Tensor | None]:
+            hidden = self.model.forward(ids, pos, kv, meta)  # [tokens, hidden]
+            return hidden, self.model.compute_logits(hidden) if logits else None
+
         with torch.inference_mode():
             for _ in range(2):  # warm-up: compile kernels, settle the allocator
-                self.model.forward(self._ids[:bs], self._pos[:bs], kv, meta)
+                run()
             torch.cuda.synchronize(self.device)
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self._pool):
-                hidden = self.model.forward(self._ids[:bs], self._pos[:bs], kv, meta)
-        return _Graph(graph, meta, hidden)
+                hidden, out = run()
+        return _Graph(graph, hidden, out)
 
     def forward(self, inputs: ModelInputs) -> Tensor:
-        """Replay the smallest captured graph that fits a decode batch; else run eagerly."""
-        b = inputs.meta.num_seqs
-        if not inputs.is_decode_only or b > max(self.sizes, default=0):
+        """Replay the smallest captured graph that fits the batch; else run eagerly."""
+        t, b = inputs.input_ids.shape[0], inputs.meta.num_seqs
+        if inputs.is_decode_only and b <= max(self.sizes, default=0):
+            path, static = "decode", self._decode_in
+            g = self._decode[next(s for s in self.sizes if s >= b)]
+        elif b <= self.max_seqs and t <= max(self.token_sizes, default=0):
+            path, static = "mixed", self._mixed_in
+            g = self._mixed[next(s for s in self.token_sizes if s >= t)]
+        else:
+            self.replays["eager"] += 1
+            self._logits = None
             return super().forward(inputs)
-        bs = next(s for s in self.sizes if s >= b)
-        meta = inputs.meta
-        assert meta.slot_ids_t is not None and meta.context_lens_t is not None
-        self._ids[:b].copy_(inputs.input_ids)
-        self._pos[:b].copy_(inputs.positions)
-        self._slot[:b].copy_(meta.slot_ids_t)
-        self._ctx[:b].copy_(meta.context_lens_t)
-        self._tok[:b].copy_(inputs.positions)  # one new token per sequence, at its position
-        if bs > b:  # padding rows: the pad slot's one mapped token
-            self._ids[b:bs].zero_()
-            self._pos[b:bs].zero_()
-            self._slot[b:bs].fill_(self.pad_slot)
-            self._ctx[b:bs].fill_(1)
-            self._tok[b:bs].zero_()
-        g = self._graphs[bs]
+        self.replays[path] += 1
+        static.load(inputs)
         g.graph.replay()
-        return g.hidden[:b]
+        self._logits = g.logits[:t] if g.logits is not None else None
+        return g.hidden[:t]
+
+    def sample(self, hidden: Tensor, inputs: ModelInputs) -> Tensor:
+        """Sample from the logits the decode graph computed, else as `ModelRunner` does."""
+        logits, self._logits = self._logits, None
+        if logits is None or not inputs.sample_seqs:
+            return super().sample(hidden, inputs)
+        if len(inputs.sample_seqs) == logits.shape[0]:  # every row samples, in order
+            return self.pick(logits, inputs)
+        return self.pick(logits[inputs.sample_rows], inputs)
 
     def close(self) -> None:
         """Drop the graphs and give the pad slot back."""
-        self._graphs.clear()
+        self._mixed.clear()
+        self._decode.clear()
         self.arena.free(self.pad_slot)

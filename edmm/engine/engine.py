@@ -386,8 +386,8 @@ def _num_pages(config: EngineConfig, page_size: int, per_seq: int) -> int:
 
 def _build_runner(config: EngineConfig, model: CausalLM, arena: KVArena,
                   max_model_len: int) -> ModelRunner:
-    """On CUDA (unless ``enforce_eager``): Triton attention, fused pointwise ops, CUDA-graph
-    decode."""
+    """On CUDA (unless ``enforce_eager``): Triton attention, fused pointwise ops, CUDA graphs
+    for decode and mixed batches."""
     sampler = Sampler(config.seed)
     if not config.uses_cuda_graphs:
         return ModelRunner(model, arena, config.device, sampler)
@@ -395,4 +395,8 @@ def _build_runner(config: EngineConfig, model: CausalLM, arena: KVArena,
 
     model.set_backend(default_backend(config.device, max_model_len))
     model.enable_fusion()
-    return CudaGraphRunner(model, arena, config.device, sampler)
+    token_sizes = tuple(t for t in config.cuda_graph_token_sizes
+                        if t <= config.max_num_batched_tokens)
+    # Mixed graphs take the running sequences and as many speculative prefills.
+    return CudaGraphRunner(model, arena, config.device, sampler, token_sizes=token_sizes,
+                           max_seqs=2 * config.max_num_seqs)

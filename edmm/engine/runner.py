@@ -71,6 +71,11 @@ class ModelRunner:
         self.device = torch.device(device)
         self.sampler = sampler if sampler is not None else Sampler()
 
+    @property
+    def reserved_slots(self) -> int:
+        """Arena slots the runner itself holds (each maps one page) for as long as it lives."""
+        return 0
+
     def execute(self, batch: ScheduledBatch) -> list[int | None]:
         """Compute a step; return the sampled token of each sequence of the batch (None for
         those that do not sample this step, e.g. a prefill chunk short of the prompt's end)."""
@@ -86,23 +91,24 @@ class ModelRunner:
         return out
 
     def prepare(self, batch: ScheduledBatch) -> ModelInputs:
-        """Flatten a batch into device tensors (one host-to-device copy each)."""
+        """Flatten a batch into device tensors (two host-to-device copies: token ids and
+        sampled rows, then the attention metadata, whose token indices are the positions)."""
         ids: list[int] = []
-        positions: list[int] = []
         rows: list[int] = []
         sample_seqs: list[int] = []
         for i, s in enumerate(batch.seqs):
             ids.extend(s.token_ids)
-            positions.extend(range(s.start, s.context_len))
             if s.sample:
                 rows.append(len(ids) - 1)
                 sample_seqs.append(i)
         meta = AttentionMetadata.build(
             [s.slot for s in batch.seqs], [len(s.token_ids) for s in batch.seqs],
             [s.context_len for s in batch.seqs], self.device)
+        assert meta.token_index is not None
+        input_ids, sample_rows = self._tensor(ids + rows).split([len(ids), len(rows)])
         return ModelInputs(
-            input_ids=self._tensor(ids), positions=self._tensor(positions), meta=meta,
-            sample_rows=self._tensor(rows), sample_seqs=sample_seqs,
+            input_ids=input_ids, positions=meta.token_index, meta=meta,
+            sample_rows=sample_rows, sample_seqs=sample_seqs,
             params=[batch.seqs[i].params for i in sample_seqs],
             rngs=[batch.seqs[i].rng for i in sample_seqs],
             output_token_ids=[batch.seqs[i].output_token_ids for i in sample_seqs])
@@ -115,7 +121,11 @@ class ModelRunner:
         """Next tokens ``[N]`` of the sampled rows of ``hidden`` ``[T, hidden]``."""
         if not inputs.sample_seqs:
             return torch.empty(0, dtype=torch.int64)
-        logits = self.model.compute_logits(hidden[inputs.sample_rows])  # [N, vocab] float32
+        return self.pick(self.model.compute_logits(hidden[inputs.sample_rows]), inputs)
+
+    def pick(self, logits: Tensor, inputs: ModelInputs) -> Tensor:
+        """Next tokens ``[N]`` from the sampled rows' float32 logits ``[N, vocab]``: logits
+        processors, then the sampler."""
         if any(p.logits_processors for p in inputs.params):
             logits = apply_logits_processors(logits, inputs.params, inputs.output_token_ids)
         return self.sampler(logits, inputs.params, inputs.rngs)  # [N]

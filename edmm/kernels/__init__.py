@@ -13,7 +13,11 @@ from edmm.kernels._common import (
     triton_available,
     triton_usable,
 )
-from edmm.kernels.decode_attention import decode_attention, default_num_splits
+from edmm.kernels.decode_attention import (
+    decode_attention,
+    decode_attention_varlen,
+    default_num_splits,
+)
 from edmm.kernels.prefill_attention import prefill_attention, prefill_attention_varlen
 
 __all__ = [
@@ -22,6 +26,7 @@ __all__ = [
     "KernelUnavailableError",
     "PrefillConfig",
     "decode_attention",
+    "decode_attention_varlen",
     "default_num_splits",
     "prefill_attention",
     "prefill_attention_varlen",

@@ -6,7 +6,9 @@ Grid of the split kernel: (batch, kv_heads, splits). A program reads one chunk o
 sequence's tokens for one KV head, once, for all query heads of that head's GQA group (rows of
 a [GROUP_PAD, D] query tile), and writes the normalised partial output and its log-sum-exp
 (base 2). The reduce kernel, grid (batch, q_heads), merges the splits. With one split the split
-kernel writes the final output itself and no reduce runs.
+kernel writes the final output itself and no reduce runs. With VARLEN, q and out are a packed
+[T, Hq, D] batch: sequence b's query is row cu_q[b], and sequences with other than exactly one
+query are skipped (the prefill kernel computes those).
 """
 
 from __future__ import annotations
@@ -17,9 +19,20 @@ import triton.language as tl
 NEG_INIT = tl.constexpr(-1.0e30)  # running-max start: finite, so never inf - inf
 
 
+@triton.jit
+def _query_row(cu_q_ptr, b, VARLEN: tl.constexpr):
+    """Row of q / out of sequence ``b``: ``b``, or with VARLEN its query offset; -1 when a
+    VARLEN sequence has not exactly one query (another kernel computes it)."""
+    if VARLEN:
+        start = tl.load(cu_q_ptr + b).to(tl.int32)
+        single = tl.load(cu_q_ptr + b + 1).to(tl.int32) - start == 1
+        return tl.where(single, start, -1)
+    return b
+
+
 @triton.jit(do_not_specialize=["num_splits", "qk_scale"])
 def decode_split_kernel(
-    q_ptr, kv_ptr, slot_ids_ptr, ctx_lens_ptr, out_ptr, part_o_ptr, part_lse_ptr,
+    q_ptr, kv_ptr, slot_ids_ptr, ctx_lens_ptr, out_ptr, part_o_ptr, part_lse_ptr, cu_q_ptr,
     num_splits,  # a runtime value: no recompile per batch size
     qk_scale,  # softmax scale * log2(e)
     stride_qb, stride_qh,  # q [B, Hq, D]
@@ -29,11 +42,15 @@ def decode_split_kernel(
     stride_lb, stride_lh,  # part_lse [B, Hq, num_splits]
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, SINGLE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    VARLEN: tl.constexpr,
 ):
     """One (sequence, KV head, split): attention of the group's queries over its token chunk."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
+    row_q = _query_row(cu_q_ptr, b, VARLEN)
+    if row_q < 0:
+        return
     slot = tl.load(slot_ids_ptr + b).to(tl.int64)
     ctx = tl.load(ctx_lens_ptr + b).to(tl.int32)
     # Per-sequence chunking: every split of this sequence gets a multiple of BLOCK_N tokens.
@@ -46,7 +63,7 @@ def decode_split_kernel(
     offs_n = tl.arange(0, BLOCK_N)
     g_mask = offs_g < GROUP
     heads = kvh * GROUP + offs_g  # [GROUP_PAD] query heads of this KV head
-    q_ptrs = q_ptr + b.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
+    q_ptrs = q_ptr + row_q.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=g_mask[:, None], other=0.0)  # [GROUP_PAD, D]
 
     k_base = kv_ptr + slot * stride_ks + kvh * stride_kh
@@ -72,7 +89,8 @@ def decode_split_kernel(
     has = l_i > 0.0  # False for an empty split (or an empty context)
     o = acc / tl.where(has, l_i, 1.0)[:, None]  # [GROUP_PAD, D]
     if SINGLE_SPLIT:
-        o_ptrs = out_ptr + b.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+        o_ptrs = (out_ptr + row_q.to(tl.int64) * stride_ob + heads[:, None] * stride_oh
+                  + offs_d[None, :])
         tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
     else:
         row = b.to(tl.int64) * stride_pb + heads * stride_ph + split * stride_ps  # [GROUP_PAD]
@@ -84,16 +102,19 @@ def decode_split_kernel(
 
 @triton.jit(do_not_specialize=["num_splits"])
 def decode_reduce_kernel(
-    part_o_ptr, part_lse_ptr, out_ptr,
+    part_o_ptr, part_lse_ptr, out_ptr, cu_q_ptr,
     num_splits,
     stride_pb, stride_ph, stride_ps,  # part_o [B, Hq, num_splits, D]
     stride_lb, stride_lh,  # part_lse [B, Hq, num_splits]
     stride_ob, stride_oh,  # out [B, Hq, D]
-    SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, VARLEN: tl.constexpr,
 ):
     """One (sequence, query head): merge the splits' partial outputs by their log-sum-exp."""
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
+    row_q = _query_row(cu_q_ptr, b, VARLEN)
+    if row_q < 0:
+        return
     offs_s = tl.arange(0, SPLITS_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
     s_mask = offs_s < num_splits
@@ -106,4 +127,5 @@ def decode_reduce_kernel(
     o = tl.load(o_ptrs + offs_d[None, :], mask=s_mask[:, None], other=0.0)  # [SPLITS_PAD, D]
     denom = tl.sum(w, 0)
     res = tl.sum(w[:, None] * o, 0) / tl.where(denom > 0.0, denom, 1.0)  # [D]
-    tl.store(out_ptr + b * stride_ob + h * stride_oh + offs_d, res.to(out_ptr.dtype.element_ty))
+    tl.store(out_ptr + row_q.to(tl.int64) * stride_ob + h * stride_oh + offs_d,
+             res.to(out_ptr.dtype.element_ty))

@@ -2,8 +2,13 @@
 
 Imported only when a kernel runs: this module imports triton at the top.
 
-Grid: (query tiles, query heads, sequences). A program holds BLOCK_M queries of one head and
-walks the KV of that head's GQA group in BLOCK_N tiles with an online softmax. Causality is
+Grid: (query tiles, query heads). A program holds BLOCK_M queries of one head and walks the KV
+of that head's GQA group in BLOCK_N tiles with an online softmax. In a varlen batch the query
+tiles of all sequences are numbered in one flat range (sequence b owns cdiv(Lq_b, BLOCK_M) of
+them, in order) and each program finds its sequence with a scan over the B query offsets: the
+grid, ``T // BLOCK_M + B`` tiles, depends only on the token and sequence counts, never on the
+lengths, so one CUDA graph serves every batch of that shape; spare tiles (and sequences with no
+queries, the padding of a graph) return at once. Causality is
 end-aligned: query i of a sequence with Lq queries and n tokens sees keys < n - Lq + i + 1.
 Tiles every query of the program fully sees run without masks; only the tiles at the diagonal
 are masked, and no key at or past the context length is ever loaded.
@@ -47,27 +52,50 @@ def _attend_tile(q, k_base, v_base, n0, m_i, l_i, acc, lim, n_end, qk_scale, str
     return m_new, l_i, acc
 
 
-@triton.jit(do_not_specialize=["slot_arg", "ctx_arg", "qlen_arg", "qk_scale"])
+@triton.jit
+def _find_tile(cu_q_ptr, num_seqs, BLOCK_M: tl.constexpr, SKIP_SINGLE: tl.constexpr):
+    """Sequence and tile index within it of this program's flat tile (-1: a spare tile).
+    With SKIP_SINGLE, sequences of one query own no tile."""
+    blk = tl.program_id(0)
+    seen = blk * 0
+    seq = blk * 0 - 1
+    tile = blk * 0
+    for i in range(0, num_seqs):
+        n_q = (tl.load(cu_q_ptr + i + 1) - tl.load(cu_q_ptr + i)).to(tl.int32)
+        if SKIP_SINGLE:
+            n_q = tl.where(n_q == 1, 0, n_q)
+        n_tiles = (n_q + BLOCK_M - 1) // BLOCK_M
+        hit = (blk >= seen) & (blk < seen + n_tiles)
+        seq = tl.where(hit, i, seq)
+        tile = tl.where(hit, blk - seen, tile)
+        seen += n_tiles
+    return seq, tile
+
+
+@triton.jit(do_not_specialize=["slot_arg", "ctx_arg", "qlen_arg", "num_seqs", "qk_scale"])
 def prefill_kernel(
     q_ptr, kv_ptr, out_ptr, cu_q_ptr, slot_ids_ptr, ctx_lens_ptr,
     slot_arg, ctx_arg, qlen_arg,  # the one sequence's slot, tokens, queries when not VARLEN
+    num_seqs,  # B when VARLEN
     qk_scale,  # softmax scale * log2(e)
     stride_qt, stride_qh,  # q [T, Hq, D]
     stride_ks, stride_kt, stride_kkv, stride_kh,  # kv layer view [S, M, 2, Hkv, D]
     stride_ot, stride_oh,  # out [T, Hq, D]
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    VARLEN: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    VARLEN: tl.constexpr, SKIP_SINGLE: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """One (query tile, query head, sequence) of end-aligned causal attention."""
-    mt = tl.program_id(0)
+    """One (query tile, query head) of end-aligned causal attention."""
     h = tl.program_id(1)
-    b = tl.program_id(2)
     if VARLEN:
+        b, mt = _find_tile(cu_q_ptr, num_seqs, BLOCK_M, SKIP_SINGLE)
+        if b < 0:
+            return
         q_start = tl.load(cu_q_ptr + b).to(tl.int32)
         qlen = tl.load(cu_q_ptr + b + 1).to(tl.int32) - q_start
         slot = tl.load(slot_ids_ptr + b).to(tl.int64)
         ctx = tl.load(ctx_lens_ptr + b).to(tl.int32)
     else:
+        mt = tl.program_id(0)
         q_start = 0
         qlen = qlen_arg
         slot = slot_arg.to(tl.int64)

@@ -30,6 +30,7 @@ MIN_SPLIT_TOKENS = 256  # fewer tokens per split: more merge traffic than parall
 DEFAULT_MAX_SPLITS = 128
 MAX_SPLITS = 256  # the merge kernel holds one head's splits in registers
 PROGRAMS_PER_SM = 2
+VARLEN_DECODES = 4  # single-query sequences a mixed batch is assumed to hold (split count)
 DEFAULT_SMS = 132  # H200; used when the device has no SM count (CPU interpreter)
 
 
@@ -87,8 +88,61 @@ def decode_attention(
     if q.dim() != 3:
         raise KernelInputError(f"q must be [B, Hq, D], got {tuple(q.shape)}")
     q = unit_last_stride(q)
+    out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [B, Hq, D]
+    return _decode(q, kv_cache, layer, None, slot_ids, context_lens, out, scale, num_splits,
+                   max_context, config)
+
+
+def decode_attention_varlen(
+    q: torch.Tensor,
+    kv_cache: torch.Tensor,
+    layer: int,
+    cu_seqlens_q: torch.Tensor,
+    slot_ids: torch.Tensor,
+    context_lens: torch.Tensor,
+    out: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+    max_context: int | None = None,
+    config: DecodeConfig | None = None,
+) -> torch.Tensor:
+    """`decode_attention` for the sequences with exactly one query of a packed batch, in place.
+
+    A mixed batch (prefill chunks beside decodes) runs its single-query sequences here, split-K
+    over their context, and the others through `prefill_attention_varlen`, which skips them.
+
+    Args:
+        q: [T, Hq, D]; sequence b owns rows cu_seqlens_q[b] : cu_seqlens_q[b + 1].
+        cu_seqlens_q: [B + 1]; slot_ids, context_lens: [B] (int32/int64, q's device).
+        out: [T, Hq, D] in q's dtype, unit stride on D: row cu_seqlens_q[b] of each
+            single-query sequence b is written, no other row.
+        num_splits, max_context, config: as in `decode_attention` (the default split count
+            assumes a few of the B sequences are single-query).
+
+    Returns ``out``. The launch depends on B and the static arguments only (capturable).
+    """
+    require_triton(q.device)
+    if q.dim() != 3 or out.shape != q.shape or out.dtype != q.dtype or out.stride(-1) != 1:
+        raise KernelInputError(f"q and out must be [T, Hq, D] alike with unit stride on D, got "
+                               f"{tuple(q.shape)} {q.dtype} and {tuple(out.shape)} {out.dtype}")
+    batch = slot_ids.shape[0]
+    check_index(cu_seqlens_q, "cu_seqlens_q", batch + 1, q.device)
+    if num_splits is None:
+        kv_heads = kv_cache.shape[4] if kv_cache.dim() == 6 else 1
+        num_splits = default_num_splits(min(batch, VARLEN_DECODES), kv_heads,
+                                        max_context or kv_cache.shape[1], q.device)
+    return _decode(unit_last_stride(q), kv_cache, layer, cu_seqlens_q, slot_ids, context_lens,
+                   out, scale, num_splits, max_context, config)
+
+
+def _decode(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, cu_q: torch.Tensor | None,
+            slot_ids: torch.Tensor, context_lens: torch.Tensor, out: torch.Tensor, scale: float,
+            num_splits: int | None, max_context: int | None,
+            config: DecodeConfig | None) -> torch.Tensor:
+    """Checks, split count, partial buffers and the two launches of both entry points."""
     kv = kv_layer_view(kv_cache, layer, q)  # [S, M, 2, Hkv, D]
-    batch, num_heads, head_dim = q.shape
+    batch = slot_ids.shape[0] if cu_q is not None else q.shape[0]
+    num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = kv.shape[3]
     check_index(slot_ids, "slot_ids", batch, q.device)
     check_index(context_lens, "context_lens", batch, q.device)
@@ -96,15 +150,14 @@ def decode_attention(
         num_splits = default_num_splits(batch, num_kv_heads, max_context or kv.shape[1], q.device)
     if not 1 <= num_splits <= MAX_SPLITS:
         raise KernelInputError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
-    out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [B, Hq, D]
     if batch == 0:
         return out
     part_o, part_lse = _partials(batch, num_heads, num_splits, head_dim, q.device)
     group = num_heads // num_kv_heads
-    _launch_split(q, kv, slot_ids, context_lens, out, part_o, part_lse, scale, group,
+    _launch_split(q, kv, slot_ids, context_lens, out, part_o, part_lse, cu_q, scale, group,
                   num_splits, config or DecodeConfig())
     if num_splits > 1:
-        _launch_reduce(part_o, part_lse, out)
+        _launch_reduce(part_o, part_lse, out, cu_q)
     return out
 
 
@@ -122,16 +175,17 @@ def _partials(batch: int, num_heads: int, num_splits: int, head_dim: int,
 
 def _launch_split(q: torch.Tensor, kv: torch.Tensor, slot_ids: torch.Tensor,
                   context_lens: torch.Tensor, out: torch.Tensor, part_o: torch.Tensor,
-                  part_lse: torch.Tensor, scale: float, group: int, num_splits: int,
-                  cfg: DecodeConfig) -> None:
+                  part_lse: torch.Tensor, cu_q: torch.Tensor | None, scale: float, group: int,
+                  num_splits: int, cfg: DecodeConfig) -> None:
     """Launch the split kernel over (B, Hkv, num_splits)."""
     from edmm.kernels import _triton_decode as tk
 
-    batch, _, head_dim = q.shape
+    head_dim = q.shape[2]
     num_kv_heads = kv.shape[3]
-    grid = (batch, num_kv_heads, num_splits)
+    grid = (slot_ids.shape[0], num_kv_heads, num_splits)
     tk.decode_split_kernel[grid](
         q, kv, slot_ids, context_lens, out, part_o, part_lse,
+        cu_q if cu_q is not None else slot_ids,  # unused without VARLEN
         num_splits,
         scale * math.log2(math.e),
         q.stride(0), q.stride(1),
@@ -141,22 +195,23 @@ def _launch_split(q: torch.Tensor, kv: torch.Tensor, slot_ids: torch.Tensor,
         part_lse.stride(0), part_lse.stride(1),
         GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim,
         BLOCK_N=cfg.block_n, SINGLE_SPLIT=num_splits == 1, DOT_PRECISION=dot_precision(q.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        VARLEN=cu_q is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
-def _launch_reduce(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor) -> None:
+def _launch_reduce(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor,
+                   cu_q: torch.Tensor | None) -> None:
     """Launch the merge kernel over (B, Hq)."""
     from edmm.kernels import _triton_decode as tk
 
     batch, num_heads, num_splits, head_dim = part_o.shape
     splits_pad = next_pow2(num_splits)
     tk.decode_reduce_kernel[(batch, num_heads)](
-        part_o, part_lse, out,
+        part_o, part_lse, out, cu_q if cu_q is not None else part_lse,  # unused without VARLEN
         num_splits,
         part_o.stride(0), part_o.stride(1), part_o.stride(2),
         part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1),
-        SPLITS_PAD=splits_pad, HEAD_DIM=head_dim,
+        SPLITS_PAD=splits_pad, HEAD_DIM=head_dim, VARLEN=cu_q is not None,
         num_warps=min(16, max(1, splits_pad * head_dim // 2048)),  # ~64 fp32 per thread
     )

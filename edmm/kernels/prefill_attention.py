@@ -61,8 +61,9 @@ def prefill_attention(
     q = unit_last_stride(q)
     kv = kv_layer_view(kv_cache, layer, q)  # [S, M, 2, Hkv, D]
     out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [Lq, Hq, D]
-    _launch(q, kv, out, None, (slot_id, context_len, query_len), query_len, 1, scale,
-            config or PrefillConfig())
+    cfg = config or PrefillConfig()
+    _launch(q, kv, out, None, (slot_id, context_len, query_len), cdiv(query_len, cfg.block_m),
+            1, scale, cfg)
     return out
 
 
@@ -73,9 +74,9 @@ def prefill_attention_varlen(
     cu_seqlens_q: torch.Tensor,
     slot_ids: torch.Tensor,
     context_lens: torch.Tensor,
-    max_query_len: int,
     scale: float,
     config: PrefillConfig | None = None,
+    skip_single: bool = False,
 ) -> torch.Tensor:
     """`prefill_attention` for a batch of B sequences whose queries are packed in q.
 
@@ -83,11 +84,14 @@ def prefill_attention_varlen(
         q: [T, Hq, D]; sequence b owns rows cu_seqlens_q[b] : cu_seqlens_q[b + 1].
         cu_seqlens_q: [B + 1] int32/int64, cumulative query counts starting at 0.
         slot_ids, context_lens: [B] int32/int64.
-        max_query_len: a static upper bound of every query_len (sets the grid; longer
-            sequences would be cut off). Each query_len must be <= its context_len.
 
-    Values on the device are not checked (that would sync); the contracts above are the
-    caller's. Returns [T, Hq, D] in q's dtype.
+    Each query_len must be <= its context_len; a sequence may have no queries (a CUDA graph's
+    padding). With ``skip_single``, sequences of exactly one query are skipped, their rows of
+    the output left unwritten for `decode_attention_varlen` (split-K suits them: one query
+    tile walking a long context alone would serialise on one program per head). The launch
+    depends on T and B only (``T // block_m + B`` query tiles), so it is capturable once per
+    shape. Values on the device are not checked (that would sync); the
+    contracts above are the caller's. Returns [T, Hq, D] in q's dtype.
     """
     require_triton(q.device)
     _check_q(q)
@@ -100,10 +104,12 @@ def prefill_attention_varlen(
     q = unit_last_stride(q)
     kv = kv_layer_view(kv_cache, layer, q)  # [S, M, 2, Hkv, D]
     out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [T, Hq, D]
-    if batch == 0 or max_query_len < 1 or q.shape[0] == 0:
+    if batch == 0 or q.shape[0] == 0:
         return out
-    _launch(q, kv, out, (cu_seqlens_q, slot_ids, context_lens), (0, 0, 0), max_query_len,
-            batch, scale, config or PrefillConfig())
+    cfg = config or PrefillConfig()
+    tiles = q.shape[0] // cfg.block_m + batch
+    _launch(q, kv, out, (cu_seqlens_q, slot_ids, context_lens), (0, 0, 0), tiles, batch,
+            scale, cfg, skip_single)
     return out
 
 
@@ -114,22 +120,23 @@ def _check_q(q: torch.Tensor) -> None:
 
 def _launch(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor,
             varlen: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
-            single: tuple[int, int, int], max_query_len: int, batch: int, scale: float,
-            cfg: PrefillConfig) -> None:
-    """Launch over (query tiles, Hq, B); ``varlen`` tensors or the ``single`` sequence's ints."""
+            single: tuple[int, int, int], tiles: int, batch: int, scale: float,
+            cfg: PrefillConfig, skip_single: bool = False) -> None:
+    """Launch over (query tiles, Hq); ``varlen`` tensors or the ``single`` sequence's ints."""
     from edmm.kernels import _triton_prefill as tk
 
     num_heads, head_dim = q.shape[1], q.shape[2]
     cu_q, slot_ids, ctx_lens = varlen if varlen is not None else (out, out, out)  # unused
-    grid = (cdiv(max_query_len, cfg.block_m), num_heads, batch)
+    grid = (tiles, num_heads)
     tk.prefill_kernel[grid](
         q, kv, out, cu_q, slot_ids, ctx_lens,
-        *single,
+        *single, batch,
         scale * math.log2(math.e),
         q.stride(0), q.stride(1),
         kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
         out.stride(0), out.stride(1),
         GROUP=num_heads // kv.shape[3], HEAD_DIM=head_dim, BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, VARLEN=varlen is not None, DOT_PRECISION=dot_precision(q.dtype),
+        BLOCK_N=cfg.block_n, VARLEN=varlen is not None, SKIP_SINGLE=skip_single,
+        DOT_PRECISION=dot_precision(q.dtype),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )

@@ -2,7 +2,9 @@
 
 Decode batches (every query length 1) go to the split-K decode kernel, which takes slot ids and
 context lengths as device tensors, so a CUDA graph captured once replays for any lengths up to
-``max_context``. Batches with a prefill go to the varlen prefill kernel (end-aligned causal).
+``max_context``. In batches with a prefill, sequences of several queries go to the varlen
+prefill kernel (end-aligned causal) and single-query ones to the split-K decode kernel in its
+varlen mode; both launches depend on the token and sequence counts only (capturable).
 Sliding-window layers fall back to the reference SDPA backend.
 """
 
@@ -46,7 +48,11 @@ class TritonAttentionBackend(AttentionBackend):
         """Write k/v into the cache, then attend; returns [T, Hq, D]."""
         if window is not None:
             return self._fallback.forward(q, k, v, kv_cache, layer, meta, scale, window)
-        from edmm.kernels import decode_attention, prefill_attention_varlen
+        from edmm.kernels import (
+            decode_attention,
+            decode_attention_varlen,
+            prefill_attention_varlen,
+        )
 
         if meta.slot_ids_t is None or meta.context_lens_t is None or meta.query_start_loc is None:
             raise AttentionMetadataError("metadata has no device tensors; call meta.to(device)")
@@ -54,9 +60,13 @@ class TritonAttentionBackend(AttentionBackend):
         if all(n == 1 for n in meta.query_lens):
             return decode_attention(q, kv_cache, layer, meta.slot_ids_t, meta.context_lens_t,
                                     scale, max_context=self.max_context)
-        return prefill_attention_varlen(q, kv_cache, layer, meta.query_start_loc,
-                                        meta.slot_ids_t, meta.context_lens_t,
-                                        max(meta.query_lens), scale)
+        # Mixed: multi-query sequences in query tiles, single-query ones split-K, in place.
+        out = prefill_attention_varlen(q, kv_cache, layer, meta.query_start_loc,
+                                       meta.slot_ids_t, meta.context_lens_t, scale,
+                                       skip_single=True)
+        return decode_attention_varlen(q, kv_cache, layer, meta.query_start_loc,
+                                       meta.slot_ids_t, meta.context_lens_t, out, scale,
+                                       max_context=self.max_context)
 
 
 def default_backend(device: torch.device | str, max_context: int) -> AttentionBackend:

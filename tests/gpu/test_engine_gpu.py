@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from edmm import LLM, SamplingParams
+from edmm.engine import Engine, EngineConfig
 from edmm.engine.cuda_graph import CudaGraphRunner
 
 pytestmark = pytest.mark.gpu
@@ -38,6 +39,8 @@ def test_graphs_and_triton_match_eager_and_hf_in_float32(tmp_path: Path) -> None
     assert isinstance(fast.llm_engine.runner, CudaGraphRunner)
     got = [o.outputs[0].token_ids for o in fast.generate(inputs, params)]
     fast.llm_engine.check_integrity()
+    replays = fast.llm_engine.runner.replays
+    assert replays["mixed"] >= 1 and replays["decode"] >= 30 and replays["eager"] == 0
     fast.close()
     eager = LLM(str(folder), enforce_eager=True, **kw)
     want = [o.outputs[0].token_ids for o in eager.generate(inputs, params)]
@@ -48,3 +51,48 @@ def test_graphs_and_triton_match_eager_and_hf_in_float32(tmp_path: Path) -> None
         out = hf.generate(torch.tensor([p], device="cuda"), max_new_tokens=40, do_sample=False,
                           min_new_tokens=40)
         assert out[0, len(p):].tolist() == toks
+
+
+def _staggered(engine: Engine, prompts: list[list[int]]) -> dict[str, list[int]]:
+    """Requests arriving while others decode, a prefix shared with a running request, a
+    prompt longer than the step budget (chunked), then a resume on a finished one's prefix."""
+    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    done: dict[str, list[int]] = {}
+
+    def steps(n: int) -> None:
+        for _ in range(n):
+            for out in engine.step():
+                if out.finished:
+                    done[out.request_id] = out.outputs[0].token_ids
+
+    engine.add_request("a", prompts[0], params)
+    steps(2)
+    engine.add_request("b", prompts[0][:100] + prompts[1][:30], params)
+    steps(3)
+    engine.add_request("c", prompts[2], params)
+    while engine.has_unfinished():
+        steps(1)
+    engine.add_request("d", prompts[0] + done["a"] + prompts[1][30:50], params)
+    while engine.has_unfinished():
+        steps(1)
+    return done
+
+
+def test_mixed_graphs_match_eager_with_staggered_requests(tmp_path: Path) -> None:
+    folder = _folder(tmp_path)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, 2048, (n,), generator=g).tolist() for n in (150, 60, 600)]
+    kw = {"model": str(folder), "device": "cuda", "dtype": "float32", "num_pages": 64,
+          "num_slots": 8, "max_num_seqs": 4, "max_num_batched_tokens": 256}
+    fast = Engine(EngineConfig(**kw))
+    runner = fast.runner
+    assert isinstance(runner, CudaGraphRunner)
+    assert runner.token_sizes == (32, 64, 96, 128, 160, 192, 224, 256)  # > 2 x max_num_seqs
+    got = _staggered(fast, prompts)
+    fast.check_integrity()
+    assert runner.replays["mixed"] >= 5 and runner.replays["eager"] == 0
+    fast.close()
+    eager = Engine(EngineConfig(enforce_eager=True, **kw))
+    want = _staggered(eager, prompts)
+    eager.close()
+    assert got == want

@@ -143,7 +143,7 @@ def test_prefill_varlen_matches_reference(arena: KVArena) -> None:
         cu.append(cu[-1] + n)
     out = prefill_attention_varlen(
         torch.cat(qs), arena.kv, 7, _ids(cu), _ids([s for s, _ in seqs]),
-        _ids([LENS[s] for s, _ in seqs]), max_query_len=1000, scale=SCALE)
+        _ids([LENS[s] for s, _ in seqs]), scale=SCALE)
     ref = torch.cat([prefill_attention_reference(q, arena.kv, 7, s, LENS[s], SCALE, torch.float32)
                      for q, (s, _) in zip(qs, seqs, strict=True)])
     _assert_close(out, ref)

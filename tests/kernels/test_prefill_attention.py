@@ -11,6 +11,7 @@ import torch
 from edmm.kernels import (
     KernelInputError,
     PrefillConfig,
+    decode_attention_varlen,
     prefill_attention,
     prefill_attention_varlen,
 )
@@ -92,7 +93,6 @@ def test_varlen_batch(
         cu.to(torch.int32),
         slots,
         lens,
-        max_query_len=77,
         scale=0.17,
         config=config,
     )
@@ -103,6 +103,47 @@ def test_varlen_batch(
         ]
     )
     check_close(out, ref, torch.float32)
+
+
+def test_varlen_padding_sequences_and_rows(make_cache: MakeCache,
+                                           check_close: CheckClose) -> None:
+    """A CUDA graph's padded batch: trailing sequences with no queries (on a pad slot) and
+    trailing rows that belong to no sequence; the real rows match the reference."""
+    cache = make_cache(LENS, dtype=torch.float32, num_slots=4, max_tokens=MAX_TOKENS)
+    seqs = [(3, 40), (1, 1)]  # (slot, query_len); 41 real rows
+    qs = [torch.randn(ql, 4, 32) for _, ql in seqs]
+    q = torch.cat([*qs, torch.randn(23, 4, 32)])  # 64 rows: 23 padding rows
+    cu = torch.tensor([0, 40, 41, 41, 41], dtype=torch.int64)  # 2 padding sequences
+    slots = torch.tensor([3, 1, 0, 0])
+    lens = torch.tensor([LENS[3], LENS[1], 1, 1])
+    out = prefill_attention_varlen(q, cache.kv, 0, cu, slots, lens, 0.2, config=SMALL)
+    ref = torch.cat([prefill_attention_reference(x, cache.kv, 0, s, LENS[s], 0.2,
+                                                 dtype=torch.float64)
+                     for x, (s, _) in zip(qs, seqs, strict=True)])
+    check_close(out[:41], ref, torch.float32)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_mixed_batch_single_queries_split_k(make_cache: MakeCache, check_close: CheckClose,
+                                            num_splits: int) -> None:
+    """The backend's mixed path: multi-query sequences through the prefill kernel (skipping
+    single-query ones), single-query sequences through the varlen decode kernel into the same
+    output, with padding sequences and rows as a CUDA graph has them."""
+    cache = make_cache(LENS, dtype=torch.float32, num_slots=4, max_tokens=MAX_TOKENS)
+    seqs = [(1, 1), (3, 40), (2, 1), (0, 2)]  # (slot, query_len): decodes beside prefills
+    qs = [torch.randn(ql, 4, 32) for _, ql in seqs]
+    q = torch.cat([*qs, torch.randn(20, 4, 32)])  # 64 rows
+    cu = torch.tensor([0, 1, 41, 42, 44, 44], dtype=torch.int64)  # one padding sequence
+    slots = torch.tensor([1, 3, 2, 0, 0])
+    lens = torch.tensor([LENS[1], LENS[3], LENS[2], LENS[0], 1])
+    out = prefill_attention_varlen(q, cache.kv, 1, cu, slots, lens, 0.2, config=SMALL,
+                                   skip_single=True)
+    out = decode_attention_varlen(q, cache.kv, 1, cu, slots, lens, out, 0.2,
+                                  num_splits=num_splits)
+    ref = torch.cat([prefill_attention_reference(x, cache.kv, 1, s, LENS[s], 0.2,
+                                                 dtype=torch.float64)
+                     for x, (s, _) in zip(qs, seqs, strict=True)])
+    check_close(out[:44], ref, torch.float32)
 
 
 def test_cache_is_not_written(make_cache: MakeCache) -> None:
