@@ -9,6 +9,7 @@ One engine loop calls `step()`; sessions move through `SessionState` as their tu
                       messages=messages, tools=tools)       # AWAITING_TOOL: speculation starts
     agent.feed_tool_output("s", "c1", '{"temp')              # optional: streamed output
     agent.predict_tool_result("s", "c1", '{"temp": 21}')    # optional: a predicted result
+    agent.predict_prompt("s", next_prompt_ids)               # optional: the whole next prompt
     ... step() keeps running other sessions; speculation uses the capacity they leave
     agent.resume("s", "t1", [ToolResult("c1", '{"temp": 21}')], params)  # RESUMING
     ... step(): the best branch is committed by slot swap, only what is new is prefilled
@@ -35,6 +36,7 @@ from edmm.agent.retention import RETENTION_POLICIES, PausedSession
 from edmm.agent.session import Session
 from edmm.agent.speculation import (
     SPECULATION_SOURCES,
+    PromptSource,
     Speculation,
     SpeculationSource,
     ToolWindow,
@@ -222,6 +224,21 @@ class AgentEngine:
             window.predicted_positions[call_id] = position
         window.predictions[call_id] = result
         self._run_sources(session, lambda src: src.on_predict(window, call_id))
+
+    def predict_prompt(self, session_id: str, prompt: PromptInput) -> None:
+        """Predict the session's whole next prompt (text or token ids) exactly as the client
+        will send it at resume, e.g. with a result inserted into an earlier message: it is
+        prefilled in a branch from its longest common token prefix with the session's KV (the
+        ``prompt`` source). A later prediction replaces it. Raises `SessionStateError` unless
+        the session awaits its tools, `InvalidRequestError` for an empty prompt, one longer
+        than ``max_model_len`` or token ids outside the vocabulary; on error nothing changes."""
+        session = self._get(session_id)
+        session.require(S.AWAITING_TOOL, "predict_prompt")
+        window = session.window
+        assert window is not None
+        spec_id = _spec_id(_branch_tag(session_id, PromptSource.name))
+        window.predicted_prompt = self.engine.make_request(spec_id, prompt).prompt_token_ids
+        self._run_sources(session, lambda src: src.on_prompt(window))
 
     def resume(self, session_id: str, request_id: str, results: Sequence[ToolResult],
                params: SamplingParams | None = None, *,

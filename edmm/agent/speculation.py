@@ -34,6 +34,7 @@ class ToolWindow:
     predictions: dict[str, ToolContent] = field(default_factory=dict)  # call id -> result
     predicted_positions: dict[str, int] = field(default_factory=dict)  # where they would go
     streamed: dict[str, ToolContent] = field(default_factory=dict)  # call id -> output so far
+    predicted_prompt: list[int] | None = None  # the whole next prompt, as the client predicts
     branches: set[str] = field(default_factory=set)  # keys of the speculations started
 
 
@@ -60,6 +61,10 @@ class SpeculationSource(abc.ABC):
 
     def on_predict(self, window: ToolWindow, call_id: str) -> list[Speculation]:
         """A result of ``call_id`` was predicted (in ``window.predictions``)."""
+        return []
+
+    def on_prompt(self, window: ToolWindow) -> list[Speculation]:
+        """The whole next prompt was predicted (in ``window.predicted_prompt``)."""
         return []
 
 
@@ -111,6 +116,19 @@ class PredictedSource(SpeculationSource):
             return []
         renderer = window.renderer.with_positions(window.predicted_positions)
         return [Speculation(self.name, renderer.render(window.predictions))]
+
+
+@SPECULATION_SOURCES.register("prompt")
+class PromptSource(SpeculationSource):
+    """The whole next prompt exactly as the client predicts it (`AgentEngine.predict_prompt`):
+    results anywhere in it (an earlier message edited, a memory block), which no renderer can
+    place; prefilled from the longest common token prefix with the session's KV."""
+
+    name = "prompt"
+
+    def on_prompt(self, window: ToolWindow) -> list[Speculation]:
+        ids = window.predicted_prompt
+        return [Speculation(self.name, list(ids))] if ids is not None else []
 
 
 def _known_before(window: ToolWindow, call_id: str,

@@ -141,7 +141,7 @@ class AgentConfig:
             (``json.dumps(json.loads(arguments))``) when rendering the next prompt.
     """
 
-    speculation: tuple[str, ...] = ("template", "streamed", "predicted")
+    speculation: tuple[str, ...] = ("template", "streamed", "predicted", "prompt")
     retention: str = "cost"
     tool_timeout_s: float = 600.0
     reserialize_arguments: bool = True

@@ -14,14 +14,12 @@ A tool result R of about ``result_tokens`` tokens:
 - **B**, mid-prompt contamination: R inserted earlier, as a ``<memory>`` block at the end of
   the padding message at ``insert_fraction`` of the conversation (0: the system message); the
   tool message only says so. The server can reuse the session's KV up to the insertion only.
-- **C**: B's prompt, R announced on the turn that emits the call through
-  ``extra_body={"edmm": {"predicted_tool_results": {tool name: R}}}``. The server renders a
-  prediction with the chat template *as the tool message* (`edmm.agent.render`: a template
-  renderer cannot take insertion positions, and the protocol has no position field), so its
-  speculation is A's prompt and cannot match B's past the insertion: over HTTP, C measures
-  what a mid-prompt result gets from an appended prediction (expect about B).
-- **C-append**: A's prompt with R predicted the same way: the speculation the server can
-  express (expect a hit and fewer prefilled tokens than A).
+- **C**: B's prompt, predicted on the turn that emits the call through
+  ``extra_body={"edmm": {"predicted_next_messages": [...]}}``: B's exact resume messages but
+  the reply (unknown yet; the server inserts its own). The server renders them as it will
+  render the resume and prefills them during the tool window from the session's KV, so the
+  resume commits that branch zero-copy: a speculation hit that prefills about one token,
+  although R sits mid-prompt (expect less than A, which prefills R).
 
 ``cached_tokens`` comes from ``usage.prompt_tokens_details``; the speculation outcome of each
 resume from the change of ``edmm_speculation_outcomes_total`` in ``/metrics``.
@@ -51,11 +49,10 @@ from edmm.bench.report import ResultWriter, collect_environment, plot_bars
 from edmm.bench.stats import ratio, summarize
 
 NAME = "agent-ttft-live"
-GROUPS = ("A", "B", "C", "C-append")
+GROUPS = ("A", "B", "C")
 GROUP_NAMES = {"A": "result appended as the tool message (prefix hit)",
                "B": "result inserted mid-prompt (memory block), reuse up to it",
-               "C": "B's prompt, result predicted in advance (rendered appended by the server)",
-               "C-append": "A's prompt, result predicted in advance (speculation hit)"}
+               "C": "B's prompt, predicted in advance (speculation hit, zero-copy commit)"}
 TOOL_NAME = "lookup"
 TOOL = {"type": "function", "function": {
     "name": TOOL_NAME, "description": "Look a record up in the knowledge base.",
@@ -84,9 +81,12 @@ class LiveBenchConfig:
     prompts. ``url``: a running server's base URL (``http://host:port``) instead of starting
     ``python -m edmm serve`` on a free loopback port. ``contexts``: target prompt tokens of the
     resume request. ``server_args``: more ``edmm serve`` options (the started server only).
+    ``tokenizer``: a local tokenizer folder with a chat template, for the bench and the started
+    server, e.g. beside a preset ``model`` with random weights (default: the model folder).
     """
 
     model: str | None = None
+    tokenizer: str | None = None
     device: str = "cpu"
     url: str | None = None
     contexts: tuple[int, ...] = (1024, 4096)
@@ -137,6 +137,8 @@ def server_command(cfg: LiveBenchConfig, port: int) -> list[str]:
            "127.0.0.1", "--port", str(port), "--log-level", "warning"]
     if cfg.model is not None:
         cmd += ["--model", cfg.model]
+    if cfg.tokenizer is not None:
+        cmd += ["--tokenizer", cfg.tokenizer]
     if "--max-model-len" not in cfg.server_args:
         cmd += ["--max-model-len", str(cfg.max_model_len)]
     return cmd + list(cfg.server_args)
@@ -198,16 +200,15 @@ def stop_process(proc: subprocess.Popen[Any], grace_s: float = 15.0) -> None:
 
 
 def load_tokenizer(model: str | None) -> Any:
-    """The chat tokenizer of a local folder (None: the embedded tiny model)."""
+    """The chat tokenizer of a local folder (None: the embedded tiny model's)."""
     from transformers import AutoTokenizer
 
     from edmm.model.tiny import ensure_tiny_model
 
     folder = Path(ensure_tiny_model()) if model is None else Path(model)
     if not folder.is_dir():
-        raise LiveBenchError(f"--model must be a local HF folder with a tokenizer and chat "
-                             f"template (presets have none, so the server cannot render chat), "
-                             f"got {model!r}")
+        raise LiveBenchError(f"need a local HF folder with a tokenizer and chat template "
+                             f"(--model, or --tokenizer beside a preset), got {model!r}")
     tok = AutoTokenizer.from_pretrained(folder)
     if getattr(tok, "chat_template", None) is None:
         raise LiveBenchError(f"{folder} has no chat template")
@@ -264,16 +265,19 @@ class Prompts:
         return users[min(k, len(users) - 1)] if k >= 0 and users else 0
 
     def resume(self, group: str, conversation: list[dict[str, Any]],
-               assistant: dict[str, Any], call_id: str, result: str) -> list[dict[str, Any]]:
-        """The resume request's messages of ``group``."""
-        if group in ("A", "C-append"):
-            return [*conversation, assistant,
+               assistant: dict[str, Any] | None, call_id: str, result: str,
+               ) -> list[dict[str, Any]]:
+        """The resume request's messages of ``group``; without ``assistant`` (the reply, not
+        known yet), C's ``predicted_next_messages``."""
+        reply = [assistant] if assistant is not None else []
+        if group == "A":
+            return [*conversation, *reply,
                     {"role": "tool", "tool_call_id": call_id, "content": result}]
         msgs = [dict(m) for m in conversation]
         i = self.insertion_index(msgs)
         msgs[i]["content"] = f"{msgs[i]['content']}\n\n<memory>\n{result}\n</memory>"
-        return [*msgs, assistant, {"role": "tool", "tool_call_id": call_id,
-                                   "content": MEMORY_NOTE}]
+        return [*msgs, *reply, {"role": "tool", "tool_call_id": call_id,
+                                "content": MEMORY_NOTE}]
 
 
 # ---------------------------------------------------------------- the client side
@@ -318,11 +322,12 @@ class LiveClient:
         return out
 
     def first_turn(self, sid: str, messages: list[dict[str, Any]],
-                   prediction: str | None) -> tuple[dict[str, Any], str]:
-        """The turn forced to call the tool; returns the assistant message and the call id."""
+                   prediction: list[dict[str, Any]] | None) -> tuple[dict[str, Any], str]:
+        """The turn forced to call the tool, with the predicted next messages if any; returns
+        the assistant message and the call id."""
         ext: dict[str, Any] = {"expected_tool_duration_s": self.cfg.tool_duration_s}
         if prediction is not None:
-            ext["predicted_tool_results"] = {TOOL_NAME: prediction}
+            ext["predicted_next_messages"] = prediction
         create: Any = self.openai.chat.completions.create  # messages are plain dicts
         reply = create(
             model=self.model, messages=messages, tools=[TOOL],
@@ -375,7 +380,8 @@ def _session(client: LiveClient, prompts: Prompts, group: str,
     """One session: the forced tool call, the tool window, the timed resume; deleted after."""
     sid = f"live-{uuid.uuid4().hex[:12]}"
     try:
-        predicted = result if group in ("C", "C-append") else None
+        predicted = (prompts.resume(group, conversation, None, TOOL_NAME, result)
+                     if group == "C" else None)
         assistant, call_id = client.first_turn(sid, conversation, predicted)
         time.sleep(client.cfg.tool_duration_s)  # the tool runs
         return client.resume(sid, prompts.resume(group, conversation, assistant, call_id,
@@ -461,7 +467,7 @@ def summarize_live(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def run_live_bench(cfg: LiveBenchConfig, out_dir: Path) -> dict[str, Path]:
     """Run the groups against ``cfg.url`` or a started ``edmm serve``; write
     ``agent-ttft-live.{csv,json,md,png}`` into ``out_dir`` (png: when matplotlib is there)."""
-    tokenizer = load_tokenizer(cfg.model)
+    tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
     prompts = Prompts(tokenizer, cfg, random.Random(cfg.seed))
     env = collect_environment(cfg.device)
     with contextlib.ExitStack() as stack:
@@ -481,9 +487,9 @@ def run_live_bench(cfg: LiveBenchConfig, out_dir: Path) -> dict[str, Path]:
              f"result: ~{cfg.result_tokens} tokens of random words, new each iteration; B/C put "
              f"it in a <memory> block in the message at {cfg.insert_fraction:.2f} of the "
              "conversation (0: the system message)",
-             "C: the server renders a predicted result as the tool message (a chat template "
-             "takes no insertion position), so its speculation cannot match B's prompt past "
-             "the insertion; C-append is the prediction the server can express (A's prompt)",
+             "C: B's resume messages but the reply sent in advance as the edmm extension "
+             "predicted_next_messages; the server renders them with the reply and prefills "
+             "them from the session's KV while the tool runs",
              f"tool window: the client sleeps {cfg.tool_duration_s} s "
              "(expected_tool_duration_s); resume: "
              f"{cfg.resume_tokens} tokens, temperature 0, ignore_eos; TTFT: streamed, to the "

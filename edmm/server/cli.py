@@ -18,6 +18,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``serve`` options to ``parser``."""
     parser.add_argument("--model", default=None,
                         help="local HF folder or preset name (default: the embedded tiny model)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="local tokenizer folder (default: the model folder's; a preset with "
+                             "random weights has none)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N)")
     parser.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
     parser.add_argument("--port", type=int, default=8000)
@@ -44,7 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     """The `ServerConfig` of parsed ``serve`` options."""
     engine: dict[str, Any] = {}
-    for name in ("dtype", "max_model_len", "num_pages", "max_num_seqs"):
+    for name in ("tokenizer", "dtype", "max_model_len", "num_pages", "max_num_seqs"):
         if getattr(args, name) is not None:
             engine[name] = getattr(args, name)
     return ServerConfig(model=args.model, device=args.device, host=args.host, port=args.port,

@@ -11,6 +11,7 @@ from edmm.engine import SamplingParams
 from edmm.engine.sampling import InvalidSamplingParams, LogitsProcessor
 from edmm.server.errors import BadRequestError, ContextLengthError
 from edmm.server.protocol import (
+    AssistantMessage,
     ChatCompletionRequest,
     ChatMessage,
     ChatTool,
@@ -55,6 +56,19 @@ def assistant_message(content: str | None, calls: Sequence[ParsedToolCall]) -> d
                               "function": {"name": c.name, "arguments": c.arguments}}
                              for c in calls]
     return out
+
+
+def predicted_messages(predicted: Sequence[ChatMessage],
+                       reply: AssistantMessage) -> list[ChatMessage]:
+    """A predicted next request's messages (`EdmmExtension.predicted_next_messages`) completed
+    with the ``reply`` (as the response carries it): inserted before the trailing tool
+    messages, which take the reply's call ids in order."""
+    n = len(trailing_tool_results(predicted))
+    head, tail = list(predicted[:len(predicted) - n]), list(predicted[len(predicted) - n:])
+    ids = [c.id for c in reply.tool_calls or []]
+    tail = [m.model_copy(update={"tool_call_id": i}) for m, i in zip(tail, ids, strict=False)
+            ] + tail[len(ids):]
+    return [*head, reply, *tail]
 
 
 def template_tools(tools: Sequence[ChatTool] | None) -> list[dict[str, Any]] | None:

@@ -168,18 +168,44 @@ class ResponseFormat(_Strict):
 class EdmmExtension(_Strict):
     """The ``edmm`` extra body field: hints for execution-aware sessions.
 
+    The predictions are hints: they are sent on the request whose response will carry tool
+    calls, prefilled speculatively while the tools run, and at resume only the longest common
+    token prefix of the real prompt with them is reused. A wrong prediction costs speculation
+    only, never a different output; they are ignored when the response has no tool calls.
+
     Attributes:
         session_id: the agent session this request continues (same as the ``X-Session-Id``
             header; the header wins).
-        predicted_tool_results: tool_call_id -> the result the client expects that call to
-            return; the server prefills it speculatively while the tool runs.
+        predicted_tool_results: tool_call_id (or tool name) -> the result the client expects
+            that call to return, rendered as the tool message appended after the reply.
+        predicted_next_messages: the ``messages`` the client expects to send on the request
+            that returns this response's tool results, when they differ from this request's
+            by more than appended tool messages (e.g. a result inserted into an earlier
+            message, as a memory block). The list is that whole request's messages *without*
+            the reply (unknown yet): the conversation, then one ``tool`` message per call. The
+            server inserts its reply (the assistant message as the response carries it) before
+            the trailing tool messages, which take the reply's call ids in order (their
+            ``tool_call_id`` may be anything, e.g. the tool name), and renders the result with
+            the chat template exactly as a real request with this request's ``tools`` and
+            ``chat_template_kwargs``. A malformed list is a 400; one the chat template
+            rejects, or longer than the context, is ignored.
         expected_tool_duration_s: how long the client expects the tools of this response to
             run; guides whether the session's KV is kept, offloaded or dropped meanwhile.
     """
 
     session_id: str | None = Field(default=None, min_length=1, max_length=256)
     predicted_tool_results: dict[str, str] = Field(default_factory=dict)
+    predicted_next_messages: list[ChatMessage] | None = None
     expected_tool_duration_s: float | None = Field(default=None, ge=0)
+
+    @field_validator("predicted_next_messages")
+    @classmethod
+    def _ends_in_tool_messages(cls, v: list[ChatMessage] | None) -> list[ChatMessage] | None:
+        if v is not None and (not v or not isinstance(v[-1], ToolMessage)
+                              or all(isinstance(m, ToolMessage) for m in v)):
+            raise ValueError("predicted_next_messages must be a conversation followed by the "
+                             "tool messages of this response's calls")
+        return v
 
 
 class SamplingFields(_Lenient):

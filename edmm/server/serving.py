@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import uuid
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from edmm.server.prompts import (
     assistant_message,
     check_chat_options,
     parses_tools,
+    predicted_messages,
     render_chat,
     sampling_params,
     template_messages,
@@ -40,6 +42,7 @@ from edmm.server.prompts import (
     trailing_tool_results,
 )
 from edmm.server.protocol import (
+    AssistantMessage,
     ChatChoice,
     ChatChunkChoice,
     ChatCompletion,
@@ -65,6 +68,7 @@ from edmm.server.sessions import SessionBackend, Turn, TurnEnd
 from edmm.server.tool_parser import ParsedReply, ParsedToolCall, StreamingToolParser, parse_reply
 
 SSE_DONE = "data: [DONE]\n\n"
+logger = logging.getLogger(__name__)
 
 
 def sse(payload: BaseModel | dict[str, Any]) -> str:
@@ -226,13 +230,32 @@ class OpenAIServing:
                 messages=[*turn.messages, assistant_message(content, turn.calls)],
                 tools=turn.tools,
                 expected_duration_s=ext.expected_tool_duration_s if ext else None,
-                predictions=ext.predicted_tool_results if ext else {})
+                predictions=ext.predicted_tool_results if ext else {},
+                predicted_prompt=self._predicted_prompt(turn, content))
             # Shielded: once the reply exists its session must await the calls, even if the
             # client leaves now.
             await asyncio.shield(self.loop.run(lambda b: b.end(end)))
         reason = "tool_calls" if turn.calls else _reason(completion.finish_reason)
         self._count_finished(turn.engine_request, out, reason)
         return reason
+
+    def _predicted_prompt(self, turn: ChatTurn, content: str | None) -> list[int]:
+        """Token ids of the client's predicted next request with this turn's reply
+        (`EdmmExtension.predicted_next_messages`), rendered as that request will be; empty
+        without one, or when the chat template rejects it (only speculation is lost)."""
+        ext = turn.request.edmm
+        if ext is None or ext.predicted_next_messages is None:
+            return []
+        reply = AssistantMessage(role="assistant", content=content,
+                                 tool_calls=_tool_calls(turn.calls))
+        messages = template_messages(predicted_messages(ext.predicted_next_messages, reply))
+        try:
+            return render_chat(self.tokenizer, messages, turn.tools,
+                               turn.request.chat_template_kwargs)
+        except BadRequestError as e:
+            logger.info("session %s: predicted_next_messages ignored: %s", turn.session_id,
+                        e.message)
+            return []
 
     def _chat_processors(self, req: ChatCompletionRequest) -> list[LogitsProcessor]:
         """Grammar constraints: forced tool calls, or a JSON response format."""

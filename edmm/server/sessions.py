@@ -33,7 +33,7 @@ from edmm.agent.errors import (
     UnknownSessionError,
     UnknownToolCallError,
 )
-from edmm.engine import Engine, RequestOutput
+from edmm.engine import Engine, EngineError, RequestOutput
 from edmm.engine.engine import Request
 from edmm.server.errors import ConflictError, NotFoundError
 from edmm.server.tool_parser import ParsedToolCall
@@ -64,6 +64,7 @@ class TurnEnd:
     tools: Sequence[Mapping[str, Any]] | None = None
     expected_duration_s: float | None = None
     predictions: Mapping[str, str] = field(default_factory=dict)  # call id or tool name -> text
+    predicted_prompt: Sequence[int] = ()  # the whole next prompt, as the client predicts it
 
 
 @dataclass
@@ -405,8 +406,10 @@ class AgentSessions(SessionBackend):
             self.agent.await_tools(end.session_id, calls, messages=end.messages,
                                    tools=end.tools, expected_duration_s=end.expected_duration_s,
                                    predictions=predictions)
-        except AgentError as e:  # the response stands; only speculation is lost
-            logger.warning("session %s: await_tools failed: %s", end.session_id, e)
+            if end.predicted_prompt:
+                self.agent.predict_prompt(end.session_id, end.predicted_prompt)
+        except EngineError as e:  # the response stands; only speculation is lost
+            logger.warning("session %s: speculation incomplete: %s", end.session_id, e)
 
     def _feed(self, session_id: str, call_id: str, chunk: str) -> None:
         try:

@@ -145,6 +145,26 @@ def test_insertion_outside_the_prompt_leaves_the_session_intact(make_agent: Make
     assert out.num_cached_tokens == 10  # recomputed from the insertion point only
 
 
+def test_bad_predicted_prompt_leaves_the_session_intact(make_agent: MakeAgent) -> None:
+    agent = make_agent()
+    context = paused(agent)
+    drain(agent)  # the template source's speculation
+    for bad in ([], [10**6], [0] * (agent.engine.max_model_len + 1)):
+        with pytest.raises(InvalidRequestError):
+            agent.predict_prompt("s", bad)
+    with pytest.raises(UnknownSessionError):
+        agent.predict_prompt("nobody", [5])
+    assert agent.session_state("s") == S.AWAITING_TOOL and not agent.has_speculation()
+    agent.check_integrity()
+    agent.resume("s", "t1", [ToolResult("c1", [5])], greedy())
+    with pytest.raises(SessionStateError):  # resuming: the window is closed
+        agent.predict_prompt("s", [*context, 5])
+    assert run(agent)["t1"].num_cached_tokens == len(context)  # the template branch
+    with pytest.raises(SessionStateError):  # finished
+        agent.predict_prompt("s", [*context, 5])
+    agent.check_integrity()
+
+
 def test_layout_positions_are_checked_at_await(make_agent: MakeAgent) -> None:
     agent = make_agent()
     agent.add_request("t0", PROMPT, greedy(), session_id="s")

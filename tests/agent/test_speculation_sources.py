@@ -74,7 +74,7 @@ def test_template_renderer_matches_the_chat_template(tiny_dir: Any) -> None:
 
 
 def test_registries_know_the_sources_and_policies() -> None:
-    assert {"template", "streamed", "predicted"} <= set(SPECULATION_SOURCES)
+    assert {"template", "streamed", "predicted", "prompt"} <= set(SPECULATION_SOURCES)
     assert {"lru", "keep", "cost"} <= set(RETENTION_POLICIES)
     with pytest.raises(UnknownPolicyError):
         SPECULATION_SOURCES.create("oracle")
@@ -159,6 +159,36 @@ def test_mid_prompt_prediction_recomputes_nothing_before_the_end(make_agent: Mak
     context = first_turn(plain)
     plain.await_tools("s", [ToolCall("c1", "f")], layout=TokenLayout(positions={"c1": p}))
     assert resume_and_run(plain, RESULT).num_cached_tokens == p
+
+
+def test_predicted_prompt_prefills_a_result_anywhere(make_agent: MakeAgent) -> None:
+    """The server's ``predicted_next_messages``: an earlier part of the prompt edited."""
+    agent = make_agent(AgentConfig(speculation=("prompt",)))
+    context = first_turn(agent)
+    prompt = [*context[:40], *RESULT, *context[42:], *SUFFIX]  # two tokens replaced
+    agent.await_tools("s", [ToolCall("c1", "f")])
+    agent.predict_prompt("s", [*prompt[:-1], 7])  # a wrong last token
+    drain(agent)
+    agent.predict_prompt("s", prompt)  # replaces it, continuing its branch
+    drain(agent)
+    agent.resume("s", "t1", [ToolResult("c1", RESULT)], greedy(), prompt=prompt)
+    out = run(agent)["t1"]
+    assert out.num_cached_tokens == len(prompt) - 1
+    m = agent.session_metrics("s")
+    assert (m.spec_hits, m.spec_partial, m.spec_misses) == (1, 0, 0)
+    # branched from the session's KV: only the tokens from the edit on were speculated, then
+    # the second prediction's last token
+    assert m.tokens_speculated == len(prompt) - 40 + 1
+    assert out.prefix_hit is not None and out.prefix_hit.committed  # the old slot retired
+    assert out.outputs[0].token_ids == reference_tokens(make_agent, prompt)
+
+    plain = make_agent(AgentConfig(speculation=("predicted",)), num_pages=64)
+    first_turn(plain)
+    plain.await_tools("s", [ToolCall("c1", "f")])
+    plain.predict_prompt("s", prompt)  # no "prompt" source: nothing is speculated
+    assert not plain.has_speculation()
+    plain.resume("s", "t1", [ToolResult("c1", RESULT)], greedy(), prompt=prompt)
+    assert run(plain)["t1"].num_cached_tokens == 40
 
 
 def test_streamed_output_is_prefilled_incrementally(make_agent: MakeAgent) -> None:

@@ -181,3 +181,86 @@ def test_recomputed_tokens_count_a_lost_context(server: LiveServer,
     assert usage.prompt_tokens_details.cached_tokens == 0
     recomputed = server.metric("edmm_recomputed_tokens_total") - before
     assert recomputed >= first.prompt_tokens  # the whole first turn was computed again
+
+
+def _with_memory(result: str) -> list[dict[str, Any]]:
+    """QUESTION with ``result`` inserted mid-prompt, as a memory block in the user message."""
+    system, user = QUESTION
+    return [system, {**user, "content": f"{user['content']}\n\n<memory>\n{result}\n</memory>"}]
+
+
+def _resume_mid_prompt(client: openai.OpenAI, message: Any, result: str) -> Any:
+    """The resume with ``result`` in the memory block (the tool message only points to it)."""
+    messages = [*_with_memory(result), message.model_dump(exclude_none=True),
+                *[{"role": "tool", "tool_call_id": c.id, "content": "Stored in <memory>."}
+                  for c in message.tool_calls]]
+    return client.chat.completions.create(
+        model=MODEL, messages=messages, tools=[WEATHER], tool_choice="none", temperature=0,
+        max_tokens=6, extra_body={"ignore_eos": True})
+
+
+def _predict_mid_prompt(result: str) -> dict[str, Any]:
+    """``extra_body`` predicting `_resume_mid_prompt`'s messages (the reply left out)."""
+    tool = {"role": "tool", "tool_call_id": "get_weather", "content": "Stored in <memory>."}
+    return {"edmm": {"predicted_next_messages": [*_with_memory(result), tool]}}
+
+
+def _outcomes(server: LiveServer) -> dict[str, float]:
+    return {o: server.metric("edmm_speculation_outcomes_total", outcome=o)
+            for o in ("hit", "partial", "miss")}
+
+
+def test_predicted_next_messages_prefill_a_mid_prompt_result(server: LiveServer,
+                                                             client: openai.OpenAI) -> None:
+    if not server.state.execution_aware:
+        pytest.skip("needs the agent layer")
+    result = json.dumps({"temp": 21, "nonce": uuid.uuid4().hex})  # never seen before
+    before = _outcomes(server)
+    _, message, first = _call(client, extra_body=_predict_mid_prompt(result))
+    _wait_speculation(server)
+    usage = _resume_mid_prompt(client, message, result).usage
+    # The result sits before the reply, yet only the last prompt token was prefilled at resume.
+    assert usage.prompt_tokens > first.prompt_tokens
+    assert usage.prompt_tokens_details.cached_tokens == usage.prompt_tokens - 1
+    after = _outcomes(server)
+    assert after["hit"] == before["hit"] + 1 and sum(after.values()) == sum(before.values()) + 1
+
+
+def test_wrong_predicted_next_messages_change_no_output(server: LiveServer,
+                                                        client: openai.OpenAI) -> None:
+    result = json.dumps({"temp": 21, "nonce": uuid.uuid4().hex})
+    replies, cached = [], []
+    for extra in ({}, {"extra_body": _predict_mid_prompt("wrong " + result)},
+                  {"extra_body": _predict_mid_prompt(result)}):
+        server.state.loop.call(lambda b: b.engine.reset_prefix_cache()).result(10)  # no
+        _, message, _ = _call(client, **extra)  # reuse of the previous iteration's resume
+        _wait_speculation(server)
+        resumed = _resume_mid_prompt(client, message, result)
+        replies.append((message.tool_calls[0].function.arguments,
+                        resumed.choices[0].message.content))
+        cached.append(resumed.usage.prompt_tokens_details.cached_tokens)
+    assert replies[0] == replies[1] == replies[2]  # greedy: identical, right or wrong
+    if server.state.execution_aware:  # only the right prediction prefilled past the insertion
+        assert cached[1] < cached[2] and cached[0] < cached[2]
+
+
+@pytest.mark.parametrize("predicted", [
+    "not a list",
+    [{"role": "user", "content": "no tool message at the end"}],
+    [{"role": "tool", "tool_call_id": "x", "content": "only tool messages"}],
+    [{"role": "user", "content": "q"}, {"role": "tool", "content": "no tool_call_id"}],
+    [{"role": "oracle", "content": "q"}, {"role": "tool", "tool_call_id": "x", "content": "r"}],
+])
+def test_malformed_predicted_next_messages_is_400(server: LiveServer, client: openai.OpenAI,
+                                                  predicted: Any) -> None:
+    session_id, message, _ = _call(client)  # a session awaiting its tool: nothing may be lost
+    body = {"model": MODEL, "messages": QUESTION, "tools": TOOLS,
+            "edmm": {"predicted_next_messages": predicted}}
+    resp = httpx.post(f"{server.url}/v1/chat/completions", json=body,
+                      headers={"X-Session-Id": session_id})
+    assert resp.status_code == 400, resp.text
+    error = resp.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == "edmm"
+    assert _state(server, session_id) == "awaiting_tool"
+    resumed_id, usage = _resume(client, message)
+    assert resumed_id == session_id and usage.prompt_tokens_details.cached_tokens > 0
