@@ -27,7 +27,7 @@ def _query_row(cu_q_ptr, b, VARLEN: tl.constexpr):
         start = tl.load(cu_q_ptr + b).to(tl.int32)
         single = tl.load(cu_q_ptr + b + 1).to(tl.int32) - start == 1
         return tl.where(single, start, -1)
-    return b
+    return b.to(tl.int32)
 
 
 @triton.jit(do_not_specialize=["num_splits", "qk_scale"])
@@ -110,9 +110,9 @@ def decode_reduce_kernel(
     SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, VARLEN: tl.constexpr,
 ):
     """One (sequence, query head): merge the splits' partial outputs by their log-sum-exp."""
+    row_q = _query_row(cu_q_ptr, tl.program_id(0), VARLEN)  # int32
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
-    row_q = _query_row(cu_q_ptr, b, VARLEN)
     if row_q < 0:
         return
     offs_s = tl.arange(0, SPLITS_PAD)
