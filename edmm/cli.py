@@ -43,6 +43,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("serve", add_help=False,
                    help="OpenAI-compatible server (default: the tiny model); serve --help")
 
+    sub.add_parser("proxy", add_help=False,
+                   help="OpenAI-compatible proxy in front of vLLM (speculative prefill); "
+                   "proxy --help")
+
     sub.add_parser("demo", add_help=False,
                    help="agent tool loop on the tiny model: EDMM on vs off, A/B/C TTFT")
 
@@ -80,6 +84,8 @@ def build_parser() -> argparse.ArgumentParser:
                            "HTTP against edmm serve (started on a free port, or --url)")
     live.add_argument("--model", default=None,
                       help="local HF folder with a tokenizer (default: the embedded tiny model)")
+    live.add_argument("--tokenizer", default=None,
+                      help="local tokenizer folder with a chat template (with a preset --model)")
     live.add_argument("--device", default="cpu")
     live.add_argument("--url", default=None, help="a running server instead of starting one")
     live.add_argument("--contexts", type=_ints, default=(1024, 4096))
@@ -89,6 +95,8 @@ def build_parser() -> argparse.ArgumentParser:
     live.add_argument("--warmup", type=int, default=2)
     live.add_argument("--tool-duration", type=float, default=0.2,
                       help="seconds the client waits before resuming (expected_tool_duration_s)")
+    live.add_argument("--resume-tokens", type=int, default=8,
+                      help="tokens the resume generates (1: the non-streamed total is a TTFT)")
     live.add_argument("--server-arg", action="append", default=[],
                       help="extra edmm serve option, repeatable: --server-arg=--dtype=bfloat16")
     live.add_argument("--out", type=Path, default=None)
@@ -107,8 +115,15 @@ def _serve(argv: list[str]) -> int:
     return serve_main(argv)
 
 
+def _proxy(argv: list[str]) -> int:
+    from edmm.proxy.cli import main as proxy_main
+
+    return proxy_main(argv)
+
+
 # Subcommands that own their argument parsers (imported only when run).
-DELEGATED: dict[str, Callable[[list[str]], int]] = {"demo": _demo, "serve": _serve}
+DELEGATED: dict[str, Callable[[list[str]], int]] = {"demo": _demo, "serve": _serve,
+                                                    "proxy": _proxy}
 
 
 @_command("doctor")
@@ -151,10 +166,12 @@ def _bench(args: argparse.Namespace) -> int:
     if args.bench == "live":
         from edmm.bench.live import LiveBenchConfig, run_live_bench
 
-        lcfg = LiveBenchConfig(model=args.model, device=args.device, url=args.url,
+        lcfg = LiveBenchConfig(model=args.model, tokenizer=args.tokenizer, device=args.device,
+                               url=args.url,
                                contexts=args.contexts, result_tokens=args.result_tokens,
                                insert_fraction=args.insert_fraction, iterations=args.iterations,
                                warmup=args.warmup, tool_duration_s=args.tool_duration,
+                               resume_tokens=args.resume_tokens,
                                server_args=tuple(args.server_arg))
         paths = run_live_bench(lcfg, args.out or default_out_dir(
             _device_tag(args.device.startswith("cuda"))))

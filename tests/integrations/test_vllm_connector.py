@@ -146,81 +146,31 @@ def test_parse_tag() -> None:
     assert parse_tag({"edmm_session": "a", "edmm_tool_s": "soon"}) is None
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _post(url: str, body: dict[str, Any]) -> dict[str, Any]:
-    import urllib.request
-
-    req = urllib.request.Request(
-        url, json.dumps(body).encode(), {"Content-Type": "application/json"}, method="POST"
-    )
-    with urllib.request.urlopen(req, timeout=120) as resp:
-        data = resp.read()
-    return json.loads(data) if data else {}
-
-
 def test_api_server_loads_by_module_path_and_resumes_from_the_store(
     model_dir: Path, tmp_path: Path
 ) -> None:
     """``--kv-transfer-config`` on the OpenAI server; sessions tagged by the request body."""
     import random
-    import time
-    import urllib.request
+
+    from edmm.integrations.vllm.launch import post_json, vllm_server
 
     model = str(model_dir)
-    port = _free_port()
-    cfg = {
-        "kv_connector": "EDMMConnector",
-        "kv_connector_module_path": "edmm.integrations.vllm.connector",
-        "kv_role": "kv_both",
-        "kv_load_failure_policy": "recompute",
-        "kv_connector_extra_config": {"edmm_store_path": str(tmp_path / "store")},
-    }
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_SERVER_DEV_MODE": "1"}
-    args = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model]
-    args += ["--dtype", "float32", "--block-size", str(BLOCK), "--max-model-len", "1024"]
-    args += ["--enforce-eager", "--port", str(port), "--enable-prompt-tokens-details"]
-    args += ["--kv-transfer-config", json.dumps(cfg)]
-    log = (tmp_path / "server.log").open("w")
-    server = subprocess.Popen(args, env=env, stdout=log, stderr=subprocess.STDOUT, cwd=tmp_path)
-    url = f"http://127.0.0.1:{port}"
-    try:
-        deadline = time.monotonic() + 300
-        while True:
-            assert server.poll() is None, (tmp_path / "server.log").read_text()[-4000:]
-            try:
-                urllib.request.urlopen(f"{url}/health", timeout=2).close()
-                break
-            except OSError:
-                assert time.monotonic() < deadline, "server did not start"
-                time.sleep(1)
+    args = ["--block-size", str(BLOCK), "--max-model-len", "1024"]
+    with vllm_server(model, tmp_path, tmp_path / "store", args) as url:
         rng = random.Random(1)
         prompt = [rng.randrange(10, 1000) for _ in range(300)]
         kv = {"edmm_session": "api-1", "edmm_tool_s": 30}
         body: dict[str, Any] = {"model": model, "max_tokens": OUT_TOKENS, "temperature": 0}
         body.update(ignore_eos=True, return_token_ids=True, kv_transfer_params=kv)
-        r1 = _post(f"{url}/v1/completions", {**body, "prompt": prompt})
+        r1 = post_json(f"{url}/v1/completions", {**body, "prompt": prompt})
         kept = (len(prompt) + OUT_TOKENS - 1) // BLOCK * BLOCK
         assert r1["kv_transfer_params"] == {"edmm_session": "api-1", "edmm_kept_tokens": kept}
-        _post(f"{url}/reset_prefix_cache", {})
+        post_json(f"{url}/reset_prefix_cache", {})
         resume = prompt + r1["choices"][0]["token_ids"] + [rng.randrange(10, 1000)] * 50
-        r2 = _post(f"{url}/v1/completions", {**body, "prompt": resume})
+        r2 = post_json(f"{url}/v1/completions", {**body, "prompt": resume})
         assert r2["usage"]["prompt_tokens_details"]["cached_tokens"] == kept
-        _post(f"{url}/reset_prefix_cache", {})
+        post_json(f"{url}/reset_prefix_cache", {})
         untagged = {k: v for k, v in body.items() if k != "kv_transfer_params"}
-        r3 = _post(f"{url}/v1/completions", {**untagged, "prompt": resume})
+        r3 = post_json(f"{url}/v1/completions", {**untagged, "prompt": resume})
         assert r3["usage"]["prompt_tokens_details"]["cached_tokens"] == 0
         assert r3["choices"][0]["token_ids"] == r2["choices"][0]["token_ids"]
-    finally:
-        server.terminate()
-        try:
-            server.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            server.kill()
-        log.close()
