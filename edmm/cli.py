@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as _dt
 import sys
 from collections.abc import Callable, Sequence
@@ -187,10 +188,12 @@ def _bench(args: argparse.Namespace) -> int:
                                 insert_fraction=args.insert_fraction, iterations=args.repeats,
                                 enforce_eager=args.eager)
         print(Path(run_agent_bench(acfg, out)["md"]).read_text())
-        if not args.no_peer:
-            from edmm.bench.agent_peer import run_peer_bench
+        from edmm.bench.agent_peer import plot_groups, run_peer_bench
 
+        if not args.no_peer:
             print(Path(run_peer_bench(acfg, out)["md"]).read_text())
+        with contextlib.suppress(RuntimeError):  # no matplotlib: no plot
+            print(f"plot: {plot_groups(out)}")
     if args.only != "groups":
         from edmm.bench.ttft import TTFTBenchConfig, run_ttft_bench
 

@@ -14,6 +14,7 @@ Each time runs from the copy to the first token, device synchronised around it.
 from __future__ import annotations
 
 import copy
+import json
 import random
 import time
 from pathlib import Path
@@ -22,7 +23,7 @@ from typing import Any
 import torch
 
 from edmm.bench.agent import GROUPS, AgentBenchConfig
-from edmm.bench.report import ResultWriter, collect_environment
+from edmm.bench.report import ResultWriter, collect_environment, plot_bars
 from edmm.bench.stats import ratio, summarize
 from edmm.bench.ttft import HFSide, TTFTBenchConfig
 from edmm.model.config import ModelConfig
@@ -118,3 +119,19 @@ def run_peer_bench(cfg: AgentBenchConfig, out_dir: Path) -> dict[str, Path]:
              f"iterations: {cfg.iterations} after {cfg.warmup} warm-up"]
     return writer.write(summary, title=f"A/B/C resume groups through transformers "
                         f"({cfg.device})", notes=notes)
+
+
+def plot_groups(out_dir: Path) -> Path:
+    """``agent-ttft.png``: TTFT of each group by context, EDMM beside transformers, from the
+    ``agent-ttft.json`` (and, when there, ``agent-ttft-transformers.json``) in ``out_dir``
+    (the bench's own output, or committed results: the plot is rebuilt from them)."""
+    rows = []
+    for name, engine in (("agent-ttft", "edmm"), ("agent-ttft-transformers", "transformers")):
+        path = out_dir / f"{name}.json"
+        if path.exists():
+            for r in json.loads(path.read_text())["summary"]:
+                rows.append({"context": f"{r['context_tokens'] // 1024}K",
+                             "bar": f"{engine} {r['group']}",
+                             "ttft_ms": r["ttft_trimmed_mean_ms"]})
+    return plot_bars(rows, "context", "ttft_ms", "bar", out_dir / "agent-ttft.png",
+                     "resume TTFT by group (ms, trimmed mean; log scale)", log_y=True)

@@ -364,8 +364,10 @@ def plot_bars(
     group: str | None,
     path: Path | str,
     title: str,
+    log_y: bool = False,
 ) -> Path:
-    """Grouped bar chart of ``y`` per ``x`` value, one bar colour per ``group`` value, as PNG.
+    """Grouped bar chart of ``y`` per ``x`` value, one bar colour per ``group`` value, as PNG
+    (``log_y``: a logarithmic y axis, for values spanning decades).
 
     Needs matplotlib (imported here, so the rest of the module does not).
     Raises :class:`RuntimeError` without it and :class:`ReportError` on rows
@@ -387,6 +389,8 @@ def plot_bars(
         ]
         vals = [bars[(xv, g)] for xv in xs if (xv, g) in bars]
         ax.bar(pos, vals, width=width, label=None if group is None else str(g))
+    if log_y:
+        ax.set_yscale("log")
     ax.set_xticks(range(len(xs)))
     ax.set_xticklabels([str(v) for v in xs])
     ax.set_xlabel(x)

@@ -1,8 +1,9 @@
 """The README's results tables, regenerated from a results folder's JSON files.
 
-``python -m edmm.bench.results_table [RESULTS_DIR] [--readme README.md]`` prints Markdown built
-from ``agent-ttft.json`` (and ``agent-ttft-transformers.json`` beside it), ``vmm-cuda.json``
-and ``ttft-model.json`` (a missing file leaves its part out). With ``--readme`` the block
+``python -m edmm.bench.results_table [RESULTS_DIR ...] [--readme README.md]`` prints Markdown
+built from ``agent-ttft.json`` (and ``agent-ttft-transformers.json`` beside it),
+``agent-ttft-live.json``, ``vmm-cuda.json`` and ``ttft-model.json``, each taken from the first
+folder that has it (a file in no folder leaves its part out). With ``--readme`` the block
 between ``<!-- results:begin -->`` and ``<!-- results:end -->`` in that file is replaced.
 
 Rounding: A/B/C times to 0.1 ms (whole ms from 1000 up), ratios to 2 decimals (B/A with an
@@ -23,7 +24,8 @@ from typing import Any
 from edmm.bench.agent import SEED_RATIOS
 
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
-DEFAULT_DIR = Path("benchmarks/results/2026-11-29-h200")
+DEFAULT_DIRS = (Path("benchmarks/results/2026-11-30-h200"),
+                Path("benchmarks/results/2026-11-29-h200"))  # newest first
 MODEL_CONTEXT = 16384
 # The model-level targets of the seed (ms, or a multiple of the compute floor).
 DECODE_TARGET_MS = 5.0
@@ -37,10 +39,10 @@ class ResultsTableError(ValueError):
     """A results file lacks what a table needs, or the README lacks the markers."""
 
 
-def load_summary(folder: Path, name: str) -> list[dict[str, Any]] | None:
-    """The ``summary`` rows of ``folder/name``, or None if the file is not there."""
-    path = folder / name
-    if not path.is_file():
+def load_summary(folders: Sequence[Path], name: str) -> list[dict[str, Any]] | None:
+    """The ``summary`` rows of ``name`` in the first of ``folders`` that has it, or None."""
+    path = next((f / name for f in folders if (f / name).is_file()), None)
+    if path is None:
         return None
     doc = json.loads(path.read_text(encoding="utf-8"))
     if not isinstance(doc.get("summary"), list):
@@ -90,6 +92,32 @@ def groups_table(edmm: Sequence[Row], peer: Sequence[Row] | None) -> str:
     lines.append(f"| seed (vLLM live / standalone) | | | | {b_live:.2f}x / {b_alone:.2f}x | "
                  f"{c_live:.2f} / {c_alone:.2f} |")
     return "\n".join(lines)
+
+
+def live_table(rows: Sequence[Row]) -> str:
+    """The live groups at the client: streamed TTFT where measured, else the non-streamed
+    latency of the resume (a 1-token resume: its TTFT seen by the client)."""
+    by = _by(rows, "context_tokens", "group")
+    lines = ["| context (live, HTTP) | A | B | C | B/A | C/A | C's cached / prompt tokens |",
+             "|---:|---:|---:|---:|---:|---:|---:|"]
+    for ctx in dict.fromkeys(r["context_tokens"] for r in rows):
+        got = {g: by.get((ctx, g)) for g in "ABC"}
+        if any(r is None for r in got.values()):
+            continue
+        t = {g: _client_ms(r) for g, r in got.items() if r is not None}
+        c = got["C"]
+        assert c is not None
+        lines.append(f"| {ctx_label(ctx)} | {ms(t['A'])} | {ms(t['B'])} | {ms(t['C'])} | "
+                     f"{t['B'] / t['A']:.2f}x | {t['C'] / t['A']:.2f} | "
+                     f"{c['cached_tokens']} / {c['prompt_tokens']} |")
+    return "\n".join(lines)
+
+
+def _client_ms(row: Row) -> float:
+    ttft = row.get("ttft_trimmed_mean_ms")  # null or NaN when no TTFT was measured
+    if ttft is not None and math.isfinite(float(ttft)):
+        return float(ttft)
+    return float(row["total_trimmed_mean_ms"])
 
 
 def _vmm(rows: Sequence[Row], op: str) -> list[Row]:
@@ -175,22 +203,25 @@ def model_table(rows: Sequence[Row], context: int = MODEL_CONTEXT) -> str:
     return "\n".join(lines)
 
 
-def render(folder: Path) -> str:
-    """Every part whose file is in ``folder``, as Markdown."""
-    agent = load_summary(folder, "agent-ttft.json")
-    peer = load_summary(folder, "agent-ttft-transformers.json")
-    vmm = load_summary(folder, "vmm-cuda.json")
-    model = load_summary(folder, "ttft-model.json")
+def render(folders: Sequence[Path]) -> str:
+    """Every part whose file is in one of ``folders`` (the first that has it), as Markdown."""
+    agent = load_summary(folders, "agent-ttft.json")
+    peer = load_summary(folders, "agent-ttft-transformers.json")
+    live = load_summary(folders, "agent-ttft-live.json")
+    vmm = load_summary(folders, "vmm-cuda.json")
+    model = load_summary(folders, "ttft-model.json")
     parts = []
     if agent:
         parts.append(groups_table(agent, peer))
+    if live:
+        parts.append(live_table(live))
     if vmm:
         parts.append(vmm_line(vmm, agent))
     if model:
         parts.append(model_table(model))
     if not parts:
-        raise ResultsTableError(f"{folder}: none of agent-ttft.json, vmm-cuda.json, "
-                                "ttft-model.json")
+        raise ResultsTableError(f"{', '.join(map(str, folders))}: none of agent-ttft.json, "
+                                "agent-ttft-live.json, vmm-cuda.json, ttft-model.json")
     return "\n\n".join(parts) + "\n"
 
 
@@ -207,12 +238,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     """The command line; see the module docstring."""
     parser = argparse.ArgumentParser(prog="python -m edmm.bench.results_table",
                                      description="README results tables from a results folder")
-    parser.add_argument("results_dir", nargs="?", type=Path, default=DEFAULT_DIR)
+    parser.add_argument("results_dirs", nargs="*", type=Path, default=list(DEFAULT_DIRS),
+                        help="folders to take each file from, first match wins")
     parser.add_argument("--readme", type=Path, default=None,
                         help=f"replace the block between {BEGIN} and {END} in this file")
     args = parser.parse_args(argv)
     try:
-        block = render(args.results_dir)
+        block = render(args.results_dirs)
         if args.readme is not None:
             text = args.readme.read_text(encoding="utf-8")
             args.readme.write_text(replace_block(text, block), encoding="utf-8")

@@ -103,17 +103,18 @@ class EngineConfig:
 
     @property
     def uses_cuda_graphs(self) -> bool:
-        """Decode steps replay CUDA graphs (a CUDA device, not ``enforce_eager``)."""
+        """Steps replay CUDA graphs (a CUDA device, not ``enforce_eager``)."""
         return torch.device(self.device).type == "cuda" and not self.enforce_eager
 
     @property
     def busy_speculation_tokens(self) -> int:
         """``speculative_tokens_when_busy``, or its default: 64 eagerly, 0 with CUDA graphs.
 
-        Measured on an H200 (benchmarks/results/2026-11-29-h200/agent-interference.md): 64
-        speculative tokens in a 7B decode step at 16K make it a mixed batch, which runs
-        eagerly instead of replaying the decode graph: 26.1 ms instead of 5.2 ms. Until mixed
-        batches are captured too, speculation on CUDA runs only in steps with no request.
+        Measured on an H200 (benchmarks/results/2026-11-30-h200/agent-interference.md): a 7B
+        decode step at 16K takes 5.5 ms alone, 6.8 ms with 32 speculative tokens riding along
+        and 9.4 ms with 128 (mixed batches replay CUDA graphs). On CUDA speculation therefore
+        waits for steps with no request by default: decode latency first; set this to trade
+        some of it for speculation under sustained load.
         """
         if self.speculative_tokens_when_busy is not None:
             return self.speculative_tokens_when_busy

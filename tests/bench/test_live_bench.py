@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import socket
 from pathlib import Path
 
@@ -16,6 +17,7 @@ from edmm.bench.live import (
     launched_server,
     run_live_bench,
     server_command,
+    summarize_live,
 )
 
 SMALL = dict(contexts=(640,), result_tokens=64, iterations=2, warmup=0, tool_duration_s=0.05,
@@ -84,3 +86,20 @@ def test_config_and_command() -> None:
         LiveBenchConfig(groups=("D",))
     with pytest.raises(LiveBenchError, match="local HF folder"):
         run_live_bench(LiveBenchConfig(model="qwen2.5-7b"), Path("/nonexistent"))
+
+
+def test_summary_falls_back_to_the_non_streamed_latency_without_ttft() -> None:
+    """No content delta ever came (TTFT None): client_ms is the total, and ratios follow it."""
+    rows = [{"context_tokens": 512, "group": g, "ttft_ms": ttft, "total_ms": total + i,
+             "prompt_tokens": 600, "cached_tokens": 500, "speculation": "hit"}
+            for g, ttft, total in (("A", None, 40.0), ("B", None, 100.0), ("C", None, 10.0))
+            for i in range(3)]
+    by = {r["group"]: r for r in summarize_live(rows)}
+    assert math.isnan(by["A"]["ttft_trimmed_mean_ms"])
+    assert [by[g]["client_ms"] for g in "ABC"] == [41.0, 101.0, 11.0]
+    assert {r["client_metric"] for r in by.values()} == {"total"}
+    assert by["B"]["ratio_to_A"] == pytest.approx(101 / 41)
+    streamed = [dict(r, ttft_ms=5.0 * (1 + "ABC".index(r["group"]))) for r in rows]
+    by = {r["group"]: r for r in summarize_live(streamed)}
+    assert by["C"]["client_ms"] == 15.0 and by["C"]["client_metric"] == "ttft"
+    assert by["C"]["ratio_to_A"] == pytest.approx(3.0)

@@ -25,7 +25,7 @@ def _row(table: str, label: str) -> list[str]:
 
 
 def test_group_rows_equal_the_json() -> None:
-    out = render(H200)
+    out = render([H200])
     for name, label in (("agent-ttft.json", "EDMM"),
                         ("agent-ttft-transformers.json", "transformers")):
         by = {(r["context_tokens"], r["group"]): r["ttft_trimmed_mean_ms"]
@@ -45,7 +45,7 @@ def test_group_rows_equal_the_json() -> None:
 
 
 def test_vmm_line_and_model_table_equal_the_json() -> None:
-    out = render(H200)
+    out = render([H200])
     vmm = {(r["op"], r["context_tokens"]): r for r in _summary("vmm-cuda.json")}
     commits = [vmm[("commit at resume (slot swap)", c)]["median_us"]
                for c in (4096, 16384, 32768)]
@@ -70,11 +70,35 @@ def test_every_number_comes_from_the_folder(tmp_path: Path) -> None:
     for r in doc["summary"]:
         r["ttft_trimmed_mean_ms"] *= 2
     (tmp_path / "agent-ttft.json").write_text(json.dumps(doc))
-    out = render(tmp_path)
+    out = render([tmp_path])
     assert "transformers" not in out and "VMM" not in out
     assert _row(out, "4K EDMM")[1] == "70.6 ms"
     with pytest.raises(ResultsTableError):
-        render(tmp_path / "empty")
+        render([tmp_path / "empty"])
+
+
+def test_first_folder_wins_and_the_live_table(tmp_path: Path) -> None:
+    """A newer folder's files shadow an older one's; the live table takes the streamed TTFT,
+    or the non-streamed latency where no TTFT was measured (NaN)."""
+    doc = json.loads((H200 / "agent-ttft.json").read_text())
+    for r in doc["summary"]:
+        r["ttft_trimmed_mean_ms"] /= 2
+    (tmp_path / "agent-ttft.json").write_text(json.dumps(doc))
+    live = [{"context_tokens": 4096, "group": g, "prompt_tokens": 4100 + i,
+             "cached_tokens": 4000 + i, "ttft_trimmed_mean_ms": t, "total_trimmed_mean_ms": 2 * i}
+            for i, (g, t) in enumerate((("A", 40.0), ("B", 80.0), ("C", 20.0)), start=1)]
+    live.append({"context_tokens": 8192, "group": "A", "prompt_tokens": 1, "cached_tokens": 1,
+                 "ttft_trimmed_mean_ms": None, "total_trimmed_mean_ms": 50.0})  # as written
+    live += [{"context_tokens": 8192, "group": g, "prompt_tokens": 9, "cached_tokens": 8,
+              "ttft_trimmed_mean_ms": float("nan"), "total_trimmed_mean_ms": t}
+             for g, t in (("B", 200.0), ("C", 25.0))]
+    (tmp_path / "agent-ttft-live.json").write_text(json.dumps({"summary": live}))
+    out = render([tmp_path, H200])
+    assert _row(out, "4K EDMM")[1] == "17.7 ms"  # the newer folder's file (35.3 / 2)
+    assert "VMM" in out and "| 16K context |" in out  # the older folder fills the rest
+    assert _row(out, "4K")[1:] == ["40.0 ms", "80.0 ms", "20.0 ms", "2.00x", "0.50",
+                                   "4003 / 4103"]
+    assert _row(out, "8K")[1:6] == ["50.0 ms", "200.0 ms", "25.0 ms", "4.00x", "0.50"]
 
 
 def test_readme_block_is_replaced(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -92,3 +116,15 @@ def test_readme_block_is_replaced(tmp_path: Path, capsys: pytest.CaptureFixture[
     with pytest.raises(ResultsTableError):
         replace_block(f"{END}\n{BEGIN}\n", "x")
     assert "results:begin" in capsys.readouterr().err and readme.read_text() == "no markers\n"
+
+
+def test_groups_plot_from_committed_files(tmp_path: Path) -> None:
+    """`agent-ttft.png` is rebuilt from the JSON files alone, with or without the peer's."""
+    from edmm.bench.agent_peer import plot_groups
+
+    for name in ("agent-ttft.json", "agent-ttft-transformers.json"):
+        (tmp_path / name).write_text((H200 / name).read_text())
+    png = plot_groups(tmp_path)
+    assert png == tmp_path / "agent-ttft.png" and png.read_bytes()[:4] == b"\x89PNG"
+    (tmp_path / "agent-ttft-transformers.json").unlink()
+    assert plot_groups(tmp_path).stat().st_size > 0
