@@ -19,6 +19,7 @@ from edmm.kernels.decode_attention import (
     default_num_splits,
 )
 from edmm.kernels.prefill_attention import prefill_attention, prefill_attention_varlen
+from edmm.kernels.rope_store import rope_store_kv
 
 __all__ = [
     "DecodeConfig",
@@ -30,6 +31,7 @@ __all__ = [
     "default_num_splits",
     "prefill_attention",
     "prefill_attention_varlen",
+    "rope_store_kv",
     "triton_available",
     "triton_usable",
 ]

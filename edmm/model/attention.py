@@ -143,19 +143,27 @@ def attention_mask(
 
 
 class AttentionBackend(abc.ABC):
-    """Computes attention of one layer for a flattened batch and updates the KV cache."""
+    """Computes attention of one layer for a flattened batch and updates the KV cache.
+
+    A backend whose ``fuses_rope`` is True takes q and k unrotated together with
+    ``rope=(cos, sin)`` ([T, D] each) and applies the rotary embedding itself (fused with its
+    KV write); the caller then skips its own rotary op. Otherwise q and k come rotated.
+    """
+
+    fuses_rope: bool = False
 
     @abc.abstractmethod
     def forward(
         self,
-        q: Tensor,  # [T, Hq, D], rotated
-        k: Tensor,  # [T, Hkv, D], rotated
+        q: Tensor,  # [T, Hq, D]
+        k: Tensor,  # [T, Hkv, D]
         v: Tensor,  # [T, Hkv, D]
         kv_cache: Tensor,  # [S, M, L, 2, Hkv, D]
         layer: int,
         meta: AttentionMetadata,
         scale: float,
         window: int | None,
+        rope: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
         """Write k/v into ``kv_cache`` and return the attention output [T, Hq, D]."""
 
@@ -173,6 +181,7 @@ class TorchSDPABackend(AttentionBackend):
         meta: AttentionMetadata,
         scale: float,
         window: int | None,
+        rope: tuple[Tensor, Tensor] | None = None,
     ) -> Tensor:
         write_kv(kv_cache, layer, k, v, meta)
         out = torch.empty_like(q)  # [T, Hq, D]

@@ -20,15 +20,19 @@ from edmm.model.attention import (
     TorchSDPABackend,
     write_kv,
 )
+from edmm.model.fusion import rotary_qk
 
 
 class TritonAttentionBackend(AttentionBackend):
-    """Triton decode / prefill kernels over the arena; see the module docstring.
+    """Triton kernels over the arena; see the module docstring. RoPE is fused with the KV
+    write (`rope_store_kv`).
 
     Args:
         max_context: the longest context a decode call (or captured graph) serves; it fixes
             the split count of the decode kernel.
     """
+
+    fuses_rope = True
 
     def __init__(self, max_context: int) -> None:
         self.max_context = max_context
@@ -36,27 +40,36 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward(
         self,
-        q: Tensor,  # [T, Hq, D], rotated
-        k: Tensor,  # [T, Hkv, D], rotated
+        q: Tensor,  # [T, Hq, D], rotated unless rope is given
+        k: Tensor,  # [T, Hkv, D], rotated unless rope is given
         v: Tensor,  # [T, Hkv, D]
         kv_cache: Tensor,  # [S, M, L, 2, Hkv, D]
         layer: int,
         meta: AttentionMetadata,
         scale: float,
         window: int | None,
+        rope: tuple[Tensor, Tensor] | None = None,  # cos, sin [T, D]
     ) -> Tensor:
-        """Write k/v into the cache, then attend; returns [T, Hq, D]."""
+        """Rotate (if ``rope``) and write k/v into the cache, then attend; returns [T, Hq, D]."""
         if window is not None:
+            if rope is not None:
+                q, k = rotary_qk(q, k, *rope)
             return self._fallback.forward(q, k, v, kv_cache, layer, meta, scale, window)
         from edmm.kernels import (
             decode_attention,
             decode_attention_varlen,
             prefill_attention_varlen,
+            rope_store_kv,
         )
 
-        if meta.slot_ids_t is None or meta.context_lens_t is None or meta.query_start_loc is None:
+        if (meta.slot_ids_t is None or meta.context_lens_t is None or meta.query_start_loc is None
+                or meta.slot_index is None or meta.token_index is None):
             raise AttentionMetadataError("metadata has no device tensors; call meta.to(device)")
-        write_kv(kv_cache, layer, k, v, meta)
+        if rope is not None:
+            q = rope_store_kv(q, k, v, *rope, kv_cache, layer, meta.slot_index,
+                              meta.token_index)  # [T, Hq, D]
+        else:
+            write_kv(kv_cache, layer, k, v, meta)
         if all(n == 1 for n in meta.query_lens):
             return decode_attention(q, kv_cache, layer, meta.slot_ids_t, meta.context_lens_t,
                                     scale, max_context=self.max_context)

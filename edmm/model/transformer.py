@@ -50,10 +50,14 @@ class Attention(nn.Module):
         v = v.view(t, self.num_kv_heads, self.head_dim)  # [T, Hkv, D]
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.ops.rotary_qk(q, k, cos, sin)
-        o = self.backend.forward(
-            q, k, v, kv_cache, self.layer_idx, meta, self.scale, self.window
-        )  # [T, Hq, D]
+        if self.backend.fuses_rope:  # rotated inside, with the KV write
+            o = self.backend.forward(q, k, v, kv_cache, self.layer_idx, meta, self.scale,
+                                     self.window, rope=(cos, sin))  # [T, Hq, D]
+        else:
+            q, k = self.ops.rotary_qk(q, k, cos, sin)
+            o = self.backend.forward(
+                q, k, v, kv_cache, self.layer_idx, meta, self.scale, self.window
+            )  # [T, Hq, D]
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
 

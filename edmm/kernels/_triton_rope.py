@@ -1,0 +1,64 @@
+"""Triton kernel: rotary embedding of q and k fused with the KV-cache write.
+
+Imported only when a kernel runs: this module imports triton at the top.
+
+Grid: (tokens,). A program rotates one token's query heads into the output and its key heads
+into the cache (HF's rotate-half convention: (x1, x2) -> (x1 cos1 - x2 sin1, x2 cos2 + x1 sin2)
+over the two halves of the head dim, in float32, rounded once), and copies its value heads into
+the cache, at the token's (slot, index). One launch replaces the rotary kernels, the stack of k
+and v and the scatter into the cache.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rotate(x_ptr, stride_h, heads, c1, c2, s1, s2, out_ptr, stride_oh,
+            H_PAD: tl.constexpr, HALF: tl.constexpr):
+    """Rotate ``heads`` rows of [*, 2 * HALF] at x_ptr into out_ptr (row strides given)."""
+    offs_h = tl.arange(0, H_PAD)
+    offs_d = tl.arange(0, HALF)
+    mask = (offs_h < heads)[:, None]
+    rows = offs_h[:, None]
+    x1 = tl.load(x_ptr + rows * stride_h + offs_d[None, :], mask=mask, other=0.0).to(tl.float32)
+    x2 = tl.load(x_ptr + rows * stride_h + HALF + offs_d[None, :], mask=mask,
+                 other=0.0).to(tl.float32)
+    o1 = x1 * c1[None, :] - x2 * s1[None, :]
+    o2 = x2 * c2[None, :] + x1 * s2[None, :]
+    dtype = out_ptr.dtype.element_ty
+    tl.store(out_ptr + rows * stride_oh + offs_d[None, :], o1.to(dtype), mask=mask)
+    tl.store(out_ptr + rows * stride_oh + HALF + offs_d[None, :], o2.to(dtype), mask=mask)
+
+
+@triton.jit
+def rope_store_kernel(
+    q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, q_out_ptr, kv_ptr, slot_index_ptr, token_index_ptr,
+    num_heads, num_kv_heads,
+    stride_qt, stride_qh, stride_kt, stride_kh, stride_vt, stride_vh,  # q/k/v [T, H, D]
+    stride_ct, stride_st,  # cos/sin [T, D]
+    stride_ot, stride_oh,  # q_out [T, Hq, D]
+    stride_ks, stride_kk, stride_kkv, stride_khh,  # kv layer view [S, M, 2, Hkv, D]
+    HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr, HALF: tl.constexpr,
+):
+    """One token: q rotated into q_out; k rotated and v copied into the cache."""
+    t = tl.program_id(0).to(tl.int64)
+    offs_d = tl.arange(0, HALF)
+    c1 = tl.load(cos_ptr + t * stride_ct + offs_d).to(tl.float32)
+    c2 = tl.load(cos_ptr + t * stride_ct + HALF + offs_d).to(tl.float32)
+    s1 = tl.load(sin_ptr + t * stride_st + offs_d).to(tl.float32)
+    s2 = tl.load(sin_ptr + t * stride_st + HALF + offs_d).to(tl.float32)
+    _rotate(q_ptr + t * stride_qt, stride_qh, num_heads, c1, c2, s1, s2,
+            q_out_ptr + t * stride_ot, stride_oh, HQ_PAD, HALF)
+    slot = tl.load(slot_index_ptr + t).to(tl.int64)
+    tok = tl.load(token_index_ptr + t).to(tl.int64)
+    k_dst = kv_ptr + slot * stride_ks + tok * stride_kk
+    _rotate(k_ptr + t * stride_kt, stride_kh, num_kv_heads, c1, c2, s1, s2,
+            k_dst, stride_khh, HKV_PAD, HALF)
+    offs_h = tl.arange(0, HKV_PAD)
+    mask = (offs_h < num_kv_heads)[:, None]
+    full = tl.arange(0, 2 * HALF)
+    v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + full[None, :], mask=mask)
+    tl.store(k_dst + stride_kkv + offs_h[:, None] * stride_khh + full[None, :], v, mask=mask)
