@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from edmm.agent import AgentConfig, AgentEngine, TokenLayout, ToolCall, ToolResult
-from edmm.bench.report import ResultWriter, collect_environment
+from edmm.bench.report import Progress, ResultWriter, collect_environment
 from edmm.bench.stats import ratio, summarize
 from edmm.engine import EngineConfig, EntryRank, SamplingParams, SlotHints
 
@@ -196,12 +196,14 @@ def measure(agent: AgentEngine, cfg: AgentBenchConfig) -> list[dict[str, Any]]:
     """Per-iteration rows of every group at every context (warm-up iterations dropped)."""
     runner = _Runner(agent, cfg, random.Random(cfg.seed))
     rows: list[dict[str, Any]] = []
+    progress = Progress("groups", len(cfg.contexts) * len(GROUPS) * (cfg.warmup + cfg.iterations))
     for ctx in cfg.contexts:
         context = runner.tokens(ctx - cfg.result_tokens - 1)  # + 1 generated token + R = ctx
         runner.prefill_base(context)
         for group in GROUPS:
             for i in range(cfg.warmup + cfg.iterations):
                 it = runner.iteration(group, context)
+                progress.step(f"context {ctx} group {group}")
                 if i >= cfg.warmup:
                     rows.append({"context_tokens": ctx, "group": group,
                                  "iteration": i - cfg.warmup, **dataclasses.asdict(it),

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from edmm.bench.agent import GROUPS, AgentBenchConfig
-from edmm.bench.report import ResultWriter, collect_environment, plot_bars
+from edmm.bench.report import Progress, ResultWriter, collect_environment, plot_bars
 from edmm.bench.stats import ratio, summarize
 from edmm.bench.ttft import HFSide, TTFTBenchConfig
 from edmm.model.config import ModelConfig
@@ -51,6 +51,8 @@ def measure_peer(side: HFSide, cfg: AgentBenchConfig, vocab: int) -> list[dict[s
     rng = random.Random(cfg.seed)
     dev = side.device
     rows: list[dict[str, Any]] = []
+    progress = Progress("peer groups",
+                        len(cfg.contexts) * len(GROUPS) * (cfg.warmup + cfg.iterations))
     for n in cfg.contexts:
         ctx = torch.tensor([rng.randrange(vocab) for _ in range(n - cfg.result_tokens)],
                            device=dev)
@@ -70,6 +72,7 @@ def measure_peer(side: HFSide, cfg: AgentBenchConfig, vocab: int) -> list[dict[s
             cache, ids, keep = plans[group]
             for i in range(cfg.warmup + cfg.iterations):
                 ms = _timed(side, cache, ids, keep)
+                progress.step(f"context {n} group {group}")
                 if i >= cfg.warmup:
                     rows.append({"engine": "transformers", "context_tokens": n, "group": group,
                                  "iteration": i - cfg.warmup, "ttft_ms": ms,

@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from edmm.bench.agent import ratio_notes
-from edmm.bench.report import ResultWriter, collect_environment, plot_bars
+from edmm.bench.report import Progress, ResultWriter, collect_environment, plot_bars
 from edmm.bench.stats import ratio, summarize
 
 NAME = "agent-ttft-live"
@@ -390,23 +390,11 @@ def _session(client: LiveClient, prompts: Prompts, group: str,
         client.close_session(sid)
 
 
-class _Progress:
-    """One line on stderr, rewritten in place."""
-
-    def __init__(self, total: int) -> None:
-        self.total, self.done, self.t0 = total, 0, time.monotonic()
-
-    def step(self, what: str) -> None:
-        self.done += 1
-        end = "\n" if self.done == self.total else ""
-        print(f"\r[live] {self.done}/{self.total} {what} "
-              f"({time.monotonic() - self.t0:.0f} s)   ", end=end, file=sys.stderr, flush=True)
-
-
 def measure(client: LiveClient, prompts: Prompts, cfg: LiveBenchConfig) -> list[dict[str, Any]]:
     """Per-iteration rows (warm-up dropped); the groups alternate within an iteration."""
     rows: list[dict[str, Any]] = []
-    progress = _Progress(len(cfg.contexts) * (cfg.warmup + cfg.iterations) * len(cfg.groups))
+    progress = Progress("live", len(cfg.contexts) * (cfg.warmup + cfg.iterations)
+                        * len(cfg.groups))
     for ctx in cfg.contexts:
         conversation = prompts.conversation(ctx)
         for i in range(cfg.warmup + cfg.iterations):

@@ -20,6 +20,7 @@ import shlex
 import socket
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime, timezone
@@ -159,6 +160,24 @@ def _safe(fn: Callable[[], _T]) -> _T | None:
         return fn()
     except Exception:
         return None
+
+
+# ---------------------------------------------------------------- progress
+
+
+class Progress:
+    """A progress line on stderr, rewritten in place: ``[label] done/total what (elapsed)``."""
+
+    def __init__(self, label: str, total: int) -> None:
+        self.label, self.total, self.done = label, max(1, total), 0
+        self.t0 = time.monotonic()
+
+    def step(self, what: str = "") -> None:
+        """One unit done; the last one ends the line."""
+        self.done += 1
+        end = "\n" if self.done >= self.total else ""
+        print(f"\r[{self.label}] {self.done}/{self.total} {what} "
+              f"({time.monotonic() - self.t0:.0f} s)   ", end=end, file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------- writer

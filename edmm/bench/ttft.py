@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from edmm.bench.report import ResultWriter, collect_environment, plot_bars
+from edmm.bench.report import Progress, ResultWriter, collect_environment, plot_bars
 from edmm.bench.stats import summarize
 from edmm.engine.cuda_graph import CudaGraphRunner
 from edmm.engine.runner import ModelInputs, ModelRunner
@@ -165,7 +165,7 @@ class HFSide:
 
 
 def _measure(side: EdmmSide | HFSide, ids: torch.Tensor, ctx: int, cfg: TTFTBenchConfig,
-             engine: str) -> list[dict[str, Any]]:
+             engine: str, progress: Progress) -> list[dict[str, Any]]:
     """Per-iteration rows of the three operations at one context length."""
     dev = side.device
     rows: list[dict[str, Any]] = []
@@ -183,6 +183,7 @@ def _measure(side: EdmmSide | HFSide, ids: torch.Tensor, ctx: int, cfg: TTFTBenc
             out: list[float] = times if i else []
             with _timed(out, dev):
                 side.extend(ids[keep:end])
+            progress.step(f"{engine} {op} at {ctx}")
         rows += [{"engine": engine, "op": op, "context_tokens": ctx,
                   "new_tokens": end - keep, "iteration": i, "ms": t}
                  for i, t in enumerate(times)]
@@ -233,14 +234,16 @@ def run_ttft_bench(cfg: TTFTBenchConfig, out_dir: Path) -> dict[str, Path]:
     mcfg = edmm.cfg
     ids = torch.randint(0, mcfg.vocab_size, (max_ctx + 1,), device=edmm.device)
     rows: list[dict[str, Any]] = []
+    per_ctx = cfg.full_prefill_repeats + 2 * cfg.repeats + 3  # + a warm-up of each op
+    progress = Progress("model ops", (2 if cfg.peer else 1) * len(cfg.contexts) * per_ctx)
     for ctx in cfg.contexts:
-        rows += _measure(edmm, ids, ctx, cfg, "edmm-eager" if cfg.eager else "edmm")
+        rows += _measure(edmm, ids, ctx, cfg, "edmm-eager" if cfg.eager else "edmm", progress)
     edmm.close()
     del edmm
     if cfg.peer:
         hf = HFSide(cfg, mcfg)
         for ctx in cfg.contexts:
-            rows += _measure(hf, ids, ctx, cfg, "transformers")
+            rows += _measure(hf, ids, ctx, cfg, "transformers", progress)
         hf.close()
     summary = _summary(rows, _flops(mcfg, cfg.new_tokens))
     env = collect_environment(cfg.device)

@@ -11,6 +11,7 @@ Measured, each as the median over repeats (p10/p90 beside it):
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -21,7 +22,7 @@ from typing import Any
 
 import torch
 
-from edmm.bench.report import ResultWriter, collect_environment
+from edmm.bench.report import Progress, ResultWriter, collect_environment, plot_bars
 from edmm.bench.stats import summarize
 from edmm.memory.arena import KVArena, KVSpec
 from edmm.memory.backends import open_backend
@@ -259,14 +260,21 @@ def _cuda_time(fn: Callable[[], object], repeats: int) -> list[float]:
 
 
 def run_vmm_bench(cfg: VMMBenchConfig, out_dir: Path) -> dict[str, Path]:
-    """Run every VMM measurement on one backend and write CSV, JSON and Markdown."""
+    """Run every VMM measurement on one backend and write CSV, JSON, Markdown and PNG."""
     backend = open_backend(cfg.backend, host_page_size=cfg.host_page_size)
+    stages: list[tuple[str, Callable[[], list[dict[str, Any]]]]] = [
+        ("per page", lambda: bench_per_page(backend, cfg)),
+        ("bare driver calls", lambda: bench_bare_remap(backend, cfg)),
+        ("contexts", lambda: bench_contexts(backend, cfg)),
+        ("KV layout", lambda: bench_layout(cfg, backend.device))]
+    progress = Progress("vmm", len(stages))
+    rows: list[dict[str, Any]] = []
     try:
         facts = backend.describe()
         env = collect_environment(backend.device.type)
-        rows = bench_per_page(backend, cfg) + bench_bare_remap(backend, cfg)
-        rows += bench_contexts(backend, cfg)
-        rows += bench_layout(cfg, backend.device)
+        for name, stage in stages:
+            rows += stage()
+            progress.step(name)
     finally:
         backend.close()
     for r in rows:
@@ -277,7 +285,21 @@ def run_vmm_bench(cfg: VMMBenchConfig, out_dir: Path) -> dict[str, Path]:
              f"KV spec: {cfg.spec}, {cfg.spec.token_bytes} bytes per token",
              f"repeats: {cfg.repeats}; per-page rows average over {cfg.pages} pages per repeat",
              *_verdicts(rows)]
-    return writer.write(rows, title=f"edmm bench vmm ({facts['backend']})", notes=notes)
+    paths = writer.write(rows, title=f"edmm bench vmm ({facts['backend']})", notes=notes)
+    with contextlib.suppress(RuntimeError):  # no matplotlib: no plot
+        paths["png"] = plot_vmm(rows, out_dir / f"vmm-{facts['backend']}.png")
+    return paths
+
+
+def plot_vmm(rows: list[dict[str, Any]], path: Path) -> Path:
+    """Commit, branch and a device copy of the prefix by context (log scale): the commit at
+    resume stays flat while the others grow with the context."""
+    ops = ("commit at resume (slot swap)", "branch (map shared prefix + copy boundary page)",
+           "device copy of the prefix bytes")
+    picked = [{"context": r["context_tokens"], "op": r["op"], "median_us": r["median_us"]}
+              for r in rows if r["op"] in ops and r["context_tokens"] is not None]
+    return plot_bars(picked, "context", "median_us", "op", path,
+                     "VMM at resume vs context (µs, median; log scale)", log_y=True)
 
 
 def _verdicts(rows: list[dict[str, Any]]) -> list[str]:
