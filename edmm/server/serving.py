@@ -12,9 +12,10 @@ import contextlib
 import json
 import logging
 import uuid
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
@@ -68,6 +69,7 @@ from edmm.server.sessions import SessionBackend, Turn, TurnEnd
 from edmm.server.tool_parser import ParsedReply, ParsedToolCall, StreamingToolParser, parse_reply
 
 SSE_DONE = "data: [DONE]\n\n"
+T = TypeVar("T")
 logger = logging.getLogger(__name__)
 
 
@@ -102,11 +104,22 @@ class OpenAIServing:
                  guided: GuidedDecoding | None) -> None:
         self.loop = loop
         self.engine = engine
-        self.tokenizer = tokenizer  # the event loop's own copy (tokenizers are not shared)
+        # The server's own copy, used only on its one tokenizing thread (tokenizers are not
+        # shared between threads): rendering a long conversation never blocks the event loop.
+        self.tokenizer = tokenizer
+        self._tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edmm-tokenize")
         self.model_name = model_name
         self.metrics = metrics
         self.guided = guided
         self.max_model_len = engine.max_model_len
+
+    def close(self) -> None:
+        """Stop the tokenizing thread (after the work queued on it)."""
+        self._tokenizing.shutdown(wait=True)
+
+    async def _tokenize(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run tokenizer work (chat rendering, encoding) on the tokenizing thread."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizing, fn, *args)
 
     # ------------------------------------------------------------------ models, metrics
     def models(self) -> ModelList:
@@ -132,7 +145,8 @@ class OpenAIServing:
         check_chat_options(req)
         messages = template_messages(req.messages)
         tools = template_tools(req.tools)
-        ids = render_chat(self.tokenizer, messages, tools, req.chat_template_kwargs)
+        ids = await self._tokenize(render_chat, self.tokenizer, messages, tools,
+                                   req.chat_template_kwargs)
         params = sampling_params(req, req.completion_limit, len(ids), self.max_model_len,
                                  self._chat_processors(req))
         request = self._make_request(ids, params)
@@ -223,21 +237,26 @@ class OpenAIServing:
         assert out is not None
         completion = out.outputs[0]
         if turn.calls:
-            ext = turn.request.edmm
-            end = TurnEnd(
-                session_id=turn.session_id, request_id=turn.engine_request.request_id,
-                tool_calls=turn.calls,
-                messages=[*turn.messages, assistant_message(content, turn.calls)],
-                tools=turn.tools,
-                expected_duration_s=ext.expected_tool_duration_s if ext else None,
-                predictions=ext.predicted_tool_results if ext else {},
-                predicted_prompt=self._predicted_prompt(turn, content))
             # Shielded: once the reply exists its session must await the calls, even if the
             # client leaves now.
-            await asyncio.shield(self.loop.run(lambda b: b.end(end)))
+            await asyncio.shield(self._end_turn(turn, content))
         reason = "tool_calls" if turn.calls else _reason(completion.finish_reason)
         self._count_finished(turn.engine_request, out, reason)
         return reason
+
+    async def _end_turn(self, turn: ChatTurn, content: str | None) -> None:
+        """Put the turn's session in awaiting-tool (its speculation starts)."""
+        ext = turn.request.edmm
+        predicted = await self._tokenize(self._predicted_prompt, turn, content)
+        end = TurnEnd(
+            session_id=turn.session_id, request_id=turn.engine_request.request_id,
+            tool_calls=turn.calls,
+            messages=[*turn.messages, assistant_message(content, turn.calls)],
+            tools=turn.tools,
+            expected_duration_s=ext.expected_tool_duration_s if ext else None,
+            predictions=ext.predicted_tool_results if ext else {},
+            predicted_prompt=predicted)
+        await self.loop.run(lambda b: b.end(end))
 
     def _predicted_prompt(self, turn: ChatTurn, content: str | None) -> list[int]:
         """Token ids of the client's predicted next request with this turn's reply
@@ -291,7 +310,8 @@ class OpenAIServing:
             raise BadRequestError("echo, logprobs and suffix are not supported")
         if req.best_of not in (None, 1):
             raise BadRequestError("best_of is not supported", param="best_of")
-        requests = [self._completion_request(req, p) for p in self._prompts(req.prompt)]
+        requests = [await self._tokenize(self._completion_request, req, p)
+                    for p in self._prompts(req.prompt)]
         queued: list[tuple[Request, OutputStream]] = []
         try:
             for request in requests:
@@ -370,6 +390,7 @@ class OpenAIServing:
         return list(prompt)  # type: ignore[arg-type]
 
     def _completion_request(self, req: CompletionRequest, prompt: str | list[int]) -> Request:
+        """A validated request of one prompt (on the tokenizing thread)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise BadRequestError("this model has no tokenizer; send token ids",

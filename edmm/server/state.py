@@ -78,8 +78,9 @@ class ServerState:
         self.loop.stop()
 
     def close(self) -> None:
-        """Stop, then release the engine's memory."""
+        """Stop, then release the tokenizing thread and the engine's memory."""
         self.stop()
+        self.serving.close()
         self.engine.close()
 
 

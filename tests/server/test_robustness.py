@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import httpx
+import pytest
 from server_helpers import MODEL, LiveServer
+
+from edmm.server import serving
 
 USER = [{"role": "user", "content": "Tell me a long story about a robot."}]
 LONG: dict[str, object] = {"model": MODEL, "messages": USER, "max_tokens": 1500,
@@ -104,3 +109,27 @@ def test_named_session_is_busy_while_generating(server: LiveServer) -> None:
     free = httpx.post(f"{server.url}/v1/chat/completions", headers=headers,
                       json={**LONG, "max_tokens": 2}, timeout=30)
     assert free.status_code == 200 and free.headers["x-session-id"] == "busy-session"
+
+
+def test_rendering_does_not_block_the_event_loop(server: LiveServer,
+                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+    """A slow chat rendering (a long conversation) runs on the tokenizing thread: meanwhile
+    the server still answers other requests at once."""
+    original = serving.render_chat
+    rendering = threading.Event()
+
+    def slow(*args: Any, **kwargs: Any) -> list[int]:
+        rendering.set()
+        time.sleep(1.0)
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(serving, "render_chat", slow)
+    body = {"model": MODEL, "messages": USER, "max_tokens": 2, "temperature": 0}
+    with ThreadPoolExecutor(1) as pool:
+        slow_reply = pool.submit(httpx.post, f"{server.url}/v1/chat/completions", json=body,
+                                 timeout=30)
+        assert rendering.wait(10)
+        t0 = time.monotonic()
+        assert httpx.get(f"{server.url}/v1/models", timeout=10).status_code == 200
+        assert time.monotonic() - t0 < 0.5  # not queued behind the 1 s rendering
+        assert slow_reply.result().status_code == 200
