@@ -75,10 +75,12 @@ def collect_environment(device: str, repo_dir: Path | None = None) -> Environmen
         driver = _cuda_driver_version()
         runtime = torch.version.cuda
     repo = repo_dir or _REPO_DIR
-    # A copy of the tree without .git (the GPU machine) names its commit in EDMM_GIT_COMMIT.
-    commit = _run_tool(["git", "rev-parse", "HEAD"], cwd=repo) or os.environ.get(
-        "EDMM_GIT_COMMIT")
-    status = _run_tool(["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo)
+    # A copy of the tree (the GPU machine's) may carry a stale .git or none: EDMM_GIT_COMMIT,
+    # when set, names the tree and wins (its dirtiness is then unknown).
+    named = os.environ.get("EDMM_GIT_COMMIT")
+    commit = named or _run_tool(["git", "rev-parse", "HEAD"], cwd=repo)
+    status = None if named else _run_tool(
+        ["git", "status", "--porcelain", "--untracked-files=no"], cwd=repo)
     return Environment(
         device=device,
         hostname=socket.gethostname(),

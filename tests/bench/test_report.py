@@ -54,7 +54,8 @@ def _env(**overrides: object) -> Environment:
 # ---------------------------------------------------------------- environment
 
 
-def test_collect_environment_cpu() -> None:
+def test_collect_environment_cpu(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("EDMM_GIT_COMMIT", raising=False)
     env = collect_environment("cpu")
     assert env.device == "cpu"
     assert env.gpu_name is None and env.driver_version is None and env.cuda_runtime is None
@@ -76,10 +77,19 @@ def test_collect_environment_cpu() -> None:
     json.dumps(env.as_dict())  # plain JSON types only
 
 
-def test_collect_environment_outside_git(tmp_path: Path) -> None:
+def test_collect_environment_outside_git(tmp_path: Path,
+                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv("EDMM_GIT_COMMIT", raising=False)
     env = collect_environment("cpu", repo_dir=tmp_path)
     assert env.git_commit is None
     assert env.git_dirty is None
+
+
+def test_named_commit_wins_over_a_stale_git(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A copy of the tree with a stale .git (the GPU machine's) is named by EDMM_GIT_COMMIT."""
+    monkeypatch.setenv("EDMM_GIT_COMMIT", "abc1234")
+    env = collect_environment("cpu", repo_dir=_REPO)
+    assert env.git_commit == "abc1234" and env.git_dirty is None
 
 
 def test_collect_environment_cuda_without_gpu(monkeypatch: pytest.MonkeyPatch) -> None:
