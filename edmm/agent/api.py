@@ -64,6 +64,7 @@ from edmm.engine import (
 )
 from edmm.engine.engine import PromptInput
 from edmm.engine.prefix_cache import common_prefix_len
+from edmm.model.prompt_encoder import PromptEncoder
 
 Message = Mapping[str, Any]
 S = SessionState
@@ -98,6 +99,8 @@ class AgentEngine:
         self._tools: dict[str, ToolSpec] = {}
         self._durations: dict[str, float] = {}  # tool name -> EMA of observed seconds
         self._memo: dict[tuple[str, str], ToolContent] = {}  # idempotent calls' results
+        tok = self.engine.tokenizer  # template renders reuse the ids of earlier ones
+        self._encoder = PromptEncoder(tok) if tok is not None else None
 
     @property
     def tokenizer(self) -> Any:
@@ -387,7 +390,7 @@ class AgentEngine:
             raise AgentError("pass messages (chat template) or a token layout, not both")
         return TemplateRenderer(self.tokenizer, tuple(messages), tuple(calls.values()),
                                 tuple(tools) if tools is not None else None,
-                                self.config.reserialize_arguments)
+                                self.config.reserialize_arguments, self._encoder)
 
     def _submit_turn(self, session: Session, request: Request, claim: tuple[str, ...]) -> None:
         """Queue a turn whose slot is the session's (tagged) and may adopt ``claim``."""

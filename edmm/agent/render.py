@@ -23,6 +23,7 @@ from typing import Any
 
 from edmm.agent.errors import AgentError
 from edmm.agent.types import TokenLayout, ToolCall, ToolContent
+from edmm.model.prompt_encoder import PromptEncoder
 
 _SENTINEL = "\u0000EDMM-RESULT\u0000"  # never produced by a template; cut the text at it
 
@@ -115,6 +116,7 @@ class TemplateRenderer(PromptRenderer):
     calls: tuple[ToolCall, ...]
     tools: tuple[Mapping[str, Any], ...] | None = None
     reserialize_arguments: bool = True
+    encoder: PromptEncoder | None = None  # reuses recent prompts' ids (the same result)
 
     def render(self, results: Mapping[str, ToolContent], stop_after: str | None = None,
                ) -> list[int]:
@@ -134,6 +136,8 @@ class TemplateRenderer(PromptRenderer):
         text = self._apply(tool_msgs)
         if cut:
             text = text[: text.index(_SENTINEL)]
+        if self.encoder is not None:
+            return self.encoder.encode(text)
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def _apply(self, tool_msgs: list[dict[str, Any]]) -> str:

@@ -9,6 +9,7 @@ import jinja2
 
 from edmm.engine import SamplingParams
 from edmm.engine.sampling import InvalidSamplingParams, LogitsProcessor
+from edmm.model.prompt_encoder import PromptEncoder
 from edmm.server.errors import BadRequestError, ContextLengthError
 from edmm.server.protocol import (
     AssistantMessage,
@@ -90,8 +91,10 @@ def trailing_tool_results(messages: Sequence[ChatMessage]) -> list[tuple[str, st
 
 def render_chat(tokenizer: Any, messages: list[dict[str, Any]],
                 tools: list[dict[str, Any]] | None,
-                kwargs: dict[str, Any] | None) -> list[int]:
-    """Prompt token ids of a conversation, rendered with the tokenizer's chat template."""
+                kwargs: dict[str, Any] | None,
+                encoder: PromptEncoder | None = None) -> list[int]:
+    """Prompt token ids of a conversation, rendered with the tokenizer's chat template
+    (encoded through ``encoder``, which reuses recent prompts' ids, when given)."""
     if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
         raise BadRequestError("this model has no chat template; use /v1/completions",
                               param="messages")
@@ -105,6 +108,8 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]],
     except jinja2.TemplateError as e:
         raise BadRequestError(f"the chat template rejected the messages: {e}",
                               param="messages") from e
+    if encoder is not None:
+        return encoder.encode(text)
     return list(tokenizer.encode(text, add_special_tokens=False))
 
 

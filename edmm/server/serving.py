@@ -22,6 +22,7 @@ from pydantic import BaseModel
 from edmm.engine import Engine, InvalidRequestError, RequestOutput
 from edmm.engine.engine import Request
 from edmm.engine.sampling import LogitsProcessor
+from edmm.model.prompt_encoder import PromptEncoder
 from edmm.server.engine_loop import EngineLoop, OutputStream
 from edmm.server.errors import (
     APIError,
@@ -107,6 +108,7 @@ class OpenAIServing:
         # The server's own copy, used only on its one tokenizing thread (tokenizers are not
         # shared between threads): rendering a long conversation never blocks the event loop.
         self.tokenizer = tokenizer
+        self.encoder = PromptEncoder(tokenizer) if tokenizer is not None else None
         self._tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edmm-tokenize")
         self.model_name = model_name
         self.metrics = metrics
@@ -146,7 +148,7 @@ class OpenAIServing:
         messages = template_messages(req.messages)
         tools = template_tools(req.tools)
         ids = await self._tokenize(render_chat, self.tokenizer, messages, tools,
-                                   req.chat_template_kwargs)
+                                   req.chat_template_kwargs, self.encoder)
         params = sampling_params(req, req.completion_limit, len(ids), self.max_model_len,
                                  self._chat_processors(req))
         request = self._make_request(ids, params)
@@ -270,7 +272,7 @@ class OpenAIServing:
         messages = template_messages(predicted_messages(ext.predicted_next_messages, reply))
         try:
             return render_chat(self.tokenizer, messages, turn.tools,
-                               turn.request.chat_template_kwargs)
+                               turn.request.chat_template_kwargs, self.encoder)
         except BadRequestError as e:
             logger.info("session %s: predicted_next_messages ignored: %s", turn.session_id,
                         e.message)
