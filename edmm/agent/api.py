@@ -494,7 +494,11 @@ class AgentEngine:
             remaining = window.expected_s - (self._clock() - window.started)
         rank, priority = self._retention.retention(
             PausedSession(len(session.context), True, remaining))
-        self.engine.set_retention(_session_tag(session.id), rank, priority)
+        tag = _session_tag(session.id)
+        self.engine.set_retention(tag, rank, priority)
+        if (remaining is not None and remaining <= self.config.prefetch_lead_s
+                and self.engine.offloaded_tokens(tag)):
+            self.engine.restore(tag)  # prefetch: back before the tool returns, if room
 
     def _expected_duration(self, calls: Iterable[ToolCall]) -> float | None:
         """The longest expected duration among the calls' tools (learned, else declared)."""

@@ -139,13 +139,19 @@ class AgentConfig:
             after it is abandoned and its KV reclaimed.
         reserialize_arguments: re-serialise tool-call arguments the way OpenAI clients do
             (``json.dumps(json.loads(arguments))``) when rendering the next prompt.
+        prefetch_lead_s: with KV offload on (`EngineConfig.kv_offload_bytes`), a paused
+            session whose KV went to host memory is copied back once its tool is expected
+            back within this many seconds and the pool has room (a resume restores it anyway).
     """
 
     speculation: tuple[str, ...] = ("template", "streamed", "predicted", "prompt")
     retention: str = "cost"
     tool_timeout_s: float = 600.0
     reserialize_arguments: bool = True
+    prefetch_lead_s: float = 0.5
 
     def __post_init__(self) -> None:
+        if self.prefetch_lead_s < 0:
+            raise EngineConfigError(f"prefetch_lead_s must be >= 0, got {self.prefetch_lead_s}")
         if not self.tool_timeout_s > 0:
             raise EngineConfigError(f"tool_timeout_s must be > 0, got {self.tool_timeout_s}")

@@ -54,6 +54,9 @@ class EngineConfig:
         speculative_tokens_when_idle: most tokens of speculative prefill in a step with no
             requests: a resume that arrives meanwhile waits for that step on the device.
         max_speculative_pages: most KV pages speculation may hold; None: a quarter of the pool.
+        kv_offload_bytes: host memory (pinned on CUDA) for the KV of paused agent sessions
+            that memory pressure evicts: copied there instead of dropped, copied back before
+            or at resume. 0: off (evicted sessions are recomputed).
     """
 
     model: str | None = None
@@ -76,6 +79,7 @@ class EngineConfig:
     speculative_tokens_when_busy: int | None = None
     speculative_tokens_when_idle: int = 2048
     max_speculative_pages: int | None = None
+    kv_offload_bytes: int = 0
 
     def __post_init__(self) -> None:
         device = torch.device(self.device)
@@ -87,6 +91,8 @@ class EngineConfig:
             raise EngineConfigError("the cuda backend needs device='cuda'")
         if self.backend_kind == "host" and device.type != "cpu":
             raise EngineConfigError("the host backend needs device='cpu'")
+        if self.kv_offload_bytes < 0:
+            raise EngineConfigError(f"kv_offload_bytes must be >= 0, got {self.kv_offload_bytes}")
         for name in ("num_slots", "max_num_batched_tokens", "max_num_seqs", "prefix_block_size"):
             if getattr(self, name) < 1:
                 raise EngineConfigError(f"{name} must be >= 1, got {getattr(self, name)}")

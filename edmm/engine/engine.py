@@ -29,6 +29,7 @@ from edmm.engine.scheduler import Scheduler
 from edmm.engine.sequence import SPECULATED, SequenceKind, SlotHints
 from edmm.engine.sequence import Sequence as Seq
 from edmm.memory import KVArena, KVSpec, PagePool, open_backend
+from edmm.memory.offload import HostKVStore
 from edmm.memory.vmm import VMMBackend
 from edmm.model import CausalLM, ModelConfig, load_model, load_tokenizer
 
@@ -82,8 +83,10 @@ class Engine:
         spec = KVSpec(self.model_config.num_layers, self.model_config.num_kv_heads,
                       self.model_config.head_dim, dtype)
         self.backend, self.pool, self.arena = _build_memory(config, spec, self.max_model_len)
+        offload = (HostKVStore(self.arena, config.kv_offload_bytes)
+                   if config.kv_offload_bytes > 0 and config.enable_prefix_caching else None)
         self.prefix_cache = PrefixCache(self.arena, config.prefix_block_size,
-                                        config.enable_prefix_caching)
+                                        config.enable_prefix_caching, offload)
         self.scheduler = Scheduler(self.arena, self.prefix_cache,
                                    config.scheduler_config(self.pool.capacity))
         self.runner = _build_runner(config, self.model, self.arena, self.max_model_len)
@@ -237,6 +240,15 @@ class Engine:
         """Release the slots retired by zero-copy commits (driver unmaps: call it off the
         critical path; the scheduler also does when idle or short of memory)."""
         return self.arena.reclaim()
+
+    def restore(self, tag: str) -> bool:
+        """Bring the host copy of the entry tagged ``tag`` back into GPU (arena) memory; False
+        when there is none or no room (see `PrefixCache.restore`)."""
+        return self.prefix_cache.restore(tag)
+
+    def offloaded_tokens(self, tag: str) -> int:
+        """Tokens of the host copy of the entry tagged ``tag`` (0: none)."""
+        return self.prefix_cache.offloaded_tokens(tag)
 
     def reset_prefix_cache(self) -> int:
         """Free every prefix-cache entry (and slots retired by commits); return how many."""

@@ -15,6 +15,13 @@ and when it replaces the claimer's own tagged entry that one is retired by `KVAr
 zero-copy commit of a speculation branch at resume. Nothing is ever pinned: every entry can be
 evicted under memory pressure, and its owner then recomputes.
 
+With a `HostKVStore` attached, a tagged ``RETAINED`` entry (a paused agent session) chosen for
+eviction is first copied to host memory (within the store's budget) and remembered by its tag;
+`restore` copies it back into a fresh slot as the same entry (the scheduler restores the tags a
+request claims before admitting it, evicting plain entries for it if needed; without any room
+the request recomputes). At most one offloaded copy
+per tag; discarding or untagging the tag drops it.
+
 A new sequence looks up the source with the longest common token prefix and gets
 `KVArena.branch` of it: the same physical pages for the full pages of that prefix, one copied
 boundary page, no recompute. When the sequence extends an entry entirely (the next turn of an
@@ -34,7 +41,8 @@ from collections import OrderedDict
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
-from edmm.memory import KVArena, KVMemoryError
+from edmm.memory import KVArena, KVMemoryError, NoFreeSlotError, PoolExhaustedError
+from edmm.memory.offload import HostKV, HostKVStore
 
 _CHAIN_SEED = 0x45444D4D  # "EDMM": the hash chain's value before the first block
 # Driver costs per 2 MiB page measured on an H200 (DESIGN.md): they decide whether a claimed
@@ -82,6 +90,14 @@ class _Entry:
 
 
 @dataclass
+class _Offloaded:
+    tokens: list[int]  # the KV's tokens
+    kv: HostKV
+    rank: EntryRank
+    priority: float
+
+
+@dataclass
 class _Source:
     tokens: list[int]  # KV holds tokens[:num_tokens]; a live source's list may be longer
     num_tokens: int
@@ -95,12 +111,17 @@ class PrefixCache:
     scheduler runs one code path either way.
     """
 
-    def __init__(self, arena: KVArena, block_size: int = 16, enabled: bool = True) -> None:
+    def __init__(self, arena: KVArena, block_size: int = 16, enabled: bool = True,
+                 offload: HostKVStore | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.arena = arena
         self.block_size = block_size
         self.enabled = enabled
+        self.offload = offload
+        self._offloaded: dict[str, _Offloaded] = {}  # tag -> its host copy
+        self.offloaded_total = 0  # entries copied to the host, over the cache's life
+        self.restored_total = 0  # host copies brought back
         self._sources: dict[int, _Source] = {}
         self._lru: OrderedDict[int, _Entry] = OrderedDict()  # entries, least recently used first
         self._index: dict[int, dict[int, None]] = {}  # block hash -> slots holding that chain
@@ -117,6 +138,11 @@ class PrefixCache:
     def tagged(self, tag: str) -> list[int]:
         """Entry slots tagged ``tag``, least recently used first."""
         return [slot for slot, e in self._lru.items() if e.tag == tag]
+
+    def offloaded_tokens(self, tag: str) -> int:
+        """Tokens of ``tag``'s host copy (0: none)."""
+        off = self._offloaded.get(tag)
+        return 0 if off is None else off.kv.num_tokens
 
     def entry_tokens(self, slot: int) -> list[int]:
         """The tokens whose KV an entry holds (a copy)."""
@@ -167,14 +193,17 @@ class PrefixCache:
         """Make the entries tagged with any of ``tags`` plain untagged entries of ``rank`` (no
         memory is touched: stale but valid KV, reusable by lookups, evicted in turn)."""
         wanted = set(tags)
+        self._drop_offloaded(wanted)
         slots = [slot for slot, e in self._lru.items() if e.tag in wanted]
         for slot in slots:
             self._lru[slot] = _Entry(None, rank)
         return len(slots)
 
     def discard(self, tags: Iterable[str]) -> int:
-        """Free every entry tagged with one of ``tags``; return how many."""
+        """Free every entry tagged with one of ``tags`` (and their host copies); return how
+        many entries."""
         wanted = set(tags)
+        self._drop_offloaded(wanted)
         slots = [slot for slot, e in self._lru.items() if e.tag in wanted]
         for slot in slots:
             self._free_entry(slot)
@@ -253,13 +282,53 @@ class PrefixCache:
                 victim, best = slot, key
         if victim is None:
             return False
+        self._offload(victim)
         self._free_entry(victim)
         return True
 
+    def restore(self, tag: str, make_room: bool = False) -> bool:
+        """Copy ``tag``'s host copy back into a fresh slot, as the entry it was (most recently
+        used). Without a free slot or pages it fails (False, nothing changes), unless
+        ``make_room``: then speculative and plain entries are evicted for it first (what a
+        recompute of those tokens would need anyway)."""
+        off = self._offloaded.get(tag)
+        if off is None or self.offload is None:
+            return False
+        slot = self._mapped_slot(off.kv.num_tokens, make_room)
+        if slot is None:
+            return False
+        self.offload.load(off.kv, slot)
+        del self._offloaded[tag]
+        self.offload.release(off.kv)
+        src = self._sources[slot] = _Source(off.tokens, 0)
+        self._extend(slot, src, off.kv.num_tokens)
+        self._lru[slot] = _Entry(tag, off.rank, off.priority)
+        self.restored_total += 1
+        return True
+
+    def _mapped_slot(self, num_tokens: int, make_room: bool) -> int | None:
+        """A new slot mapping ``num_tokens`` tokens, evicting below ``RETAINED`` if allowed."""
+        while True:
+            try:
+                slot = self.arena.allocate()
+            except NoFreeSlotError:
+                slot = None
+            if slot is not None:
+                try:
+                    self.arena.grow(slot, num_tokens)
+                    return slot
+                except PoolExhaustedError:
+                    self.arena.free(slot)
+            if not (make_room and self.evict_one(max_rank=EntryRank.PLAIN)):
+                return None
+
     def clear(self) -> int:
-        """Free every entry; return how many. Live sources stay tracked."""
+        """Free every entry (host copies dropped, nothing offloaded); return how many. Live
+        sources stay tracked."""
+        self._drop_offloaded(set(self._offloaded))
         n = 0
-        while self.evict_one():
+        while self._lru:
+            self._free_entry(next(iter(self._lru)))
             n += 1
         return n
 
@@ -280,8 +349,34 @@ class PrefixCache:
             raise KVMemoryError("prefix index out of sync with its sources")
         if not set(self._lru) <= set(self._sources):
             raise KVMemoryError("an entry is not indexed")
+        held = sum(off.kv.nbytes for off in self._offloaded.values())
+        if self.offload is not None and (self.offload.used_bytes != held
+                                         or self.offload.num_held != len(self._offloaded)):
+            raise KVMemoryError(f"host store holds {self.offload.used_bytes} bytes in "
+                                f"{self.offload.num_held} copies, the cache knows {held} in "
+                                f"{len(self._offloaded)}")
 
     # ------------------------------------------------------------------ internals
+    def _offload(self, slot: int) -> None:
+        """Copy a paused session's entry to the host before it is freed (budget allowing)."""
+        entry = self._lru[slot]
+        if self.offload is None or entry.tag is None or entry.rank != EntryRank.RETAINED:
+            return
+        src = self._sources[slot]
+        kv = self.offload.save(slot, src.num_tokens)
+        if kv is None:
+            return  # over budget: dropped, recomputed at resume
+        self._drop_offloaded({entry.tag})
+        self._offloaded[entry.tag] = _Offloaded(src.tokens[: src.num_tokens], kv, entry.rank,
+                                                entry.priority)
+        self.offloaded_total += 1
+
+    def _drop_offloaded(self, tags: set[str]) -> None:
+        for tag in tags & self._offloaded.keys():
+            off = self._offloaded.pop(tag)
+            assert self.offload is not None
+            self.offload.release(off.kv)
+
     def _free_entry(self, slot: int) -> None:
         del self._lru[slot]
         self._unindex(slot)

@@ -286,7 +286,14 @@ class Scheduler:
     def _admit(self, seq: Sequence, budget: int) -> int:
         """Give a waiting sequence a slot (from the prefix cache if a prefix matches) mapped
         for its next chunk; return the chunk's size, or 0 (sequence unchanged) if memory is
-        short even with the prefix cache empty."""
+        short even with the prefix cache empty.
+
+        Host copies of the entries it claims are restored first, once: an entry the loop below
+        then evicts again (offloaded) is recomputed rather than copied back and forth."""
+        claims = {*seq.hints.claim, *([seq.hints.tag] if seq.hints.tag is not None else [])}
+        for tag in claims:
+            if self.prefix_cache.offloaded_tokens(tag):
+                self.prefix_cache.restore(tag, make_room=True)
         while True:
             hit = None
             try:

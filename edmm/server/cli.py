@@ -30,6 +30,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--num-pages", type=int, default=None, help="physical KV pages")
     parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--kv-offload-gib", type=float, default=None,
+                        help="host memory for paused sessions' KV under pressure (default: off)")
     parser.add_argument("--no-execution-aware", action="store_true",
                         help="plain engine: prefix caching only, no agent sessions")
     parser.add_argument("--log-level", default="info",
@@ -50,6 +52,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     for name in ("tokenizer", "dtype", "max_model_len", "num_pages", "max_num_seqs"):
         if getattr(args, name) is not None:
             engine[name] = getattr(args, name)
+    if args.kv_offload_gib is not None:
+        engine["kv_offload_bytes"] = int(args.kv_offload_gib * 2**30)
     return ServerConfig(model=args.model, device=args.device, host=args.host, port=args.port,
                         served_model_name=args.served_model_name,
                         execution_aware=not args.no_execution_aware, engine=engine)

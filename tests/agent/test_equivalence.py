@@ -278,7 +278,7 @@ def engines(tiny_dir: Path, device: str,
         if key not in built:
             config = engine_config(tiny_dir, num_pages=num_pages, max_num_batched_tokens=budget,
                                    max_num_seqs=8, speculative_tokens_when_busy=8,
-                                   device=device)
+                                   device=device, kv_offload_bytes=OFFLOAD_BYTES)
             built[key] = AgentEngine(config, clock=clock)
         return built[key], clock
 
@@ -310,6 +310,9 @@ def reference_engine(tiny_dir: Path, device: str) -> Iterator[Callable[[], Engin
 
 
 _ids = itertools.count()
+# Host memory for evicted paused sessions: about two tiny-model sessions (2 KiB per token), so
+# tight pools both offload (and restore at resume or by prefetch) and drop (over budget).
+OFFLOAD_BYTES = 256 * 2048
 
 _HEAVY_STEP = ToolStep((CallScript(12, 0.3, "right"), CallScript(6, None, "partial")), 3, 2, 2,
                        False, 3, "edited")

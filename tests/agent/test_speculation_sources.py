@@ -6,7 +6,7 @@ import json
 from typing import Any
 
 import pytest
-from agent_helpers import MakeAgent, drain, greedy, run
+from agent_helpers import FakeClock, MakeAgent, drain, greedy, run
 
 from edmm.agent import AgentConfig, AgentEngine, TokenLayout, ToolCall, ToolResult, ToolSpec
 from edmm.agent.errors import UnknownPolicyError
@@ -271,3 +271,48 @@ def test_retention_policy_decides_who_survives_pressure(make_agent: MakeAgent, p
         run(agent)
     out = resume_and_run(agent, RESULT)
     assert out.num_cached_tokens == (len(context) - 1 if kept else 0)
+
+
+@pytest.mark.parametrize("offload", [True, False])
+def test_offloaded_session_is_prefetched_before_its_tool_returns(make_agent: MakeAgent,
+                                                                 offload: bool) -> None:
+    """Pressure pushes a paused session out of the pool: with KV offload it goes to host
+    memory and is copied back shortly before its tool is expected back; without, it is
+    dropped and recomputed. The resume's output is the same."""
+    clock = FakeClock()
+    agent = make_agent(AgentConfig(speculation=()), clock=clock, num_pages=36,
+                       kv_offload_bytes=(1 << 20) if offload else 0)
+    context = first_turn(agent)  # 66 tokens: 9 pages
+    agent.await_tools("s", [ToolCall("c1", "f")], expected_duration_s=5.0)
+    agent.add_request("big", list(range(200, 450)), greedy(4))  # 32 pages: the session goes
+    run(agent)
+    cache = agent.engine.prefix_cache
+    assert cache.offloaded_total == int(offload) and cache.num_entries == 1
+    while cache.evict_one(max_rank=EntryRank.PLAIN):  # room again (others' entries go)
+        pass
+    clock.advance(4.0)
+    agent.step()  # 1 s before the expected return: more than the lead (0.5 s)
+    assert cache.restored_total == 0
+    clock.advance(0.6)
+    agent.step()  # 0.4 s before: prefetched
+    assert cache.restored_total == int(offload)
+    agent.check_integrity()
+    out = resume_and_run(agent, RESULT)
+    assert out.num_cached_tokens == (len(context) - 1 if offload else 0)
+    assert out.outputs[0].token_ids == reference_tokens(
+        make_agent, agent.session_context("s")[:-len(out.outputs[0].token_ids)])
+
+
+def test_resume_restores_an_offloaded_session_making_room(make_agent: MakeAgent) -> None:
+    """No prefetch (unknown tool duration): the resume itself copies the session back,
+    evicting plain cache entries for it, and reuses all of its context."""
+    agent = make_agent(AgentConfig(speculation=()), num_pages=36, kv_offload_bytes=1 << 20)
+    context = first_turn(agent)
+    agent.await_tools("s", [ToolCall("c1", "f")])
+    agent.add_request("big", list(range(200, 450)), greedy(4))
+    run(agent)
+    cache = agent.engine.prefix_cache
+    assert cache.offloaded_total == 1 and cache.num_entries == 1  # the big request's entry
+    out = resume_and_run(agent, RESULT)
+    assert cache.restored_total == 1 and out.num_cached_tokens == len(context) - 1
+    agent.check_integrity()

@@ -44,3 +44,27 @@ def test_page_size_is_the_driver_granularity() -> None:
     backend = open_backend("cuda")
     assert backend.page_size == 2 * 1024 * 1024
     backend.close()
+
+
+def test_offload_round_trip_through_pinned_host_memory() -> None:
+    """A slot's KV copied to pinned host memory and back into another slot, byte for byte."""
+    from edmm.memory.offload import HostKVStore
+
+    backend = open_backend("cuda")
+    pool = PagePool(backend, 64)
+    arena = KVArena(pool, QWEN, num_slots=2, max_tokens=4096)
+    store = HostKVStore(arena, capacity_bytes=1 << 30)
+    slot, other = arena.allocate(), arena.allocate()
+    n = 1000
+    arena.grow(slot, n)
+    arena.grow(other, n)
+    arena.kv[slot, :n] = torch.randn(n, 28, 2, 4, 128, dtype=torch.bfloat16, device="cuda")
+    host = store.save(slot, n)
+    assert host is not None and host.data.is_pinned() and not host.data.is_cuda
+    store.load(host, other)
+    assert torch.equal(arena.kv[other, :n], arena.kv[slot, :n])
+    store.release(host)
+    arena.check_integrity()
+    arena.close()
+    pool.close()
+    backend.close()

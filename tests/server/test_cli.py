@@ -25,6 +25,9 @@ def test_options_map_to_the_config() -> None:
     assert config.engine == {"max_model_len": 4096} and not config.execution_aware
     assert config.model_name == "qwen2.5-7b"
     assert config_from_args(build_parser().parse_args([])).model_name == "edmm-tiny"
+    more = config_from_args(build_parser().parse_args(["--kv-offload-gib", "0.5",
+                                                       "--tokenizer", "/tok"]))
+    assert more.engine == {"kv_offload_bytes": 1 << 29, "tokenizer": "/tok"}
 
 
 def _free_port() -> int:

@@ -1,0 +1,120 @@
+"""The offload tier: paused sessions' KV copied to host memory on eviction, restored later."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from arena_helpers import SPEC, filled, kv_values
+
+from edmm.engine import PrefixCache
+from edmm.engine.prefix_cache import EntryRank
+from edmm.memory import KVArena, KVMemoryError, PagePool, open_backend
+from edmm.memory.offload import HostKVStore
+
+# 512 B per token, 8 tokens per 4 KiB page; 12 pages.
+TOKENS = list(range(1, 41))  # 40 tokens: 5 pages
+
+
+@pytest.fixture
+def arena() -> Iterator[KVArena]:
+    backend = open_backend("host", host_page_size=4096)
+    pool = PagePool(backend, 12)
+    a = KVArena(pool, SPEC, num_slots=4, max_tokens=64)
+    yield a
+    a.check_integrity()
+    a.close()
+    pool.close()
+    backend.close()
+
+
+def test_store_round_trip_and_budget(arena: KVArena) -> None:
+    store = HostKVStore(arena, capacity_bytes=40 * SPEC.token_bytes)
+    slot = filled(arena, TOKENS)
+    host = store.save(slot, 40)
+    assert host is not None and host.nbytes == 40 * SPEC.token_bytes == store.used_bytes
+    assert store.save(slot, 1) is None  # over budget: nothing copied
+    other = arena.allocate()
+    arena.grow(other, 40)
+    store.load(host, other)
+    assert kv_values(arena, other) == TOKENS
+    store.release(host)
+    assert store.used_bytes == 0 and store.num_held == 0
+    with pytest.raises(KVMemoryError, match="released twice"):
+        store.release(host)
+
+
+def test_evicted_session_is_offloaded_and_restored(arena: KVArena) -> None:
+    store = HostKVStore(arena, capacity_bytes=1 << 20)
+    cache = PrefixCache(arena, block_size=4, offload=store)
+    slot = filled(arena, TOKENS)
+    cache.release(slot, TOKENS, 40, tag="s1", rank=EntryRank.RETAINED, priority=3.0)
+    plain = filled(arena, [7] * 16)
+    cache.release(plain, [7] * 16, 16)  # a plain entry goes first, and is not offloaded
+    assert cache.evict_one() and cache.offloaded_tokens("s1") == 0
+    assert cache.evict_one()  # the session: copied to the host, its pages freed
+    assert cache.offloaded_tokens("s1") == 40 and arena.pool.num_used == 0
+    assert cache.num_entries == 0 and cache.offloaded_total == 1
+    cache.check_integrity()
+    assert cache.restore("s1")  # what the scheduler does before admitting the resume
+    hit = cache.acquire([*TOKENS, 99], max_tokens=100, claim=("s1",))
+    assert hit is not None and hit.num_tokens == 40 and hit.claimed == "s1"
+    assert kv_values(arena, hit.slot) == TOKENS
+    assert cache.offloaded_tokens("s1") == 0 and store.used_bytes == 0
+    assert cache.restored_total == 1
+    cache.check_integrity()
+    arena.free(hit.slot)
+
+
+def test_restore_without_room_changes_nothing(arena: KVArena) -> None:
+    store = HostKVStore(arena, capacity_bytes=1 << 20)
+    cache = PrefixCache(arena, block_size=4, offload=store)
+    slot = filled(arena, TOKENS)
+    cache.release(slot, TOKENS, 40, tag="s1", rank=EntryRank.RETAINED)
+    assert cache.evict_one()
+    hog = arena.allocate()
+    arena.grow(hog, 64)  # 8 of 12 pages: 4 left, the session needs 5
+    assert not cache.restore("s1", make_room=True) and cache.offloaded_tokens("s1") == 40
+    cache.check_integrity()
+    arena.free(hog)
+    assert cache.restore("s1") and cache.num_entries == 1
+    assert kv_values(arena, cache.tagged("s1")[0]) == TOKENS
+
+
+def test_budget_discard_and_clear_release_host_copies(arena: KVArena) -> None:
+    store = HostKVStore(arena, capacity_bytes=48 * SPEC.token_bytes)
+    cache = PrefixCache(arena, block_size=4, offload=store)
+    for tag in ("a", "b"):
+        slot = filled(arena, TOKENS)
+        cache.release(slot, TOKENS, 40, tag=tag, rank=EntryRank.RETAINED)
+    assert cache.evict_one() and cache.evict_one()
+    assert cache.offloaded_tokens("a") == 40 and cache.offloaded_tokens("b") == 0  # no room
+    cache.check_integrity()
+    assert cache.discard(["a"]) == 0 and store.used_bytes == 0
+    slot = filled(arena, TOKENS)
+    cache.release(slot, TOKENS, 40, tag="c", rank=EntryRank.RETAINED)
+    assert cache.evict_one() and cache.offloaded_tokens("c") == 40
+    assert cache.untag(["c"], EntryRank.PLAIN) == 0 and store.used_bytes == 0
+    slot = filled(arena, TOKENS)
+    cache.release(slot, TOKENS, 40, tag="d", rank=EntryRank.RETAINED)
+    assert cache.evict_one()
+    cache.release(filled(arena, TOKENS[:8]), TOKENS[:8], 8, tag="d", rank=EntryRank.RETAINED)
+    assert cache.clear() == 1 and store.used_bytes == 0 and cache.offloaded_tokens("d") == 0
+    cache.check_integrity()
+
+
+def test_make_room_evicts_plain_entries_to_restore(arena: KVArena) -> None:
+    store = HostKVStore(arena, capacity_bytes=1 << 20)
+    cache = PrefixCache(arena, block_size=4, offload=store)
+    slot = filled(arena, TOKENS)
+    cache.release(slot, TOKENS, 40, tag="s1", rank=EntryRank.RETAINED)
+    assert cache.evict_one()
+    other = [5] * 64
+    cache.release(filled(arena, other), other, 64)  # a plain entry: 8 of 12 pages
+    assert not cache.restore("s1")  # a prefetch makes no room
+    assert cache.restore("s1", make_room=True)  # a resume does
+    hit = cache.acquire(TOKENS, max_tokens=39, claim=("s1",))
+    assert hit is not None and hit.num_tokens == 39 and cache.num_entries == 0
+    assert kv_values(arena, hit.slot) == TOKENS[:39]
+    cache.check_integrity()
+    arena.free(hit.slot)
