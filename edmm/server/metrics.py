@@ -39,13 +39,19 @@ class EngineSnapshot:
     num_steps: int
     num_preemptions: int
     num_running: int  # requests with a listener, not finished
+    kv_offloads: int = 0  # paused sessions' KV copied to host memory
+    kv_restores: int = 0  # host copies brought back
+    kv_host_bytes: int = 0  # host bytes held now
 
     @classmethod
     def take(cls, backend: SessionBackend, num_steps: int, num_running: int) -> EngineSnapshot:
         """Read everything from ``backend`` (call on the engine thread)."""
         engine = backend.engine
+        cache = engine.prefix_cache
+        host = cache.offload.used_bytes if cache.offload is not None else 0
         return cls(backend.stats(), engine.pool.num_used, engine.pool.capacity, num_steps,
-                   engine.scheduler.num_preemptions, num_running)
+                   engine.scheduler.num_preemptions, num_running, cache.offloaded_total,
+                   cache.restored_total, host)
 
 
 class ServerMetrics(Collector):
@@ -118,6 +124,12 @@ class ServerMetrics(Collector):
                           snap.pages_in_use)
         yield self._gauge("edmm_kv_pages_total", "Physical KV pages in the pool.",
                           snap.pages_total)
+        yield self._counter("edmm_kv_offloads", "Paused sessions' KV copied to host memory.",
+                            snap.kv_offloads)
+        yield self._counter("edmm_kv_restores", "Host copies of KV brought back.",
+                            snap.kv_restores)
+        yield self._gauge("edmm_kv_host_bytes", "Host memory held by offloaded KV.",
+                          snap.kv_host_bytes)
         yield self._counter("edmm_engine_steps", "Engine steps run.", snap.num_steps)
         yield self._counter("edmm_preemptions", "Sequences preempted for memory.",
                             snap.num_preemptions)
