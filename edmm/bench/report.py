@@ -168,18 +168,24 @@ def _safe(fn: Callable[[], _T]) -> _T | None:
 
 
 class Progress:
-    """A progress line on stderr, rewritten in place: ``[label] done/total what (elapsed)``."""
+    """Progress on stderr: ``[label] done/total what (elapsed)``, one line rewritten in place
+    on a terminal, else a line at each quarter (logs stay short)."""
 
     def __init__(self, label: str, total: int) -> None:
         self.label, self.total, self.done = label, max(1, total), 0
         self.t0 = time.monotonic()
+        self._tty = sys.stderr.isatty()
 
     def step(self, what: str = "") -> None:
-        """One unit done; the last one ends the line."""
+        """One unit done."""
         self.done += 1
-        end = "\n" if self.done >= self.total else ""
-        print(f"\r[{self.label}] {self.done}/{self.total} {what} "
-              f"({time.monotonic() - self.t0:.0f} s)   ", end=end, file=sys.stderr, flush=True)
+        text = (f"[{self.label}] {self.done}/{self.total} {what} "
+                f"({time.monotonic() - self.t0:.0f} s)")
+        if self._tty:
+            end = "\n" if self.done >= self.total else ""
+            print(f"\r{text}   ", end=end, file=sys.stderr, flush=True)
+        elif self.done * 4 // self.total > (self.done - 1) * 4 // self.total:
+            print(text, file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------- writer

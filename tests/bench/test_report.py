@@ -310,3 +310,14 @@ def test_plot_bars_bad_rows(tmp_path: Path, rows: list[dict]) -> None:
 
 def test_module_does_not_import_matplotlib() -> None:
     assert "plt" not in vars(report) and "matplotlib" not in vars(report)
+
+
+def test_progress_logs_quarters_when_not_a_terminal(capsys: pytest.CaptureFixture[str]) -> None:
+    from edmm.bench.report import Progress
+
+    progress = Progress("x", 8)
+    for i in range(8):
+        progress.step(f"item {i}")
+    lines = capsys.readouterr().err.splitlines()
+    assert [line.split(" (")[0] for line in lines] == [
+        "[x] 2/8 item 1", "[x] 4/8 item 3", "[x] 6/8 item 5", "[x] 8/8 item 7"]
