@@ -5,11 +5,11 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from arena_helpers import SPEC, filled, kv_values
+from arena_helpers import SPEC, filled, host_arena, kv_values
 
 from edmm.engine import PrefixCache
 from edmm.engine.prefix_cache import EntryRank
-from edmm.memory import KVArena, KVMemoryError, PagePool, open_backend
+from edmm.memory import KVArena, KVMemoryError
 from edmm.memory.offload import HostKVStore
 
 # 512 B per token, 8 tokens per 4 KiB page; 12 pages.
@@ -18,14 +18,8 @@ TOKENS = list(range(1, 41))  # 40 tokens: 5 pages
 
 @pytest.fixture
 def arena() -> Iterator[KVArena]:
-    backend = open_backend("host", host_page_size=4096)
-    pool = PagePool(backend, 12)
-    a = KVArena(pool, SPEC, num_slots=4, max_tokens=64)
-    yield a
-    a.check_integrity()
-    a.close()
-    pool.close()
-    backend.close()
+    with host_arena(num_pages=12) as a:
+        yield a
 
 
 def test_store_round_trip_and_budget(arena: KVArena) -> None:

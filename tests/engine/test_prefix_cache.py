@@ -5,25 +5,19 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from arena_helpers import SPEC, filled, kv_values
+from arena_helpers import filled, host_arena, kv_values
 
 import edmm.engine.prefix_cache as prefix_cache_module
 from edmm.engine import PrefixCache
-from edmm.memory import KVArena, PagePool, open_backend
+from edmm.memory import KVArena
 
 BLOCK = 4
 
 
 @pytest.fixture
 def arena() -> Iterator[KVArena]:
-    backend = open_backend("host", host_page_size=4096)
-    pool = PagePool(backend, 32)
-    a = KVArena(pool, SPEC, num_slots=4, max_tokens=64)
-    yield a
-    a.check_integrity()
-    a.close()
-    pool.close()
-    backend.close()
+    with host_arena(num_pages=32) as a:
+        yield a
 
 
 def test_lookup_finds_the_longest_prefix_to_the_token(arena: KVArena) -> None:
