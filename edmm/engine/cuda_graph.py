@@ -37,7 +37,6 @@ from edmm.memory import KVArena
 from edmm.model.attention import AttentionMetadata
 
 DEFAULT_GRAPH_SIZES = (1, 2, 4, 8, 16, 32)
-DEFAULT_TOKEN_SIZES = (64, 128, 256, 384, 512, 768, 1024, 1536, 2048)
 
 
 @dataclass
@@ -52,7 +51,7 @@ class _StaticInputs:
     uses the leading rows), and the copy of a step's inputs into them.
 
     Rows past the step's tokens / sequences are reset to padding only where an earlier, larger
-    step left real values (``_dirty_*``), so a steady decode batch costs five copies.
+    step left real values (``_dirty_*``), so a steady decode batch costs seven small copies.
     """
 
     def __init__(self, tokens: int, seqs: int, pad_slot: int, device: torch.device) -> None:

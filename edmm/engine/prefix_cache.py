@@ -19,8 +19,8 @@ With a `HostKVStore` attached, a tagged ``RETAINED`` entry (a paused agent sessi
 eviction is first copied to host memory (within the store's budget) and remembered by its tag;
 `restore` copies it back into a fresh slot as the same entry (the scheduler restores the tags a
 request claims before admitting it, evicting plain entries for it if needed; without any room
-the request recomputes). At most one offloaded copy
-per tag; discarding or untagging the tag drops it.
+the request recomputes). At most one offloaded copy per tag; discarding or untagging the tag
+drops it.
 
 A new sequence looks up the source with the longest common token prefix and gets
 `KVArena.branch` of it: the same physical pages for the full pages of that prefix, one copied
@@ -93,8 +93,7 @@ class _Entry:
 class _Offloaded:
     tokens: list[int]  # the KV's tokens
     kv: HostKV
-    rank: EntryRank
-    priority: float
+    priority: float  # the entry's (its rank is RETAINED: only those are offloaded)
 
 
 @dataclass
@@ -302,7 +301,7 @@ class PrefixCache:
         self.offload.release(off.kv)
         src = self._sources[slot] = _Source(off.tokens, 0)
         self._extend(slot, src, off.kv.num_tokens)
-        self._lru[slot] = _Entry(tag, off.rank, off.priority)
+        self._lru[slot] = _Entry(tag, EntryRank.RETAINED, off.priority)
         self.restored_total += 1
         return True
 
@@ -367,8 +366,7 @@ class PrefixCache:
         if kv is None:
             return  # over budget: dropped, recomputed at resume
         self._drop_offloaded({entry.tag})
-        self._offloaded[entry.tag] = _Offloaded(src.tokens[: src.num_tokens], kv, entry.rank,
-                                                entry.priority)
+        self._offloaded[entry.tag] = _Offloaded(src.tokens[: src.num_tokens], kv, entry.priority)
         self.offloaded_total += 1
 
     def _drop_offloaded(self, tags: set[str]) -> None:

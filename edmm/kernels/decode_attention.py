@@ -90,7 +90,7 @@ def decode_attention(
     q = unit_last_stride(q)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [B, Hq, D]
     return _decode(q, kv_cache, layer, None, slot_ids, context_lens, out, scale, num_splits,
-                   max_context, config)
+                   max_context, config, split_batch=q.shape[0])
 
 
 def decode_attention_varlen(
@@ -127,19 +127,17 @@ def decode_attention_varlen(
                                f"{tuple(q.shape)} {q.dtype} and {tuple(out.shape)} {out.dtype}")
     batch = slot_ids.shape[0]
     check_index(cu_seqlens_q, "cu_seqlens_q", batch + 1, q.device)
-    if num_splits is None:
-        kv_heads = kv_cache.shape[4] if kv_cache.dim() == 6 else 1
-        num_splits = default_num_splits(min(batch, VARLEN_DECODES), kv_heads,
-                                        max_context or kv_cache.shape[1], q.device)
     return _decode(unit_last_stride(q), kv_cache, layer, cu_seqlens_q, slot_ids, context_lens,
-                   out, scale, num_splits, max_context, config)
+                   out, scale, num_splits, max_context, config,
+                   split_batch=min(batch, VARLEN_DECODES))
 
 
 def _decode(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, cu_q: torch.Tensor | None,
             slot_ids: torch.Tensor, context_lens: torch.Tensor, out: torch.Tensor, scale: float,
-            num_splits: int | None, max_context: int | None,
-            config: DecodeConfig | None) -> torch.Tensor:
-    """Checks, split count, partial buffers and the two launches of both entry points."""
+            num_splits: int | None, max_context: int | None, config: DecodeConfig | None,
+            split_batch: int) -> torch.Tensor:
+    """Checks, split count (by default for ``split_batch`` active sequences), partial
+    buffers and the two launches of both entry points."""
     kv = kv_layer_view(kv_cache, layer, q)  # [S, M, 2, Hkv, D]
     batch = slot_ids.shape[0] if cu_q is not None else q.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -147,7 +145,8 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, cu_q: torch.Ten
     check_index(slot_ids, "slot_ids", batch, q.device)
     check_index(context_lens, "context_lens", batch, q.device)
     if num_splits is None:
-        num_splits = default_num_splits(batch, num_kv_heads, max_context or kv.shape[1], q.device)
+        num_splits = default_num_splits(split_batch, num_kv_heads, max_context or kv.shape[1],
+                                        q.device)
     if not 1 <= num_splits <= MAX_SPLITS:
         raise KernelInputError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
     if batch == 0:

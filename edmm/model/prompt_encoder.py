@@ -17,7 +17,7 @@ from __future__ import annotations
 import bisect
 import re
 from array import array
-from collections import OrderedDict
+from collections import deque
 from dataclasses import dataclass
 from typing import Any
 
@@ -38,7 +38,7 @@ class PromptEncoder:
     Args:
         tokenizer: a Hugging Face tokenizer; incremental only for a fast one whose added
             tokens neither strip whitespace nor are normalised.
-        capacity: recent prompts kept (least recently used dropped first).
+        capacity: recent prompts kept (the oldest dropped first).
     """
 
     def __init__(self, tokenizer: Any, capacity: int = 16) -> None:
@@ -49,9 +49,7 @@ class PromptEncoder:
         self._pattern = (re.compile("|".join(re.escape(t.content) for t in
                                              sorted(added, key=lambda t: -len(t.content))))
                          if self._fast is not None and added and plain else None)
-        self._capacity = capacity
-        self._recent: OrderedDict[int, _Encoded] = OrderedDict()
-        self._next_key = 0
+        self._recent: deque[_Encoded] = deque(maxlen=capacity)
         self.reused_tokens = 0  # ids taken from earlier prompts, over the encoder's life
         self.encoded_tokens = 0  # ids produced by the tokenizer
 
@@ -71,7 +69,7 @@ class PromptEncoder:
         cuts = base.cuts[:bisect.bisect_left(base.cuts, (char, -1))] if base is not None else []
         tail_ids, tail_cuts = self._encode_part(text, char, tok)
         entry = _Encoded(text, head + tail_ids, cuts + tail_cuts)
-        self._remember(entry)
+        self._recent.append(entry)
         self.reused_tokens += tok
         self.encoded_tokens += len(tail_ids)
         return entry.ids.tolist()
@@ -81,7 +79,7 @@ class PromptEncoder:
         an added token (each cut of an entry is one), that place and its token index."""
         assert self._pattern is not None
         best: tuple[_Encoded | None, int, int] = (None, 0, 0)
-        for entry in reversed(self._recent.values()):
+        for entry in reversed(self._recent):
             prev = 0
             for char, tok in entry.cuts:
                 if not text.startswith(entry.text[prev:char], prev):
@@ -106,9 +104,3 @@ class PromptEncoder:
             if i < len(starts) and starts[i] == m.start():  # a token starts there: the added one
                 cuts.append((start + m.start(), tok0 + i))
         return array("q", enc.ids), cuts
-
-    def _remember(self, entry: _Encoded) -> None:
-        self._recent[self._next_key] = entry
-        self._next_key += 1
-        while len(self._recent) > self._capacity:
-            self._recent.popitem(last=False)
