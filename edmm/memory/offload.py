@@ -1,9 +1,10 @@
 """Host copies of slots' KV: the offload tier of paused sessions.
 
 A paused session whose KV must leave the GPU under memory pressure can be copied to host memory
-(pinned on CUDA: ~51 GiB/s each way on an H200, DESIGN.md) instead of being dropped, and copied
-back into a fresh slot before it resumes: 0.94 GB of a 7B model's 16K-token context in ~20 ms
-instead of ~0.5 s of recompute. `HostKVStore` owns the host copies and their byte budget; the
+(pinned on CUDA) instead of being dropped, and copied back into a fresh slot before it resumes.
+At the 51 GiB/s pinned copy bandwidth DESIGN.md measured on an H200, the 0.94 GB of a 7B model's
+16K-token context would take ~18 ms each way against ~0.5 s of recompute (an estimate: these
+copies have not been timed here). `HostKVStore` owns the host copies and their byte budget; the
 prefix cache decides what to offload and restore.
 """
 
