@@ -48,9 +48,16 @@ SLEEP_CYCLES = 2_000_000  # ~1 ms of GPU sleep before each timed call: the host 
 SWEEP_CONTEXT = 16384
 DECODE_SWEEP = (DecodeConfig(32, 4, 4), DecodeConfig(64, 4, 2), DecodeConfig(64, 4, 4),
                 DecodeConfig(128, 4, 2), DecodeConfig(128, 8, 3))
-PREFILL_SWEEP = (PrefillConfig(128, 32, 4, 4), PrefillConfig(128, 64, 4, 3),
-                 PrefillConfig(64, 64, 4, 3), PrefillConfig(128, 128, 8, 2),
-                 PrefillConfig(64, 128, 4, 2))
+PREFILL_SWEEP = (
+    PrefillConfig(128, 64, 8, 3), PrefillConfig(128, 64, 8, 3, tma=True),
+    PrefillConfig(128, 64, 8, 4, tma=True), PrefillConfig(128, 128, 8, 2),
+    PrefillConfig(128, 128, 8, 2, tma=True), PrefillConfig(128, 128, 8, 3, tma=True),
+    PrefillConfig(128, 64, 4, 3, tma=True), PrefillConfig(64, 64, 4, 3),
+    PrefillConfig(64, 64, 4, 3, tma=True), PrefillConfig(64, 64, 4, 4, tma=True),
+    PrefillConfig(64, 128, 4, 3, tma=True),
+    PrefillConfig(128, 64, 8, 3, tma=True, reverse=True),
+    PrefillConfig(128, 128, 8, 2, tma=True, reverse=True))
+CHUNK = 2048  # the engine's default token budget: a full prefill runs in chunks of this
 
 T = TypeVar("T")
 Fn = Callable[[int], torch.Tensor]  # one attention call on layer ``i % 28``
@@ -281,7 +288,40 @@ def _prefill_fns(kv: torch.Tensor, context: int, queries: int,
 
 
 def _prefill_flops(queries: int, context: int) -> float:
-    return 4.0 * queries * context * SPEC.head_dim * NUM_HEADS  # QK^T and PV, causal part ~0
+    """QK^T and PV over the causal pairs of ``queries`` tokens ending ``context``."""
+    pairs = queries * context - queries * (queries - 1) / 2
+    return 4.0 * pairs * SPEC.head_dim * NUM_HEADS
+
+
+def _chunked_fn(kv: torch.Tensor, context: int, config: PrefillConfig | None) -> Fn:
+    """A full prefill of ``context`` tokens as the engine runs it: CHUNK queries at a time,
+    each chunk attending to every token before it."""
+    q = torch.randn(CHUNK, NUM_HEADS, SPEC.head_dim, dtype=SPEC.dtype, device=DEVICE)
+
+    def fn(i: int) -> torch.Tensor:
+        for end in range(CHUNK, context + 1, CHUNK):
+            out = prefill_attention(q, kv, i % SPEC.num_layers, 0, end, CHUNK, SCALE,
+                                    config=config)
+        return out
+
+    return fn
+
+
+def _cudnn_fn(context: int, queries: int) -> Fn:
+    """A ceiling, not a candidate: cuDNN's fused attention through SDPA on dense, contiguous
+    [1, Hq, n, D] tensors (KV heads expanded), without the causal mask."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    q = torch.randn(1, NUM_HEADS, queries, SPEC.head_dim, dtype=SPEC.dtype, device=DEVICE)
+    kvs = [torch.randn(SPEC.num_layers, 1, NUM_HEADS, context, SPEC.head_dim, dtype=SPEC.dtype,
+                       device=DEVICE) for _ in range(2)]
+
+    def fn(i: int) -> torch.Tensor:
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            layer = i % SPEC.num_layers
+            return F.scaled_dot_product_attention(q, kvs[0][layer], kvs[1][layer], scale=SCALE)
+
+    return fn
 
 
 def bench_prefill(kv: torch.Tensor, cfg: AttentionBenchConfig) -> list[Row]:
@@ -298,14 +338,25 @@ def bench_prefill(kv: torch.Tensor, cfg: AttentionBenchConfig) -> list[Row]:
 
 
 def sweep_prefill(kv: torch.Tensor, cfg: AttentionBenchConfig) -> list[Row]:
-    """Launch configs of the prefill kernel at 16K."""
+    """Launch configs of the prefill kernel at 16K: ``prefill_queries`` on a cached prefix,
+    and a full prefill in CHUNK-token chunks; cuDNN's dense attention as a ceiling."""
     eager = functools.partial(time_eager, warmup=cfg.warmup, reps=cfg.reps)
-    n = cfg.prefill_queries
-    case = Case("prefill-sweep", 1, SWEEP_CONTEXT, n, _prefill_flops(n, SWEEP_CONTEXT), "TFLOP/s")
+    chunked = functools.partial(time_eager, warmup=2, reps=max(5, cfg.reps // 10))
+    n, ctx = cfg.prefill_queries, SWEEP_CONTEXT
+    case = Case("prefill-sweep", 1, ctx, n, _prefill_flops(n, ctx), "TFLOP/s")
+    full = Case("full-prefill-sweep", 1, ctx, ctx, _prefill_flops(ctx, ctx), "TFLOP/s")
     rows = []
     for config in PREFILL_SWEEP:
-        tri, _ = _prefill_fns(kv, SWEEP_CONTEXT, n, config)
+        tri, _ = _prefill_fns(kv, ctx, n, config)
         rows += time_case(case, {"triton": tri}, eager, {"triton": f"{config}"})
+        rows += time_case(full, {"triton": _chunked_fn(kv, ctx, config)}, chunked,
+                          {"triton": f"chunks of {CHUNK}, {config}"})
+    dense = Case("prefill-sweep", 1, ctx, n, 4.0 * n * ctx * SPEC.head_dim * NUM_HEADS,
+                 "TFLOP/s")
+    cudnn = _guarded(lambda: _cudnn_fn(ctx, n))
+    if cudnn is not None:
+        rows += time_case(dense, {"cudnn-dense": cudnn}, eager,
+                          {"cudnn-dense": "ceiling: dense contiguous KV, no mask"})
     return rows
 
 

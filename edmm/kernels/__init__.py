@@ -1,4 +1,5 @@
-"""Triton attention kernels that read the KV arena's strided cache in place.
+"""Triton kernels: attention that reads the KV arena's strided cache in place, RoPE fused
+with the KV write, SiLU-and-multiply.
 
 Triton is optional: importing this package never imports it. Callers check
 :func:`triton_usable` for their device and fall back to SDPA when it is False (no triton, or
@@ -20,6 +21,7 @@ from edmm.kernels.decode_attention import (
 )
 from edmm.kernels.prefill_attention import prefill_attention, prefill_attention_varlen
 from edmm.kernels.rope_store import rope_store_kv
+from edmm.kernels.silu_mul import silu_mul
 
 __all__ = [
     "DecodeConfig",
@@ -32,6 +34,7 @@ __all__ = [
     "prefill_attention",
     "prefill_attention_varlen",
     "rope_store_kv",
+    "silu_mul",
     "triton_available",
     "triton_usable",
 ]

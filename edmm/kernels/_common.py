@@ -38,12 +38,20 @@ class DecodeConfig:
 
 @dataclass(frozen=True)
 class PrefillConfig:
-    """Launch parameters of the prefill kernel (queries and keys per tile, warps, stages)."""
+    """Launch parameters of the prefill kernel.
+
+    block_m, block_n: queries and keys per tile; num_warps, num_stages: Triton's. tma: load
+    the whole KV tiles through the copy engine (Hopper+; ignored where `tma_usable` is false).
+    reverse: start each sequence's tiles from its last (the most keys), so the longest
+    programs do not trail at the end of the grid.
+    """
 
     block_m: int = 128
     block_n: int = 64
     num_warps: int = 8
     num_stages: int = 3
+    tma: bool = False
+    reverse: bool = False
 
 
 @functools.cache
@@ -71,6 +79,14 @@ def require_triton(device: torch.device) -> None:
         raise KernelUnavailableError(
             f"triton kernels cannot run on {device} (triton installed: {triton_available()}); "
             "fall back to SDPA")
+
+
+def tma_usable(device: torch.device) -> bool:
+    """Whether tensor descriptors (the copy engine) work on ``device``: compute capability 9+,
+    or the CPU under the interpreter (tests)."""
+    if device.type == "cpu":
+        return os.environ.get("TRITON_INTERPRET") == "1"
+    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def check_head_dim(head_dim: int) -> None:

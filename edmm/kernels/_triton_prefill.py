@@ -23,39 +23,53 @@ NEG_INIT = tl.constexpr(-1.0e30)  # running-max start: finite, so inf - inf neve
 
 
 @triton.jit
-def _attend_tile(q, k_base, v_base, n0, m_i, l_i, acc, lim, n_end, qk_scale, stride_kt,
-                 MASKED: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
-                 DOT_PRECISION: tl.constexpr):
-    """Online-softmax update with keys [n0, n0 + BLOCK_N).
-
-    ``lim`` [BLOCK_M]: keys each row sees (all <= ``n_end``); when MASKED, keys at or past
-    ``n_end`` are not loaded and keys at or past a row's limit get no weight.
-    """
-    offs_n = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
-    offs_d = tl.arange(0, HEAD_DIM)
-    tok = offs_n.to(tl.int64)[:, None] * stride_kt + offs_d[None, :]  # [BLOCK_N, D]
-    if MASKED:
-        n_mask = offs_n < n_end
-        k = tl.load(k_base + tok, mask=n_mask[:, None], other=0.0)
-        v = tl.load(v_base + tok, mask=n_mask[:, None], other=0.0)
+def _load_kv(k_base, v_base, desc, slot, kvh, n0, n_end, stride_kt,
+             MASKED: tl.constexpr, USE_TMA: tl.constexpr, HEAD_DIM: tl.constexpr,
+             BLOCK_N: tl.constexpr):
+    """K and V of keys [n0, n0 + BLOCK_N), each [BLOCK_N, D]; keys at or past ``n_end`` are
+    neither loaded nor kept when MASKED (zeros). USE_TMA: whole tiles through the copy engine."""
+    if USE_TMA and not MASKED:
+        k = desc.load([slot, n0, 0, kvh, 0]).reshape(BLOCK_N, HEAD_DIM)
+        v = desc.load([slot, n0, 1, kvh, 0]).reshape(BLOCK_N, HEAD_DIM)
     else:
-        k = tl.load(k_base + tok)
-        v = tl.load(v_base + tok)
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [BLOCK_M, BLOCK_N]
+        offs_n = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+        tok = offs_n.to(tl.int64)[:, None] * stride_kt + tl.arange(0, HEAD_DIM)[None, :]
+        if MASKED:
+            n_mask = offs_n < n_end
+            k = tl.load(k_base + tok, mask=n_mask[:, None], other=0.0)
+            v = tl.load(v_base + tok, mask=n_mask[:, None], other=0.0)
+        else:
+            k = tl.load(k_base + tok)
+            v = tl.load(v_base + tok)
+    return k, v
+
+
+@triton.jit
+def _attend_tile(q, k, v, n0, m_i, l_i, acc, lim, qk_scale,
+                 MASKED: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Online-softmax update with keys [n0, n0 + BLOCK_N) (k, v [BLOCK_N, D]).
+
+    ``lim`` [BLOCK_M]: keys each row sees; when MASKED, keys at or past a row's limit get no
+    weight. Scores are scaled inside the exponent (one fused multiply-add per score).
+    """
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N] unscaled
     if MASKED:
+        offs_n = n0 + tl.arange(0, BLOCK_N)
         s = tl.where(offs_n[None, :] < lim[:, None], s, float("-inf"))
-    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_new = tl.maximum(m_i, tl.max(s, 1) * qk_scale)  # running max of scaled scores
     alpha = tl.exp2(m_i - m_new)
-    p = tl.exp2(s - m_new[:, None])
+    p = tl.exp2(s * qk_scale - m_new[:, None])
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
 
 
 @triton.jit
-def _find_tile(cu_q_ptr, num_seqs, BLOCK_M: tl.constexpr, SKIP_SINGLE: tl.constexpr):
+def _find_tile(cu_q_ptr, num_seqs, BLOCK_M: tl.constexpr, SKIP_SINGLE: tl.constexpr,
+               REVERSE: tl.constexpr):
     """Sequence and tile index within it of this program's flat tile (-1: a spare tile).
-    With SKIP_SINGLE, sequences of one query own no tile."""
+    With SKIP_SINGLE, sequences of one query own no tile; with REVERSE, a sequence's last
+    tile (the most keys) comes first."""
     blk = tl.program_id(0)
     seen = blk * 0
     seq = blk * 0 - 1
@@ -67,14 +81,15 @@ def _find_tile(cu_q_ptr, num_seqs, BLOCK_M: tl.constexpr, SKIP_SINGLE: tl.conste
         n_tiles = (n_q + BLOCK_M - 1) // BLOCK_M
         hit = (blk >= seen) & (blk < seen + n_tiles)
         seq = tl.where(hit, i, seq)
-        tile = tl.where(hit, blk - seen, tile)
+        own = n_tiles - 1 - (blk - seen) if REVERSE else blk - seen
+        tile = tl.where(hit, own, tile)
         seen += n_tiles
     return seq, tile
 
 
 @triton.jit(do_not_specialize=["slot_arg", "ctx_arg", "qlen_arg", "num_seqs", "qk_scale"])
 def prefill_kernel(
-    q_ptr, kv_ptr, out_ptr, cu_q_ptr, slot_ids_ptr, ctx_lens_ptr,
+    q_ptr, kv_ptr, kv_desc, out_ptr, cu_q_ptr, slot_ids_ptr, ctx_lens_ptr,
     slot_arg, ctx_arg, qlen_arg,  # the one sequence's slot, tokens, queries when not VARLEN
     num_seqs,  # B when VARLEN
     qk_scale,  # softmax scale * log2(e)
@@ -83,25 +98,31 @@ def prefill_kernel(
     stride_ot, stride_oh,  # out [T, Hq, D]
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     VARLEN: tl.constexpr, SKIP_SINGLE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    USE_TMA: tl.constexpr, REVERSE: tl.constexpr,
 ):
-    """One (query tile, query head) of end-aligned causal attention."""
+    """One (query tile, query head) of end-aligned causal attention.
+
+    ``kv_desc`` (USE_TMA): a tensor descriptor of the layer view with block [1, BLOCK_N, 1, 1,
+    D]; it loads the whole tiles below every row's limit (never past the context), the
+    diagonal tiles load through masked pointers.
+    """
     h = tl.program_id(1)
     if VARLEN:
-        b, mt = _find_tile(cu_q_ptr, num_seqs, BLOCK_M, SKIP_SINGLE)
+        b, mt = _find_tile(cu_q_ptr, num_seqs, BLOCK_M, SKIP_SINGLE, REVERSE)
         if b < 0:
             return
         q_start = tl.load(cu_q_ptr + b).to(tl.int32)
         qlen = tl.load(cu_q_ptr + b + 1).to(tl.int32) - q_start
-        slot = tl.load(slot_ids_ptr + b).to(tl.int64)
+        slot = tl.load(slot_ids_ptr + b).to(tl.int32)
         ctx = tl.load(ctx_lens_ptr + b).to(tl.int32)
     else:
-        mt = tl.program_id(0)
         q_start = 0
         qlen = qlen_arg
-        slot = slot_arg.to(tl.int64)
+        slot = slot_arg
         ctx = ctx_arg
+        mt = (qlen + BLOCK_M - 1) // BLOCK_M - 1 - tl.program_id(0) if REVERSE else tl.program_id(0)
     m0 = mt * BLOCK_M
-    if m0 >= qlen:
+    if m0 >= qlen or m0 < 0:
         return
 
     offs_m = m0 + tl.arange(0, BLOCK_M)  # [BLOCK_M] query index within the sequence
@@ -111,7 +132,8 @@ def prefill_kernel(
     q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
                 mask=m_mask[:, None], other=0.0)  # [BLOCK_M, D]
 
-    k_base = kv_ptr + slot * stride_ks + (h // GROUP) * stride_kh
+    kvh = h // GROUP
+    k_base = kv_ptr + slot.to(tl.int64) * stride_ks + kvh * stride_kh
     v_base = k_base + stride_kkv
     m_i = tl.full([BLOCK_M], NEG_INIT, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
@@ -120,11 +142,15 @@ def prefill_kernel(
     tile_end = ctx - qlen + tl.minimum(m0 + BLOCK_M, qlen)  # keys the last row sees, <= ctx
     lim = tl.minimum(ctx - qlen + offs_m + 1, tile_end)  # [BLOCK_M] keys each query sees
     for n0 in range(0, full_end, BLOCK_N):
-        m_i, l_i, acc = _attend_tile(q, k_base, v_base, n0, m_i, l_i, acc, lim, tile_end,
-                                     qk_scale, stride_kt, False, HEAD_DIM, BLOCK_N, DOT_PRECISION)
+        k, v = _load_kv(k_base, v_base, kv_desc, slot, kvh, n0, tile_end, stride_kt, False,
+                        USE_TMA, HEAD_DIM, BLOCK_N)
+        m_i, l_i, acc = _attend_tile(q, k, v, n0, m_i, l_i, acc, lim, qk_scale, False, BLOCK_N,
+                                     DOT_PRECISION)
     for n0 in range(full_end, tile_end, BLOCK_N):
-        m_i, l_i, acc = _attend_tile(q, k_base, v_base, n0, m_i, l_i, acc, lim, tile_end,
-                                     qk_scale, stride_kt, True, HEAD_DIM, BLOCK_N, DOT_PRECISION)
+        k, v = _load_kv(k_base, v_base, kv_desc, slot, kvh, n0, tile_end, stride_kt, True,
+                        USE_TMA, HEAD_DIM, BLOCK_N)
+        m_i, l_i, acc = _attend_tile(q, k, v, n0, m_i, l_i, acc, lim, qk_scale, True, BLOCK_N,
+                                     DOT_PRECISION)
 
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     o_ptrs = out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :]

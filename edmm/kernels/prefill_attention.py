@@ -9,6 +9,7 @@ the context length.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 
@@ -20,6 +21,7 @@ from edmm.kernels._common import (
     dot_precision,
     kv_layer_view,
     require_triton,
+    tma_usable,
     unit_last_stride,
 )
 
@@ -127,9 +129,10 @@ def _launch(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor,
 
     num_heads, head_dim = q.shape[1], q.shape[2]
     cu_q, slot_ids, ctx_lens = varlen if varlen is not None else (out, out, out)  # unused
+    desc = _kv_descriptor(kv, cfg) if cfg.tma and tma_usable(q.device) else None
     grid = (tiles, num_heads)
     tk.prefill_kernel[grid](
-        q, kv, out, cu_q, slot_ids, ctx_lens,
+        q, kv, desc, out, cu_q, slot_ids, ctx_lens,
         *single, batch,
         scale * math.log2(math.e),
         q.stride(0), q.stride(1),
@@ -137,6 +140,15 @@ def _launch(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor,
         out.stride(0), out.stride(1),
         GROUP=num_heads // kv.shape[3], HEAD_DIM=head_dim, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, VARLEN=varlen is not None, SKIP_SINGLE=skip_single,
-        DOT_PRECISION=dot_precision(q.dtype),
+        DOT_PRECISION=dot_precision(q.dtype), USE_TMA=desc is not None, REVERSE=cfg.reverse,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+
+
+def _kv_descriptor(kv: torch.Tensor, cfg: PrefillConfig) -> Any:
+    """A tensor descriptor of the layer view [S, M, 2, Hkv, D] loading one head's
+    [BLOCK_N, D] tile of K or V (block [1, BLOCK_N, 1, 1, D])."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(kv, list(kv.shape), list(kv.stride()),
+                            [1, cfg.block_n, 1, 1, kv.shape[-1]])

@@ -25,6 +25,9 @@ CheckClose = Callable[[torch.Tensor, torch.Tensor, torch.dtype], None]
 LENS = {2: 1, 0: 77, 3: 140, 1: 200}
 MAX_TOKENS = 200
 SMALL = PrefillConfig(block_m=32, block_n=16, num_warps=4, num_stages=2)  # many tiles, diagonal
+SMALL_TMA = PrefillConfig(block_m=32, block_n=16, num_warps=4, num_stages=2, tma=True,
+                          reverse=True)  # whole tiles by descriptor, last tile first
+SMALLS = pytest.mark.parametrize("small", [SMALL, SMALL_TMA], ids=["pointers", "tma-reverse"])
 
 
 def _run(
@@ -57,13 +60,15 @@ def test_matches_reference(
         check_close(out, ref, dtype)
 
 
+@SMALLS
 @pytest.mark.parametrize(("slot", "query_len"), [(1, 200), (1, 70), (3, 33), (0, 16)])
 def test_small_tiles_cross_the_diagonal(
-    make_cache: MakeCache, check_close: CheckClose, slot: int, query_len: int
+    make_cache: MakeCache, check_close: CheckClose, slot: int, query_len: int,
+    small: PrefillConfig
 ) -> None:
     """Several query tiles, unmasked tiles before the diagonal, masked ones on it."""
     cache = make_cache(LENS, dtype=torch.bfloat16, num_slots=4, max_tokens=MAX_TOKENS)
-    out, ref = _run(cache, slot, query_len, 4, layer=0, config=SMALL)
+    out, ref = _run(cache, slot, query_len, 4, layer=0, config=small)
     check_close(out, ref, torch.bfloat16)
 
 
@@ -76,7 +81,7 @@ def test_head_dims(make_cache: MakeCache, check_close: CheckClose, head_dim: int
     check_close(out, ref, torch.float16)
 
 
-@pytest.mark.parametrize("config", [None, SMALL])
+@pytest.mark.parametrize("config", [None, SMALL, SMALL_TMA])
 def test_varlen_batch(
     make_cache: MakeCache, check_close: CheckClose, config: PrefillConfig | None
 ) -> None:
@@ -105,8 +110,9 @@ def test_varlen_batch(
     check_close(out, ref, torch.float32)
 
 
-def test_varlen_padding_sequences_and_rows(make_cache: MakeCache,
-                                           check_close: CheckClose) -> None:
+@SMALLS
+def test_varlen_padding_sequences_and_rows(make_cache: MakeCache, check_close: CheckClose,
+                                           small: PrefillConfig) -> None:
     """A CUDA graph's padded batch: trailing sequences with no queries (on a pad slot) and
     trailing rows that belong to no sequence; the real rows match the reference."""
     cache = make_cache(LENS, dtype=torch.float32, num_slots=4, max_tokens=MAX_TOKENS)
@@ -116,16 +122,17 @@ def test_varlen_padding_sequences_and_rows(make_cache: MakeCache,
     cu = torch.tensor([0, 40, 41, 41, 41], dtype=torch.int64)  # 2 padding sequences
     slots = torch.tensor([3, 1, 0, 0])
     lens = torch.tensor([LENS[3], LENS[1], 1, 1])
-    out = prefill_attention_varlen(q, cache.kv, 0, cu, slots, lens, 0.2, config=SMALL)
+    out = prefill_attention_varlen(q, cache.kv, 0, cu, slots, lens, 0.2, config=small)
     ref = torch.cat([prefill_attention_reference(x, cache.kv, 0, s, LENS[s], 0.2,
                                                  dtype=torch.float64)
                      for x, (s, _) in zip(qs, seqs, strict=True)])
     check_close(out[:41], ref, torch.float32)
 
 
+@SMALLS
 @pytest.mark.parametrize("num_splits", [1, 3])
 def test_mixed_batch_single_queries_split_k(make_cache: MakeCache, check_close: CheckClose,
-                                            num_splits: int) -> None:
+                                            num_splits: int, small: PrefillConfig) -> None:
     """The backend's mixed path: multi-query sequences through the prefill kernel (skipping
     single-query ones), single-query sequences through the varlen decode kernel into the same
     output, with padding sequences and rows as a CUDA graph has them."""
@@ -136,7 +143,7 @@ def test_mixed_batch_single_queries_split_k(make_cache: MakeCache, check_close: 
     cu = torch.tensor([0, 1, 41, 42, 44, 44], dtype=torch.int64)  # one padding sequence
     slots = torch.tensor([1, 3, 2, 0, 0])
     lens = torch.tensor([LENS[1], LENS[3], LENS[2], LENS[0], 1])
-    out = prefill_attention_varlen(q, cache.kv, 1, cu, slots, lens, 0.2, config=SMALL,
+    out = prefill_attention_varlen(q, cache.kv, 1, cu, slots, lens, 0.2, config=small,
                                    skip_single=True)
     out = decode_attention_varlen(q, cache.kv, 1, cu, slots, lens, out, 0.2,
                                   num_splits=num_splits)
