@@ -43,7 +43,8 @@ class PrefillConfig:
     block_m, block_n: queries and keys per tile; num_warps, num_stages: Triton's. tma: load
     the whole KV tiles through the copy engine (Hopper+; ignored where `tma_usable` is false).
     reverse: start each sequence's tiles from its last (the most keys), so the longest
-    programs do not trail at the end of the grid.
+    programs do not trail at the end of the grid. pack_gqa: a tile's rows are (query, head)
+    pairs of one KV head's query heads, so each KV tile is read once for the whole group.
     """
 
     block_m: int = 128
@@ -52,6 +53,7 @@ class PrefillConfig:
     num_stages: int = 3
     tma: bool = False
     reverse: bool = False
+    pack_gqa: bool = False
 
 
 @functools.cache

@@ -23,36 +23,32 @@ NEG_INIT = tl.constexpr(-1.0e30)  # running-max start: finite, so inf - inf neve
 
 
 @triton.jit
-def _load_kv(k_base, v_base, desc, slot, kvh, n0, n_end, stride_kt,
-             MASKED: tl.constexpr, USE_TMA: tl.constexpr, HEAD_DIM: tl.constexpr,
-             BLOCK_N: tl.constexpr):
-    """K and V of keys [n0, n0 + BLOCK_N), each [BLOCK_N, D]; keys at or past ``n_end`` are
-    neither loaded nor kept when MASKED (zeros). USE_TMA: whole tiles through the copy engine."""
+def _load_tile(base, desc, slot, kvh, which, n0, n_end, stride_kt,
+               MASKED: tl.constexpr, USE_TMA: tl.constexpr, HEAD_DIM: tl.constexpr,
+               BLOCK_N: tl.constexpr):
+    """K (``which`` 0) or V (1) of keys [n0, n0 + BLOCK_N): [BLOCK_N, D]. When MASKED, keys at
+    or past ``n_end`` are not loaded (zeros); USE_TMA loads whole tiles by the copy engine."""
     if USE_TMA and not MASKED:
-        k = desc.load([slot, n0, 0, kvh, 0]).reshape(BLOCK_N, HEAD_DIM)
-        v = desc.load([slot, n0, 1, kvh, 0]).reshape(BLOCK_N, HEAD_DIM)
+        x = desc.load([slot, n0, which, kvh, 0]).reshape(BLOCK_N, HEAD_DIM)
     else:
         offs_n = n0 + tl.arange(0, BLOCK_N)  # [BLOCK_N]
         tok = offs_n.to(tl.int64)[:, None] * stride_kt + tl.arange(0, HEAD_DIM)[None, :]
         if MASKED:
-            n_mask = offs_n < n_end
-            k = tl.load(k_base + tok, mask=n_mask[:, None], other=0.0)
-            v = tl.load(v_base + tok, mask=n_mask[:, None], other=0.0)
+            x = tl.load(base + tok, mask=(offs_n < n_end)[:, None], other=0.0)
         else:
-            k = tl.load(k_base + tok)
-            v = tl.load(v_base + tok)
-    return k, v
+            x = tl.load(base + tok)
+    return x
 
 
 @triton.jit
-def _attend_tile(q, k, v, n0, m_i, l_i, acc, lim, qk_scale,
-                 MASKED: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """Online-softmax update with keys [n0, n0 + BLOCK_N) (k, v [BLOCK_N, D]).
+def _softmax_pv(s, v, n0, m_i, l_i, acc, lim, qk_scale,
+                MASKED: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Online-softmax update with the unscaled scores ``s`` [BLOCK_M, BLOCK_N] of keys
+    [n0, n0 + BLOCK_N) and their values ``v`` [BLOCK_N, D].
 
     ``lim`` [BLOCK_M]: keys each row sees; when MASKED, keys at or past a row's limit get no
     weight. Scores are scaled inside the exponent (one fused multiply-add per score).
     """
-    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)  # [BLOCK_M, BLOCK_N] unscaled
     if MASKED:
         offs_n = n0 + tl.arange(0, BLOCK_N)
         s = tl.where(offs_n[None, :] < lim[:, None], s, float("-inf"))
@@ -65,8 +61,8 @@ def _attend_tile(q, k, v, n0, m_i, l_i, acc, lim, qk_scale,
 
 
 @triton.jit
-def _find_tile(cu_q_ptr, num_seqs, BLOCK_M: tl.constexpr, SKIP_SINGLE: tl.constexpr,
-               REVERSE: tl.constexpr):
+def _find_tile(cu_q_ptr, num_seqs, ROWS_PER_QUERY: tl.constexpr, BLOCK_M: tl.constexpr,
+               SKIP_SINGLE: tl.constexpr, REVERSE: tl.constexpr):
     """Sequence and tile index within it of this program's flat tile (-1: a spare tile).
     With SKIP_SINGLE, sequences of one query own no tile; with REVERSE, a sequence's last
     tile (the most keys) comes first."""
@@ -78,7 +74,7 @@ def _find_tile(cu_q_ptr, num_seqs, BLOCK_M: tl.constexpr, SKIP_SINGLE: tl.conste
         n_q = (tl.load(cu_q_ptr + i + 1) - tl.load(cu_q_ptr + i)).to(tl.int32)
         if SKIP_SINGLE:
             n_q = tl.where(n_q == 1, 0, n_q)
-        n_tiles = (n_q + BLOCK_M - 1) // BLOCK_M
+        n_tiles = (n_q * ROWS_PER_QUERY + BLOCK_M - 1) // BLOCK_M
         hit = (blk >= seen) & (blk < seen + n_tiles)
         seq = tl.where(hit, i, seq)
         own = n_tiles - 1 - (blk - seen) if REVERSE else blk - seen
@@ -98,7 +94,7 @@ def prefill_kernel(
     stride_ot, stride_oh,  # out [T, Hq, D]
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     VARLEN: tl.constexpr, SKIP_SINGLE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_TMA: tl.constexpr, REVERSE: tl.constexpr,
+    USE_TMA: tl.constexpr, REVERSE: tl.constexpr, PACK_GQA: tl.constexpr,
 ):
     """One (query tile, query head) of end-aligned causal attention.
 
@@ -106,9 +102,9 @@ def prefill_kernel(
     D]; it loads the whole tiles below every row's limit (never past the context), the
     diagonal tiles load through masked pointers.
     """
-    h = tl.program_id(1)
+    R: tl.constexpr = GROUP if PACK_GQA else 1  # rows per query
     if VARLEN:
-        b, mt = _find_tile(cu_q_ptr, num_seqs, BLOCK_M, SKIP_SINGLE, REVERSE)
+        b, mt = _find_tile(cu_q_ptr, num_seqs, R, BLOCK_M, SKIP_SINGLE, REVERSE)
         if b < 0:
             return
         q_start = tl.load(cu_q_ptr + b).to(tl.int32)
@@ -120,38 +116,55 @@ def prefill_kernel(
         qlen = qlen_arg
         slot = slot_arg
         ctx = ctx_arg
-        mt = (qlen + BLOCK_M - 1) // BLOCK_M - 1 - tl.program_id(0) if REVERSE else tl.program_id(0)
-    m0 = mt * BLOCK_M
-    if m0 >= qlen or m0 < 0:
+        n_tiles = (qlen * R + BLOCK_M - 1) // BLOCK_M
+        mt = n_tiles - 1 - tl.program_id(0) if REVERSE else tl.program_id(0)
+    m0 = mt * BLOCK_M  # first row; a row is a (query, head) pair
+    if m0 >= qlen * R or m0 < 0:
         return
 
-    offs_m = m0 + tl.arange(0, BLOCK_M)  # [BLOCK_M] query index within the sequence
+    offs_r = m0 + tl.arange(0, BLOCK_M)  # [BLOCK_M] rows of this tile
+    if PACK_GQA:  # rows: the GROUP heads of KV head program_id(1) for each query in turn
+        kvh = tl.program_id(1)
+        query = offs_r // GROUP  # [BLOCK_M] query index within the sequence
+        head = kvh * GROUP + offs_r % GROUP  # [BLOCK_M]
+        last_q = tl.minimum((m0 + BLOCK_M - 1) // GROUP, qlen - 1)
+    else:  # rows: queries of head program_id(1)
+        kvh = tl.program_id(1) // GROUP
+        query = offs_r
+        head = offs_r * 0 + tl.program_id(1)
+        last_q = tl.minimum(m0 + BLOCK_M, qlen) - 1
+    first_q = m0 // R
     offs_d = tl.arange(0, HEAD_DIM)
-    m_mask = offs_m < qlen
-    rows = (q_start + offs_m).to(tl.int64)
-    q = tl.load(q_ptr + rows[:, None] * stride_qt + h * stride_qh + offs_d[None, :],
+    m_mask = offs_r < qlen * R
+    rows = (q_start + query).to(tl.int64)
+    q = tl.load(q_ptr + rows[:, None] * stride_qt + head[:, None] * stride_qh + offs_d[None, :],
                 mask=m_mask[:, None], other=0.0)  # [BLOCK_M, D]
 
-    kvh = h // GROUP
     k_base = kv_ptr + slot.to(tl.int64) * stride_ks + kvh * stride_kh
     v_base = k_base + stride_kkv
     m_i = tl.full([BLOCK_M], NEG_INIT, tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
-    full_end = (ctx - qlen + m0 + 1) // BLOCK_N * BLOCK_N  # keys all rows see, whole tiles
-    tile_end = ctx - qlen + tl.minimum(m0 + BLOCK_M, qlen)  # keys the last row sees, <= ctx
-    lim = tl.minimum(ctx - qlen + offs_m + 1, tile_end)  # [BLOCK_M] keys each query sees
+    full_end = (ctx - qlen + first_q + 1) // BLOCK_N * BLOCK_N  # keys all rows see, whole tiles
+    tile_end = ctx - qlen + last_q + 1  # keys the last row sees, <= ctx
+    lim = tl.minimum(ctx - qlen + query + 1, tile_end)  # [BLOCK_M] keys each row sees
     for n0 in range(0, full_end, BLOCK_N):
-        k, v = _load_kv(k_base, v_base, kv_desc, slot, kvh, n0, tile_end, stride_kt, False,
-                        USE_TMA, HEAD_DIM, BLOCK_N)
-        m_i, l_i, acc = _attend_tile(q, k, v, n0, m_i, l_i, acc, lim, qk_scale, False, BLOCK_N,
-                                     DOT_PRECISION)
+        k = _load_tile(k_base, kv_desc, slot, kvh, 0, n0, tile_end, stride_kt, False, USE_TMA,
+                       HEAD_DIM, BLOCK_N)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        v = _load_tile(v_base, kv_desc, slot, kvh, 1, n0, tile_end, stride_kt, False, USE_TMA,
+                       HEAD_DIM, BLOCK_N)
+        m_i, l_i, acc = _softmax_pv(s, v, n0, m_i, l_i, acc, lim, qk_scale, False, BLOCK_N,
+                                    DOT_PRECISION)
     for n0 in range(full_end, tile_end, BLOCK_N):
-        k, v = _load_kv(k_base, v_base, kv_desc, slot, kvh, n0, tile_end, stride_kt, True,
-                        USE_TMA, HEAD_DIM, BLOCK_N)
-        m_i, l_i, acc = _attend_tile(q, k, v, n0, m_i, l_i, acc, lim, qk_scale, True, BLOCK_N,
-                                     DOT_PRECISION)
+        k = _load_tile(k_base, kv_desc, slot, kvh, 0, n0, tile_end, stride_kt, True, USE_TMA,
+                       HEAD_DIM, BLOCK_N)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        v = _load_tile(v_base, kv_desc, slot, kvh, 1, n0, tile_end, stride_kt, True, USE_TMA,
+                       HEAD_DIM, BLOCK_N)
+        m_i, l_i, acc = _softmax_pv(s, v, n0, m_i, l_i, acc, lim, qk_scale, True, BLOCK_N,
+                                    DOT_PRECISION)
 
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
-    o_ptrs = out_ptr + rows[:, None] * stride_ot + h * stride_oh + offs_d[None, :]
+    o_ptrs = out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
     tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])

@@ -64,8 +64,9 @@ def prefill_attention(
     kv = kv_layer_view(kv_cache, layer, q)  # [S, M, 2, Hkv, D]
     out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [Lq, Hq, D]
     cfg = config or PrefillConfig()
-    _launch(q, kv, out, None, (slot_id, context_len, query_len), cdiv(query_len, cfg.block_m),
-            1, scale, cfg)
+    rows = query_len * _rows_per_query(q, kv, cfg)
+    _launch(q, kv, out, None, (slot_id, context_len, query_len), cdiv(rows, cfg.block_m), 1,
+            scale, cfg)
     return out
 
 
@@ -91,8 +92,8 @@ def prefill_attention_varlen(
     padding). With ``skip_single``, sequences of exactly one query are skipped, their rows of
     the output left unwritten for `decode_attention_varlen` (split-K suits them: one query
     tile walking a long context alone would serialise on one program per head). The launch
-    depends on T and B only (``T // block_m + B`` query tiles), so it is capturable once per
-    shape. Values on the device are not checked (that would sync); the
+    depends on T and B only (``T * rows per query // block_m + B`` tiles), so it is
+    capturable once per shape. Values on the device are not checked (that would sync); the
     contracts above are the caller's. Returns [T, Hq, D] in q's dtype.
     """
     require_triton(q.device)
@@ -109,7 +110,7 @@ def prefill_attention_varlen(
     if batch == 0 or q.shape[0] == 0:
         return out
     cfg = config or PrefillConfig()
-    tiles = q.shape[0] // cfg.block_m + batch
+    tiles = q.shape[0] * _rows_per_query(q, kv, cfg) // cfg.block_m + batch
     _launch(q, kv, out, (cu_seqlens_q, slot_ids, context_lens), (0, 0, 0), tiles, batch,
             scale, cfg, skip_single)
     return out
@@ -124,13 +125,14 @@ def _launch(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor,
             varlen: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
             single: tuple[int, int, int], tiles: int, batch: int, scale: float,
             cfg: PrefillConfig, skip_single: bool = False) -> None:
-    """Launch over (query tiles, Hq); ``varlen`` tensors or the ``single`` sequence's ints."""
+    """Launch over (row tiles, Hq or Hkv when packed); ``varlen`` tensors or the ``single``
+    sequence's ints."""
     from edmm.kernels import _triton_prefill as tk
 
     num_heads, head_dim = q.shape[1], q.shape[2]
     cu_q, slot_ids, ctx_lens = varlen if varlen is not None else (out, out, out)  # unused
     desc = _kv_descriptor(kv, cfg) if cfg.tma and tma_usable(q.device) else None
-    grid = (tiles, num_heads)
+    grid = (tiles, kv.shape[3] if cfg.pack_gqa else num_heads)
     tk.prefill_kernel[grid](
         q, kv, desc, out, cu_q, slot_ids, ctx_lens,
         *single, batch,
@@ -141,8 +143,14 @@ def _launch(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor,
         GROUP=num_heads // kv.shape[3], HEAD_DIM=head_dim, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, VARLEN=varlen is not None, SKIP_SINGLE=skip_single,
         DOT_PRECISION=dot_precision(q.dtype), USE_TMA=desc is not None, REVERSE=cfg.reverse,
+        PACK_GQA=cfg.pack_gqa,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+
+
+def _rows_per_query(q: torch.Tensor, kv: torch.Tensor, cfg: PrefillConfig) -> int:
+    """Tile rows per query: its GROUP heads when packed, else one (a head per program)."""
+    return q.shape[1] // kv.shape[3] if cfg.pack_gqa else 1
 
 
 def _kv_descriptor(kv: torch.Tensor, cfg: PrefillConfig) -> Any:

@@ -128,10 +128,14 @@ def test_decode_cuda_graph_replays_with_new_lengths(arena: KVArena) -> None:
 
 
 CONFIGS = [None, PrefillConfig(tma=True, reverse=True),
-           PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=2, tma=True)]
+           PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=2, tma=True),
+           PrefillConfig(tma=True, pack_gqa=True),
+           PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=2, tma=True,
+                         pack_gqa=True, reverse=True)]
+CONFIG_IDS = ["default", "tma-reverse", "tma-128x128", "packed", "packed-64-reverse"]
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=["default", "tma-reverse", "tma-128x128"])
+@pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)
 @pytest.mark.parametrize(("slot", "query_len"), [(0, 512), (1, 512), (1, 4096), (3, 1000),
                                                  (2, 1)])
 def test_prefill_matches_reference(arena: KVArena, slot: int, query_len: int,
@@ -147,7 +151,7 @@ def test_prefill_matches_reference(arena: KVArena, slot: int, query_len: int,
         _assert_close(out, ref)
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=["default", "tma-reverse", "tma-128x128"])
+@pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)
 def test_prefill_varlen_matches_reference(arena: KVArena, config: PrefillConfig | None) -> None:
     seqs = [(0, 512), (2, 1), (3, 1000), (1, 77)]  # (slot, query_len)
     qs = [torch.randn(n, NUM_HEADS, 128, device="cuda", dtype=torch.bfloat16) for _, n in seqs]

@@ -34,9 +34,10 @@ SCRIPT = textwrap.dedent("""
             "part_lse_ptr": "*fp32", "qk_scale": "fp32"}
     CUOBJDUMP = os.path.join(os.path.dirname(nv.__file__), "bin", "cuobjdump")
 
-    def compile_sm90(fn, constexprs, **options):
+    def compile_sm90(fn, constexprs, descs=None, **options):
         names = fn.arg_names
         sig = {n: "constexpr" if n in constexprs else PTRS.get(n, "i32") for n in names}
+        sig.update(descs or {})
         aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
                    if n not in constexprs and (n.endswith("_ptr") or n.startswith("stride"))}
         src = ASTSource(fn, sig, {(names.index(k),): v for k, v in constexprs.items()}, aligned)
@@ -47,7 +48,7 @@ SCRIPT = textwrap.dedent("""
             usage = subprocess.run([CUOBJDUMP, "-res-usage", f.name], capture_output=True,
                                    text=True, check=True).stdout
         return {"cp_async": "cp.async" in k.asm["ptx"], "usage": usage,
-                "shared": k.metadata.shared}
+                "shared": k.metadata.shared, "wgmma": "wgmma.mma_async" in k.asm["ptx"]}
 
     d, p = DecodeConfig(), PrefillConfig()
     out = {
@@ -59,7 +60,9 @@ SCRIPT = textwrap.dedent("""
         "prefill": compile_sm90(
             tp.prefill_kernel,
             dict(GROUP=7, HEAD_DIM=128, BLOCK_M=p.block_m, BLOCK_N=p.block_n, VARLEN=True,
-                 DOT_PRECISION="tf32"),
+                 SKIP_SINGLE=True, DOT_PRECISION="tf32", USE_TMA=p.tma, REVERSE=p.reverse,
+                 PACK_GQA=p.pack_gqa, **({} if p.tma else {"kv_desc": None})),
+            {"kv_desc": f"tensordesc<bf16[1,{p.block_n},1,1,128]>"} if p.tma else {},
             num_warps=p.num_warps, num_stages=p.num_stages),
     }
     print(json.dumps(out))
@@ -76,3 +79,4 @@ def test_default_configs_compile_for_sm90_without_spills() -> None:
         assert r["cp_async"], f"{name}: loads are not pipelined (no cp.async)"
         assert "STACK:0 " in r["usage"] and "LOCAL:0 " in r["usage"], f"{name}: {r['usage']}"
         assert r["shared"] <= 227 * 1024, f"{name}: {r['shared']} B of shared memory"
+    assert report["prefill"]["wgmma"], "prefill: no Hopper matrix instructions (wgmma)"

@@ -27,7 +27,10 @@ MAX_TOKENS = 200
 SMALL = PrefillConfig(block_m=32, block_n=16, num_warps=4, num_stages=2)  # many tiles, diagonal
 SMALL_TMA = PrefillConfig(block_m=32, block_n=16, num_warps=4, num_stages=2, tma=True,
                           reverse=True)  # whole tiles by descriptor, last tile first
-SMALLS = pytest.mark.parametrize("small", [SMALL, SMALL_TMA], ids=["pointers", "tma-reverse"])
+SMALL_PACKED = PrefillConfig(block_m=32, block_n=16, num_warps=4, num_stages=2, tma=True,
+                             pack_gqa=True)  # rows are (query, head) pairs of a KV head
+SMALLS = pytest.mark.parametrize("small", [SMALL, SMALL_TMA, SMALL_PACKED],
+                                 ids=["pointers", "tma-reverse", "packed-gqa"])
 
 
 def _run(
@@ -48,14 +51,16 @@ def _run(
     return out, ref
 
 
+@pytest.mark.parametrize("config", [None, SMALL_PACKED], ids=["default", "packed-gqa"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("group", [1, 2, 4])
+@pytest.mark.parametrize("group", [1, 2, 3, 4])
 def test_matches_reference(
-    make_cache: MakeCache, check_close: CheckClose, dtype: torch.dtype, group: int
+    make_cache: MakeCache, check_close: CheckClose, dtype: torch.dtype, group: int,
+    config: PrefillConfig | None
 ) -> None:
     cache = make_cache(LENS, dtype=dtype, num_slots=4, max_tokens=MAX_TOKENS)
     for slot, query_len in ((3, 45), (0, 77), (2, 1)):  # cached prefix; from scratch; 1 token
-        out, ref = _run(cache, slot, query_len, 2 * group)
+        out, ref = _run(cache, slot, query_len, 2 * group, config=config)
         assert out.shape == (query_len, 2 * group, 32) and out.dtype == dtype
         check_close(out, ref, dtype)
 
@@ -81,7 +86,7 @@ def test_head_dims(make_cache: MakeCache, check_close: CheckClose, head_dim: int
     check_close(out, ref, torch.float16)
 
 
-@pytest.mark.parametrize("config", [None, SMALL, SMALL_TMA])
+@pytest.mark.parametrize("config", [None, SMALL, SMALL_TMA, SMALL_PACKED])
 def test_varlen_batch(
     make_cache: MakeCache, check_close: CheckClose, config: PrefillConfig | None
 ) -> None:
