@@ -12,7 +12,8 @@ import torch
 
 from edmm.kernels._common import SUPPORTED_DTYPES, KernelInputError, cdiv, require_triton
 
-BLOCK = 1024  # columns per program
+WIDE, NARROW = 1024, 256  # columns per program: many rows, few rows (spread a decode's row)
+FEW_ROWS = 64
 
 
 def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
@@ -29,6 +30,7 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
         return out
     from edmm.kernels import _triton_silu as tk
 
-    tk.silu_mul_kernel[(t, cdiv(inter, BLOCK))](
-        gate_up, out, inter, gate_up.stride(0), out.stride(0), BLOCK=BLOCK, num_warps=4)
+    block = NARROW if t <= FEW_ROWS else WIDE
+    tk.silu_mul_kernel[(t, cdiv(inter, block))](
+        gate_up, out, inter, gate_up.stride(0), out.stride(0), BLOCK=block, num_warps=4)
     return out

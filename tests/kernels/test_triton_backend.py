@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from edmm.model import PRESETS, AttentionMetadata
+from edmm.model import PRESETS, AttentionMetadata, attention_triton
 from edmm.model.attention import TorchSDPABackend
 from edmm.model.attention_triton import TritonAttentionBackend
 from edmm.model.transformer import CausalLM
@@ -26,11 +26,15 @@ def _model() -> CausalLM:
     return model
 
 
+@pytest.mark.parametrize("long_from", [4096, 16], ids=["default-config", "long-config"])
 @pytest.mark.parametrize("batch", [
     [(0, 20, 20), (1, 1, 9), (2, 5, 17)],  # (slot, new tokens, context): prefill, decode, chunk
     [(1, 1, 9), (3, 1, 30)],  # decode only
 ])
-def test_triton_backend_matches_sdpa(batch: list[tuple[int, int, int]]) -> None:
+def test_triton_backend_matches_sdpa(batch: list[tuple[int, int, int]], long_from: int,
+                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """long-config: the batch takes the long-prefill launch config (packed GQA, TMA)."""
+    monkeypatch.setattr(attention_triton, "LONG_PREFILL_TOKENS", long_from)
     model, cfg = _model(), PRESETS["tiny"]
     gen = torch.Generator().manual_seed(1)
     shape = (SLOTS, MAX_TOKENS, cfg.num_layers, 2, cfg.num_kv_heads, cfg.head_dim)
