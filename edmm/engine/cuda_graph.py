@@ -51,7 +51,8 @@ class _StaticInputs:
     uses the leading rows), and the copy of a step's inputs into them.
 
     Rows past the step's tokens / sequences are reset to padding only where an earlier, larger
-    step left real values (``_dirty_*``), so a steady decode batch costs seven small copies.
+    step left real values (``_dirty_*``), so a steady decode batch costs one multi-tensor copy
+    and a fill.
     """
 
     def __init__(self, tokens: int, seqs: int, pad_slot: int, device: torch.device) -> None:
@@ -84,13 +85,11 @@ class _StaticInputs:
                 and meta.slot_ids_t is not None and meta.context_lens_t is not None
                 and meta.query_start_loc is not None)
         t, b = inputs.input_ids.shape[0], meta.num_seqs
-        self.ids[:t].copy_(inputs.input_ids)
-        self.pos[:t].copy_(inputs.positions)
-        self.slot_index[:t].copy_(meta.slot_index)
-        self.token_index[:t].copy_(meta.token_index)
-        self.slot_ids[:b].copy_(meta.slot_ids_t)
-        self.ctx[:b].copy_(meta.context_lens_t)
-        self.query_start[:b + 1].copy_(meta.query_start_loc)
+        torch._foreach_copy_(  # one launch for the seven copies
+            [self.ids[:t], self.pos[:t], self.slot_index[:t], self.token_index[:t],
+             self.slot_ids[:b], self.ctx[:b], self.query_start[:b + 1]],
+            [inputs.input_ids, inputs.positions, meta.slot_index, meta.token_index,
+             meta.slot_ids_t, meta.context_lens_t, meta.query_start_loc])
         if self._dirty_tokens > t:
             end = self._dirty_tokens
             self.ids[t:end].zero_()
