@@ -4,9 +4,10 @@
 
 Prints, for the qwen2.5-7b preset on the arena: the top CUDA kernels of an eager decode step
 and of a 512-token prefill on a cached prefix (time per step), their sum against the wall time,
-and the wall time of the parts of a graph-replayed decode step (medians of 50): building the
-inputs, `forward` (copy into the graph's buffers, launch the replay), `sample` (launch), the wait
-for the device, and the graph's replay alone.
+and the wall time of the parts of a graph-replayed decode step and 512-token prefill (medians of
+30): mapping the new tokens' pages (``grow``, timed apart), building the inputs (``grow``
+included), `forward` (copy into the graph's buffers, launch the replay), `sample` (launch), the
+wait for the device, and the graph's replay alone.
 """
 
 from __future__ import annotations
@@ -54,18 +55,25 @@ def _profile(side: EdmmSide, ids: torch.Tensor, keep: int, end: int, steps: int)
         prof, steps)
 
 
-def _decode_parts(side: EdmmSide, ids: torch.Tensor, ctx: int, steps: int = 50) -> str:
-    """Host-side parts of a graph-replayed decode step against the graph alone."""
-    parts: dict[str, list[float]] = {k: [] for k in ("inputs", "forward", "sample", "wait",
-                                                      "total", "graph alone")}
+def _step_parts(side: EdmmSide, ids: torch.Tensor, keep: int, end: int,
+                steps: int = 30) -> str:
+    """Host-side parts of a graph-replayed step appending ids[keep:end] against the graph
+    alone; ``grow`` (mapping the new tokens' pages) is timed apart, then inside ``inputs``."""
+    parts: dict[str, list[float]] = {k: [] for k in ("grow", "inputs", "forward", "sample",
+                                                      "wait", "total", "graph alone")}
     runner = side.runner
     assert isinstance(runner, CudaGraphRunner)
     with torch.inference_mode():
         for _ in range(steps):
-            side.truncate(ctx)
+            side.truncate(keep)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            side.arena.grow(side.slot, end)
+            parts["grow"].append((time.perf_counter() - t0) * 1e3)
+            side.truncate(keep)
             torch.cuda.synchronize()
             t = [time.perf_counter()]
-            inputs = side.inputs(ids[ctx:ctx + 1])
+            inputs = side.inputs(ids[keep:end])
             t.append(time.perf_counter())
             hidden = runner.forward(inputs)
             t.append(time.perf_counter())
@@ -76,7 +84,8 @@ def _decode_parts(side: EdmmSide, ids: torch.Tensor, ctx: int, steps: int = 50) 
             for k, a, b in zip(("inputs", "forward", "sample", "wait"), t, t[1:], strict=False):
                 parts[k].append((b - a) * 1e3)
             parts["total"].append((t[-1] - t[0]) * 1e3)
-            graph = runner._decode[1].graph  # the inputs of the step above are still loaded
+            n = end - keep  # the inputs of the step above are still loaded
+            graph = (runner._decode[1] if n == 1 else runner._mixed[n]).graph
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             graph.replay()
@@ -104,7 +113,10 @@ def main() -> None:
         report.append(f"\n## prefill 512 on cached prefix ({name})\n"
                       + _profile(side, ids, ctx - 512, ctx, 5))
         if not eager:
-            report.append("\n## decode step parts (CUDA graph)\n" + _decode_parts(side, ids, ctx))
+            report.append("\n## decode step parts (CUDA graph)\n"
+                          + _step_parts(side, ids, ctx, ctx + 1))
+            report.append("\n## prefill 512 parts (CUDA graph)\n"
+                          + _step_parts(side, ids, ctx - 512, ctx))
         side.close()
     text = "\n".join(report)
     print(text)
