@@ -6,7 +6,8 @@ plain tensor with the same strides.
 
 - decode: `decode_attention` vs SDPA on the strided view, batch 1 and 8, 4K/16K/32K context;
   eager, and inside a CUDA graph of all 28 layers (per-layer mean), as the engine runs it;
-- prefill: `prefill_attention` (512 queries) vs SDPA with ``causal_lower_right``;
+- prefill: `prefill_attention_varlen` (512 queries of one sequence) vs SDPA with
+  ``causal_lower_right``;
 - sweeps at 16K: decode splits and launch configs, prefill launch configs.
 
 Eager times are CUDA-event medians over ``reps`` calls after warmup. Each call reads the next
@@ -35,7 +36,7 @@ from edmm.kernels import (
     PrefillConfig,
     decode_attention,
     default_num_splits,
-    prefill_attention,
+    prefill_attention_varlen,
     triton_usable,
 )
 from edmm.memory import KVArena, KVMemoryError, KVSpec, PagePool, open_backend
@@ -50,14 +51,9 @@ DECODE_SWEEP = (DecodeConfig(32, 4, 4), DecodeConfig(64, 4, 2), DecodeConfig(64,
                 DecodeConfig(128, 4, 2), DecodeConfig(128, 8, 3))
 P = PrefillConfig
 PREFILL_SWEEP = (
-    P(128, 64, 8, 3), P(128, 64, 8, 3, tma=True), P(128, 64, 8, 3, tma=True, pack_gqa=True),
-    P(128, 64, 8, 3, pack_gqa=True), P(128, 64, 8, 4, tma=True),
-    P(128, 128, 8, 2, tma=True), P(128, 128, 8, 2, tma=True, pack_gqa=True),
-    P(64, 64, 4, 2), P(64, 64, 4, 2, tma=True), P(64, 64, 4, 2, tma=True, pack_gqa=True),
-    P(64, 64, 4, 3, tma=True), P(64, 32, 4, 3, tma=True), P(64, 32, 4, 3, tma=True, pack_gqa=True),
-    P(128, 64, 8, 3, tma=True, reverse=True),
-    P(128, 64, 8, 3, tma=True, pack_gqa=True, reverse=True),
-    P(64, 64, 4, 2, tma=True, pack_gqa=True, reverse=True))
+    P(128, 64, 8, 3), P(128, 64, 8, 3, tma=True, pack_gqa=True, reverse=True),
+    P(128, 64, 8, 3, wgmma=True), P(128, 64, 8, 4, wgmma=True), P(128, 32, 8, 4, wgmma=True),
+    P(128, 32, 8, 6, wgmma=True), P(128, 128, 8, 3, wgmma=True))
 CHUNK = 2048  # the engine's default token budget: a full prefill runs in chunks of this
 
 T = TypeVar("T")
@@ -274,9 +270,11 @@ def _prefill_fns(kv: torch.Tensor, context: int, queries: int,
     q4 = q.transpose(0, 1)[None].contiguous()  # [1, Hq, Lq, D]
     mask = causal_lower_right(queries, context)
 
-    def triton_fn(i: int) -> torch.Tensor:
-        return prefill_attention(q, kv, i % SPEC.num_layers, 0, context, queries, SCALE,
-                                 config=config)
+    cu, slot, ctx = _one_sequence(queries, context)
+
+    def triton_fn(i: int) -> torch.Tensor:  # the engine's (varlen) entry point
+        return prefill_attention_varlen(q, kv, i % SPEC.num_layers, cu, slot, ctx, SCALE,
+                                        config=config)
 
     def sdpa_fn(i: int) -> torch.Tensor:
         layer = kv[0:1, :context, i % SPEC.num_layers]  # [1, n, 2, Hkv, D]
@@ -294,15 +292,23 @@ def _prefill_flops(queries: int, context: int) -> float:
     return 4.0 * pairs * SPEC.head_dim * NUM_HEADS
 
 
+def _one_sequence(queries: int, context: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Varlen arguments of slot 0's last ``queries`` of ``context`` tokens (on the device)."""
+    return tuple(torch.tensor(v, dtype=torch.int32, device=DEVICE)  # type: ignore[return-value]
+                 for v in ([0, queries], [0], [context]))
+
+
 def _chunked_fn(kv: torch.Tensor, context: int, config: PrefillConfig | None) -> Fn:
     """A full prefill of ``context`` tokens as the engine runs it: CHUNK queries at a time,
     each chunk attending to every token before it."""
     q = torch.randn(CHUNK, NUM_HEADS, SPEC.head_dim, dtype=SPEC.dtype, device=DEVICE)
 
+    chunks = [_one_sequence(CHUNK, end) for end in range(CHUNK, context + 1, CHUNK)]
+
     def fn(i: int) -> torch.Tensor:
-        for end in range(CHUNK, context + 1, CHUNK):
-            out = prefill_attention(q, kv, i % SPEC.num_layers, 0, end, CHUNK, SCALE,
-                                    config=config)
+        for cu, slot, ctx in chunks:
+            out = prefill_attention_varlen(q, kv, i % SPEC.num_layers, cu, slot, ctx, SCALE,
+                                           config=config)
         return out
 
     return fn
