@@ -52,8 +52,8 @@ DECODE_SWEEP = (DecodeConfig(32, 4, 4), DecodeConfig(64, 4, 2), DecodeConfig(64,
 P = PrefillConfig
 PREFILL_SWEEP = (
     P(128, 64, 8, 3), P(128, 64, 8, 3, tma=True, pack_gqa=True, reverse=True),
-    P(128, 64, 8, 3, wgmma=True), P(128, 64, 8, 4, wgmma=True), P(128, 32, 8, 4, wgmma=True),
-    P(128, 32, 8, 6, wgmma=True), P(128, 128, 8, 3, wgmma=True))
+    P(128, 64, 8, 2, wgmma=True), P(128, 64, 8, 3, wgmma=True), P(128, 64, 8, 4, wgmma=True),
+    P(128, 128, 8, 2, wgmma=True), P(128, 32, 8, 4, wgmma=True))
 CHUNK = 2048  # the engine's default token budget: a full prefill runs in chunks of this
 
 T = TypeVar("T")
