@@ -52,8 +52,8 @@ DECODE_SWEEP = (DecodeConfig(32, 4, 4), DecodeConfig(64, 4, 2), DecodeConfig(64,
 P = PrefillConfig
 PREFILL_SWEEP = (
     P(128, 64, 8, 3), P(128, 64, 8, 3, tma=True, pack_gqa=True, reverse=True),
-    P(128, 64, 8, 2, wgmma=True), P(128, 64, 8, 3, wgmma=True), P(128, 64, 8, 4, wgmma=True),
-    P(128, 128, 8, 2, wgmma=True), P(128, 32, 8, 4, wgmma=True))
+    P(128, 64, 8, 3, wgmma=True), P(128, 64, 8, 4, wgmma=True), P(128, 32, 8, 4, wgmma=True),
+    P(128, 32, 8, 6, wgmma=True))
 CHUNK = 2048  # the engine's default token budget: a full prefill runs in chunks of this
 
 T = TypeVar("T")
@@ -71,6 +71,7 @@ class AttentionBenchConfig:
     warmup: int = 10
     graph_reps: int = 20
     sweeps: bool = True
+    prefill_only: bool = False  # the prefill sweep alone
 
 
 @dataclass
@@ -407,9 +408,12 @@ def run(cfg: AttentionBenchConfig, out_dir: Path) -> list[Row]:
     mem = make_kv(max(cfg.batches), max(cfg.contexts))
     try:
         with torch.inference_mode():
-            rows = bench_decode(mem.kv, cfg) + bench_prefill(mem.kv, cfg)
-            if cfg.sweeps:
-                rows += sweep_decode(mem.kv, cfg) + sweep_prefill(mem.kv, cfg)
+            if cfg.prefill_only:
+                rows = sweep_prefill(mem.kv, cfg)
+            else:
+                rows = bench_decode(mem.kv, cfg) + bench_prefill(mem.kv, cfg)
+                if cfg.sweeps:
+                    rows += sweep_decode(mem.kv, cfg) + sweep_prefill(mem.kv, cfg)
         env = environment(mem.kind)
     finally:
         mem.close()
@@ -429,11 +433,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, required=True, help="folder for attention.json/md")
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--no-sweeps", action="store_true", help="skip the launch-config sweeps")
+    parser.add_argument("--prefill-sweep", action="store_true", help="the prefill sweep only")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() or not triton_usable("cuda"):
         print("edmm.bench.attention needs a CUDA GPU and triton", file=sys.stderr)
         return 2
-    run(AttentionBenchConfig(reps=args.reps, sweeps=not args.no_sweeps), args.out)
+    run(AttentionBenchConfig(reps=args.reps, sweeps=not args.no_sweeps,
+                             prefill_only=args.prefill_sweep), args.out)
     return 0
 
 

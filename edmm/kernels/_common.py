@@ -46,7 +46,8 @@ class PrefillConfig:
     programs do not trail at the end of the grid. pack_gqa: a tile's rows are (query, head)
     pairs of one KV head's query heads, so each KV tile is read once for the whole group.
     wgmma: run the Gluon kernel for Hopper instead (a TMA loader warp, asynchronous wgmma
-    overlapping the softmax, a ring of num_stages >= 2 KV tiles; sm_90, bf16/fp16, block_m
+    overlapping the softmax, a ring of num_stages >= 3 KV tiles (tiles j - 1, j and j + 1
+    are live at once: two stages deadlock); sm_90, bf16/fp16, block_m
     128 on 8 warps; longest tiles first, no GQA packing; see `check_wgmma`).
     """
 
@@ -101,9 +102,9 @@ def check_wgmma(q: torch.Tensor, cfg: PrefillConfig) -> None:
         raise KernelUnavailableError(f"the wgmma prefill kernel needs an sm_90 GPU, not {q.device}")
     if q.dtype not in (torch.float16, torch.bfloat16):
         raise KernelInputError(f"the wgmma prefill kernel takes fp16/bf16, not {q.dtype}")
-    if (cfg.block_m, cfg.num_warps) != (128, 8) or cfg.num_stages < 2 or cfg.pack_gqa:
+    if (cfg.block_m, cfg.num_warps) != (128, 8) or cfg.num_stages < 3 or cfg.pack_gqa:
         raise KernelInputError(f"the wgmma prefill kernel needs block_m=128, num_warps=8, "
-                               f"num_stages >= 2 and no GQA packing: {cfg}")
+                               f"num_stages >= 3 and no GQA packing: {cfg}")
     if cfg.block_n not in (32, 64, 128) or q.shape[-1] not in (64, 128):
         raise KernelInputError(f"the wgmma prefill kernel needs block_n in (32, 64, 128) and "
                                f"head_dim 64 or 128: {cfg}, head_dim {q.shape[-1]}")

@@ -176,6 +176,7 @@ def prefill_kernel_sm90(
 ):
     """One (query tile, query head) of end-aligned causal attention (see the module doc).
     A spare tile of the flat range runs with no queries and no keys."""
+    gl.static_assert(STAGES >= 3, "tiles j - 1, j and j + 1 are live at once")
     dtype: gl.constexpr = q_ptr.dtype.element_ty
     io_layout: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
     q_smem_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([BLOCK_M, HEAD_DIM], dtype)

@@ -37,12 +37,16 @@ class TritonAttentionBackend(AttentionBackend):
     Args:
         max_context: the longest context a decode call (or captured graph) serves; it fixes
             the split count of the decode kernel.
+        prefill, long_prefill: launch configs of the prefill kernel for batches of fewer /
+            at least `LONG_PREFILL_TOKENS` tokens (None: the kernel's default).
     """
 
     fuses_rope = True
 
-    def __init__(self, max_context: int) -> None:
+    def __init__(self, max_context: int, prefill: PrefillConfig | None = None,
+                 long_prefill: PrefillConfig | None = LONG_PREFILL) -> None:
         self.max_context = max_context
+        self.prefill, self.long_prefill = prefill, long_prefill
         self._fallback = TorchSDPABackend()
 
     def forward(
@@ -81,7 +85,7 @@ class TritonAttentionBackend(AttentionBackend):
             return decode_attention(q, kv_cache, layer, meta.slot_ids_t, meta.context_lens_t,
                                     scale, max_context=self.max_context)
         # Mixed: multi-query sequences in query tiles, single-query ones split-K, in place.
-        config = LONG_PREFILL if q.shape[0] >= LONG_PREFILL_TOKENS else None
+        config = self.long_prefill if q.shape[0] >= LONG_PREFILL_TOKENS else self.prefill
         out = prefill_attention_varlen(q, kv_cache, layer, meta.query_start_loc,
                                        meta.slot_ids_t, meta.context_lens_t, scale,
                                        config=config, skip_single=True)
@@ -90,10 +94,18 @@ class TritonAttentionBackend(AttentionBackend):
                                        max_context=self.max_context)
 
 
-def default_backend(device: torch.device | str, max_context: int) -> AttentionBackend:
-    """Triton kernels on a CUDA device where triton is usable, else the reference SDPA."""
+def default_backend(device: torch.device | str, max_context: int,
+                    wgmma_prefill: bool = False) -> AttentionBackend:
+    """Triton kernels on a CUDA device where triton is usable, else the reference SDPA.
+
+    ``wgmma_prefill``: prefill batches take the Gluon kernel for Hopper (`PrefillConfig.wgmma`)
+    instead of the Triton one.
+    """
     from edmm.kernels import triton_usable
 
     if torch.device(device).type == "cuda" and triton_usable(device):
+        if wgmma_prefill:
+            sm90 = PrefillConfig(wgmma=True)
+            return TritonAttentionBackend(max_context, prefill=sm90, long_prefill=sm90)
         return TritonAttentionBackend(max_context)
     return TorchSDPABackend()
