@@ -80,8 +80,6 @@ def build_parser() -> argparse.ArgumentParser:
     ttft.add_argument("--no-peer", action="store_true", help="skip transformers")
     ttft.add_argument("--eager", action="store_true",
                       help="EDMM with reference SDPA attention and no CUDA graphs")
-    ttft.add_argument("--wgmma-prefill", action="store_true",
-                      help="prefill through the Gluon kernel for Hopper (model level)")
     ttft.add_argument("--out", type=Path, default=None)
     live = bsub.add_parser("live", help="A/B/C resume groups at the client: the openai SDK over "
                            "HTTP against edmm serve (started on a free port, or --url)")
@@ -203,7 +201,7 @@ def _bench(args: argparse.Namespace) -> int:
                                contexts=args.contexts, repeats=args.repeats,
                                full_prefill_repeats=args.full_prefill_repeats,
                                new_tokens=args.new_tokens, peer=not args.no_peer,
-                               eager=args.eager, wgmma_prefill=args.wgmma_prefill)
+                               eager=args.eager)
         print(Path(run_ttft_bench(tcfg, out)["md"]).read_text())
     print(f"wrote {out}")
     return 0

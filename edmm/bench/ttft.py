@@ -54,7 +54,6 @@ class TTFTBenchConfig:
     peer: bool = True
     eager: bool = False
     host_page_size: int = 64 * 1024
-    wgmma_prefill: bool = False  # prefill through the Gluon kernel for Hopper
 
 
 def _sync(device: torch.device) -> None:
@@ -89,8 +88,7 @@ class EdmmSide:
         self.arena = KVArena(self.pool, spec, num_slots=2, max_tokens=max_tokens)
         self.runner: ModelRunner
         if cuda and not cfg.eager:
-            self.model.set_backend(default_backend(self.device, max_tokens,
-                                                   wgmma_prefill=cfg.wgmma_prefill))
+            self.model.set_backend(default_backend(self.device, max_tokens))
             self.model.enable_fusion()
             self.runner = CudaGraphRunner(self.model, self.arena, self.device, sizes=(1,),
                                           token_sizes=(cfg.new_tokens,), max_seqs=1)
@@ -239,8 +237,7 @@ def run_ttft_bench(cfg: TTFTBenchConfig, out_dir: Path) -> dict[str, Path]:
     per_ctx = cfg.full_prefill_repeats + 2 * cfg.repeats + 3  # + a warm-up of each op
     progress = Progress("model ops", (2 if cfg.peer else 1) * len(cfg.contexts) * per_ctx)
     for ctx in cfg.contexts:
-        name = "edmm-eager" if cfg.eager else "edmm-wgmma" if cfg.wgmma_prefill else "edmm"
-        rows += _measure(edmm, ids, ctx, cfg, name, progress)
+        rows += _measure(edmm, ids, ctx, cfg, "edmm-eager" if cfg.eager else "edmm", progress)
     edmm.close()
     del edmm
     if cfg.peer:

@@ -45,10 +45,6 @@ class PrefillConfig:
     reverse: start each sequence's tiles from its last (the most keys), so the longest
     programs do not trail at the end of the grid. pack_gqa: a tile's rows are (query, head)
     pairs of one KV head's query heads, so each KV tile is read once for the whole group.
-    wgmma: run the Gluon kernel for Hopper instead (a TMA loader warp, asynchronous wgmma
-    overlapping the softmax, a ring of num_stages >= 3 KV tiles (tiles j - 1, j and j + 1
-    are live at once: two stages deadlock); sm_90, bf16/fp16, block_m
-    128 on 8 warps; longest tiles first, no GQA packing; see `check_wgmma`).
     """
 
     block_m: int = 128
@@ -58,7 +54,6 @@ class PrefillConfig:
     tma: bool = False
     reverse: bool = False
     pack_gqa: bool = False
-    wgmma: bool = False
 
 
 @functools.cache
@@ -94,20 +89,6 @@ def tma_usable(device: torch.device) -> bool:
     if device.type == "cpu":
         return os.environ.get("TRITON_INTERPRET") == "1"
     return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
-
-
-def check_wgmma(q: torch.Tensor, cfg: PrefillConfig) -> None:
-    """Raise `KernelUnavailableError` / `KernelInputError` unless the Hopper kernel can run."""
-    if q.device.type != "cuda" or torch.cuda.get_device_capability(q.device) != (9, 0):
-        raise KernelUnavailableError(f"the wgmma prefill kernel needs an sm_90 GPU, not {q.device}")
-    if q.dtype not in (torch.float16, torch.bfloat16):
-        raise KernelInputError(f"the wgmma prefill kernel takes fp16/bf16, not {q.dtype}")
-    if (cfg.block_m, cfg.num_warps) != (128, 8) or cfg.num_stages < 3 or cfg.pack_gqa:
-        raise KernelInputError(f"the wgmma prefill kernel needs block_m=128, num_warps=8, "
-                               f"num_stages >= 3 and no GQA packing: {cfg}")
-    if cfg.block_n not in (32, 64, 128) or q.shape[-1] not in (64, 128):
-        raise KernelInputError(f"the wgmma prefill kernel needs block_n in (32, 64, 128) and "
-                               f"head_dim 64 or 128: {cfg}, head_dim {q.shape[-1]}")
 
 
 def check_head_dim(head_dim: int) -> None:

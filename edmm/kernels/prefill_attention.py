@@ -18,7 +18,6 @@ from edmm.kernels._common import (
     PrefillConfig,
     cdiv,
     check_index,
-    check_wgmma,
     dot_precision,
     kv_layer_view,
     require_triton,
@@ -65,11 +64,6 @@ def prefill_attention(
     kv = kv_layer_view(kv_cache, layer, q)  # [S, M, 2, Hkv, D]
     out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [Lq, Hq, D]
     cfg = config or PrefillConfig()
-    if cfg.wgmma:  # the Hopper kernel is varlen only: a batch of one (three tiny copies)
-        ids = [torch.tensor(v, dtype=torch.int32).to(q.device, non_blocking=True)
-               for v in ([0, query_len], [slot_id], [context_len])]
-        _launch_sm90(q, kv, out, (ids[0], ids[1], ids[2]), 1, scale, cfg, False)
-        return out
     rows = query_len * _rows_per_query(q, kv, cfg)
     _launch(q, kv, out, None, (slot_id, context_len, query_len), cdiv(rows, cfg.block_m), 1,
             scale, cfg)
@@ -116,10 +110,6 @@ def prefill_attention_varlen(
     if batch == 0 or q.shape[0] == 0:
         return out
     cfg = config or PrefillConfig()
-    if cfg.wgmma:
-        _launch_sm90(q, kv, out, (cu_seqlens_q, slot_ids, context_lens), batch, scale, cfg,
-                     skip_single)
-        return out
     tiles = q.shape[0] * _rows_per_query(q, kv, cfg) // cfg.block_m + batch
     _launch(q, kv, out, (cu_seqlens_q, slot_ids, context_lens), (0, 0, 0), tiles, batch,
             scale, cfg, skip_single)
@@ -156,31 +146,6 @@ def _launch(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor,
         PACK_GQA=cfg.pack_gqa,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-
-
-def _launch_sm90(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor,
-                 varlen: tuple[torch.Tensor, torch.Tensor, torch.Tensor], batch: int,
-                 scale: float, cfg: PrefillConfig, skip_single: bool) -> None:
-    """The Gluon kernel of `_gluon_prefill` (Hopper: async wgmma, TMA ring), same contract."""
-    check_wgmma(q, cfg)
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
-    from edmm.kernels import _gluon_prefill as gk
-
-    block = [1, cfg.block_n, 1, 1, q.shape[2]]
-    layout = gl.NVMMASharedLayout.get_default_for(
-        block, gl.bfloat16 if q.dtype == torch.bfloat16 else gl.float16)
-    desc = TensorDescriptor(kv, list(kv.shape), list(kv.stride()), block, layout)
-    cu_q, slot_ids, ctx_lens = varlen
-    grid = (q.shape[0] // cfg.block_m + batch, q.shape[1])
-    gk.prefill_kernel_sm90[grid](
-        q, kv, desc, out, cu_q, slot_ids, ctx_lens, batch, scale * math.log2(math.e),
-        q.stride(0), q.stride(1), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
-        out.stride(0), out.stride(1),
-        GROUP=q.shape[1] // kv.shape[3], HEAD_DIM=q.shape[2], BLOCK_M=cfg.block_m,
-        BLOCK_N=cfg.block_n, SKIP_SINGLE=skip_single, STAGES=cfg.num_stages,
-        num_warps=cfg.num_warps)
 
 
 def _rows_per_query(q: torch.Tensor, kv: torch.Tensor, cfg: PrefillConfig) -> int:

@@ -94,18 +94,10 @@ class TritonAttentionBackend(AttentionBackend):
                                        max_context=self.max_context)
 
 
-def default_backend(device: torch.device | str, max_context: int,
-                    wgmma_prefill: bool = False) -> AttentionBackend:
-    """Triton kernels on a CUDA device where triton is usable, else the reference SDPA.
-
-    ``wgmma_prefill``: prefill batches take the Gluon kernel for Hopper (`PrefillConfig.wgmma`)
-    instead of the Triton one.
-    """
+def default_backend(device: torch.device | str, max_context: int) -> AttentionBackend:
+    """Triton kernels on a CUDA device where triton is usable, else the reference SDPA."""
     from edmm.kernels import triton_usable
 
     if torch.device(device).type == "cuda" and triton_usable(device):
-        if wgmma_prefill:
-            sm90 = PrefillConfig(wgmma=True)
-            return TritonAttentionBackend(max_context, prefill=sm90, long_prefill=sm90)
         return TritonAttentionBackend(max_context)
     return TorchSDPABackend()

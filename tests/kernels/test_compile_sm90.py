@@ -27,22 +27,20 @@ SCRIPT = textwrap.dedent("""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from edmm.kernels import DecodeConfig, PrefillConfig
-    from edmm.kernels import _triton_decode as td, _triton_prefill as tp, _gluon_prefill as gp
-    from triton.experimental.gluon._runtime import GluonASTSource
-    import triton.experimental.gluon.language as gl
+    from edmm.kernels import _triton_decode as td, _triton_prefill as tp
 
     PTRS = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "out_ptr": "*bf16", "slot_ids_ptr": "*i32",
             "ctx_lens_ptr": "*i32", "cu_q_ptr": "*i32", "part_o_ptr": "*fp32",
             "part_lse_ptr": "*fp32", "qk_scale": "fp32"}
     CUOBJDUMP = os.path.join(os.path.dirname(nv.__file__), "bin", "cuobjdump")
 
-    def compile_sm90(fn, constexprs, descs=None, source=ASTSource, **options):
+    def compile_sm90(fn, constexprs, descs=None, **options):
         names = fn.arg_names
         sig = {n: "constexpr" if n in constexprs else PTRS.get(n, "i32") for n in names}
         sig.update(descs or {})
         aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
                    if n not in constexprs and (n.endswith("_ptr") or n.startswith("stride"))}
-        src = source(fn, sig, {(names.index(k),): v for k, v in constexprs.items()}, aligned)
+        src = ASTSource(fn, sig, {(names.index(k),): v for k, v in constexprs.items()}, aligned)
         k = triton.compile(src, target=GPUTarget("cuda", 90, 64), options=options)
         with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
             f.write(k.asm["cubin"])
@@ -51,8 +49,7 @@ SCRIPT = textwrap.dedent("""
                                    text=True, check=True).stdout
         ptx = k.asm["ptx"]
         return {"cp_async": "cp.async" in ptx, "usage": usage, "shared": k.metadata.shared,
-                "wgmma": "wgmma.mma_async" in ptx,
-                "overlap": "wgmma.wait_group.sync.aligned 1" in ptx}
+                "wgmma": "wgmma.mma_async" in ptx}
 
     d, p = DecodeConfig(), PrefillConfig()
     out = {
@@ -68,14 +65,6 @@ SCRIPT = textwrap.dedent("""
                  PACK_GQA=p.pack_gqa, **({} if p.tma else {"kv_desc": None})),
             {"kv_desc": f"tensordesc<bf16[1,{p.block_n},1,1,128]>"} if p.tma else {},
             num_warps=p.num_warps, num_stages=p.num_stages),
-        "prefill_sm90": compile_sm90(
-            gp.prefill_kernel_sm90,
-            dict(GROUP=7, HEAD_DIM=128, BLOCK_M=128, BLOCK_N=64, SKIP_SINGLE=True, STAGES=3,
-                 num_warps=8),
-            {"kv_desc": "tensordesc<bf16[1,64,1,1,128],"
-                        + repr(gl.NVMMASharedLayout.get_default_for([1, 64, 1, 1, 128],
-                                                                    gl.bfloat16)) + ">"},
-            source=GluonASTSource, num_warps=8),
     }
     print(json.dumps(out))
 """)
@@ -92,5 +81,3 @@ def test_default_configs_compile_for_sm90_without_spills() -> None:
         assert "STACK:0 " in r["usage"] and "LOCAL:0 " in r["usage"], f"{name}: {r['usage']}"
         assert r["shared"] <= 227 * 1024, f"{name}: {r['shared']} B of shared memory"
     assert report["prefill"]["wgmma"], "prefill: no Hopper matrix instructions (wgmma)"
-    assert report["prefill_sm90"]["wgmma"] and report["prefill_sm90"]["overlap"], (
-        "the Gluon kernel must keep one wgmma group in flight across the softmax")

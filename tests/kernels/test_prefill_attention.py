@@ -10,7 +10,6 @@ import torch
 
 from edmm.kernels import (
     KernelInputError,
-    KernelUnavailableError,
     PrefillConfig,
     decode_attention_varlen,
     prefill_attention,
@@ -181,10 +180,3 @@ def test_rejects_bad_lengths() -> None:
     with pytest.raises(KernelInputError, match="power of two"):
         prefill_attention(torch.zeros(4, 1, 24), torch.zeros(2, 8, 1, 2, 1, 24), 0, 0, 8, 4, 1.0)
 
-
-def test_wgmma_kernel_refuses_the_cpu() -> None:
-    """The Hopper kernel (Gluon, no interpreter) is GPU-only: a clear error, not a crash."""
-    kv = torch.zeros(2, 8, 1, 2, 1, 16)
-    with pytest.raises(KernelUnavailableError, match="sm_90"):
-        prefill_attention(torch.zeros(4, 1, 16), kv, 0, 0, 8, 4, 1.0,
-                          config=PrefillConfig(wgmma=True))
