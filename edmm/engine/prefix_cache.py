@@ -362,10 +362,10 @@ class PrefixCache:
         if self.offload is None or entry.tag is None or entry.rank != EntryRank.RETAINED:
             return
         src = self._sources[slot]
-        kv = self.offload.save(slot, src.num_tokens)
+        older = self._offloaded.get(entry.tag)  # superseded: its bytes count as free
+        kv = self.offload.save(slot, src.num_tokens, replacing=older.kv if older else None)
         if kv is None:
-            return  # over budget: dropped, recomputed at resume
-        self._drop_offloaded({entry.tag})
+            return  # over budget: dropped (an older copy stays), recomputed at resume
         self._offloaded[entry.tag] = _Offloaded(src.tokens[: src.num_tokens], kv, entry.priority)
         self.offloaded_total += 1
 

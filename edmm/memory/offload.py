@@ -48,12 +48,23 @@ class HostKVStore:
         self._held: set[int] = set()  # keys of the copies this store holds
         self._next_key = 0
 
-    def save(self, slot: int, num_tokens: int) -> HostKV | None:
+    def save(self, slot: int, num_tokens: int, replacing: HostKV | None = None
+             ) -> HostKV | None:
         """Copy the KV of ``slot``'s first ``num_tokens`` tokens to the host; None when it
-        would exceed the budget (nothing is copied)."""
+        would exceed the budget (nothing is copied, ``replacing`` is kept).
+
+        ``replacing``: a held copy the new one supersedes (an older, shorter copy of the same
+        session); its bytes count as free, and it is released before the new copy is made.
+        """
         nbytes = num_tokens * self.arena.spec.token_bytes
-        if self.used_bytes + nbytes > self.capacity_bytes:
+        freed = 0
+        if replacing is not None:
+            self._check(replacing)
+            freed = replacing.nbytes
+        if self.used_bytes - freed + nbytes > self.capacity_bytes:
             return None
+        if replacing is not None:
+            self.release(replacing)
         data = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pin)
         data.copy_(self.arena.token_bytes_view(slot, 0, num_tokens))
         self.used_bytes += nbytes

@@ -112,3 +112,27 @@ def test_make_room_evicts_plain_entries_to_restore(arena: KVArena) -> None:
     assert kv_values(arena, hit.slot) == TOKENS[:39]
     cache.check_integrity()
     arena.free(hit.slot)
+
+
+def test_newer_copy_replaces_the_older_within_the_budget(arena: KVArena) -> None:
+    """A session offloaded twice (24 tokens, later 40): the budget holds one 40-token copy,
+    the older copy's bytes count as free for its successor, which replaces it; a successor
+    that does not fit even so leaves the older copy in place."""
+    store = HostKVStore(arena, capacity_bytes=40 * SPEC.token_bytes)
+    cache = PrefixCache(arena, block_size=4, offload=store)
+    first = filled(arena, TOKENS[:24])
+    cache.release(first, TOKENS[:24], 24, tag="s1", rank=EntryRank.RETAINED)
+    assert cache.evict_one() and cache.offloaded_tokens("s1") == 24
+    second = filled(arena, TOKENS)
+    cache.release(second, TOKENS, 40, tag="s1", rank=EntryRank.RETAINED)
+    assert cache.evict_one() and cache.offloaded_tokens("s1") == 40
+    assert store.used_bytes == 40 * SPEC.token_bytes and store.num_held == 1
+    cache.check_integrity()
+    longer = filled(arena, [*TOKENS, *range(41, 49)])  # 48 tokens: over the budget
+    cache.release(longer, [*TOKENS, *range(41, 49)], 48, tag="s1", rank=EntryRank.RETAINED)
+    assert cache.evict_one() and cache.offloaded_tokens("s1") == 40  # the older copy stays
+    cache.check_integrity()
+    assert cache.restore("s1")
+    hit = cache.acquire([*TOKENS, 99], max_tokens=100, claim=("s1",))
+    assert hit is not None and hit.num_tokens == 40 and kv_values(arena, hit.slot) == TOKENS
+    arena.free(hit.slot)
