@@ -36,6 +36,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, generate_latest
 
+from edmm.openai_errors import error_body
 from edmm.proxy.speculation import StreamAccumulator, speculation_prompt, tool_calls_of
 
 logger = logging.getLogger(__name__)
@@ -67,15 +68,15 @@ class ProxyConfig:
 
 
 class ProxyError(Exception):
-    """An error answered to the client as an OpenAI error object."""
+    """An error answered to the client as an OpenAI error object whose ``code`` is the HTTP
+    status, as the vLLM upstream writes its own (`edmm.server.errors` owns the shape)."""
 
     status = 500
     type = "internal_error"
 
     def body(self) -> dict[str, Any]:
         """``{"error": {"message", "type", "param", "code"}}``."""
-        return {"error": {"message": str(self), "type": self.type, "param": None,
-                          "code": self.status}}
+        return error_body(str(self), self.type, None, self.status)
 
 
 class BadRequestError(ProxyError):

@@ -19,8 +19,9 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from edmm.openai_errors import error_body
 from edmm.server.engine_loop import OutputStream
-from edmm.server.errors import APIError, error_body
+from edmm.server.errors import APIError
 from edmm.server.protocol import (
     ChatCompletion,
     ChatCompletionRequest,

@@ -1,7 +1,8 @@
 """Typed API errors, each rendered as an OpenAI error object with its HTTP status.
 
 Every handler raises an `APIError` subclass; the app turns it into
-``{"error": {"message", "type", "param", "code"}}``. Anything else that escapes a handler is a
+``{"error": {"message", "type", "param", "code"}}`` (`edmm.openai_errors.error_body`, which the
+proxy shares). Anything else that escapes a handler is a
 bug: it becomes a 500 with the same shape, and the server keeps running.
 """
 
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 from http import HTTPStatus
 from typing import Any
+
+from edmm.openai_errors import error_body
 
 
 class APIError(Exception):
@@ -78,9 +81,3 @@ class EngineStepError(APIError):
 
     status = HTTPStatus.INTERNAL_SERVER_ERROR
     type = "internal_error"
-
-
-def error_body(message: str, type_: str, param: str | None = None,
-               code: str | None = None) -> dict[str, Any]:
-    """``{"error": {...}}`` in OpenAI's shape."""
-    return {"error": {"message": message, "type": type_, "param": param, "code": code}}
