@@ -62,8 +62,7 @@ SCRIPT = textwrap.dedent("""
             tp.prefill_kernel,
             dict(GROUP=7, HEAD_DIM=128, BLOCK_M=p.block_m, BLOCK_N=p.block_n, VARLEN=True,
                  SKIP_SINGLE=True, DOT_PRECISION="tf32", USE_TMA=p.tma, REVERSE=p.reverse,
-                 PACK_GQA=p.pack_gqa, SPLIT=p.kv_splits > 1,
-                 **({} if p.tma else {"kv_desc": None})),
+                 PACK_GQA=p.pack_gqa, **({} if p.tma else {"kv_desc": None})),
             {"kv_desc": f"tensordesc<bf16[1,{p.block_n},1,1,128]>"} if p.tma else {},
             num_warps=p.num_warps, num_stages=p.num_stages),
     }
