@@ -51,10 +51,14 @@ DECODE_SWEEP = (DecodeConfig(32, 4, 4), DecodeConfig(64, 4, 2), DecodeConfig(64,
                 DecodeConfig(128, 4, 2), DecodeConfig(128, 8, 3))
 P = PrefillConfig
 PREFILL_SWEEP = (
-    P(128, 64, 8, 3), P(128, 64, 8, 3, tma=True, pack_gqa=True, reverse=True),
-    P(128, 64, 8, 3, kv_splits=2), P(128, 64, 8, 3, kv_splits=7),
-    P(128, 64, 8, 3, kv_splits=8), P(128, 64, 8, 3, kv_splits=13),
-    P(128, 64, 8, 3, tma=True, kv_splits=7), P(128, 64, 8, 3, pack_gqa=True, kv_splits=7))
+    P(128, 64, 8, 3), P(128, 64, 8, 3, tma=True), P(128, 64, 8, 3, tma=True, pack_gqa=True),
+    P(128, 64, 8, 3, pack_gqa=True), P(128, 64, 8, 4, tma=True),
+    P(128, 128, 8, 2, tma=True), P(128, 128, 8, 2, tma=True, pack_gqa=True),
+    P(64, 64, 4, 2), P(64, 64, 4, 2, tma=True), P(64, 64, 4, 2, tma=True, pack_gqa=True),
+    P(64, 64, 4, 3, tma=True), P(64, 32, 4, 3, tma=True), P(64, 32, 4, 3, tma=True, pack_gqa=True),
+    P(128, 64, 8, 3, tma=True, reverse=True),
+    P(128, 64, 8, 3, tma=True, pack_gqa=True, reverse=True),
+    P(64, 64, 4, 2, tma=True, pack_gqa=True, reverse=True))
 CHUNK = 2048  # the engine's default token budget: a full prefill runs in chunks of this
 
 T = TypeVar("T")

@@ -45,8 +45,6 @@ class PrefillConfig:
     reverse: start each sequence's tiles from its last (the most keys), so the longest
     programs do not trail at the end of the grid. pack_gqa: a tile's rows are (query, head)
     pairs of one KV head's query heads, so each KV tile is read once for the whole group.
-    kv_splits: cut each tile's keys into this many chunks, one program each, merged after
-    (split-KV, for batches whose tiles fill too few SMs; see `default_kv_splits`).
     """
 
     block_m: int = 128
@@ -56,7 +54,6 @@ class PrefillConfig:
     tma: bool = False
     reverse: bool = False
     pack_gqa: bool = False
-    kv_splits: int = 1
 
 
 @functools.cache

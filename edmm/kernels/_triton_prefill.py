@@ -83,31 +83,24 @@ def _find_tile(cu_q_ptr, num_seqs, ROWS_PER_QUERY: tl.constexpr, BLOCK_M: tl.con
     return seq, tile
 
 
-@triton.jit(do_not_specialize=["slot_arg", "ctx_arg", "qlen_arg", "num_seqs", "qk_scale",
-                                "num_splits"])
+@triton.jit(do_not_specialize=["slot_arg", "ctx_arg", "qlen_arg", "num_seqs", "qk_scale"])
 def prefill_kernel(
-    q_ptr, kv_ptr, kv_desc, out_ptr, part_o_ptr, part_lse_ptr, cu_q_ptr, slot_ids_ptr,
-    ctx_lens_ptr,
+    q_ptr, kv_ptr, kv_desc, out_ptr, cu_q_ptr, slot_ids_ptr, ctx_lens_ptr,
     slot_arg, ctx_arg, qlen_arg,  # the one sequence's slot, tokens, queries when not VARLEN
     num_seqs,  # B when VARLEN
-    num_splits,  # KV chunks per tile when SPLIT (program_id(2))
     qk_scale,  # softmax scale * log2(e)
     stride_qt, stride_qh,  # q [T, Hq, D]
     stride_ks, stride_kt, stride_kkv, stride_kh,  # kv layer view [S, M, 2, Hkv, D]
     stride_ot, stride_oh,  # out [T, Hq, D]
-    stride_pt, stride_ph, stride_ps,  # part_o [T, Hq, num_splits, D] (SPLIT)
-    stride_lt, stride_lh,  # part_lse [T, Hq, num_splits] (SPLIT)
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     VARLEN: tl.constexpr, SKIP_SINGLE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    USE_TMA: tl.constexpr, REVERSE: tl.constexpr, PACK_GQA: tl.constexpr, SPLIT: tl.constexpr,
+    USE_TMA: tl.constexpr, REVERSE: tl.constexpr, PACK_GQA: tl.constexpr,
 ):
-    """One (query tile, query head[, KV chunk]) of end-aligned causal attention.
+    """One (query tile, query head) of end-aligned causal attention.
 
     ``kv_desc`` (USE_TMA): a tensor descriptor of the layer view with block [1, BLOCK_N, 1, 1,
     D]; it loads the whole tiles below every row's limit (never past the context), the
-    diagonal tiles load through masked pointers. SPLIT: the keys a tile sees are cut into
-    ``num_splits`` chunks of whole tiles, one per program; each writes its normalised partial
-    output and log-sum-exp (base 2) for `decode_reduce_kernel` to merge.
+    diagonal tiles load through masked pointers.
     """
     R: tl.constexpr = GROUP if PACK_GQA else 1  # rows per query
     if VARLEN:
@@ -155,13 +148,7 @@ def prefill_kernel(
     full_end = (ctx - qlen + first_q + 1) // BLOCK_N * BLOCK_N  # keys all rows see, whole tiles
     tile_end = ctx - qlen + last_q + 1  # keys the last row sees, <= ctx
     lim = tl.minimum(ctx - qlen + query + 1, tile_end)  # [BLOCK_M] keys each row sees
-    lo = 0
-    hi = tile_end
-    if SPLIT:
-        chunk = tl.cdiv(tl.cdiv(tile_end, num_splits), BLOCK_N) * BLOCK_N
-        lo = tl.program_id(2) * chunk
-        hi = tl.minimum(lo + chunk, tile_end)
-    for n0 in range(lo, tl.minimum(hi, full_end), BLOCK_N):
+    for n0 in range(0, full_end, BLOCK_N):
         k = _load_tile(k_base, kv_desc, slot, kvh, 0, n0, tile_end, stride_kt, False, USE_TMA,
                        HEAD_DIM, BLOCK_N)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
@@ -169,7 +156,7 @@ def prefill_kernel(
                        HEAD_DIM, BLOCK_N)
         m_i, l_i, acc = _softmax_pv(s, v, n0, m_i, l_i, acc, lim, qk_scale, False, BLOCK_N,
                                     DOT_PRECISION)
-    for n0 in range(tl.maximum(lo, full_end), hi, BLOCK_N):
+    for n0 in range(full_end, tile_end, BLOCK_N):
         k = _load_tile(k_base, kv_desc, slot, kvh, 0, n0, tile_end, stride_kt, True, USE_TMA,
                        HEAD_DIM, BLOCK_N)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
@@ -178,15 +165,6 @@ def prefill_kernel(
         m_i, l_i, acc = _softmax_pv(s, v, n0, m_i, l_i, acc, lim, qk_scale, True, BLOCK_N,
                                     DOT_PRECISION)
 
-    has = l_i > 0.0  # False for a chunk with no key of this row
-    o = acc / tl.where(has, l_i, 1.0)[:, None]
-    if SPLIT:
-        split = tl.program_id(2)
-        p_ptrs = (part_o_ptr + rows[:, None] * stride_pt + head[:, None] * stride_ph
-                  + split * stride_ps + offs_d[None, :])
-        tl.store(p_ptrs, o, mask=m_mask[:, None])
-        lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
-        tl.store(part_lse_ptr + rows * stride_lt + head * stride_lh + split, lse, mask=m_mask)
-    else:
-        o_ptrs = out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
-        tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
+    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    o_ptrs = out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])

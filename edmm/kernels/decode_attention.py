@@ -35,8 +35,7 @@ DEFAULT_SMS = 132  # H200; used when the device has no SM count (CPU interpreter
 
 
 @functools.cache
-def num_sms(device: torch.device) -> int:
-    """Multiprocessors of ``device`` (`DEFAULT_SMS` off CUDA), for split counts."""
+def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return DEFAULT_SMS
     return torch.cuda.get_device_properties(device).multi_processor_count
@@ -49,7 +48,7 @@ def default_num_splits(batch: int, num_kv_heads: int, max_context: int,
     Depends only on static sizes, so a CUDA graph captured with it stays valid for any
     context up to ``max_context``.
     """
-    want = cdiv(PROGRAMS_PER_SM * num_sms(torch.device(device)), batch * num_kv_heads)
+    want = cdiv(PROGRAMS_PER_SM * _num_sms(torch.device(device)), batch * num_kv_heads)
     cap = cdiv(max_context, MIN_SPLIT_TOKENS)
     return max(1, min(want, cap, DEFAULT_MAX_SPLITS))
 
@@ -157,7 +156,7 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, cu_q: torch.Ten
     _launch_split(q, kv, slot_ids, context_lens, out, part_o, part_lse, cu_q, scale, group,
                   num_splits, config or DecodeConfig())
     if num_splits > 1:
-        launch_merge(part_o, part_lse, out, cu_q)
+        _launch_reduce(part_o, part_lse, out, cu_q)
     return out
 
 
@@ -199,11 +198,9 @@ def _launch_split(q: torch.Tensor, kv: torch.Tensor, slot_ids: torch.Tensor,
     )
 
 
-def launch_merge(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor,
+def _launch_reduce(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor,
                    cu_q: torch.Tensor | None) -> None:
-    """Merge split partials [B, Hq, S, D] / [B, Hq, S] into ``out`` rows (``cu_q``: the
-    varlen rows of the B single-query sequences; None: row b). Shared with the prefill
-    kernel's split-KV mode, whose B is its token count."""
+    """Launch the merge kernel over (B, Hq)."""
     from edmm.kernels import _triton_decode as tk
 
     batch, num_heads, num_splits, head_dim = part_o.shape

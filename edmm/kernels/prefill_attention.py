@@ -24,7 +24,6 @@ from edmm.kernels._common import (
     tma_usable,
     unit_last_stride,
 )
-from edmm.kernels.decode_attention import MAX_SPLITS, launch_merge, num_sms
 
 
 def prefill_attention(
@@ -91,8 +90,7 @@ def prefill_attention_varlen(
 
     Each query_len must be <= its context_len; a sequence may have no queries (a CUDA graph's
     padding). With ``skip_single``, sequences of exactly one query are skipped, their rows of
-    the output left for `decode_attention_varlen` (unwritten, or with ``kv_splits`` > 1 the
-    merge of partials nothing wrote, as in padding rows; split-K suits them: one query
+    the output left unwritten for `decode_attention_varlen` (split-K suits them: one query
     tile walking a long context alone would serialise on one program per head). The launch
     depends on T and B only (``T * rows per query // block_m + B`` tiles), so it is
     capturable once per shape. Values on the device are not checked (that would sync); the
@@ -127,56 +125,27 @@ def _launch(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor,
             varlen: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
             single: tuple[int, int, int], tiles: int, batch: int, scale: float,
             cfg: PrefillConfig, skip_single: bool = False) -> None:
-    """Launch over (row tiles, Hq or Hkv when packed[, KV splits]); ``varlen`` tensors or the
-    ``single`` sequence's ints; with splits, the merge into ``out`` after."""
+    """Launch over (row tiles, Hq or Hkv when packed); ``varlen`` tensors or the ``single``
+    sequence's ints."""
     from edmm.kernels import _triton_prefill as tk
 
     num_heads, head_dim = q.shape[1], q.shape[2]
-    splits = cfg.kv_splits
-    if not 1 <= splits <= MAX_SPLITS:
-        raise KernelInputError(f"kv_splits must be in [1, {MAX_SPLITS}], got {splits}")
     cu_q, slot_ids, ctx_lens = varlen if varlen is not None else (out, out, out)  # unused
     desc = _kv_descriptor(kv, cfg) if cfg.tma and tma_usable(q.device) else None
-    if splits > 1:  # fp32 partials [T, Hq, S, D] and log-sum-exps [T, Hq, S]
-        part_o = torch.empty(q.shape[0], num_heads, splits, head_dim, dtype=torch.float32,
-                             device=q.device)
-        part_lse = torch.empty(q.shape[0], num_heads, splits, dtype=torch.float32,
-                               device=q.device)
-    else:
-        part_o = part_lse = torch.empty(1, 1, 1, 1, dtype=torch.float32, device=q.device)
-    grid = (tiles, kv.shape[3] if cfg.pack_gqa else num_heads, splits)
+    grid = (tiles, kv.shape[3] if cfg.pack_gqa else num_heads)
     tk.prefill_kernel[grid](
-        q, kv, desc, out, part_o, part_lse, cu_q, slot_ids, ctx_lens,
-        *single, batch, splits,
+        q, kv, desc, out, cu_q, slot_ids, ctx_lens,
+        *single, batch,
         scale * math.log2(math.e),
         q.stride(0), q.stride(1),
         kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
         out.stride(0), out.stride(1),
-        part_o.stride(0), part_o.stride(1), part_o.stride(2),
-        part_lse.stride(0), part_lse.stride(1),
         GROUP=num_heads // kv.shape[3], HEAD_DIM=head_dim, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, VARLEN=varlen is not None, SKIP_SINGLE=skip_single,
         DOT_PRECISION=dot_precision(q.dtype), USE_TMA=desc is not None, REVERSE=cfg.reverse,
-        PACK_GQA=cfg.pack_gqa, SPLIT=splits > 1,
+        PACK_GQA=cfg.pack_gqa,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
-    if splits > 1:
-        launch_merge(part_o, part_lse, out, None)
-
-
-def default_kv_splits(tokens: int, num_heads: int, config: PrefillConfig | None = None,
-                      device: torch.device | str = "cuda", max_splits: int = 16) -> int:
-    """KV splits for a prefill of ``tokens`` queries (one sequence assumed) so that its
-    programs fill the SMs in whole waves: 1 when the tiles alone make a wave, else the split
-    count in [1, max_splits] that wastes the least of the last wave (fewest splits on a tie).
-    Depends on sizes only (CUDA-graph safe)."""
-    cfg = config or PrefillConfig()
-    sms = num_sms(torch.device(device))
-    programs = cdiv(tokens, cfg.block_m) * num_heads
-    if programs >= sms:
-        return 1
-    return min(range(1, max_splits + 1),
-               key=lambda s: (cdiv(programs * s, sms) / s, s))
 
 
 def _rows_per_query(q: torch.Tensor, kv: torch.Tensor, cfg: PrefillConfig) -> int:

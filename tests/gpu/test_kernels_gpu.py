@@ -131,10 +131,8 @@ CONFIGS = [None, PrefillConfig(tma=True, reverse=True),
            PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=2, tma=True),
            PrefillConfig(tma=True, pack_gqa=True),
            PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=2, tma=True,
-                         pack_gqa=True, reverse=True),
-           PrefillConfig(kv_splits=7), PrefillConfig(tma=True, kv_splits=13)]
-CONFIG_IDS = ["default", "tma-reverse", "tma-128x128", "packed", "packed-64-reverse",
-              "split-7", "split-13-tma"]
+                         pack_gqa=True, reverse=True)]
+CONFIG_IDS = ["default", "tma-reverse", "tma-128x128", "packed", "packed-64-reverse"]
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)

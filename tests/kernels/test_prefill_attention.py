@@ -15,7 +15,6 @@ from edmm.kernels import (
     prefill_attention,
     prefill_attention_varlen,
 )
-from edmm.kernels.prefill_attention import default_kv_splits
 from edmm.kernels.reference import prefill_attention_reference
 
 pytestmark = pytest.mark.usefixtures("interpreted")
@@ -30,13 +29,8 @@ SMALL_TMA = PrefillConfig(block_m=32, block_n=16, num_warps=4, num_stages=2, tma
                           reverse=True)  # whole tiles by descriptor, last tile first
 SMALL_PACKED = PrefillConfig(block_m=32, block_n=16, num_warps=4, num_stages=2, tma=True,
                              pack_gqa=True)  # rows are (query, head) pairs of a KV head
-SMALL_SPLIT = PrefillConfig(block_m=32, block_n=16, num_warps=4, num_stages=2, kv_splits=3)
-SMALL_SPLIT_TMA = PrefillConfig(block_m=32, block_n=16, num_warps=4, num_stages=2, tma=True,
-                                kv_splits=7)  # more chunks than some contexts have tiles
-SMALLS = pytest.mark.parametrize("small", [SMALL, SMALL_TMA, SMALL_PACKED, SMALL_SPLIT,
-                                           SMALL_SPLIT_TMA],
-                                 ids=["pointers", "tma-reverse", "packed-gqa", "split-3",
-                                      "split-7-tma"])
+SMALLS = pytest.mark.parametrize("small", [SMALL, SMALL_TMA, SMALL_PACKED],
+                                 ids=["pointers", "tma-reverse", "packed-gqa"])
 
 
 def _run(
@@ -57,8 +51,7 @@ def _run(
     return out, ref
 
 
-@pytest.mark.parametrize("config", [None, SMALL_PACKED, SMALL_SPLIT],
-                         ids=["default", "packed-gqa", "split-3"])
+@pytest.mark.parametrize("config", [None, SMALL_PACKED], ids=["default", "packed-gqa"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("group", [1, 2, 3, 4])
 def test_matches_reference(
@@ -93,7 +86,7 @@ def test_head_dims(make_cache: MakeCache, check_close: CheckClose, head_dim: int
     check_close(out, ref, torch.float16)
 
 
-@pytest.mark.parametrize("config", [None, SMALL, SMALL_TMA, SMALL_PACKED, SMALL_SPLIT])
+@pytest.mark.parametrize("config", [None, SMALL, SMALL_TMA, SMALL_PACKED])
 def test_varlen_batch(
     make_cache: MakeCache, check_close: CheckClose, config: PrefillConfig | None
 ) -> None:
@@ -187,11 +180,3 @@ def test_rejects_bad_lengths() -> None:
     with pytest.raises(KernelInputError, match="power of two"):
         prefill_attention(torch.zeros(4, 1, 24), torch.zeros(2, 8, 1, 2, 1, 24), 0, 0, 8, 4, 1.0)
 
-
-
-def test_default_kv_splits_fill_whole_waves() -> None:
-    """Split only when the tiles leave SMs idle, into the count that wastes least."""
-    assert default_kv_splits(4096, 28, device="cpu") == 1  # 896 programs: several waves
-    assert default_kv_splits(512, 28, device="cpu") == 7  # 112 programs: 784 = 5.94 waves
-    splits = default_kv_splits(100, 28, device="cpu")
-    assert 28 * splits % 132 == 0 or (28 * splits) / 132 % 1 > 0.9
