@@ -2,7 +2,10 @@
 
 For each context length n (a preset's real shapes, random weights: speed does not depend on the
 values), in one process:
-- decode step: one new token on an n-token cache, logits and a greedy pick;
+- decode step: the token that completes an n-token context (appended to n - 1 cached tokens),
+  logits and a greedy pick. Its page is already mapped, as in 35 of 36 decode steps of the
+  qwen2.5-7b preset (56 KiB of KV per token, 2 MiB pages); appending to n cached tokens at a
+  power-of-two n would map a page every repeat (~0.12 ms on the H200, `profile_model.py`);
 - prefill of ``new_tokens`` (default 512) new tokens on a cached (n - 512)-token prefix;
 - full prefill of n tokens into an empty slot.
 EDMM runs them on its KV arena (mapping pages as it grows, as the engine does), with Triton
@@ -172,7 +175,7 @@ def _measure(side: EdmmSide | HFSide, ids: torch.Tensor, ctx: int, cfg: TTFTBenc
     plans: list[tuple[str, int, int, int]] = [  # op, keep tokens, extend to, repeats
         ("full prefill", 0, ctx, cfg.full_prefill_repeats),
         ("prefill on cached prefix", ctx - cfg.new_tokens, ctx, cfg.repeats),
-        ("decode step", ctx, ctx + 1, cfg.repeats),
+        ("decode step", ctx - 1, ctx, cfg.repeats),
     ]
     side.truncate(0)
     side.extend(ids[:ctx])  # warm-up, and the cache every later plan starts from
