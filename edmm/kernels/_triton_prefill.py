@@ -61,6 +61,24 @@ def _softmax_pv(s, v, n0, m_i, l_i, acc, lim, qk_scale,
 
 
 @triton.jit
+def _attend_range(q, kv, lo, hi, tile_end, m_i, l_i, acc, lim, qk_scale, MASKED: tl.constexpr,
+                  USE_TMA: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_N: tl.constexpr,
+                  DOT_PRECISION: tl.constexpr):
+    """The KV tiles from ``lo`` to ``hi`` (whole tiles below every row's limit, or MASKED the
+    diagonal ones); ``kv``: (K base, V base, descriptor, slot, KV head, token stride)."""
+    k_base, v_base, kv_desc, slot, kvh, stride_kt = kv
+    for n0 in range(lo, hi, BLOCK_N):
+        k = _load_tile(k_base, kv_desc, slot, kvh, 0, n0, tile_end, stride_kt, MASKED, USE_TMA,
+                       HEAD_DIM, BLOCK_N)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        v = _load_tile(v_base, kv_desc, slot, kvh, 1, n0, tile_end, stride_kt, MASKED, USE_TMA,
+                       HEAD_DIM, BLOCK_N)
+        m_i, l_i, acc = _softmax_pv(s, v, n0, m_i, l_i, acc, lim, qk_scale, MASKED, BLOCK_N,
+                                    DOT_PRECISION)
+    return m_i, l_i, acc
+
+
+@triton.jit
 def _find_tile(cu_q_ptr, num_seqs, ROWS_PER_QUERY: tl.constexpr, BLOCK_M: tl.constexpr,
                SKIP_SINGLE: tl.constexpr, REVERSE: tl.constexpr):
     """Sequence and tile index within it of this program's flat tile (-1: a spare tile).
@@ -148,22 +166,11 @@ def prefill_kernel(
     full_end = (ctx - qlen + first_q + 1) // BLOCK_N * BLOCK_N  # keys all rows see, whole tiles
     tile_end = ctx - qlen + last_q + 1  # keys the last row sees, <= ctx
     lim = tl.minimum(ctx - qlen + query + 1, tile_end)  # [BLOCK_M] keys each row sees
-    for n0 in range(0, full_end, BLOCK_N):
-        k = _load_tile(k_base, kv_desc, slot, kvh, 0, n0, tile_end, stride_kt, False, USE_TMA,
-                       HEAD_DIM, BLOCK_N)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        v = _load_tile(v_base, kv_desc, slot, kvh, 1, n0, tile_end, stride_kt, False, USE_TMA,
-                       HEAD_DIM, BLOCK_N)
-        m_i, l_i, acc = _softmax_pv(s, v, n0, m_i, l_i, acc, lim, qk_scale, False, BLOCK_N,
-                                    DOT_PRECISION)
-    for n0 in range(full_end, tile_end, BLOCK_N):
-        k = _load_tile(k_base, kv_desc, slot, kvh, 0, n0, tile_end, stride_kt, True, USE_TMA,
-                       HEAD_DIM, BLOCK_N)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        v = _load_tile(v_base, kv_desc, slot, kvh, 1, n0, tile_end, stride_kt, True, USE_TMA,
-                       HEAD_DIM, BLOCK_N)
-        m_i, l_i, acc = _softmax_pv(s, v, n0, m_i, l_i, acc, lim, qk_scale, True, BLOCK_N,
-                                    DOT_PRECISION)
+    kv = (k_base, v_base, kv_desc, slot, kvh, stride_kt)
+    m_i, l_i, acc = _attend_range(q, kv, 0, full_end, tile_end, m_i, l_i, acc, lim, qk_scale,
+                                  False, USE_TMA, HEAD_DIM, BLOCK_N, DOT_PRECISION)
+    m_i, l_i, acc = _attend_range(q, kv, full_end, tile_end, tile_end, m_i, l_i, acc, lim,
+                                  qk_scale, True, USE_TMA, HEAD_DIM, BLOCK_N, DOT_PRECISION)
 
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     o_ptrs = out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
