@@ -2,16 +2,19 @@
 
 Imported only when a kernel runs: this module imports triton at the top.
 
-Grid: (query tiles, query heads). A program holds BLOCK_M queries of one head and walks the KV
-of that head's GQA group in BLOCK_N tiles with an online softmax. In a varlen batch the query
-tiles of all sequences are numbered in one flat range (sequence b owns cdiv(Lq_b, BLOCK_M) of
-them, in order) and each program finds its sequence with a scan over the B query offsets: the
-grid, ``T // BLOCK_M + B`` tiles, depends only on the token and sequence counts, never on the
-lengths, so one CUDA graph serves every batch of that shape; spare tiles (and sequences with no
-queries, the padding of a graph) return at once. Causality is
-end-aligned: query i of a sequence with Lq queries and n tokens sees keys < n - Lq + i + 1.
-Tiles every query of the program fully sees run without masks; only the tiles at the diagonal
-are masked, and no key at or past the context length is ever loaded.
+Grid: (row tiles, query heads). A program holds BLOCK_M queries of one head and walks the KV
+of that head's GQA group in BLOCK_N tiles with an online softmax (scores scaled inside the
+exponent). With PACK_GQA the grid's second axis is the KV heads and a tile's rows are (query,
+head) pairs of that KV head's GROUP query heads, so each KV tile is read once per group. In a
+varlen batch the row tiles of all sequences are numbered in one flat range (sequence b owns
+cdiv(rows_b, BLOCK_M) of them, in order, or last tile first with REVERSE) and each program finds
+its sequence with a scan over the B query offsets: the grid, ``T * rows per query // BLOCK_M +
+B`` tiles, depends only on the token and sequence counts, never on the lengths, so one CUDA
+graph serves every batch of that shape; spare tiles (and sequences with no queries, the padding
+of a graph) return at once. Causality is end-aligned: query i of a sequence with Lq queries and
+n tokens sees keys < n - Lq + i + 1. Tiles every row of the program fully sees run without
+masks (with USE_TMA, loaded by the copy engine); only the tiles at the diagonal are masked, and
+no key at or past the context length is ever loaded.
 """
 
 from __future__ import annotations
