@@ -24,6 +24,7 @@ from edmm.kernels import (
 from edmm.kernels.reference import decode_attention_reference, prefill_attention_reference
 from edmm.memory import KVArena, KVSpec, PagePool
 from edmm.memory.backends import open_backend
+from edmm.model.attention_triton import LONG_PREFILL
 from edmm.model.fusion import silu_mul as eager_silu_mul
 
 # No triton import here: collecting this module must not import triton before
@@ -131,8 +132,10 @@ CONFIGS = [None, PrefillConfig(tma=True, reverse=True),
            PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=2, tma=True),
            PrefillConfig(tma=True, pack_gqa=True),
            PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=2, tma=True,
-                         pack_gqa=True, reverse=True)]
-CONFIG_IDS = ["default", "tma-reverse", "tma-128x128", "packed", "packed-64-reverse"]
+                         pack_gqa=True, reverse=True),
+           LONG_PREFILL]
+CONFIG_IDS = ["default", "tma-reverse", "tma-128x128", "packed", "packed-64-reverse",
+              "long-prefill"]
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)
