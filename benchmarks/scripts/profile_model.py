@@ -3,7 +3,8 @@
     PYTHONPATH=. python3 benchmarks/scripts/profile_model.py [--context 16384] [--out DIR]
 
 Prints, for the qwen2.5-7b preset on the arena: the top CUDA kernels of an eager decode step
-and of a 512-token prefill on a cached prefix (time per step), their sum against the wall time,
+and of a 512-token prefill on a cached prefix (time per step; the decode step completes a
+``--context``-token context, as `edmm bench ttft` times it), their sum against the wall time,
 and the wall time of the parts of a graph-replayed decode step and 512-token prefill (medians of
 30): mapping the new tokens' pages (``grow``, timed apart), building the inputs (``grow``
 included), `forward` (copy into the graph's buffers, launch the replay), `sample` (launch), the
@@ -109,12 +110,12 @@ def main() -> None:
         ids = torch.randint(0, side.cfg.vocab_size, (ctx + 1,), device="cuda")
         side.extend(ids[:ctx])
         name = "eager SDPA" if eager else "Triton + fused pointwise + CUDA graph"
-        report.append(f"\n## decode step ({name})\n" + _profile(side, ids, ctx, ctx + 1, 10))
+        report.append(f"\n## decode step ({name})\n" + _profile(side, ids, ctx - 1, ctx, 10))
         report.append(f"\n## prefill 512 on cached prefix ({name})\n"
                       + _profile(side, ids, ctx - 512, ctx, 5))
         if not eager:
             report.append("\n## decode step parts (CUDA graph)\n"
-                          + _step_parts(side, ids, ctx, ctx + 1))
+                          + _step_parts(side, ids, ctx - 1, ctx))
             report.append("\n## prefill 512 parts (CUDA graph)\n"
                           + _step_parts(side, ids, ctx - 512, ctx))
         side.close()
