@@ -88,7 +88,13 @@ def tma_usable(device: torch.device) -> bool:
     or the CPU under the interpreter (tests)."""
     if device.type == "cpu":
         return os.environ.get("TRITON_INTERPRET") == "1"
-    return device.type == "cuda" and torch.cuda.get_device_capability(device)[0] >= 9
+    return device.type == "cuda" and _capability_major(device) >= 9
+
+
+@functools.cache
+def _capability_major(device: torch.device) -> int:
+    """The CUDA device's compute capability major (asked once per device)."""
+    return torch.cuda.get_device_capability(device)[0]
 
 
 def check_head_dim(head_dim: int) -> None:

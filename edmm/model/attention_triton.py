@@ -37,16 +37,12 @@ class TritonAttentionBackend(AttentionBackend):
     Args:
         max_context: the longest context a decode call (or captured graph) serves; it fixes
             the split count of the decode kernel.
-        prefill, long_prefill: launch configs of the prefill kernel for batches of fewer /
-            at least `LONG_PREFILL_TOKENS` tokens (None: the kernel's default).
     """
 
     fuses_rope = True
 
-    def __init__(self, max_context: int, prefill: PrefillConfig | None = None,
-                 long_prefill: PrefillConfig | None = LONG_PREFILL) -> None:
+    def __init__(self, max_context: int) -> None:
         self.max_context = max_context
-        self.prefill, self.long_prefill = prefill, long_prefill
         self._fallback = TorchSDPABackend()
 
     def forward(
@@ -85,7 +81,7 @@ class TritonAttentionBackend(AttentionBackend):
             return decode_attention(q, kv_cache, layer, meta.slot_ids_t, meta.context_lens_t,
                                     scale, max_context=self.max_context)
         # Mixed: multi-query sequences in query tiles, single-query ones split-K, in place.
-        config = self.long_prefill if q.shape[0] >= LONG_PREFILL_TOKENS else self.prefill
+        config = LONG_PREFILL if q.shape[0] >= LONG_PREFILL_TOKENS else None
         out = prefill_attention_varlen(q, kv_cache, layer, meta.query_start_loc,
                                        meta.slot_ids_t, meta.context_lens_t, scale,
                                        config=config, skip_single=True)

@@ -22,6 +22,11 @@ def arena() -> Iterator[KVArena]:
         yield a
 
 
+def _retain(cache: PrefixCache, arena: KVArena, tokens: list[int], tag: str) -> None:
+    """A paused session's entry: ``tokens`` written to a fresh slot, released RETAINED."""
+    cache.release(filled(arena, tokens), tokens, len(tokens), tag=tag, rank=EntryRank.RETAINED)
+
+
 def test_store_round_trip_and_budget(arena: KVArena) -> None:
     store = HostKVStore(arena, capacity_bytes=40 * SPEC.token_bytes)
     slot = filled(arena, TOKENS)
@@ -63,8 +68,7 @@ def test_evicted_session_is_offloaded_and_restored(arena: KVArena) -> None:
 def test_restore_without_room_changes_nothing(arena: KVArena) -> None:
     store = HostKVStore(arena, capacity_bytes=1 << 20)
     cache = PrefixCache(arena, block_size=4, offload=store)
-    slot = filled(arena, TOKENS)
-    cache.release(slot, TOKENS, 40, tag="s1", rank=EntryRank.RETAINED)
+    _retain(cache, arena, TOKENS, "s1")
     assert cache.evict_one()
     hog = arena.allocate()
     arena.grow(hog, 64)  # 8 of 12 pages: 4 left, the session needs 5
@@ -79,20 +83,17 @@ def test_budget_discard_and_clear_release_host_copies(arena: KVArena) -> None:
     store = HostKVStore(arena, capacity_bytes=48 * SPEC.token_bytes)
     cache = PrefixCache(arena, block_size=4, offload=store)
     for tag in ("a", "b"):
-        slot = filled(arena, TOKENS)
-        cache.release(slot, TOKENS, 40, tag=tag, rank=EntryRank.RETAINED)
+        _retain(cache, arena, TOKENS, tag)
     assert cache.evict_one() and cache.evict_one()
     assert cache.offloaded_tokens("a") == 40 and cache.offloaded_tokens("b") == 0  # no room
     cache.check_integrity()
     assert cache.discard(["a"]) == 0 and store.used_bytes == 0
-    slot = filled(arena, TOKENS)
-    cache.release(slot, TOKENS, 40, tag="c", rank=EntryRank.RETAINED)
+    _retain(cache, arena, TOKENS, "c")
     assert cache.evict_one() and cache.offloaded_tokens("c") == 40
     assert cache.untag(["c"], EntryRank.PLAIN) == 0 and store.used_bytes == 0
-    slot = filled(arena, TOKENS)
-    cache.release(slot, TOKENS, 40, tag="d", rank=EntryRank.RETAINED)
+    _retain(cache, arena, TOKENS, "d")
     assert cache.evict_one()
-    cache.release(filled(arena, TOKENS[:8]), TOKENS[:8], 8, tag="d", rank=EntryRank.RETAINED)
+    _retain(cache, arena, TOKENS[:8], "d")
     assert cache.clear() == 1 and store.used_bytes == 0 and cache.offloaded_tokens("d") == 0
     cache.check_integrity()
 
@@ -100,8 +101,7 @@ def test_budget_discard_and_clear_release_host_copies(arena: KVArena) -> None:
 def test_make_room_evicts_plain_entries_to_restore(arena: KVArena) -> None:
     store = HostKVStore(arena, capacity_bytes=1 << 20)
     cache = PrefixCache(arena, block_size=4, offload=store)
-    slot = filled(arena, TOKENS)
-    cache.release(slot, TOKENS, 40, tag="s1", rank=EntryRank.RETAINED)
+    _retain(cache, arena, TOKENS, "s1")
     assert cache.evict_one()
     other = [5] * 64
     cache.release(filled(arena, other), other, 64)  # a plain entry: 8 of 12 pages
@@ -120,16 +120,13 @@ def test_newer_copy_replaces_the_older_within_the_budget(arena: KVArena) -> None
     that does not fit even so leaves the older copy in place."""
     store = HostKVStore(arena, capacity_bytes=40 * SPEC.token_bytes)
     cache = PrefixCache(arena, block_size=4, offload=store)
-    first = filled(arena, TOKENS[:24])
-    cache.release(first, TOKENS[:24], 24, tag="s1", rank=EntryRank.RETAINED)
+    _retain(cache, arena, TOKENS[:24], "s1")
     assert cache.evict_one() and cache.offloaded_tokens("s1") == 24
-    second = filled(arena, TOKENS)
-    cache.release(second, TOKENS, 40, tag="s1", rank=EntryRank.RETAINED)
+    _retain(cache, arena, TOKENS, "s1")
     assert cache.evict_one() and cache.offloaded_tokens("s1") == 40
     assert store.used_bytes == 40 * SPEC.token_bytes and store.num_held == 1
     cache.check_integrity()
-    longer = filled(arena, [*TOKENS, *range(41, 49)])  # 48 tokens: over the budget
-    cache.release(longer, [*TOKENS, *range(41, 49)], 48, tag="s1", rank=EntryRank.RETAINED)
+    _retain(cache, arena, [*TOKENS, *range(41, 49)], "s1")  # 48 tokens: over the budget
     assert cache.evict_one() and cache.offloaded_tokens("s1") == 40  # the older copy stays
     cache.check_integrity()
     assert cache.restore("s1")
