@@ -45,6 +45,9 @@ class PrefillConfig:
     reverse: start each sequence's tiles from its last (the most keys), so the longest
     programs do not trail at the end of the grid. pack_gqa: a tile's rows are (query, head)
     pairs of one KV head's query heads, so each KV tile is read once for the whole group.
+    warp_specialize: the varlen entry point takes `prefill_ws_kernel` where it can (Hopper,
+    16-bit, aligned; see `warp_specialize_usable`): one TMA producer warpgroup and two consumer
+    warpgroups of num_warps each, FA3's structure by Triton's pass (tma and pack_gqa unused).
     """
 
     block_m: int = 128
@@ -54,6 +57,7 @@ class PrefillConfig:
     tma: bool = False
     reverse: bool = False
     pack_gqa: bool = False
+    warp_specialize: bool = False
 
 
 @functools.cache
@@ -89,6 +93,11 @@ def tma_usable(device: torch.device) -> bool:
     if device.type == "cpu":
         return os.environ.get("TRITON_INTERPRET") == "1"
     return device.type == "cuda" and _capability_major(device) >= 9
+
+
+def hopper(device: torch.device) -> bool:
+    """Whether ``device`` is a Hopper GPU (H100, H200: compute capability 9.x)."""
+    return device.type == "cuda" and _capability_major(device) == 9
 
 
 @functools.cache

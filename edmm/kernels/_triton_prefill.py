@@ -178,3 +178,64 @@ def prefill_kernel(
     o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     o_ptrs = out_ptr + rows[:, None] * stride_ot + head[:, None] * stride_oh + offs_d[None, :]
     tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
+
+
+@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "qk_scale"])
+def prefill_ws_kernel(
+    q_ptr, kv_ptr, out_ptr, cu_q_ptr, slot_ids_ptr, ctx_lens_ptr,
+    num_seqs, num_tokens,  # B; T, the rows of q
+    qk_scale,  # softmax scale * log2(e)
+    stride_qt,  # q [T, Hq, D], unit stride on D and Hq * D
+    stride_ks, stride_kt, stride_kkv, stride_kh,  # kv layer view [S, M, 2, Hkv, D]
+    stride_ot, stride_oh,  # out [T, Hq, D]
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    SKIP_SINGLE: tl.constexpr, REVERSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """`prefill_kernel` (VARLEN) as one warp-specialized loop: a TMA producer warpgroup feeds
+    two consumer warpgroups that split the BLOCK_M rows (Triton's Hopper warp specialization).
+
+    The pass takes a single loop with descriptor loads and no early exit, so every program runs
+    one loop over all its tiles with the causal mask on each, spare programs run it zero times,
+    and the K/V descriptors are made here per (sequence, KV head) with the sequence's key count
+    as their bound: the copy engine zero-fills the rest of a diagonal tile and never reads a key
+    at or past the context (unmapped arena pages there would fault).
+    """
+    b, mt = _find_tile(cu_q_ptr, num_seqs, 1, BLOCK_M, SKIP_SINGLE, REVERSE)
+    live = b >= 0
+    b = tl.maximum(b, 0)
+    q_start = tl.load(cu_q_ptr + b).to(tl.int32)
+    qlen = tl.where(live, tl.load(cu_q_ptr + b + 1).to(tl.int32) - q_start, 0)
+    slot = tl.load(slot_ids_ptr + b).to(tl.int64)
+    ctx = tl.load(ctx_lens_ptr + b).to(tl.int32)
+    m0 = mt * BLOCK_M  # first query of this tile
+    head = tl.program_id(1)
+    kvh = head // GROUP
+
+    query = m0 + tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    last_q = tl.minimum(m0 + BLOCK_M, qlen) - 1
+    tile_end = tl.maximum(ctx - qlen + last_q + 1, 1)  # keys the last row sees
+    hi = tl.where(m0 < qlen, tile_end, 0)  # no tiles for a spare program
+    lim = tl.minimum(ctx - qlen + query + 1, tile_end)  # [BLOCK_M] keys each row sees
+    q_desc = tl.make_tensor_descriptor(q_ptr + head * HEAD_DIM, shape=[num_tokens, HEAD_DIM],
+                                       strides=[stride_qt, 1], block_shape=[BLOCK_M, HEAD_DIM])
+    k_base = kv_ptr + slot * stride_ks + kvh * stride_kh
+    k_desc = tl.make_tensor_descriptor(k_base, shape=[tile_end, HEAD_DIM],
+                                       strides=[stride_kt, 1], block_shape=[BLOCK_N, HEAD_DIM])
+    v_desc = tl.make_tensor_descriptor(k_base + stride_kkv, shape=[tile_end, HEAD_DIM],
+                                       strides=[stride_kt, 1], block_shape=[BLOCK_N, HEAD_DIM])
+    q = q_desc.load([q_start + m0, 0])  # [BLOCK_M, D]; rows past qlen are not stored
+    m_i = tl.full([BLOCK_M], NEG_INIT, tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
+    for n0 in tl.range(0, hi, BLOCK_N, warp_specialize=True):
+        k = k_desc.load([n0, 0])  # [BLOCK_N, D], zeros past tile_end
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        v = v_desc.load([n0, 0])
+        m_i, l_i, acc = _softmax_pv(s, v, n0, m_i, l_i, acc, lim, qk_scale, True, BLOCK_N,
+                                    DOT_PRECISION)
+
+    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    rows = (q_start + query).to(tl.int64)
+    offs_d = tl.arange(0, HEAD_DIM)
+    o_ptrs = out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=(query < qlen)[:, None])

@@ -8,6 +8,7 @@ the context length.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -19,6 +20,7 @@ from edmm.kernels._common import (
     cdiv,
     check_index,
     dot_precision,
+    hopper,
     kv_layer_view,
     require_triton,
     tma_usable,
@@ -64,6 +66,11 @@ def prefill_attention(
     kv = kv_layer_view(kv_cache, layer, q)  # [S, M, 2, Hkv, D]
     out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [Lq, Hq, D]
     cfg = config or PrefillConfig()
+    if cfg.warp_specialize and warp_specialize_usable(q, kv):
+        ids = torch.tensor([0, query_len, slot_id, context_len], dtype=torch.int32)
+        ids = ids.to(q.device, non_blocking=True)
+        _launch_ws(q, kv, out, (ids[:2], ids[2:3], ids[3:]), scale, cfg, skip_single=False)
+        return out
     rows = query_len * _rows_per_query(q, kv, cfg)
     _launch(q, kv, out, None, (slot_id, context_len, query_len), cdiv(rows, cfg.block_m), 1,
             scale, cfg)
@@ -110,6 +117,9 @@ def prefill_attention_varlen(
     if batch == 0 or q.shape[0] == 0:
         return out
     cfg = config or PrefillConfig()
+    if cfg.warp_specialize and warp_specialize_usable(q, kv):
+        _launch_ws(q, kv, out, (cu_seqlens_q, slot_ids, context_lens), scale, cfg, skip_single)
+        return out
     tiles = q.shape[0] * _rows_per_query(q, kv, cfg) // cfg.block_m + batch
     _launch(q, kv, out, (cu_seqlens_q, slot_ids, context_lens), (0, 0, 0), tiles, batch,
             scale, cfg, skip_single)
@@ -146,6 +156,52 @@ def _launch(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor,
         PACK_GQA=cfg.pack_gqa,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+
+
+def warp_specialize_usable(q: torch.Tensor, kv: torch.Tensor) -> bool:
+    """Whether the warp-specialized kernel runs here: a Hopper GPU (or the interpreter), a
+    16-bit dtype, and q / KV addresses and strides the copy engine takes (16-byte aligned)."""
+    if not tma_usable(q.device) or (q.device.type == "cuda" and not hopper(q.device)):
+        return False
+    if q.dtype not in (torch.float16, torch.bfloat16) or q.stride(1) != q.shape[2]:
+        return False
+    elem = q.element_size()
+    addresses = (q.data_ptr(), kv.data_ptr())
+    strides = (q.stride(0), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3))
+    return all(a % 16 == 0 for a in addresses) and all(s * elem % 16 == 0 for s in strides)
+
+
+def _launch_ws(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor,
+               varlen: tuple[torch.Tensor, torch.Tensor, torch.Tensor], scale: float,
+               cfg: PrefillConfig, skip_single: bool) -> None:
+    """Launch the warp-specialized kernel over (row tiles, Hq); it makes its descriptors on
+    the device, in scratch from `_descriptor_scratch`."""
+    import triton
+
+    from edmm.kernels import _triton_prefill as tk
+
+    cu_q, slot_ids, ctx_lens = varlen
+    batch = cu_q.shape[0] - 1
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    triton.set_allocator(functools.partial(_descriptor_scratch, device=q.device))
+    tk.prefill_ws_kernel[(q.shape[0] // cfg.block_m + batch, num_heads)](
+        q, kv, out, cu_q, slot_ids, ctx_lens, batch, q.shape[0],
+        scale * math.log2(math.e),
+        q.stride(0),
+        kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
+        out.stride(0), out.stride(1),
+        GROUP=num_heads // kv.shape[3], HEAD_DIM=head_dim, BLOCK_M=cfg.block_m,
+        BLOCK_N=cfg.block_n, SKIP_SINGLE=skip_single, REVERSE=cfg.reverse,
+        DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+
+
+def _descriptor_scratch(size: int, alignment: int, stream: int | None,
+                        device: torch.device) -> torch.Tensor:
+    """Global memory on ``device`` for the descriptors a kernel makes there (triton's
+    allocator protocol; the caching allocator's blocks are 512-byte aligned)."""
+    return torch.empty(size, dtype=torch.int8, device=device)
 
 
 def _rows_per_query(q: torch.Tensor, kv: torch.Tensor, cfg: PrefillConfig) -> int:

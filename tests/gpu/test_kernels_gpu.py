@@ -133,9 +133,14 @@ CONFIGS = [None, PrefillConfig(tma=True, reverse=True),
            PrefillConfig(tma=True, pack_gqa=True),
            PrefillConfig(block_m=64, block_n=64, num_warps=4, num_stages=2, tma=True,
                          pack_gqa=True, reverse=True),
-           LONG_PREFILL]
+           LONG_PREFILL,
+           PrefillConfig(block_m=128, block_n=128, num_warps=4, num_stages=2,
+                         warp_specialize=True),
+           PrefillConfig(block_m=128, block_n=64, num_warps=4, num_stages=3,
+                         warp_specialize=True, reverse=True)]
 CONFIG_IDS = ["default", "tma-reverse", "tma-128x128", "packed", "packed-64-reverse",
-              "long-prefill"]
+              "long-prefill", "warp-spec-128", "warp-spec-64-reverse"]
+WARP_SPEC = CONFIGS[-1]
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)
@@ -167,6 +172,37 @@ def test_prefill_varlen_matches_reference(arena: KVArena, config: PrefillConfig 
     ref = torch.cat([prefill_attention_reference(q, arena.kv, 7, s, LENS[s], SCALE, torch.float32)
                      for q, (s, _) in zip(qs, seqs, strict=True)])
     _assert_close(out, ref)
+
+
+def test_warp_specialized_prefill_in_cuda_graph(arena: KVArena) -> None:
+    """The kernel makes its descriptors on the device in scratch the capture allocates; replays
+    with new lengths (a new key bound for every descriptor) match the reference."""
+    qlens = [512, 77]
+    q = torch.randn(sum(qlens), NUM_HEADS, 128, device="cuda", dtype=torch.bfloat16)
+    cu, slots, lens = _ids([0, 512, 589]), _ids([0, 3]), _ids([16384, 3001])
+
+    def step() -> torch.Tensor:
+        return prefill_attention_varlen(q, arena.kv, 27, cu, slots, lens, scale=SCALE,
+                                        config=WARP_SPEC)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # compile and warm up outside the capture
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    for new_lens in ([16384, 3001], [600, 1000], [9000, 78]):
+        lens.copy_(_ids(new_lens))
+        q.copy_(torch.randn_like(q))
+        graph.replay()
+        torch.cuda.synchronize()
+        ref = torch.cat([prefill_attention_reference(q[a:b], arena.kv, 27, s, n, SCALE,
+                                                     torch.float32)
+                         for (a, b), s, n in zip([(0, 512), (512, 589)], [0, 3], new_lens,
+                                                 strict=True)])
+        _assert_close(out, ref)
 
 
 def test_padded_strided_tensor_cache() -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 from typing import Any
 
@@ -29,8 +30,15 @@ SMALL_TMA = PrefillConfig(block_m=32, block_n=16, num_warps=4, num_stages=2, tma
                           reverse=True)  # whole tiles by descriptor, last tile first
 SMALL_PACKED = PrefillConfig(block_m=32, block_n=16, num_warps=4, num_stages=2, tma=True,
                              pack_gqa=True)  # rows are (query, head) pairs of a KV head
-SMALLS = pytest.mark.parametrize("small", [SMALL, SMALL_TMA, SMALL_PACKED],
-                                 ids=["pointers", "tma-reverse", "packed-gqa"])
+SMALL_WS = PrefillConfig(block_m=32, block_n=16, num_warps=4, num_stages=2, warp_specialize=True,
+                         reverse=True)  # one loop, per-sequence descriptors (16-bit only)
+SMALLS = pytest.mark.parametrize("small", [SMALL, SMALL_TMA, SMALL_PACKED, SMALL_WS],
+                                 ids=["pointers", "tma-reverse", "packed-gqa", "warp-spec"])
+
+
+def _dtype(config: PrefillConfig | None) -> torch.dtype:
+    """float32, or bf16 for the warp-specialized kernel (16-bit only: fp32 falls back)."""
+    return torch.bfloat16 if config is not None and config.warp_specialize else torch.float32
 
 
 def _run(
@@ -86,13 +94,14 @@ def test_head_dims(make_cache: MakeCache, check_close: CheckClose, head_dim: int
     check_close(out, ref, torch.float16)
 
 
-@pytest.mark.parametrize("config", [None, SMALL, SMALL_TMA, SMALL_PACKED])
+@pytest.mark.parametrize("config", [None, SMALL, SMALL_TMA, SMALL_PACKED, SMALL_WS])
 def test_varlen_batch(
     make_cache: MakeCache, check_close: CheckClose, config: PrefillConfig | None
 ) -> None:
-    cache = make_cache(LENS, dtype=torch.float32, num_slots=4, max_tokens=MAX_TOKENS)
+    dtype = _dtype(config)
+    cache = make_cache(LENS, dtype=dtype, num_slots=4, max_tokens=MAX_TOKENS)
     seqs = [(1, 37), (2, 1), (0, 77), (3, 9)]  # (slot, query_len)
-    qs = [torch.randn(ql, 4, 32) for _, ql in seqs]
+    qs = [torch.randn(ql, 4, 32).to(dtype) for _, ql in seqs]
     cu = torch.tensor([0] + [sum(ql for _, ql in seqs[: i + 1]) for i in range(len(seqs))])
     slots = torch.tensor([s for s, _ in seqs], dtype=torch.int32)
     lens = torch.tensor([LENS[s] for s, _ in seqs], dtype=torch.int32)
@@ -112,7 +121,7 @@ def test_varlen_batch(
             for q, (s, _) in zip(qs, seqs, strict=True)
         ]
     )
-    check_close(out, ref, torch.float32)
+    check_close(out, ref, dtype)
 
 
 @SMALLS
@@ -120,10 +129,11 @@ def test_varlen_padding_sequences_and_rows(make_cache: MakeCache, check_close: C
                                            small: PrefillConfig) -> None:
     """A CUDA graph's padded batch: trailing sequences with no queries (on a pad slot) and
     trailing rows that belong to no sequence; the real rows match the reference."""
-    cache = make_cache(LENS, dtype=torch.float32, num_slots=4, max_tokens=MAX_TOKENS)
+    dtype = _dtype(small)
+    cache = make_cache(LENS, dtype=dtype, num_slots=4, max_tokens=MAX_TOKENS)
     seqs = [(3, 40), (1, 1)]  # (slot, query_len); 41 real rows
-    qs = [torch.randn(ql, 4, 32) for _, ql in seqs]
-    q = torch.cat([*qs, torch.randn(23, 4, 32)])  # 64 rows: 23 padding rows
+    qs = [torch.randn(ql, 4, 32).to(dtype) for _, ql in seqs]
+    q = torch.cat([*qs, torch.randn(23, 4, 32).to(dtype)])  # 64 rows: 23 padding rows
     cu = torch.tensor([0, 40, 41, 41, 41], dtype=torch.int64)  # 2 padding sequences
     slots = torch.tensor([3, 1, 0, 0])
     lens = torch.tensor([LENS[3], LENS[1], 1, 1])
@@ -131,7 +141,7 @@ def test_varlen_padding_sequences_and_rows(make_cache: MakeCache, check_close: C
     ref = torch.cat([prefill_attention_reference(x, cache.kv, 0, s, LENS[s], 0.2,
                                                  dtype=torch.float64)
                      for x, (s, _) in zip(qs, seqs, strict=True)])
-    check_close(out[:41], ref, torch.float32)
+    check_close(out[:41], ref, dtype)
 
 
 @SMALLS
@@ -141,10 +151,11 @@ def test_mixed_batch_single_queries_split_k(make_cache: MakeCache, check_close: 
     """The backend's mixed path: multi-query sequences through the prefill kernel (skipping
     single-query ones), single-query sequences through the varlen decode kernel into the same
     output, with padding sequences and rows as a CUDA graph has them."""
-    cache = make_cache(LENS, dtype=torch.float32, num_slots=4, max_tokens=MAX_TOKENS)
+    dtype = _dtype(small)
+    cache = make_cache(LENS, dtype=dtype, num_slots=4, max_tokens=MAX_TOKENS)
     seqs = [(1, 1), (3, 40), (2, 1), (0, 2)]  # (slot, query_len): decodes beside prefills
-    qs = [torch.randn(ql, 4, 32) for _, ql in seqs]
-    q = torch.cat([*qs, torch.randn(20, 4, 32)])  # 64 rows
+    qs = [torch.randn(ql, 4, 32).to(dtype) for _, ql in seqs]
+    q = torch.cat([*qs, torch.randn(20, 4, 32).to(dtype)])  # 64 rows
     cu = torch.tensor([0, 1, 41, 42, 44, 44], dtype=torch.int64)  # one padding sequence
     slots = torch.tensor([1, 3, 2, 0, 0])
     lens = torch.tensor([LENS[1], LENS[3], LENS[2], LENS[0], 1])
@@ -155,7 +166,7 @@ def test_mixed_batch_single_queries_split_k(make_cache: MakeCache, check_close: 
     ref = torch.cat([prefill_attention_reference(x, cache.kv, 1, s, LENS[s], 0.2,
                                                  dtype=torch.float64)
                      for x, (s, _) in zip(qs, seqs, strict=True)])
-    check_close(out[:44], ref, torch.float32)
+    check_close(out[:44], ref, dtype)
 
 
 def test_cache_is_not_written(make_cache: MakeCache) -> None:
@@ -180,3 +191,27 @@ def test_rejects_bad_lengths() -> None:
     with pytest.raises(KernelInputError, match="power of two"):
         prefill_attention(torch.zeros(4, 1, 24), torch.zeros(2, 8, 1, 2, 1, 24), 0, 0, 8, 4, 1.0)
 
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_warp_specialized_kernel_runs_where_usable(
+    make_cache: MakeCache, check_close: CheckClose, monkeypatch: pytest.MonkeyPatch,
+    dtype: torch.dtype
+) -> None:
+    """bf16 takes the warp-specialized kernel; fp32 (no 16-bit tensor cores) and a q whose
+    rows are not 16-byte aligned fall back to the default kernel, with the same results."""
+    module = sys.modules[prefill_attention.__module__]
+    launches: list[torch.dtype] = []
+    launch = module._launch_ws
+
+    def spy(q: torch.Tensor, *args: Any, **kwargs: Any) -> None:
+        launches.append(q.dtype)
+        launch(q, *args, **kwargs)
+
+    monkeypatch.setattr(module, "_launch_ws", spy)
+    cache = make_cache(LENS, dtype=dtype, num_slots=4, max_tokens=MAX_TOKENS)
+    out, ref = _run(cache, 1, 70, 4, config=SMALL_WS)
+    check_close(out, ref, dtype)
+    assert launches == ([dtype] if dtype == torch.bfloat16 else [])
+    odd = torch.randn(70, 4 * 32 + 1).to(dtype)[:, 1:].view(70, 4, 32)  # rows 2 B off
+    assert not module.warp_specialize_usable(odd, cache.kv[:, :, 1])
