@@ -47,7 +47,8 @@ class PrefillConfig:
     pairs of one KV head's query heads, so each KV tile is read once for the whole group.
     warp_specialize: the varlen entry point takes `prefill_ws_kernel` where it can (Hopper,
     16-bit, aligned; see `warp_specialize_usable`): one TMA producer warpgroup and two consumer
-    warpgroups of num_warps each, FA3's structure by Triton's pass (tma and pack_gqa unused).
+    warpgroups of num_warps each, FA3's structure by Triton's pass (tma and pack_gqa unused);
+    where it cannot, the default kernel runs with `PrefillConfig()`'s launch parameters.
     """
 
     block_m: int = 128

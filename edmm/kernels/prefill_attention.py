@@ -66,11 +66,13 @@ def prefill_attention(
     kv = kv_layer_view(kv_cache, layer, q)  # [S, M, 2, Hkv, D]
     out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [Lq, Hq, D]
     cfg = config or PrefillConfig()
-    if cfg.warp_specialize and warp_specialize_usable(q, kv):
-        ids = torch.tensor([0, query_len, slot_id, context_len], dtype=torch.int32)
-        ids = ids.to(q.device, non_blocking=True)
-        _launch_ws(q, kv, out, (ids[:2], ids[2:3], ids[3:]), scale, cfg, skip_single=False)
-        return out
+    if cfg.warp_specialize:
+        if warp_specialize_usable(q, kv):
+            ids = torch.tensor([0, query_len, slot_id, context_len], dtype=torch.int32)
+            ids = ids.to(q.device)
+            _launch_ws(q, kv, out, (ids[:2], ids[2:3], ids[3:]), scale, cfg, skip_single=False)
+            return out
+        cfg = PrefillConfig()  # its launch parameters are the WS kernel's
     rows = query_len * _rows_per_query(q, kv, cfg)
     _launch(q, kv, out, None, (slot_id, context_len, query_len), cdiv(rows, cfg.block_m), 1,
             scale, cfg)
@@ -117,9 +119,12 @@ def prefill_attention_varlen(
     if batch == 0 or q.shape[0] == 0:
         return out
     cfg = config or PrefillConfig()
-    if cfg.warp_specialize and warp_specialize_usable(q, kv):
-        _launch_ws(q, kv, out, (cu_seqlens_q, slot_ids, context_lens), scale, cfg, skip_single)
-        return out
+    if cfg.warp_specialize:
+        if warp_specialize_usable(q, kv):
+            _launch_ws(q, kv, out, (cu_seqlens_q, slot_ids, context_lens), scale, cfg,
+                       skip_single)
+            return out
+        cfg = PrefillConfig()  # its launch parameters are the WS kernel's
     tiles = q.shape[0] * _rows_per_query(q, kv, cfg) // cfg.block_m + batch
     _launch(q, kv, out, (cu_seqlens_q, slot_ids, context_lens), (0, 0, 0), tiles, batch,
             scale, cfg, skip_single)

@@ -23,11 +23,12 @@ from edmm.model.attention import (
 )
 from edmm.model.fusion import rotary_qk
 
-LONG_PREFILL_TOKENS = 4096  # batches of at least this many tokens take LONG_PREFILL
-# Whole KV tiles by TMA, a KV head's query heads packed in one tile, the longest tiles first:
-# 3.4% faster than the default on a 16K prefill in 2048-token chunks, 2% slower on 512 tokens
-# over a 16K prefix (H200, `python -m edmm.bench.attention`, 2026-11-30-h200/attention.md).
-LONG_PREFILL = PrefillConfig(tma=True, pack_gqa=True, reverse=True)
+# Hopper: the warp-specialized kernel, 478 TFLOP/s against 421 for the default on 512 tokens
+# over a 16K prefix, 490 against 429 (the best earlier config) on a 16K prefill in 2048-token
+# chunks (H200, `python -m edmm.bench.attention --prefill-sweep`, 2026-11-30-h200-session4/).
+# Elsewhere (or fp32) the default kernel runs with its default launch parameters.
+PREFILL = PrefillConfig(block_m=128, block_n=128, num_warps=4, num_stages=2,
+                        warp_specialize=True, reverse=True)
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -81,10 +82,9 @@ class TritonAttentionBackend(AttentionBackend):
             return decode_attention(q, kv_cache, layer, meta.slot_ids_t, meta.context_lens_t,
                                     scale, max_context=self.max_context)
         # Mixed: multi-query sequences in query tiles, single-query ones split-K, in place.
-        config = LONG_PREFILL if q.shape[0] >= LONG_PREFILL_TOKENS else None
         out = prefill_attention_varlen(q, kv_cache, layer, meta.query_start_loc,
                                        meta.slot_ids_t, meta.context_lens_t, scale,
-                                       config=config, skip_single=True)
+                                       config=PREFILL, skip_single=True)
         return decode_attention_varlen(q, kv_cache, layer, meta.query_start_loc,
                                        meta.slot_ids_t, meta.context_lens_t, out, scale,
                                        max_context=self.max_context)
