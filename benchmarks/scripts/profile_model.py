@@ -2,9 +2,10 @@
 
     PYTHONPATH=. python3 benchmarks/scripts/profile_model.py [--context 16384] [--out DIR]
 
-Prints, for the qwen2.5-7b preset on the arena: the top CUDA kernels of an eager decode step
-and of a 512-token prefill on a cached prefix (time per step; the decode step completes a
-``--context``-token context, as `edmm bench ttft` times it), their sum against the wall time,
+Prints, for the qwen2.5-7b preset on the arena: the top CUDA kernels of a decode step, of a
+512-token prefill on a cached prefix and of a full prefill (time per step; the decode step
+completes a ``--context``-token context, as `edmm bench ttft` times it), their sum against the
+wall time,
 and the wall time of the parts of a graph-replayed decode step and 512-token prefill (medians of
 30): mapping the new tokens' pages (``grow``, timed apart), building the inputs (``grow``
 included), `forward` (copy into the graph's buffers, launch the replay), `sample` (launch), the
@@ -39,7 +40,8 @@ def _kernel_table(prof: profile, steps: int, top: int = 18) -> str:
     return "\n".join(lines)
 
 
-def _profile(side: EdmmSide, ids: torch.Tensor, keep: int, end: int, steps: int) -> str:
+def _profile(side: EdmmSide, ids: torch.Tensor, keep: int, end: int, steps: int,
+             top: int = 18) -> str:
     for _ in range(2):
         side.truncate(keep)
         side.extend(ids[keep:end])
@@ -53,7 +55,7 @@ def _profile(side: EdmmSide, ids: torch.Tensor, keep: int, end: int, steps: int)
             torch.cuda.synchronize()
             walls.append((time.perf_counter() - t0) * 1e3)
     return f"wall per step (profiled): {sum(walls) / len(walls):.3f} ms\n" + _kernel_table(
-        prof, steps)
+        prof, steps, top)
 
 
 def _step_parts(side: EdmmSide, ids: torch.Tensor, keep: int, end: int,
@@ -113,6 +115,8 @@ def main() -> None:
         report.append(f"\n## decode step ({name})\n" + _profile(side, ids, ctx - 1, ctx, 10))
         report.append(f"\n## prefill 512 on cached prefix ({name})\n"
                       + _profile(side, ids, ctx - 512, ctx, 5))
+        report.append(f"\n## full prefill of {ctx} tokens ({name}, eager)\n"
+                      + _profile(side, ids, 0, ctx, 2, top=24))
         if not eager:
             report.append("\n## decode step parts (CUDA graph)\n"
                           + _step_parts(side, ids, ctx - 1, ctx))

@@ -60,6 +60,13 @@ class PrefillConfig:
     pack_gqa: bool = False
     warp_specialize: bool = False
 
+    def __post_init__(self) -> None:
+        if self.warp_specialize and (self.num_warps, self.num_stages) != (4, 2):
+            # Triton 3.6 gives NaN with 3 stages on the H200 (GPU test of that config, session
+            # 4); 4 warps per warpgroup is what its Hopper pass partitions.
+            raise KernelInputError("warp_specialize needs num_warps=4, num_stages=2, got "
+                                   f"{self.num_warps}, {self.num_stages}")
+
 
 @functools.cache
 def triton_available() -> bool:

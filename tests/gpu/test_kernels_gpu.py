@@ -135,11 +135,9 @@ CONFIGS = [None, PrefillConfig(tma=True, reverse=True),
                          pack_gqa=True, reverse=True),
            PREFILL,
            PrefillConfig(block_m=128, block_n=64, num_warps=4, num_stages=2,
-                         warp_specialize=True),
-           PrefillConfig(block_m=128, block_n=64, num_warps=4, num_stages=3,
-                         warp_specialize=True, reverse=True)]
+                         warp_specialize=True)]
 CONFIG_IDS = ["default", "tma-reverse", "tma-128x128", "packed", "packed-64-reverse",
-              "backend", "warp-spec-64", "warp-spec-64-3-stages"]
+              "backend", "warp-spec-64"]
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)

@@ -215,3 +215,11 @@ def test_warp_specialized_kernel_runs_where_usable(
     assert launches == ([dtype] if dtype == torch.bfloat16 else [])
     odd = torch.randn(70, 4 * 32 + 1).to(dtype)[:, 1:].view(70, 4, 32)  # rows 2 B off
     assert not module.warp_specialize_usable(odd, cache.kv[:, :, 1])
+
+
+def test_warp_specialize_takes_only_the_verified_launch_shape() -> None:
+    with pytest.raises(KernelInputError, match="num_stages=2"):
+        PrefillConfig(num_warps=4, num_stages=3, warp_specialize=True)
+    with pytest.raises(KernelInputError, match="num_warps=4"):
+        PrefillConfig(num_warps=8, num_stages=2, warp_specialize=True)
+    assert PrefillConfig(num_warps=8, num_stages=3).num_stages == 3  # the default kernel: any
