@@ -51,7 +51,7 @@ DECODE_SWEEP = (DecodeConfig(32, 4, 4), DecodeConfig(64, 4, 2), DecodeConfig(64,
                 DecodeConfig(128, 4, 2), DecodeConfig(128, 8, 3))
 P = PrefillConfig
 PREFILL_SWEEP = (  # (earlier sweeps: benchmarks/results/2026-11-30-h200-session3/attention.md)
-    P(128, 64, 8, 3), P(128, 64, 8, 3, tma=True, pack_gqa=True, reverse=True),
+    P(128, 64, 8, 3), P(128, 64, 8, 3, reverse=True),
     P(128, 128, 4, 2, warp_specialize=True), P(128, 128, 4, 2, warp_specialize=True, reverse=True),
     P(128, 64, 4, 2, warp_specialize=True))
 CHUNK = 2048  # the engine's default token budget: a full prefill runs in chunks of this

@@ -38,26 +38,22 @@ class DecodeConfig:
 
 @dataclass(frozen=True)
 class PrefillConfig:
-    """Launch parameters of the prefill kernel.
+    """Launch parameters of the prefill kernels.
 
-    block_m, block_n: queries and keys per tile; num_warps, num_stages: Triton's. tma: load
-    the whole KV tiles through the copy engine (Hopper+; ignored where `tma_usable` is false).
-    reverse: start each sequence's tiles from its last (the most keys), so the longest
-    programs do not trail at the end of the grid. pack_gqa: a tile's rows are (query, head)
-    pairs of one KV head's query heads, so each KV tile is read once for the whole group.
-    warp_specialize: the varlen entry point takes `prefill_ws_kernel` where it can (Hopper,
-    16-bit, aligned; see `warp_specialize_usable`): one TMA producer warpgroup and two consumer
-    warpgroups of num_warps each, FA3's structure by Triton's pass (tma and pack_gqa unused);
-    where it cannot, the default kernel runs with `PrefillConfig()`'s launch parameters.
+    block_m, block_n: queries and keys per tile; num_warps, num_stages: Triton's. reverse:
+    start each sequence's tiles from its last (the most keys), so the longest programs do not
+    trail at the end of the grid. warp_specialize: the varlen entry point takes
+    `prefill_ws_kernel` where it can (Hopper, 16-bit, aligned; see `warp_specialize_usable`):
+    one TMA producer warpgroup and two consumer warpgroups of num_warps each, FA3's structure by
+    Triton's pass; where it cannot, `prefill_kernel` runs with `PrefillConfig()`'s launch
+    parameters.
     """
 
     block_m: int = 128
     block_n: int = 64
     num_warps: int = 8
     num_stages: int = 3
-    tma: bool = False
     reverse: bool = False
-    pack_gqa: bool = False
     warp_specialize: bool = False
 
     def __post_init__(self) -> None:

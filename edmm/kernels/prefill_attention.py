@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any
 
 import torch
 
@@ -73,8 +72,7 @@ def prefill_attention(
             _launch_ws(q, kv, out, (ids[:2], ids[2:3], ids[3:]), scale, cfg, skip_single=False)
             return out
         cfg = PrefillConfig()  # its launch parameters are the WS kernel's
-    rows = query_len * _rows_per_query(q, kv, cfg)
-    _launch(q, kv, out, None, (slot_id, context_len, query_len), cdiv(rows, cfg.block_m), 1,
+    _launch(q, kv, out, None, (slot_id, context_len, query_len), cdiv(query_len, cfg.block_m), 1,
             scale, cfg)
     return out
 
@@ -125,7 +123,7 @@ def prefill_attention_varlen(
                        skip_single)
             return out
         cfg = PrefillConfig()  # its launch parameters are the WS kernel's
-    tiles = q.shape[0] * _rows_per_query(q, kv, cfg) // cfg.block_m + batch
+    tiles = q.shape[0] // cfg.block_m + batch
     _launch(q, kv, out, (cu_seqlens_q, slot_ids, context_lens), (0, 0, 0), tiles, batch,
             scale, cfg, skip_single)
     return out
@@ -140,16 +138,14 @@ def _launch(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor,
             varlen: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
             single: tuple[int, int, int], tiles: int, batch: int, scale: float,
             cfg: PrefillConfig, skip_single: bool = False) -> None:
-    """Launch over (row tiles, Hq or Hkv when packed); ``varlen`` tensors or the ``single``
+    """Launch `prefill_kernel` over (row tiles, Hq); ``varlen`` tensors or the ``single``
     sequence's ints."""
     from edmm.kernels import _triton_prefill as tk
 
     num_heads, head_dim = q.shape[1], q.shape[2]
     cu_q, slot_ids, ctx_lens = varlen if varlen is not None else (out, out, out)  # unused
-    desc = _kv_descriptor(kv, cfg) if cfg.tma and tma_usable(q.device) else None
-    grid = (tiles, kv.shape[3] if cfg.pack_gqa else num_heads)
-    tk.prefill_kernel[grid](
-        q, kv, desc, out, cu_q, slot_ids, ctx_lens,
+    tk.prefill_kernel[(tiles, num_heads)](
+        q, kv, out, cu_q, slot_ids, ctx_lens,
         *single, batch,
         scale * math.log2(math.e),
         q.stride(0), q.stride(1),
@@ -157,8 +153,7 @@ def _launch(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor,
         out.stride(0), out.stride(1),
         GROUP=num_heads // kv.shape[3], HEAD_DIM=head_dim, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, VARLEN=varlen is not None, SKIP_SINGLE=skip_single,
-        DOT_PRECISION=dot_precision(q.dtype), USE_TMA=desc is not None, REVERSE=cfg.reverse,
-        PACK_GQA=cfg.pack_gqa,
+        DOT_PRECISION=dot_precision(q.dtype), REVERSE=cfg.reverse,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
@@ -207,17 +202,3 @@ def _descriptor_scratch(size: int, alignment: int, stream: int | None,
     """Global memory on ``device`` for the descriptors a kernel makes there (triton's
     allocator protocol; the caching allocator's blocks are 512-byte aligned)."""
     return torch.empty(size, dtype=torch.int8, device=device)
-
-
-def _rows_per_query(q: torch.Tensor, kv: torch.Tensor, cfg: PrefillConfig) -> int:
-    """Tile rows per query: its GROUP heads when packed, else one (a head per program)."""
-    return q.shape[1] // kv.shape[3] if cfg.pack_gqa else 1
-
-
-def _kv_descriptor(kv: torch.Tensor, cfg: PrefillConfig) -> Any:
-    """A tensor descriptor of the layer view [S, M, 2, Hkv, D] loading one head's
-    [BLOCK_N, D] tile of K or V (block [1, BLOCK_N, 1, 1, D])."""
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    return TensorDescriptor(kv, list(kv.shape), list(kv.stride()),
-                            [1, cfg.block_n, 1, 1, kv.shape[-1]])

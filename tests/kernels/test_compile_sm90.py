@@ -1,4 +1,5 @@
-"""The kernels compile for an H100/H200 (sm_90) without a GPU: pipelined loads, no spills.
+"""The kernels compile for an H100/H200 (sm_90) without a GPU: pipelined loads, no spills,
+and the backend's prefill kernel really warp-specialized.
 
 The interpreter checks what the kernels compute; this checks the compiled path it skips, with
 the default launch configs at Qwen2.5-7B shapes. It runs in a subprocess without
@@ -28,16 +29,16 @@ SCRIPT = textwrap.dedent("""
     from triton.compiler import ASTSource
     from edmm.kernels import DecodeConfig, PrefillConfig
     from edmm.kernels import _triton_decode as td, _triton_prefill as tp
+    from edmm.model.attention_triton import PREFILL
 
     PTRS = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "out_ptr": "*bf16", "slot_ids_ptr": "*i32",
             "ctx_lens_ptr": "*i32", "cu_q_ptr": "*i32", "part_o_ptr": "*fp32",
             "part_lse_ptr": "*fp32", "qk_scale": "fp32"}
     CUOBJDUMP = os.path.join(os.path.dirname(nv.__file__), "bin", "cuobjdump")
 
-    def compile_sm90(fn, constexprs, descs=None, **options):
+    def compile_sm90(fn, constexprs, **options):
         names = fn.arg_names
         sig = {n: "constexpr" if n in constexprs else PTRS.get(n, "i32") for n in names}
-        sig.update(descs or {})
         aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
                    if n not in constexprs and (n.endswith("_ptr") or n.startswith("stride"))}
         src = ASTSource(fn, sig, {(names.index(k),): v for k, v in constexprs.items()}, aligned)
@@ -49,9 +50,10 @@ SCRIPT = textwrap.dedent("""
                                    text=True, check=True).stdout
         ptx = k.asm["ptx"]
         return {"cp_async": "cp.async" in ptx, "usage": usage, "shared": k.metadata.shared,
-                "wgmma": "wgmma.mma_async" in ptx}
+                "wgmma": "wgmma.mma_async" in ptx, "setmaxnreg": "setmaxnreg" in ptx,
+                "warps": k.metadata.num_warps}
 
-    d, p = DecodeConfig(), PrefillConfig()
+    d, p, ws = DecodeConfig(), PrefillConfig(), PREFILL
     out = {
         "decode": compile_sm90(
             td.decode_split_kernel,
@@ -61,10 +63,13 @@ SCRIPT = textwrap.dedent("""
         "prefill": compile_sm90(
             tp.prefill_kernel,
             dict(GROUP=7, HEAD_DIM=128, BLOCK_M=p.block_m, BLOCK_N=p.block_n, VARLEN=True,
-                 SKIP_SINGLE=True, DOT_PRECISION="tf32", USE_TMA=p.tma, REVERSE=p.reverse,
-                 PACK_GQA=p.pack_gqa, **({} if p.tma else {"kv_desc": None})),
-            {"kv_desc": f"tensordesc<bf16[1,{p.block_n},1,1,128]>"} if p.tma else {},
+                 SKIP_SINGLE=True, DOT_PRECISION="tf32", REVERSE=p.reverse),
             num_warps=p.num_warps, num_stages=p.num_stages),
+        "prefill_ws": compile_sm90(
+            tp.prefill_ws_kernel,
+            dict(GROUP=7, HEAD_DIM=128, BLOCK_M=ws.block_m, BLOCK_N=ws.block_n,
+                 SKIP_SINGLE=True, REVERSE=ws.reverse, DOT_PRECISION="tf32"),
+            num_warps=ws.num_warps, num_stages=ws.num_stages),
     }
     print(json.dumps(out))
 """)
@@ -77,7 +82,13 @@ def test_default_configs_compile_for_sm90_without_spills() -> None:
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(run.stdout.strip().splitlines()[-1])
     for name, r in report.items():
-        assert r["cp_async"], f"{name}: loads are not pipelined (no cp.async)"
+        if name != "prefill_ws":  # its loads are the copy engine's (TMA), not cp.async
+            assert r["cp_async"], f"{name}: loads are not pipelined (no cp.async)"
         assert "STACK:0 " in r["usage"] and "LOCAL:0 " in r["usage"], f"{name}: {r['usage']}"
         assert r["shared"] <= 227 * 1024, f"{name}: {r['shared']} B of shared memory"
     assert report["prefill"]["wgmma"], "prefill: no Hopper matrix instructions (wgmma)"
+    ws = report["prefill_ws"]
+    # Triton drops warp specialization silently when its pass cannot split the loop: then
+    # there is no register handover between warpgroups and only num_warps warps.
+    assert ws["setmaxnreg"] and ws["warps"] == 12, f"prefill_ws not warp-specialized: {ws}"
+    assert ws["wgmma"], "prefill_ws: no wgmma"

@@ -26,14 +26,12 @@ CheckClose = Callable[[torch.Tensor, torch.Tensor, torch.dtype], None]
 LENS = {2: 1, 0: 77, 3: 140, 1: 200}
 MAX_TOKENS = 200
 SMALL = PrefillConfig(block_m=32, block_n=16, num_warps=4, num_stages=2)  # many tiles, diagonal
-SMALL_TMA = PrefillConfig(block_m=32, block_n=16, num_warps=4, num_stages=2, tma=True,
-                          reverse=True)  # whole tiles by descriptor, last tile first
-SMALL_PACKED = PrefillConfig(block_m=32, block_n=16, num_warps=4, num_stages=2, tma=True,
-                             pack_gqa=True)  # rows are (query, head) pairs of a KV head
+SMALL_REVERSE = PrefillConfig(block_m=32, block_n=16, num_warps=4, num_stages=2,
+                              reverse=True)  # last tile first
 SMALL_WS = PrefillConfig(block_m=32, block_n=16, num_warps=4, num_stages=2, warp_specialize=True,
                          reverse=True)  # one loop, per-sequence descriptors (16-bit only)
-SMALLS = pytest.mark.parametrize("small", [SMALL, SMALL_TMA, SMALL_PACKED, SMALL_WS],
-                                 ids=["pointers", "tma-reverse", "packed-gqa", "warp-spec"])
+SMALLS = pytest.mark.parametrize("small", [SMALL, SMALL_REVERSE, SMALL_WS],
+                                 ids=["default", "reverse", "warp-spec"])
 
 
 def _dtype(config: PrefillConfig | None) -> torch.dtype:
@@ -59,7 +57,7 @@ def _run(
     return out, ref
 
 
-@pytest.mark.parametrize("config", [None, SMALL_PACKED], ids=["default", "packed-gqa"])
+@pytest.mark.parametrize("config", [None, SMALL_WS], ids=["default", "warp-spec"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("group", [1, 2, 3, 4])
 def test_matches_reference(
@@ -94,7 +92,7 @@ def test_head_dims(make_cache: MakeCache, check_close: CheckClose, head_dim: int
     check_close(out, ref, torch.float16)
 
 
-@pytest.mark.parametrize("config", [None, SMALL, SMALL_TMA, SMALL_PACKED, SMALL_WS])
+@pytest.mark.parametrize("config", [None, SMALL, SMALL_REVERSE, SMALL_WS])
 def test_varlen_batch(
     make_cache: MakeCache, check_close: CheckClose, config: PrefillConfig | None
 ) -> None:
