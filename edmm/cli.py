@@ -80,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     ttft.add_argument("--no-peer", action="store_true", help="skip transformers")
     ttft.add_argument("--eager", action="store_true",
                       help="EDMM with reference SDPA attention and no CUDA graphs")
+    ttft.add_argument("--prefill-kernel", choices=("warp-specialized", "default"),
+                      default="warp-specialized",
+                      help="the model's prefill attention launch (default: for comparison)")
     ttft.add_argument("--out", type=Path, default=None)
     live = bsub.add_parser("live", help="A/B/C resume groups at the client: the openai SDK over "
                            "HTTP against edmm serve (started on a free port, or --url)")
@@ -201,7 +204,7 @@ def _bench(args: argparse.Namespace) -> int:
                                contexts=args.contexts, repeats=args.repeats,
                                full_prefill_repeats=args.full_prefill_repeats,
                                new_tokens=args.new_tokens, peer=not args.no_peer,
-                               eager=args.eager)
+                               eager=args.eager, prefill_kernel=args.prefill_kernel)
         print(Path(run_ttft_bench(tcfg, out)["md"]).read_text())
     print(f"wrote {out}")
     return 0

@@ -40,6 +40,7 @@ from edmm.kernels import (
     triton_usable,
 )
 from edmm.memory import KVArena, KVMemoryError, KVSpec, PagePool, open_backend
+from edmm.model.attention_triton import PREFILL
 
 SPEC = KVSpec(num_layers=28, num_kv_heads=4, head_dim=128, dtype=torch.bfloat16)
 NUM_HEADS = 28
@@ -336,12 +337,15 @@ def bench_prefill(kv: torch.Tensor, cfg: AttentionBenchConfig) -> list[Row]:
     """Prefill of ``prefill_queries`` tokens at every context."""
     eager = functools.partial(time_eager, warmup=cfg.warmup, reps=cfg.reps)
     n = cfg.prefill_queries
-    notes = {"triton": f"{PrefillConfig()}", "sdpa": "causal_lower_right"}
+    notes = {"triton": f"{PrefillConfig()}", "triton-backend": f"{PREFILL}",
+             "sdpa": "causal_lower_right"}
     rows = []
     for context in cfg.contexts:
         tri, sdpa = _prefill_fns(kv, context, n)
+        backend, _ = _prefill_fns(kv, context, n, PREFILL)
         case = Case("prefill", 1, context, n, _prefill_flops(n, context), "TFLOP/s")
-        rows += time_case(case, {"triton": tri, "sdpa": sdpa}, eager, notes)
+        rows += time_case(case, {"triton": tri, "triton-backend": backend, "sdpa": sdpa}, eager,
+                          notes)
     return rows
 
 

@@ -31,16 +31,18 @@ from edmm.bench.stats import summarize
 from edmm.engine.cuda_graph import CudaGraphRunner
 from edmm.engine.runner import ModelInputs, ModelRunner
 from edmm.engine.sampling import RequestRng, SamplingParams
+from edmm.kernels import PrefillConfig
 from edmm.memory.arena import KVArena, KVSpec
 from edmm.memory.backends import open_backend
 from edmm.memory.pool import PagePool
 from edmm.model.attention import AttentionMetadata
-from edmm.model.attention_triton import default_backend
+from edmm.model.attention_triton import PREFILL, default_backend
 from edmm.model.config import ModelConfig
 from edmm.model.loader import load_model
 
 MEASURED_BF16_TFLOPS = 790.0  # dense bf16 matmul measured on the lent H200 (DESIGN.md)
 OPS = ("decode step", "prefill on cached prefix", "full prefill")
+PREFILL_KERNELS = {"warp-specialized": PREFILL, "default": PrefillConfig()}  # --prefill-kernel
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,7 @@ class TTFTBenchConfig:
     peer: bool = True
     eager: bool = False
     host_page_size: int = 64 * 1024
+    prefill_kernel: str = "warp-specialized"  # or "default": PrefillConfig(), for comparison
 
 
 def _sync(device: torch.device) -> None:
@@ -91,7 +94,8 @@ class EdmmSide:
         self.arena = KVArena(self.pool, spec, num_slots=2, max_tokens=max_tokens)
         self.runner: ModelRunner
         if cuda and not cfg.eager:
-            self.model.set_backend(default_backend(self.device, max_tokens))
+            self.model.set_backend(default_backend(self.device, max_tokens,
+                                                   PREFILL_KERNELS[cfg.prefill_kernel]))
             self.model.enable_fusion()
             self.runner = CudaGraphRunner(self.model, self.arena, self.device, sizes=(1,),
                                           token_sizes=(cfg.new_tokens,), max_seqs=1)
@@ -257,6 +261,7 @@ def run_ttft_bench(cfg: TTFTBenchConfig, out_dir: Path) -> dict[str, Path]:
              f"repeats: {cfg.repeats} (full prefill: {cfg.full_prefill_repeats}), after one "
              "warm-up; trimmed mean drops 10% each side",
              f"compute floor: matmul FLOPs / {MEASURED_BF16_TFLOPS} TFLOP/s",
+             f"prefill kernel: {cfg.prefill_kernel} ({PREFILL_KERNELS[cfg.prefill_kernel]})",
              *_plot(summary, out_dir)]
     paths = writer.write(summary, title=f"edmm bench ttft (model level, {cfg.device})",
                          notes=notes)

@@ -38,12 +38,15 @@ class TritonAttentionBackend(AttentionBackend):
     Args:
         max_context: the longest context a decode call (or captured graph) serves; it fixes
             the split count of the decode kernel.
+        prefill: launch parameters of the prefill kernel (`PREFILL`, or the default kernel's
+            `PrefillConfig()` for comparisons).
     """
 
     fuses_rope = True
 
-    def __init__(self, max_context: int) -> None:
+    def __init__(self, max_context: int, prefill: PrefillConfig = PREFILL) -> None:
         self.max_context = max_context
+        self.prefill = prefill
         self._fallback = TorchSDPABackend()
 
     def forward(
@@ -84,16 +87,18 @@ class TritonAttentionBackend(AttentionBackend):
         # Mixed: multi-query sequences in query tiles, single-query ones split-K, in place.
         out = prefill_attention_varlen(q, kv_cache, layer, meta.query_start_loc,
                                        meta.slot_ids_t, meta.context_lens_t, scale,
-                                       config=PREFILL, skip_single=True)
+                                       config=self.prefill, skip_single=True)
         return decode_attention_varlen(q, kv_cache, layer, meta.query_start_loc,
                                        meta.slot_ids_t, meta.context_lens_t, out, scale,
                                        max_context=self.max_context)
 
 
-def default_backend(device: torch.device | str, max_context: int) -> AttentionBackend:
-    """Triton kernels on a CUDA device where triton is usable, else the reference SDPA."""
+def default_backend(device: torch.device | str, max_context: int,
+                    prefill: PrefillConfig = PREFILL) -> AttentionBackend:
+    """Triton kernels (``prefill``: the prefill kernel's launch parameters) on a CUDA device
+    where triton is usable, else the reference SDPA."""
     from edmm.kernels import triton_usable
 
     if torch.device(device).type == "cuda" and triton_usable(device):
-        return TritonAttentionBackend(max_context)
+        return TritonAttentionBackend(max_context, prefill)
     return TorchSDPABackend()
