@@ -210,13 +210,15 @@ class Case:
 
 
 def time_case(case: Case, impls: dict[str, Fn], timer: Callable[[Fn], list[float]],
-              notes: dict[str, str] | None = None) -> list[Row]:
-    """Rows of every impl that runs; Triton's error is measured against SDPA when both run.
+              notes: dict[str, str] | None = None, reference: Fn | None = None) -> list[Row]:
+    """Rows of every impl that runs; each one's error is measured against ``reference`` (not
+    timed; default: the "sdpa" impl) on the same inputs.
 
     An impl that fails (a sweep config past shared memory, an SDPA path that is missing) is
     reported on stderr and left out.
     """
-    ref = _guarded(lambda: impls["sdpa"](0)) if "sdpa" in impls else None
+    reference = reference or impls.get("sdpa")
+    ref = _guarded(lambda: reference(0)) if reference is not None else None
     rows = []
     for impl, fn in impls.items():
         times = _guarded(functools.partial(timer, fn))
@@ -265,7 +267,8 @@ def sweep_decode(kv: torch.Tensor, cfg: AttentionBenchConfig) -> list[Row]:
 # ---------------------------------------------------------------------------- prefill
 def _prefill_fns(kv: torch.Tensor, context: int, queries: int,
                  config: PrefillConfig | None = None) -> tuple[Fn, Fn]:
-    """Triton and SDPA calls of ``queries`` new tokens at the end of slot 0's ``context``."""
+    """Triton and SDPA calls of ``queries`` new tokens at the end of slot 0's ``context``, on
+    one random q (a second call draws another: compare only a pair's outputs)."""
     from torch.nn.attention.bias import causal_lower_right
 
     q = torch.randn(queries, NUM_HEADS, SPEC.head_dim, dtype=SPEC.dtype, device=DEVICE)
@@ -341,11 +344,12 @@ def bench_prefill(kv: torch.Tensor, cfg: AttentionBenchConfig) -> list[Row]:
              "sdpa": "causal_lower_right"}
     rows = []
     for context in cfg.contexts:
-        tri, sdpa = _prefill_fns(kv, context, n)
-        backend, _ = _prefill_fns(kv, context, n, PREFILL)
         case = Case("prefill", 1, context, n, _prefill_flops(n, context), "TFLOP/s")
-        rows += time_case(case, {"triton": tri, "triton-backend": backend, "sdpa": sdpa}, eager,
-                          notes)
+        tri, sdpa = _prefill_fns(kv, context, n)
+        rows += time_case(case, {"triton": tri, "sdpa": sdpa}, eager, notes)
+        backend, backend_ref = _prefill_fns(kv, context, n, PREFILL)  # another q
+        rows += time_case(case, {"triton-backend": backend}, eager, notes,
+                          reference=backend_ref)
     return rows
 
 
