@@ -1,5 +1,5 @@
 """Triton kernels: attention that reads the KV arena's strided cache in place, RoPE fused
-with the KV write, SiLU-and-multiply, one-row projections.
+with the KV write, SiLU-and-multiply.
 
 Triton is optional: importing this package never imports it. Callers check
 :func:`triton_usable` for their device and fall back to SDPA when it is False (no triton, or
@@ -8,7 +8,6 @@ not a CUDA device). Tests run the kernels on CPU tensors under ``TRITON_INTERPRE
 
 from edmm.kernels._common import (
     DecodeConfig,
-    GemvConfig,
     KernelInputError,
     KernelUnavailableError,
     PrefillConfig,
@@ -20,21 +19,18 @@ from edmm.kernels.decode_attention import (
     decode_attention_varlen,
     default_num_splits,
 )
-from edmm.kernels.gemv import gemv
 from edmm.kernels.prefill_attention import prefill_attention, prefill_attention_varlen
 from edmm.kernels.rope_store import rope_store_kv
 from edmm.kernels.silu_mul import silu_mul
 
 __all__ = [
     "DecodeConfig",
-    "GemvConfig",
     "KernelInputError",
     "KernelUnavailableError",
     "PrefillConfig",
     "decode_attention",
     "decode_attention_varlen",
     "default_num_splits",
-    "gemv",
     "prefill_attention",
     "prefill_attention_varlen",
     "rope_store_kv",

@@ -37,17 +37,6 @@ class DecodeConfig:
 
 
 @dataclass(frozen=True)
-class GemvConfig:
-    """Launch parameters of the one-row projection (output rows and inputs per tile, warps,
-    stages)."""
-
-    block_n: int = 8
-    block_k: int = 512
-    num_warps: int = 4
-    num_stages: int = 3
-
-
-@dataclass(frozen=True)
 class PrefillConfig:
     """Launch parameters of the prefill kernels.
 
