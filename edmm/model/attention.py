@@ -74,7 +74,7 @@ class AttentionMetadata:
 
     def to(self, device: torch.device | str) -> AttentionMetadata:
         """Self if the index tensors already live on ``device``, else a copy with them built
-        (all int64, transferred in one asynchronous host-to-device copy from pinned memory)."""
+        (all int64, transferred in one host-to-device copy)."""
         device = torch.device(device)
         have = self.slot_index.device if self.slot_index is not None else None
         if have is not None and have.type == device.type and device.index in (None, have.index):
@@ -89,8 +89,6 @@ class AttentionMetadata:
         parts = [slots, tokens, [x - 1 for x in starts[1:]], self.slot_ids, self.context_lens]
         parts.append(starts)
         flat = torch.tensor([x for p in parts for x in p], dtype=torch.int64)
-        if device.type == "cuda":  # pinned: the copy returns at once, the step launches on
-            flat = flat.pin_memory()
         views = flat.to(device, non_blocking=True).split([len(p) for p in parts])
         return AttentionMetadata(
             self.slot_ids,
