@@ -261,7 +261,8 @@ def run_ttft_bench(cfg: TTFTBenchConfig, out_dir: Path) -> dict[str, Path]:
              f"repeats: {cfg.repeats} (full prefill: {cfg.full_prefill_repeats}), after one "
              "warm-up; trimmed mean drops 10% each side",
              f"compute floor: matmul FLOPs / {MEASURED_BF16_TFLOPS} TFLOP/s",
-             f"prefill kernel: {cfg.prefill_kernel} ({PREFILL_KERNELS[cfg.prefill_kernel]})",
+             f"prefill kernel (CUDA, not eager): {cfg.prefill_kernel} "
+             f"({PREFILL_KERNELS[cfg.prefill_kernel]})",
              *_plot(summary, out_dir)]
     paths = writer.write(summary, title=f"edmm bench ttft (model level, {cfg.device})",
                          notes=notes)
