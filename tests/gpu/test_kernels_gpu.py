@@ -8,7 +8,7 @@ context are NaN-poisoned, so a read there shows as NaN in the output.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import pytest
 import torch
@@ -75,6 +75,20 @@ def _ids(values: list[int]) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int32, device="cuda")
 
 
+def _capture(step: Callable[[], torch.Tensor]) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """A CUDA graph of ``step`` (compiled and warmed up on a side stream first) and the
+    output tensor its replays write."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = step()
+    return graph, out
+
+
 def _assert_close(got: torch.Tensor, ref: torch.Tensor) -> None:
     """bf16 tolerance: no NaN, and each row's error norm within REL_ERR of its norm."""
     assert not got.isnan().any(), "NaN in the output: a read past a context length"
@@ -109,14 +123,7 @@ def test_decode_cuda_graph_replays_with_new_lengths(arena: KVArena) -> None:
     def step() -> torch.Tensor:
         return decode_attention(q, arena.kv, 13, slots, lens, SCALE, max_context=MAX_TOKENS)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile and warm up outside the capture
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = _capture(step)
     for new_lens in ([16384, 4096, 3001, 1], [9000, 17, 3001, 1], [1, 4095, 2000, 1]):
         lens.copy_(_ids(new_lens))
         q.copy_(torch.randn_like(q))
@@ -210,14 +217,7 @@ def test_warp_specialized_prefill_in_cuda_graph(arena: KVArena) -> None:
         return prefill_attention_varlen(q, arena.kv, 27, cu, slots, lens, scale=SCALE,
                                         config=PREFILL)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compile and warm up outside the capture
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = step()
+    graph, out = _capture(step)
     for new_lens in ([16384, 3001], [600, 1000], [9000, 78]):
         lens.copy_(_ids(new_lens))
         q.copy_(torch.randn_like(q))
