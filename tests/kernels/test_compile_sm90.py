@@ -65,11 +65,12 @@ SCRIPT = textwrap.dedent("""
             dict(GROUP=7, HEAD_DIM=128, BLOCK_M=p.block_m, BLOCK_N=p.block_n, VARLEN=True,
                  SKIP_SINGLE=True, DOT_PRECISION="tf32", REVERSE=p.reverse),
             num_warps=p.num_warps, num_stages=p.num_stages),
-        "prefill_ws": compile_sm90(
+        **{name: compile_sm90(  # Qwen2.5-7B's head dim, and a small Llama's without GQA
             tp.prefill_ws_kernel,
-            dict(GROUP=7, HEAD_DIM=128, BLOCK_M=ws.block_m, BLOCK_N=ws.block_n,
+            dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_M=ws.block_m, BLOCK_N=ws.block_n,
                  SKIP_SINGLE=True, REVERSE=ws.reverse, DOT_PRECISION="tf32"),
-            num_warps=ws.num_warps, num_stages=ws.num_stages),
+            num_warps=ws.num_warps, num_stages=ws.num_stages)
+           for name, group, head_dim in (("prefill_ws", 7, 128), ("prefill_ws_d64", 1, 64))},
     }
     print(json.dumps(out))
 """)
@@ -82,13 +83,14 @@ def test_default_configs_compile_for_sm90_without_spills() -> None:
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(run.stdout.strip().splitlines()[-1])
     for name, r in report.items():
-        if name != "prefill_ws":  # its loads are the copy engine's (TMA), not cp.async
+        if not name.startswith("prefill_ws"):  # its loads are the copy engine's (TMA)
             assert r["cp_async"], f"{name}: loads are not pipelined (no cp.async)"
         assert "STACK:0 " in r["usage"] and "LOCAL:0 " in r["usage"], f"{name}: {r['usage']}"
         assert r["shared"] <= 227 * 1024, f"{name}: {r['shared']} B of shared memory"
     assert report["prefill"]["wgmma"], "prefill: no Hopper matrix instructions (wgmma)"
-    ws = report["prefill_ws"]
-    # Triton drops warp specialization silently when its pass cannot split the loop: then
-    # there is no register handover between warpgroups and only num_warps warps.
-    assert ws["setmaxnreg"] and ws["warps"] == 12, f"prefill_ws not warp-specialized: {ws}"
-    assert ws["wgmma"], "prefill_ws: no wgmma"
+    for name in ("prefill_ws", "prefill_ws_d64"):
+        ws = report[name]
+        # Triton drops warp specialization silently when its pass cannot split the loop: then
+        # there is no register handover between warpgroups and only num_warps warps.
+        assert ws["setmaxnreg"] and ws["warps"] == 12, f"{name} not warp-specialized: {ws}"
+        assert ws["wgmma"], f"{name}: no wgmma"
