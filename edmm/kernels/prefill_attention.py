@@ -3,7 +3,8 @@
 The queries are the last ``query_len`` of the ``context_len`` tokens (their KV already written):
 query i sees keys < context_len - query_len + i + 1. A Triton flash-attention forward (KV tiles,
 online softmax, GQA) reads the strided cache in place and never touches a token at or past
-the context length.
+the context length; on Hopper, `PrefillConfig.warp_specialize` takes its warp-specialized
+form (TMA producer, two consumer warpgroups) where `warp_specialize_usable` allows.
 """
 
 from __future__ import annotations
