@@ -5,11 +5,10 @@
 Prints, for the qwen2.5-7b preset on the arena: the top CUDA kernels of a decode step, of a
 512-token prefill on a cached prefix and of a full prefill (time per step; the decode step
 completes a ``--context``-token context, as `edmm bench ttft` times it), their sum against the
-wall time,
-and the wall time of the parts of a graph-replayed decode step and 512-token prefill (medians of
-30): mapping the new tokens' pages (``grow``, timed apart), building the inputs (``grow``
-included), `forward` (copy into the graph's buffers, launch the replay), `sample` (launch), the
-wait for the device, and the graph's replay alone.
+wall time, and the wall time of the parts of a graph-replayed decode step and 512-token prefill
+(medians of 30): mapping the new tokens' pages (``grow``, timed apart), building the inputs
+(``grow`` included), `forward` (copy into the graph's buffers, launch the replay), `sample`
+(launch), the wait for the device, and the graph's replay alone.
 """
 
 from __future__ import annotations

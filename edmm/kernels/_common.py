@@ -91,16 +91,12 @@ def require_triton(device: torch.device) -> None:
             "fall back to SDPA")
 
 
-def tma_usable(device: torch.device) -> bool:
-    """Whether tensor descriptors (the copy engine) work on ``device``: compute capability 9+,
-    or the CPU under the interpreter (tests)."""
+def hopper_or_interpreted(device: torch.device) -> bool:
+    """Whether the Hopper-only kernel forms (copy-engine loads, warp specialization) run on
+    ``device``: a Hopper GPU (H100, H200: compute capability 9.x), or the CPU under the
+    interpreter (tests)."""
     if device.type == "cpu":
         return os.environ.get("TRITON_INTERPRET") == "1"
-    return device.type == "cuda" and _capability_major(device) >= 9
-
-
-def hopper(device: torch.device) -> bool:
-    """Whether ``device`` is a Hopper GPU (H100, H200: compute capability 9.x)."""
     return device.type == "cuda" and _capability_major(device) == 9
 
 

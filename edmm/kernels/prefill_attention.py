@@ -20,10 +20,9 @@ from edmm.kernels._common import (
     cdiv,
     check_index,
     dot_precision,
-    hopper,
+    hopper_or_interpreted,
     kv_layer_view,
     require_triton,
-    tma_usable,
     unit_last_stride,
 )
 
@@ -162,7 +161,7 @@ def _launch(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor,
 def warp_specialize_usable(q: torch.Tensor, kv: torch.Tensor) -> bool:
     """Whether the warp-specialized kernel runs here: a Hopper GPU (or the interpreter), a
     16-bit dtype, and q / KV addresses and strides the copy engine takes (16-byte aligned)."""
-    if not tma_usable(q.device) or (q.device.type == "cuda" and not hopper(q.device)):
+    if not hopper_or_interpreted(q.device):
         return False
     if q.dtype not in (torch.float16, torch.bfloat16) or q.stride(1) != q.shape[2]:
         return False

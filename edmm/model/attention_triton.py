@@ -25,7 +25,8 @@ from edmm.model.fusion import rotary_qk
 
 # Hopper: the warp-specialized kernel, 478 TFLOP/s against 421 for the default on 512 tokens
 # over a 16K prefix, 490 against 429 (the best earlier config) on a 16K prefill in 2048-token
-# chunks (H200, `python -m edmm.bench.attention --prefill-sweep`, 2026-11-30-h200-session4/).
+# chunks (H200, `python -m edmm.bench.attention --prefill-sweep`,
+# benchmarks/results/2026-11-30-h200-session4/attention-sweep.md).
 # Elsewhere (or fp32) the default kernel runs with its default launch parameters.
 PREFILL = PrefillConfig(block_m=128, block_n=128, num_warps=4, num_stages=2,
                         warp_specialize=True, reverse=True)

@@ -7,7 +7,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from proxy_helpers import FakeVLLM, Setup, serve_app
+from loopback import serve_app
+from proxy_helpers import FakeVLLM, Setup
 
 from edmm.proxy import Proxy, ProxyConfig, build_app
 

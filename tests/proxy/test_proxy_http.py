@@ -12,7 +12,8 @@ from typing import Any
 
 import httpx
 import pytest
-from proxy_helpers import ARGS, QUESTION, TOOLS, FakeVLLM, Setup, free_port_url, serve_app
+from loopback import serve_app
+from proxy_helpers import ARGS, QUESTION, TOOLS, FakeVLLM, Setup, free_port_url
 
 from edmm.model.loader import load_tokenizer
 from edmm.proxy import Proxy, ProxyConfig, build_app

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import socket
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -12,13 +10,12 @@ from typing import Any
 
 import httpx
 import openai
-import uvicorn
+from loopback import serve_app
 
 from edmm.server import ServerConfig, ServerState, build_app
 
 MODEL = "edmm-tiny"
 MAX_MODEL_LEN = 2048
-START_TIMEOUT_S = 30.0
 
 
 @dataclass
@@ -56,25 +53,12 @@ class LiveServer:
 
 
 def serve(state: ServerState) -> Iterator[LiveServer]:
-    """Run ``state``'s app under uvicorn on a free loopback port until the generator closes."""
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.bind(("127.0.0.1", 0))
-    port = sock.getsockname()[1]
-    config = uvicorn.Config(build_app(state), log_level="warning", timeout_graceful_shutdown=2)
-    server = uvicorn.Server(config)
-    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while not server.started:
-        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
-        time.sleep(0.02)
+    """Run ``state``'s app under uvicorn on a free loopback port until the generator closes;
+    then check the engine's memory integrity and close the state."""
     try:
-        yield LiveServer(f"http://127.0.0.1:{port}", state)
+        with serve_app(build_app(state)) as url:
+            yield LiveServer(url, state)
     finally:
-        server.should_exit = True
-        thread.join(10)
-        sock.close()
         state.engine.check_integrity()
         state.close()
 
