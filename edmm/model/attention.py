@@ -12,6 +12,7 @@ from __future__ import annotations
 import abc
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -79,16 +80,17 @@ class AttentionMetadata:
         have = self.slot_index.device if self.slot_index is not None else None
         if have is not None and have.type == device.type and device.index in (None, have.index):
             return self
-        slots: list[int] = []
-        tokens: list[int] = []
-        starts = [0]
-        for s, q, c in zip(self.slot_ids, self.query_lens, self.context_lens, strict=True):
-            slots.extend([s] * q)
-            tokens.extend(range(c - q, c))
-            starts.append(starts[-1] + q)
-        parts = [slots, tokens, [x - 1 for x in starts[1:]], self.slot_ids, self.context_lens]
-        parts.append(starts)
-        flat = torch.tensor([x for p in parts for x in p], dtype=torch.int64)
+        slot_ids, query_lens, context_lens = (
+            np.asarray(v, dtype=np.int64)
+            for v in (self.slot_ids, self.query_lens, self.context_lens))  # [B] each
+        starts = np.zeros(len(query_lens) + 1, dtype=np.int64)  # [B+1]
+        np.cumsum(query_lens, out=starts[1:])
+        # token j of sequence b sits at row starts[b] + j and slot index c_b - q_b + j
+        token_index = np.arange(starts[-1], dtype=np.int64) + np.repeat(
+            context_lens - query_lens - starts[:-1], query_lens)  # [T]
+        parts = [np.repeat(slot_ids, query_lens), token_index, starts[1:] - 1, slot_ids,
+                 context_lens, starts]
+        flat = torch.from_numpy(np.concatenate(parts))
         views = flat.to(device, non_blocking=True).split([len(p) for p in parts])
         return AttentionMetadata(
             self.slot_ids,

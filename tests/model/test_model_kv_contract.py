@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import random
 import subprocess
 import sys
 import textwrap
@@ -11,6 +12,8 @@ from pathlib import Path
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import Tensor
 
 from edmm.model import (
@@ -214,6 +217,32 @@ def test_metadata_validation() -> None:
     assert meta.query_start_loc is not None and meta.query_start_loc.tolist() == [0, 3, 4]
     assert meta.to("cpu") is meta
     assert issubclass(AttentionMetadataError, ModelError)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 40), st.integers(0, 40)), min_size=1, max_size=8),
+       st.randoms(use_true_random=False))
+def test_metadata_index_tensors_match_a_plain_python_model(
+        seqs: list[tuple[int, int]], rnd: random.Random) -> None:
+    """Each token's slot and index, each sequence's last row and query offsets, for random
+    batches (query length q, cached tokens before it c - q), against per-token loops."""
+    query_lens = [q for q, _ in seqs]
+    context_lens = [q + cached for q, cached in seqs]
+    slot_ids = rnd.sample(range(100), len(seqs))
+    meta = AttentionMetadata.build(slot_ids, query_lens, context_lens)
+    slots, tokens, starts = [], [], [0]
+    for s, q, c in zip(slot_ids, query_lens, context_lens, strict=True):
+        for j in range(q):
+            slots.append(s)
+            tokens.append(c - q + j)
+        starts.append(starts[-1] + q)
+    got = {name: getattr(meta, name).tolist() for name in (
+        "slot_index", "token_index", "last_token_index", "slot_ids_t", "context_lens_t",
+        "query_start_loc")}
+    assert got == {"slot_index": slots, "token_index": tokens,
+                   "last_token_index": [x - 1 for x in starts[1:]], "slot_ids_t": slot_ids,
+                   "context_lens_t": context_lens, "query_start_loc": starts}
+    assert all(getattr(meta, name).dtype == torch.int64 for name in got)
 
 
 def test_forward_input_checks(tiny: tuple[CausalLM, ModelConfig]) -> None:
