@@ -27,6 +27,16 @@ def _ints(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from e
 
 
+def _non_negative(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from e
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
+    return value
+
+
 def default_out_dir(device_tag: str) -> Path:
     """``benchmarks/results/<UTC date>-<device>``."""
     date = _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%d")
@@ -83,6 +93,9 @@ def build_parser() -> argparse.ArgumentParser:
     ttft.add_argument("--prefill-kernel", choices=("warp-specialized", "default"),
                       default="warp-specialized",
                       help="the model's prefill attention launch (default: for comparison)")
+    ttft.add_argument("--full-prefill-chunk", type=_non_negative, default=0,
+                      help="run the full prefill in passes of this many tokens, as the "
+                           "engine's token budget does (both engines; default 0: one pass)")
     ttft.add_argument("--out", type=Path, default=None)
     live = bsub.add_parser("live", help="A/B/C resume groups at the client: the openai SDK over "
                            "HTTP against edmm serve (started on a free port, or --url)")
@@ -204,7 +217,8 @@ def _bench(args: argparse.Namespace) -> int:
                                contexts=args.contexts, repeats=args.repeats,
                                full_prefill_repeats=args.full_prefill_repeats,
                                new_tokens=args.new_tokens, peer=not args.no_peer,
-                               eager=args.eager, prefill_kernel=args.prefill_kernel)
+                               eager=args.eager, prefill_kernel=args.prefill_kernel,
+                               full_prefill_chunk=args.full_prefill_chunk)
         print(Path(run_ttft_bench(tcfg, out)["md"]).read_text())
     print(f"wrote {out}")
     return 0

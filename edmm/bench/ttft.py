@@ -7,7 +7,9 @@ values), in one process:
   qwen2.5-7b preset (56 KiB of KV per token, 2 MiB pages); appending to n cached tokens at a
   power-of-two n would map a page every repeat (~0.12 ms on the H200, `profile_model.py`);
 - prefill of ``new_tokens`` (default 512) new tokens on a cached (n - 512)-token prefix;
-- full prefill of n tokens into an empty slot.
+- full prefill of n tokens into an empty slot: in one pass, or (``full_prefill_chunk``) in
+  chunks as the engine's token budget splits a long prompt, each chunk's pages mapped and its
+  pass launched while the previous chunk still computes, sampling after the last.
 EDMM runs them on its KV arena (mapping pages as it grows, as the engine does), with Triton
 attention, fused pointwise ops and CUDA-graph decode on the GPU (``eager``: reference SDPA,
 no fusion, no graphs); the peer is HF
@@ -17,6 +19,7 @@ Wall-clock times with the device synchronised around each repeat.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -60,6 +63,7 @@ class TTFTBenchConfig:
     eager: bool = False
     host_page_size: int = 64 * 1024
     prefill_kernel: str = "warp-specialized"  # or "default": PrefillConfig(), for comparison
+    full_prefill_chunk: int = 0  # tokens per pass of the full prefill (both engines); 0: one
 
 
 def _sync(device: torch.device) -> None:
@@ -105,14 +109,20 @@ class EdmmSide:
         self._greedy = [SamplingParams(temperature=0.0)]
 
     @torch.inference_mode()
-    def extend(self, ids: torch.Tensor) -> torch.Tensor:
+    def extend(self, ids: torch.Tensor, chunk: int = 0) -> torch.Tensor:
         """Append ``ids`` [n] to the slot: map pages, run the model, greedy-pick the next token.
 
-        On the GPU (unless ``eager``) a decode step and a prefill of ``new_tokens`` on the
-        cached prefix replay CUDA graphs; a full prefill runs eagerly.
+        With ``chunk`` > 0, in passes of that many tokens: each maps its pages and launches
+        without waiting for the one before (only the last samples, which waits), so mapping
+        overlaps the device's work as in the engine's chunked prefill. On the GPU (unless
+        ``eager``) a decode step and a prefill of ``new_tokens`` on the cached prefix replay
+        CUDA graphs; other token counts run eagerly.
         """
-        inputs = self.inputs(ids)
-        hidden = self.runner.forward(inputs)  # [n, hidden]
+        starts = _chunk_starts(ids.shape[0], chunk)
+        for lo, hi in itertools.pairwise(starts):
+            self.runner.forward(self.inputs(ids[lo:hi]))  # no sampling: nothing waits
+        inputs = self.inputs(ids[starts[-1]:])
+        hidden = self.runner.forward(inputs)  # [n_last, hidden]
         return self.runner.sample(hidden, inputs)  # [1]
 
     def inputs(self, ids: torch.Tensor) -> ModelInputs:
@@ -155,10 +165,14 @@ class HFSide:
         self.cache: Any = None
 
     @torch.inference_mode()
-    def extend(self, ids: torch.Tensor) -> torch.Tensor:
-        out = self.model(ids[None], past_key_values=self.cache, use_cache=True,
-                         logits_to_keep=1)
-        self.cache = out.past_key_values
+    def extend(self, ids: torch.Tensor, chunk: int = 0) -> torch.Tensor:
+        """Append ``ids`` [n] to the cache (in passes of ``chunk`` tokens when > 0) and
+        greedy-pick the next token."""
+        starts = _chunk_starts(ids.shape[0], chunk)
+        for lo, hi in itertools.pairwise([*starts, ids.shape[0]]):
+            out = self.model(ids[None, lo:hi], past_key_values=self.cache, use_cache=True,
+                             logits_to_keep=1)
+            self.cache = out.past_key_values
         return out.logits[0, -1].argmax(dim=-1)
 
     def truncate(self, n: int) -> None:
@@ -171,25 +185,30 @@ class HFSide:
         del self.model, self.cache
 
 
+def _chunk_starts(n: int, chunk: int) -> list[int]:
+    """First token of each pass over ``n`` tokens in passes of ``chunk`` (0: one pass)."""
+    return list(range(0, n, chunk)) if chunk > 0 else [0]
+
+
 def _measure(side: EdmmSide | HFSide, ids: torch.Tensor, ctx: int, cfg: TTFTBenchConfig,
              engine: str, progress: Progress) -> list[dict[str, Any]]:
     """Per-iteration rows of the three operations at one context length."""
     dev = side.device
     rows: list[dict[str, Any]] = []
-    plans: list[tuple[str, int, int, int]] = [  # op, keep tokens, extend to, repeats
-        ("full prefill", 0, ctx, cfg.full_prefill_repeats),
-        ("prefill on cached prefix", ctx - cfg.new_tokens, ctx, cfg.repeats),
-        ("decode step", ctx - 1, ctx, cfg.repeats),
+    plans: list[tuple[str, int, int, int, int]] = [  # op, keep, extend to, repeats, chunk
+        ("full prefill", 0, ctx, cfg.full_prefill_repeats, cfg.full_prefill_chunk),
+        ("prefill on cached prefix", ctx - cfg.new_tokens, ctx, cfg.repeats, 0),
+        ("decode step", ctx - 1, ctx, cfg.repeats, 0),
     ]
     side.truncate(0)
     side.extend(ids[:ctx])  # warm-up, and the cache every later plan starts from
-    for op, keep, end, repeats in plans:
+    for op, keep, end, repeats, chunk in plans:
         times: list[float] = []
         for i in range(repeats + 1):  # the first repeat is a warm-up
             side.truncate(keep)
             out: list[float] = times if i else []
             with _timed(out, dev):
-                side.extend(ids[keep:end])
+                side.extend(ids[keep:end], chunk)
             progress.step(f"{engine} {op} at {ctx}")
         rows += [{"engine": engine, "op": op, "context_tokens": ctx,
                   "new_tokens": end - keep, "iteration": i, "ms": t}
@@ -263,6 +282,9 @@ def run_ttft_bench(cfg: TTFTBenchConfig, out_dir: Path) -> dict[str, Path]:
              f"compute floor: matmul FLOPs / {MEASURED_BF16_TFLOPS} TFLOP/s",
              f"prefill kernel (CUDA, not eager): {cfg.prefill_kernel} "
              f"({PREFILL_KERNELS[cfg.prefill_kernel]})",
+             "full prefill: " + (f"chunks of {cfg.full_prefill_chunk} tokens (both engines), "
+                                 "each launched without waiting for the last"
+                                 if cfg.full_prefill_chunk else "one pass"),
              *_plot(summary, out_dir)]
     paths = writer.write(summary, title=f"edmm bench ttft (model level, {cfg.device})",
                          notes=notes)
