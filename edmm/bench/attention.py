@@ -7,7 +7,8 @@ plain tensor with the same strides.
 - decode: `decode_attention` vs SDPA on the strided view, batch 1 and 8, 4K/16K/32K context;
   eager, and inside a CUDA graph of all 28 layers (per-layer mean), as the engine runs it;
 - prefill: `prefill_attention_varlen` (512 queries of one sequence) vs SDPA with
-  ``causal_lower_right``;
+  ``causal_lower_right``, and cuDNN's fused attention on the same strided KV (two calls,
+  merged: `end_aligned_by_parts`), as candidates;
 - sweeps at 16K: decode splits and launch configs, prefill launch configs.
 
 Eager times are CUDA-event medians over ``reps`` calls after warmup. Each call reads the next
@@ -266,9 +267,10 @@ def sweep_decode(kv: torch.Tensor, cfg: AttentionBenchConfig) -> list[Row]:
 
 # ---------------------------------------------------------------------------- prefill
 def _prefill_fns(kv: torch.Tensor, context: int, queries: int,
-                 config: PrefillConfig | None = None) -> tuple[Fn, Fn]:
-    """Triton and SDPA calls of ``queries`` new tokens at the end of slot 0's ``context``, on
-    one random q (a second call draws another: compare only a pair's outputs)."""
+                 config: PrefillConfig | None = None) -> dict[str, Fn]:
+    """Triton, SDPA and cuDNN calls of ``queries`` new tokens at the end of slot 0's
+    ``context``, on one random q (a second call draws another: compare only one call's
+    outputs)."""
     from torch.nn.attention.bias import causal_lower_right
 
     q = torch.randn(queries, NUM_HEADS, SPEC.head_dim, dtype=SPEC.dtype, device=DEVICE)
@@ -288,7 +290,7 @@ def _prefill_fns(kv: torch.Tensor, context: int, queries: int,
                                              enable_gqa=True)
         return out[0].transpose(0, 1)  # [Lq, Hq, D]
 
-    return triton_fn, sdpa_fn
+    return {"triton": triton_fn, "sdpa": sdpa_fn, **_cudnn_fns(kv, q, context)}
 
 
 def _prefill_flops(queries: int, context: int) -> float:
@@ -319,21 +321,79 @@ def _chunked_fn(kv: torch.Tensor, context: int, config: PrefillConfig | None) ->
     return fn
 
 
-def _cudnn_fn(context: int, queries: int) -> Fn:
-    """A ceiling, not a candidate: cuDNN's fused attention through SDPA on dense, contiguous
-    [1, Hq, n, D] tensors (KV heads expanded), without the causal mask."""
-    from torch.nn.attention import SDPBackend, sdpa_kernel
+CUDNN_NOTES = {"cudnn-gqa": "arena KV in place: unmasked prefix + causal square, lse-merged",
+               "cudnn-expanded": "cudnn-gqa with the KV heads copied to Hq each call"}
+AttendLSE = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool],
+                     tuple[torch.Tensor, torch.Tensor]]
 
-    q = torch.randn(1, NUM_HEADS, queries, SPEC.head_dim, dtype=SPEC.dtype, device=DEVICE)
-    kvs = [torch.randn(SPEC.num_layers, 1, NUM_HEADS, context, SPEC.head_dim, dtype=SPEC.dtype,
-                       device=DEVICE) for _ in range(2)]
+
+def end_aligned_by_parts(q4: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         attend: AttendLSE) -> torch.Tensor:
+    """End-aligned causal attention of n queries over c >= n keys from a kernel that knows
+    only top-left causality: the first c - n keys unmasked and the last n causal (a square,
+    where both alignments agree), merged by their log-sum-exps.
+
+    q4 [1, Hq, n, D]; k, v [1, Hkv, c, D]; ``attend(q, k, v, causal)`` -> (out [1, Hq, n, D],
+    natural-log lse [1, Hq, n]). Returns [1, Hq, n, D] in q's dtype.
+    """
+    n, c = q4.shape[2], k.shape[2]
+    out2, lse2 = attend(q4, k[:, :, c - n:], v[:, :, c - n:], True)
+    if n == c:
+        return out2
+    out1, lse1 = attend(q4, k[:, :, :c - n], v[:, :, :c - n], False)
+    lse = torch.logaddexp(lse1, lse2)  # [1, Hq, n]
+    out = (out1.float() * torch.exp(lse1 - lse)[..., None]
+           + out2.float() * torch.exp(lse2 - lse)[..., None])
+    return out.to(q4.dtype)
+
+
+def cudnn_attend(expand: bool) -> AttendLSE:
+    """cuDNN's fused attention (through ATen) with its log-sum-exp; ``expand`` copies the KV
+    heads up to the query heads first, in case cuDNN refuses grouped heads."""
+
+    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        if expand:
+            group = q.shape[1] // k.shape[1]
+            k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
+            q, k, v, None, True, 0.0, causal, False, scale=SCALE)[:2]
+        return out, lse.reshape(out.shape[:-1])  # lse [1, Hq, n] (some builds add a dim)
+
+    return attend
+
+
+def _chunked_cudnn_fn(kv: torch.Tensor, context: int) -> Fn:
+    """`_chunked_fn` through `cudnn_attend` (grouped heads, the arena's KV in place)."""
+    q4 = torch.randn(1, NUM_HEADS, CHUNK, SPEC.head_dim, dtype=SPEC.dtype, device=DEVICE)
+    attend = cudnn_attend(expand=False)
 
     def fn(i: int) -> torch.Tensor:
-        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
-            layer = i % SPEC.num_layers
-            return F.scaled_dot_product_attention(q, kvs[0][layer], kvs[1][layer], scale=SCALE)
+        layer = kv[0:1, :, i % SPEC.num_layers]  # [1, M, 2, Hkv, D]
+        for end in range(CHUNK, context + 1, CHUNK):
+            k, v = layer[:, :end, 0].transpose(1, 2), layer[:, :end, 1].transpose(1, 2)
+            out = end_aligned_by_parts(q4, k, v, attend)  # [1, Hq, CHUNK, D]
+        return out
 
     return fn
+
+
+def _cudnn_fns(kv: torch.Tensor, q: torch.Tensor, context: int) -> dict[str, Fn]:
+    """cuDNN candidates on the arena's strided KV of slot 0 (no copy unless expanded) for the
+    queries ``q`` [n, Hq, D] at the end of ``context`` tokens."""
+    q4 = q.transpose(0, 1)[None]  # [1, Hq, n, D] view
+
+    def make(expand: bool) -> Fn:
+        attend = cudnn_attend(expand)
+
+        def fn(i: int) -> torch.Tensor:
+            layer = kv[0:1, :context, i % SPEC.num_layers]  # [1, n, 2, Hkv, D]
+            k, v = layer[:, :, 0].transpose(1, 2), layer[:, :, 1].transpose(1, 2)
+            return end_aligned_by_parts(q4, k, v, attend)[0].transpose(0, 1)  # [n, Hq, D]
+
+        return fn
+
+    return {"cudnn-gqa": make(False), "cudnn-expanded": make(True)}
 
 
 def bench_prefill(kv: torch.Tensor, cfg: AttentionBenchConfig) -> list[Row]:
@@ -341,21 +401,20 @@ def bench_prefill(kv: torch.Tensor, cfg: AttentionBenchConfig) -> list[Row]:
     eager = functools.partial(time_eager, warmup=cfg.warmup, reps=cfg.reps)
     n = cfg.prefill_queries
     notes = {"triton": f"{PrefillConfig()}", "triton-backend": f"{PREFILL}",
-             "sdpa": "causal_lower_right"}
+             "sdpa": "causal_lower_right", **CUDNN_NOTES}
     rows = []
     for context in cfg.contexts:
         case = Case("prefill", 1, context, n, _prefill_flops(n, context), "TFLOP/s")
-        tri, sdpa = _prefill_fns(kv, context, n)
-        rows += time_case(case, {"triton": tri, "sdpa": sdpa}, eager, notes)
-        backend, backend_ref = _prefill_fns(kv, context, n, PREFILL)  # another q
-        rows += time_case(case, {"triton-backend": backend}, eager, notes,
-                          reference=backend_ref)
+        rows += time_case(case, _prefill_fns(kv, context, n), eager, notes)
+        backend = _prefill_fns(kv, context, n, PREFILL)  # another q
+        rows += time_case(case, {"triton-backend": backend["triton"]}, eager, notes,
+                          reference=backend["sdpa"])
     return rows
 
 
 def sweep_prefill(kv: torch.Tensor, cfg: AttentionBenchConfig) -> list[Row]:
     """Launch configs of the prefill kernel at 16K: ``prefill_queries`` on a cached prefix,
-    and a full prefill in CHUNK-token chunks; cuDNN's dense attention as a ceiling."""
+    and a full prefill in CHUNK-token chunks; the same chunks through cuDNN."""
     eager = functools.partial(time_eager, warmup=cfg.warmup, reps=cfg.reps)
     chunked = functools.partial(time_eager, warmup=2, reps=max(5, cfg.reps // 10))
     n, ctx = cfg.prefill_queries, SWEEP_CONTEXT
@@ -363,16 +422,12 @@ def sweep_prefill(kv: torch.Tensor, cfg: AttentionBenchConfig) -> list[Row]:
     full = Case("full-prefill-sweep", 1, ctx, ctx, _prefill_flops(ctx, ctx), "TFLOP/s")
     rows = []
     for config in PREFILL_SWEEP:
-        tri, _ = _prefill_fns(kv, ctx, n, config)
+        tri = _prefill_fns(kv, ctx, n, config)["triton"]
         rows += time_case(case, {"triton": tri}, eager, {"triton": f"{config}"})
         rows += time_case(full, {"triton": _chunked_fn(kv, ctx, config)}, chunked,
                           {"triton": f"chunks of {CHUNK}, {config}"})
-    dense = Case("prefill-sweep", 1, ctx, n, 4.0 * n * ctx * SPEC.head_dim * NUM_HEADS,
-                 "TFLOP/s")
-    cudnn = _guarded(lambda: _cudnn_fn(ctx, n))
-    if cudnn is not None:
-        rows += time_case(dense, {"cudnn-dense": cudnn}, eager,
-                          {"cudnn-dense": "ceiling: dense contiguous KV, no mask"})
+    rows += time_case(full, {"cudnn-gqa": _chunked_cudnn_fn(kv, ctx)}, chunked,
+                      {"cudnn-gqa": f"chunks of {CHUNK}, {CUDNN_NOTES['cudnn-gqa']}"})
     return rows
 
 
