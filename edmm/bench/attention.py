@@ -8,7 +8,7 @@ plain tensor with the same strides.
   eager, and inside a CUDA graph of all 28 layers (per-layer mean), as the engine runs it;
 - prefill: `prefill_attention_varlen` (512 queries of one sequence) vs SDPA with
   ``causal_lower_right``, and cuDNN's fused attention on the same strided KV (two calls,
-  merged: `end_aligned_by_parts`), as candidates;
+  merged: `edmm.kernels.fused_sdpa`), as candidates;
 - sweeps at 16K: decode splits and launch configs, prefill launch configs.
 
 Eager times are CUDA-event medians over ``reps`` calls after warmup. Each call reads the next
@@ -39,6 +39,12 @@ from edmm.kernels import (
     default_num_splits,
     prefill_attention_varlen,
     triton_usable,
+)
+from edmm.kernels.fused_sdpa import (
+    AttendLSE,
+    cudnn_attend,
+    cudnn_expanded_attend,
+    end_aligned_by_parts,
 )
 from edmm.memory import KVArena, KVMemoryError, KVSpec, PagePool, open_backend
 from edmm.model.attention_triton import PREFILL
@@ -323,56 +329,19 @@ def _chunked_fn(kv: torch.Tensor, context: int, config: PrefillConfig | None) ->
 
 CUDNN_NOTES = {"cudnn-gqa": "arena KV in place: unmasked prefix + causal square, lse-merged",
                "cudnn-expanded": "cudnn-gqa with the KV heads copied to Hq each call"}
-AttendLSE = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, bool],
-                     tuple[torch.Tensor, torch.Tensor]]
-
-
-def end_aligned_by_parts(q4: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         attend: AttendLSE) -> torch.Tensor:
-    """End-aligned causal attention of n queries over c >= n keys from a kernel that knows
-    only top-left causality: the first c - n keys unmasked and the last n causal (a square,
-    where both alignments agree), merged by their log-sum-exps.
-
-    q4 [1, Hq, n, D]; k, v [1, Hkv, c, D]; ``attend(q, k, v, causal)`` -> (out [1, Hq, n, D],
-    natural-log lse [1, Hq, n]). Returns [1, Hq, n, D] in q's dtype.
-    """
-    n, c = q4.shape[2], k.shape[2]
-    out2, lse2 = attend(q4, k[:, :, c - n:], v[:, :, c - n:], True)
-    if n == c:
-        return out2
-    out1, lse1 = attend(q4, k[:, :, :c - n], v[:, :, :c - n], False)
-    lse = torch.logaddexp(lse1, lse2)  # [1, Hq, n]
-    out = (out1.float() * torch.exp(lse1 - lse)[..., None]
-           + out2.float() * torch.exp(lse2 - lse)[..., None])
-    return out.to(q4.dtype)
-
-
-def cudnn_attend(expand: bool) -> AttendLSE:
-    """cuDNN's fused attention (through ATen) with its log-sum-exp; ``expand`` copies the KV
-    heads up to the query heads first, in case cuDNN refuses grouped heads."""
-
-    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        if expand:
-            group = q.shape[1] // k.shape[1]
-            k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-        out, lse = torch.ops.aten._scaled_dot_product_cudnn_attention(
-            q, k, v, None, True, 0.0, causal, False, scale=SCALE)[:2]
-        return out, lse.reshape(out.shape[:-1])  # lse [1, Hq, n] (some builds add a dim)
-
-    return attend
+CUDNN_ATTENDS: dict[str, AttendLSE] = {"cudnn-gqa": cudnn_attend,
+                                       "cudnn-expanded": cudnn_expanded_attend}
 
 
 def _chunked_cudnn_fn(kv: torch.Tensor, context: int) -> Fn:
     """`_chunked_fn` through `cudnn_attend` (grouped heads, the arena's KV in place)."""
     q4 = torch.randn(1, NUM_HEADS, CHUNK, SPEC.head_dim, dtype=SPEC.dtype, device=DEVICE)
-    attend = cudnn_attend(expand=False)
 
     def fn(i: int) -> torch.Tensor:
         layer = kv[0:1, :, i % SPEC.num_layers]  # [1, M, 2, Hkv, D]
         for end in range(CHUNK, context + 1, CHUNK):
             k, v = layer[:, :end, 0].transpose(1, 2), layer[:, :end, 1].transpose(1, 2)
-            out = end_aligned_by_parts(q4, k, v, attend)  # [1, Hq, CHUNK, D]
+            out = end_aligned_by_parts(q4, k, v, SCALE, cudnn_attend)  # [1, Hq, CHUNK, D]
         return out
 
     return fn
@@ -383,17 +352,16 @@ def _cudnn_fns(kv: torch.Tensor, q: torch.Tensor, context: int) -> dict[str, Fn]
     queries ``q`` [n, Hq, D] at the end of ``context`` tokens."""
     q4 = q.transpose(0, 1)[None]  # [1, Hq, n, D] view
 
-    def make(expand: bool) -> Fn:
-        attend = cudnn_attend(expand)
-
+    def make(attend: AttendLSE) -> Fn:
         def fn(i: int) -> torch.Tensor:
             layer = kv[0:1, :context, i % SPEC.num_layers]  # [1, n, 2, Hkv, D]
             k, v = layer[:, :, 0].transpose(1, 2), layer[:, :, 1].transpose(1, 2)
-            return end_aligned_by_parts(q4, k, v, attend)[0].transpose(0, 1)  # [n, Hq, D]
+            out = end_aligned_by_parts(q4, k, v, SCALE, attend)  # [1, Hq, n, D]
+            return out[0].transpose(0, 1)  # [n, Hq, D]
 
         return fn
 
-    return {"cudnn-gqa": make(False), "cudnn-expanded": make(True)}
+    return {name: make(attend) for name, attend in CUDNN_ATTENDS.items()}
 
 
 def bench_prefill(kv: torch.Tensor, cfg: AttentionBenchConfig) -> list[Row]:

@@ -1,6 +1,9 @@
 """Triton kernels: attention that reads the KV arena's strided cache in place, RoPE fused
 with the KV write, SiLU-and-multiply.
 
+`edmm.kernels.fused_sdpa` (imported on its own) runs cuDNN's fused attention over the same
+arena views, end-aligned by parts, for long eager prefill passes.
+
 Triton is optional: importing this package never imports it. Callers check
 :func:`triton_usable` for their device and fall back to SDPA when it is False (no triton, or
 not a CUDA device). Tests run the kernels on CPU tensors under ``TRITON_INTERPRET=1``.

@@ -21,6 +21,12 @@ from edmm.kernels import (
     silu_mul,
     triton_available,
 )
+from edmm.kernels.fused_sdpa import (
+    AttendLSE,
+    cudnn_attend,
+    cudnn_expanded_attend,
+    end_aligned_by_parts,
+)
 from edmm.kernels.reference import decode_attention_reference, prefill_attention_reference
 from edmm.memory import KVArena, KVSpec, PagePool
 from edmm.memory.backends import open_backend
@@ -158,6 +164,23 @@ def test_prefill_matches_reference(arena: KVArena, slot: int, query_len: int,
         ref = prefill_attention_reference(q, arena.kv, layer, slot, LENS[slot], SCALE,
                                           torch.float32)
         _assert_close(out, ref)
+
+
+@pytest.mark.parametrize("attend", [cudnn_attend, cudnn_expanded_attend],
+                         ids=["cudnn-gqa", "cudnn-expanded"])
+@pytest.mark.parametrize(("slot", "query_len"), [(0, 512), (0, 16384), (1, 4096), (3, 1000)])
+def test_cudnn_by_parts_on_the_arena(arena: KVArena, slot: int, query_len: int,
+                                     attend: AttendLSE) -> None:
+    """cuDNN's attention on the arena's strided views, end-aligned by parts, reads no key at
+    or past the context (NaN-poisoned rows would show) and matches the reference."""
+    q = torch.randn(query_len, NUM_HEADS, 128, device="cuda", dtype=torch.bfloat16)
+    n = LENS[slot]
+    for layer in (0, 27):
+        kv = arena.kv[slot, :n, layer]  # [n, 2, Hkv, D] view
+        k, v = (kv[:, i].transpose(0, 1)[None] for i in (0, 1))  # [1, Hkv, n, D]
+        out = end_aligned_by_parts(q.transpose(0, 1)[None], k, v, SCALE, attend)
+        ref = prefill_attention_reference(q, arena.kv, layer, slot, n, SCALE, torch.float32)
+        _assert_close(out[0].transpose(0, 1), ref)
 
 
 @pytest.mark.parametrize("config", CONFIGS, ids=CONFIG_IDS)
