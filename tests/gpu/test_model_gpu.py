@@ -34,11 +34,12 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 @pytest.mark.parametrize("long_prefill", [None, LongPrefill(cudnn_attend, cudnn_usable, 256)],
-                         ids=["triton", "cudnn-route"])
+                         ids=["sdpa", "cudnn-route"])
 @torch.inference_mode()
 def test_bf16_logits_match_transformers(tmp_path: Path, long_prefill: LongPrefill | None,
                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """Triton attention, or (cudnn-route) the two prefill chunks through cuDNN."""
+    """The loader's reference SDPA backend, or (cudnn-route) the Triton backend with the two
+    prefill chunks through cuDNN."""
     from transformers import AutoModelForCausalLM
 
     folder = _hf_folder(tmp_path)
