@@ -76,7 +76,7 @@ class _StaticInputs:
             slot_index=self.slot_index[:tokens], token_index=self.token_index[:tokens],
             last_token_index=None,  # not read by the model
             slot_ids_t=self.slot_ids[:seqs], context_lens_t=self.ctx[:seqs],
-            query_start_loc=self.query_start[:seqs + 1])
+            query_start_loc=self.query_start[:seqs + 1], placeholder_lists=True)
 
     def load(self, inputs: ModelInputs) -> None:
         """Copy a step's tokens and metadata in; reset stale rows to padding."""

@@ -38,6 +38,9 @@ class AttentionMetadata:
     slot_ids_t: Tensor | None = field(default=None, repr=False)  # [B] slot_ids
     context_lens_t: Tensor | None = field(default=None, repr=False)  # [B] context_lens
     query_start_loc: Tensor | None = field(default=None, repr=False)  # [B+1] cumsum of query_lens
+    # True for a CUDA graph's static inputs: the lists above are placeholders that only fit
+    # the shapes (and pick the kernel); the lengths live in the tensors alone.
+    placeholder_lists: bool = False
 
     def __post_init__(self) -> None:
         b = len(self.slot_ids)

@@ -44,8 +44,9 @@ class TritonAttentionBackend(AttentionBackend):
             the split count of the decode kernel.
         prefill: launch parameters of the prefill kernel (`PREFILL`, or the default kernel's
             `PrefillConfig()` for comparisons).
-        long_prefill: a route for long eager passes (`CUDNN_LONG_PREFILL`); never taken
-            while a CUDA graph is captured (its calls take host-side lengths).
+        long_prefill: a route for long eager passes (`CUDNN_LONG_PREFILL`); its calls take
+            host-side lengths, so it is never taken while a CUDA graph is captured nor on a
+            graph's static metadata (``placeholder_lists``, also in the warm-up runs).
     """
 
     fuses_rope = True
@@ -107,7 +108,8 @@ class TritonAttentionBackend(AttentionBackend):
 
     def _takes_long_route(self, q: Tensor, meta: AttentionMetadata) -> bool:
         route = self.long_prefill
-        return (route is not None and not _capturing(q) and route.usable(q)
+        return (route is not None and not meta.placeholder_lists and not _capturing(q)
+                and route.usable(q)
                 and all(n == 1 or n >= route.min_queries for n in meta.query_lens))
 
     def _long_prefill(self, q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMetadata,
