@@ -274,12 +274,19 @@ def sweep_decode(kv: torch.Tensor, cfg: AttentionBenchConfig) -> list[Row]:
 # ---------------------------------------------------------------------------- prefill
 def _prefill_fns(kv: torch.Tensor, context: int, queries: int,
                  config: PrefillConfig | None = None) -> dict[str, Fn]:
-    """Triton, SDPA and cuDNN calls of ``queries`` new tokens at the end of slot 0's
-    ``context``, on one random q (a second call draws another: compare only one call's
-    outputs)."""
+    """`_attention_fns` on a random q of ``queries`` tokens (a second call draws another:
+    compare only one call's outputs)."""
+    q = torch.randn(queries, NUM_HEADS, SPEC.head_dim, dtype=SPEC.dtype, device=DEVICE)
+    return _attention_fns(kv, q, context, config)
+
+
+def _attention_fns(kv: torch.Tensor, q: torch.Tensor, context: int,
+                   config: PrefillConfig | None = None) -> dict[str, Fn]:
+    """Triton, SDPA and cuDNN calls of the new tokens ``q`` [Lq, Hq, D] at the end of slot
+    0's ``context``."""
     from torch.nn.attention.bias import causal_lower_right
 
-    q = torch.randn(queries, NUM_HEADS, SPEC.head_dim, dtype=SPEC.dtype, device=DEVICE)
+    queries = q.shape[0]
     q4 = q.transpose(0, 1)[None].contiguous()  # [1, Hq, Lq, D]
     mask = causal_lower_right(queries, context)
 
@@ -311,17 +318,17 @@ def _one_sequence(queries: int, context: int) -> tuple[torch.Tensor, torch.Tenso
                  for v in ([0, queries], [0], [context]))
 
 
-def _chunked_fn(kv: torch.Tensor, context: int, config: PrefillConfig | None) -> Fn:
-    """A full prefill of ``context`` tokens as the engine runs it: CHUNK queries at a time,
-    each chunk attending to every token before it."""
+def _chunked_fn(kv: torch.Tensor, context: int, impl: str,
+                config: PrefillConfig | None = None) -> Fn:
+    """A full prefill of ``context`` tokens as the engine runs it, through ``impl`` (an
+    `_attention_fns` key): CHUNK queries at a time, each chunk attending to every token
+    before it."""
     q = torch.randn(CHUNK, NUM_HEADS, SPEC.head_dim, dtype=SPEC.dtype, device=DEVICE)
-
-    chunks = [_one_sequence(CHUNK, end) for end in range(CHUNK, context + 1, CHUNK)]
+    steps = [_attention_fns(kv, q, end, config)[impl] for end in range(CHUNK, context + 1, CHUNK)]
 
     def fn(i: int) -> torch.Tensor:
-        for cu, slot, ctx in chunks:
-            out = prefill_attention_varlen(q, kv, i % SPEC.num_layers, cu, slot, ctx, SCALE,
-                                           config=config)
+        for step in steps:
+            out = step(i)
         return out
 
     return fn
@@ -331,20 +338,6 @@ CUDNN_NOTES = {"cudnn-gqa": "arena KV in place: unmasked prefix + causal square,
                "cudnn-expanded": "cudnn-gqa with the KV heads copied to Hq each call"}
 CUDNN_ATTENDS: dict[str, AttendLSE] = {"cudnn-gqa": cudnn_attend,
                                        "cudnn-expanded": cudnn_expanded_attend}
-
-
-def _chunked_cudnn_fn(kv: torch.Tensor, context: int) -> Fn:
-    """`_chunked_fn` through `cudnn_attend` (grouped heads, the arena's KV in place)."""
-    q4 = torch.randn(1, NUM_HEADS, CHUNK, SPEC.head_dim, dtype=SPEC.dtype, device=DEVICE)
-
-    def fn(i: int) -> torch.Tensor:
-        layer = kv[0:1, :, i % SPEC.num_layers]  # [1, M, 2, Hkv, D]
-        for end in range(CHUNK, context + 1, CHUNK):
-            k, v = layer[:, :end, 0].transpose(1, 2), layer[:, :end, 1].transpose(1, 2)
-            out = end_aligned_by_parts(q4, k, v, SCALE, cudnn_attend)  # [1, Hq, CHUNK, D]
-        return out
-
-    return fn
 
 
 def _cudnn_fns(kv: torch.Tensor, q: torch.Tensor, context: int) -> dict[str, Fn]:
@@ -392,9 +385,9 @@ def sweep_prefill(kv: torch.Tensor, cfg: AttentionBenchConfig) -> list[Row]:
     for config in PREFILL_SWEEP:
         tri = _prefill_fns(kv, ctx, n, config)["triton"]
         rows += time_case(case, {"triton": tri}, eager, {"triton": f"{config}"})
-        rows += time_case(full, {"triton": _chunked_fn(kv, ctx, config)}, chunked,
+        rows += time_case(full, {"triton": _chunked_fn(kv, ctx, "triton", config)}, chunked,
                           {"triton": f"chunks of {CHUNK}, {config}"})
-    rows += time_case(full, {"cudnn-gqa": _chunked_cudnn_fn(kv, ctx)}, chunked,
+    rows += time_case(full, {"cudnn-gqa": _chunked_fn(kv, ctx, "cudnn-gqa")}, chunked,
                       {"cudnn-gqa": f"chunks of {CHUNK}, {CUDNN_NOTES['cudnn-gqa']}"})
     return rows
 

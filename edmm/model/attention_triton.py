@@ -95,8 +95,9 @@ class TritonAttentionBackend(AttentionBackend):
                                     scale, max_context=self.max_context)
         # Mixed: multi-query sequences in query tiles (or the long route), single-query ones
         # split-K, in place.
-        if self._takes_long_route(q, meta):
-            out = self._long_prefill(q, kv_cache, layer, meta, scale)
+        route = self._long_route(q, meta)
+        if route is not None:
+            out = self._long_prefill(q, kv_cache, layer, meta, scale, route)
         else:
             out = prefill_attention_varlen(q, kv_cache, layer, meta.query_start_loc,
                                            meta.slot_ids_t, meta.context_lens_t, scale,
@@ -105,18 +106,18 @@ class TritonAttentionBackend(AttentionBackend):
                                        meta.slot_ids_t, meta.context_lens_t, out, scale,
                                        max_context=self.max_context)
 
-
-    def _takes_long_route(self, q: Tensor, meta: AttentionMetadata) -> bool:
+    def _long_route(self, q: Tensor, meta: AttentionMetadata) -> LongPrefill | None:
+        """The long route if this pass takes it, else None."""
         route = self.long_prefill
-        return (route is not None and not meta.placeholder_lists and not _capturing(q)
-                and route.usable(q)
-                and all(n == 1 or n >= route.min_queries for n in meta.query_lens))
+        if (route is None or meta.placeholder_lists or _capturing(q) or not route.usable(q)
+                or any(1 < n < route.min_queries for n in meta.query_lens)):
+            return None
+        return route
 
     def _long_prefill(self, q: Tensor, kv_cache: Tensor, layer: int, meta: AttentionMetadata,
-                      scale: float) -> Tensor:
-        """Multi-query sequences through the long route, one call pair each; single-query
-        rows are left for the decode kernel."""
-        assert self.long_prefill is not None
+                      scale: float, route: LongPrefill) -> Tensor:
+        """Multi-query sequences through ``route``, one call pair each; single-query rows are
+        left for the decode kernel."""
         out = torch.empty_like(q)  # [T, Hq, D]
         start = 0
         for s, n, c in zip(meta.slot_ids, meta.query_lens, meta.context_lens, strict=True):
@@ -124,7 +125,7 @@ class TritonAttentionBackend(AttentionBackend):
                 kv = kv_cache[s, :c, layer]  # [c, 2, Hkv, D] view
                 k, v = (kv[:, i].transpose(0, 1)[None] for i in (0, 1))  # [1, Hkv, c, D]
                 q4 = q[start:start + n].transpose(0, 1)[None]  # [1, Hq, n, D]
-                o = end_aligned_by_parts(q4, k, v, scale, self.long_prefill.attend)
+                o = end_aligned_by_parts(q4, k, v, scale, route.attend)
                 out[start:start + n] = o[0].transpose(0, 1)
             start += n
         return out

@@ -69,7 +69,7 @@ class ProxyConfig:
 
 class ProxyError(Exception):
     """An error answered to the client as an OpenAI error object whose ``code`` is the HTTP
-    status, as the vLLM upstream writes its own (`edmm.server.errors` owns the shape)."""
+    status, as the vLLM upstream writes its own (`edmm.openai_errors` owns the shape)."""
 
     status = 500
     type = "internal_error"
