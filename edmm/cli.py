@@ -90,10 +90,10 @@ def build_parser() -> argparse.ArgumentParser:
     ttft.add_argument("--no-peer", action="store_true", help="skip transformers")
     ttft.add_argument("--eager", action="store_true",
                       help="EDMM with reference SDPA attention and no CUDA graphs")
-    ttft.add_argument("--prefill-kernel", choices=("warp-specialized", "default", "cudnn"),
+    ttft.add_argument("--prefill-kernel", choices=("warp-specialized", "default"),
                       default="warp-specialized",
-                      help="the model's prefill attention (default: the plain Triton kernel; "
-                           "cudnn: long eager passes through cuDNN), for comparisons")
+                      help="the Triton prefill kernel's launch config (default: the plain "
+                           "kernel's), for comparisons")
     ttft.add_argument("--full-prefill-chunk", type=_non_negative, default=0,
                       help="run the full prefill in passes of this many tokens, as the "
                            "engine's token budget does (both engines; default 0: one pass)")

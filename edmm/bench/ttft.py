@@ -35,7 +35,6 @@ from edmm.engine.cuda_graph import CudaGraphRunner
 from edmm.engine.runner import ModelInputs, ModelRunner
 from edmm.engine.sampling import RequestRng, SamplingParams
 from edmm.kernels import PrefillConfig
-from edmm.kernels.fused_sdpa import CUDNN_LONG_PREFILL, LongPrefill
 from edmm.memory.arena import KVArena, KVSpec
 from edmm.memory.backends import open_backend
 from edmm.memory.pool import PagePool
@@ -46,10 +45,9 @@ from edmm.model.loader import load_model
 
 MEASURED_BF16_TFLOPS = 790.0  # dense bf16 matmul measured on the lent H200 (DESIGN.md)
 OPS = ("decode step", "prefill on cached prefix", "full prefill")
-PREFILL_KERNELS: dict[str, tuple[PrefillConfig, LongPrefill | None]] = {  # --prefill-kernel
-    "warp-specialized": (PREFILL, None),
-    "default": (PrefillConfig(), None),
-    "cudnn": (PREFILL, CUDNN_LONG_PREFILL),  # long eager passes through cuDNN, else as above
+PREFILL_KERNELS: dict[str, PrefillConfig] = {  # --prefill-kernel
+    "warp-specialized": PREFILL,
+    "default": PrefillConfig(),
 }
 
 
@@ -104,7 +102,7 @@ class EdmmSide:
         self.runner: ModelRunner
         if cuda and not cfg.eager:
             self.model.set_backend(default_backend(self.device, max_tokens,
-                                                   *PREFILL_KERNELS[cfg.prefill_kernel]))
+                                                   PREFILL_KERNELS[cfg.prefill_kernel]))
             self.model.enable_fusion()
             self.runner = CudaGraphRunner(self.model, self.arena, self.device, sizes=(1,),
                                           token_sizes=(cfg.new_tokens,), max_seqs=1)
@@ -286,7 +284,7 @@ def run_ttft_bench(cfg: TTFTBenchConfig, out_dir: Path) -> dict[str, Path]:
              "warm-up; trimmed mean drops 10% each side",
              f"compute floor: matmul FLOPs / {MEASURED_BF16_TFLOPS} TFLOP/s",
              f"prefill kernel (CUDA, not eager): {cfg.prefill_kernel} "
-             f"({_describe(*PREFILL_KERNELS[cfg.prefill_kernel])})",
+             f"({PREFILL_KERNELS[cfg.prefill_kernel]})",
              "full prefill: " + (f"chunks of {cfg.full_prefill_chunk} tokens (both engines), "
                                  "each launched without waiting for the last"
                                  if cfg.full_prefill_chunk else "one pass"),
@@ -294,13 +292,6 @@ def run_ttft_bench(cfg: TTFTBenchConfig, out_dir: Path) -> dict[str, Path]:
     paths = writer.write(summary, title=f"edmm bench ttft (model level, {cfg.device})",
                          notes=notes)
     return paths
-
-
-def _describe(prefill: PrefillConfig, long_prefill: LongPrefill | None) -> str:
-    if long_prefill is None:
-        return f"{prefill}"
-    return (f"{prefill}; passes whose prefills all have >= {long_prefill.min_queries} queries: "
-            f"{long_prefill.attend.__name__}")
 
 
 def _plot(summary: list[dict[str, Any]], out_dir: Path) -> list[str]:

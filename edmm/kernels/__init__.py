@@ -2,7 +2,7 @@
 with the KV write, SiLU-and-multiply.
 
 `edmm.kernels.fused_sdpa` (imported on its own) runs cuDNN's fused attention over the same
-arena views, end-aligned by parts, for long eager prefill passes.
+arena views, end-aligned by parts: a candidate the attention bench measures, not the engine's.
 
 Triton is optional: importing this package never imports it. Callers check
 :func:`triton_usable` for their device and fall back to SDPA when it is False (no triton, or

@@ -6,12 +6,15 @@ of such a kernel: the keys before the new tokens unmasked, the new tokens' own k
 square, where top-left and end alignment agree), merged by their log-sum-exps. Each call
 takes host-side lengths, so this path is for eager passes (a CUDA graph replays one
 shape), and the arena's views go in as they are: no gather, no copy of the KV.
+
+A measured candidate, not the engine's: `python -m edmm.bench.attention` times it beside the
+Triton kernels (on the H200 it loses on a cached prefix and on chunked prefill; see
+`edmm.model.attention_triton`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -19,7 +22,6 @@ from torch import Tensor
 # attend(q [1, Hq, n, D], k [1, Hkv, c, D], v [1, Hkv, c, D], causal, scale)
 #   -> (out [1, Hq, n, D] in q's dtype, natural-log lse [1, Hq, n] float32)
 AttendLSE = Callable[[Tensor, Tensor, Tensor, bool, float], tuple[Tensor, Tensor]]
-CUDNN_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def end_aligned_by_parts(q: Tensor, k: Tensor, v: Tensor, scale: float,
@@ -61,24 +63,3 @@ def cudnn_expanded_attend(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: 
     group = q.shape[1] // k.shape[1]
     return cudnn_attend(q, k.repeat_interleave(group, 1), v.repeat_interleave(group, 1),
                         causal, scale)
-
-
-def cudnn_usable(q: Tensor) -> bool:
-    """True where cuDNN's fused attention can take queries like ``q`` [T, Hq, D]: a CUDA
-    device with cuDNN's SDPA enabled, fp16/bf16, a head dim of at most 128 in steps of 8."""
-    return (q.device.type == "cuda" and q.dtype in CUDNN_DTYPES and q.shape[-1] <= 128
-            and q.shape[-1] % 8 == 0 and torch.backends.cuda.cudnn_sdp_enabled())
-
-
-@dataclass(frozen=True)
-class LongPrefill:
-    """Where an attention backend may send long prefill passes instead of its own kernel:
-    ``attend`` (through `end_aligned_by_parts`) for eager passes whose every multi-query
-    sequence has at least ``min_queries`` queries, where ``usable(q)`` holds."""
-
-    attend: AttendLSE
-    usable: Callable[[Tensor], bool]
-    min_queries: int = 1024
-
-
-CUDNN_LONG_PREFILL = LongPrefill(cudnn_attend, cudnn_usable)

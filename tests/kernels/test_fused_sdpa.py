@@ -1,6 +1,7 @@
 """End-aligned causal attention from two top-left-causal calls merged by log-sum-exp
-(`end_aligned_by_parts`, the cuDNN route's core): checked on the CPU with ATen's CPU flash
-kernel, which also returns its log-sum-exp, against SDPA with an explicit mask."""
+(`end_aligned_by_parts`, the core of the attention bench's cuDNN candidate): checked on the
+CPU with ATen's CPU flash kernel, which also returns its log-sum-exp, against SDPA with an
+explicit mask."""
 
 from __future__ import annotations
 

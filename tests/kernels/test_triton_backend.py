@@ -10,7 +10,6 @@ import pytest
 import torch
 
 from edmm.kernels import prefill_attention_varlen
-from edmm.kernels.fused_sdpa import AttendLSE, LongPrefill
 from edmm.model import PRESETS, AttentionMetadata, attention_triton
 from edmm.model.attention import TorchSDPABackend
 from edmm.model.attention_triton import TritonAttentionBackend
@@ -67,50 +66,37 @@ def test_triton_backend_matches_sdpa(batch: list[tuple[int, int, int]], dtype: t
     assert bool(ws_launches) == (prefill and dtype == torch.bfloat16)
 
 
-@pytest.mark.parametrize(("batch", "routed"), [
-    ([(0, 20, 20), (1, 1, 9), (2, 12, 17)], True),  # every multi-query sequence long: routed
-    ([(0, 20, 20), (2, 5, 17)], False),  # one short prefill: all in the Triton kernel
+@pytest.mark.parametrize(("batch", "placeholder", "decode_launched"), [
+    ([(0, 20, 20), (2, 12, 17)], False, False),  # eager, no single-query row: no decode launch
+    ([(0, 20, 20), (2, 12, 17)], True, True),  # a graph's static lists: always launched
+    ([(0, 20, 20), (1, 1, 9)], False, True),  # a decode row rides along
 ])
-def test_long_prefill_route_matches_sdpa(batch: list[tuple[int, int, int]], routed: bool,
-                                         cpu_attend: AttendLSE,
-                                         monkeypatch: pytest.MonkeyPatch) -> None:
-    """A `LongPrefill` route (here ATen's CPU flash kernel, as cuDNN's on the GPU) takes eager
-    passes whose multi-query sequences all have ``min_queries`` or more, never a pass being
-    captured, and gives the reference's hidden states and KV."""
+def test_decode_launch_only_where_rows_need_it(batch: list[tuple[int, int, int]],
+                                               placeholder: bool, decode_launched: bool,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A mixed pass launches the split-K decode kernel only when a single-query row may be
+    in it; skipping it leaves the hidden states and KV those of the reference."""
+    kernels = sys.modules[attention_triton.__name__]
+    launches: list[int] = []
+    import edmm.kernels as kernel_pkg
+    varlen = kernel_pkg.decode_attention_varlen
+    monkeypatch.setattr(kernel_pkg, "decode_attention_varlen",
+                        lambda *a, **k: (launches.append(1), varlen(*a, **k))[1])
     model, cfg = _model(), PRESETS["tiny"]
     gen = torch.Generator().manual_seed(2)
     shape = (SLOTS, MAX_TOKENS, cfg.num_layers, 2, cfg.num_kv_heads, cfg.head_dim)
     cached = torch.randn(shape, generator=gen)
     slots, qlens, ctxs = ([b[i] for b in batch] for i in range(3))
-    meta = AttentionMetadata.build(slots, qlens, ctxs)
+    meta = dataclasses.replace(AttentionMetadata.build(slots, qlens, ctxs),
+                               placeholder_lists=placeholder)
     assert meta.token_index is not None
     ids = torch.randint(0, cfg.vocab_size, (sum(qlens),), generator=gen)
-    calls: list[bool] = []
-
-    def attend(*args: object) -> tuple[torch.Tensor, torch.Tensor]:
-        calls.append(True)
-        return cpu_attend(*args)
-
-    route = LongPrefill(attend, usable=lambda q: True, min_queries=8)
-
-    def run(backend: TorchSDPABackend | TritonAttentionBackend) -> tuple[torch.Tensor, ...]:
+    out = []
+    for backend in (TorchSDPABackend(), kernels.TritonAttentionBackend(64)):
         model.set_backend(backend)
         kv = cached.clone()
         with torch.inference_mode():
-            return model(ids, meta.token_index, kv, meta), kv  # [T, hidden], KV
-
-    ref = run(TorchSDPABackend())
-    got = run(TritonAttentionBackend(64, long_prefill=route))
-    for a, b in zip(got, ref, strict=True):
-        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
-    assert bool(calls) == routed
-    calls.clear()
-    monkeypatch.setattr(attention_triton, "_capturing", lambda q: True)
-    got = run(TritonAttentionBackend(64, long_prefill=route))
-    torch.testing.assert_close(got[0], ref[0], atol=1e-4, rtol=1e-4)
-    assert not calls, "the long route ran inside a capture"
-    monkeypatch.undo()
-    meta = dataclasses.replace(meta, placeholder_lists=True)  # a graph runner's static inputs
-    got = run(TritonAttentionBackend(64, long_prefill=route))
-    torch.testing.assert_close(got[0], ref[0], atol=1e-4, rtol=1e-4)
-    assert not calls, "the long route ran on placeholder lengths"
+            out.append((model(ids, meta.token_index, kv, meta), kv))  # [T, hidden], KV
+    for got, want in zip(out[1], out[0], strict=True):
+        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert bool(launches) == decode_launched
