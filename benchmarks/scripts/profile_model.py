@@ -40,17 +40,17 @@ def _kernel_table(prof: profile, steps: int, top: int = 18) -> str:
 
 
 def _profile(side: EdmmSide, ids: torch.Tensor, keep: int, end: int, steps: int,
-             top: int = 18) -> str:
+             top: int = 18, chunk: int = 0) -> str:
     for _ in range(2):
         side.truncate(keep)
-        side.extend(ids[keep:end])
+        side.extend(ids[keep:end], chunk)
     walls = []
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             side.truncate(keep)
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            side.extend(ids[keep:end])
+            side.extend(ids[keep:end], chunk)
             torch.cuda.synchronize()
             walls.append((time.perf_counter() - t0) * 1e3)
     return f"wall per step (profiled): {sum(walls) / len(walls):.3f} ms\n" + _kernel_table(
@@ -102,6 +102,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=16384)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--fast-only", action="store_true", help="skip the eager SDPA variant")
+    parser.add_argument("--full-prefill-chunk", type=int, default=0,
+                        help="also profile the full prefill in passes of this many tokens")
     args = parser.parse_args()
     ctx = args.context
     report = [f"# profile, qwen2.5-7b preset, context {ctx}, {torch.cuda.get_device_name()}"]
@@ -116,6 +118,10 @@ def main() -> None:
                       + _profile(side, ids, ctx - 512, ctx, 5))
         report.append(f"\n## full prefill of {ctx} tokens ({name}, eager)\n"
                       + _profile(side, ids, 0, ctx, 2, top=24))
+        if args.full_prefill_chunk:
+            report.append(f"\n## full prefill of {ctx} tokens in passes of "
+                          f"{args.full_prefill_chunk} ({name}, eager)\n"
+                          + _profile(side, ids, 0, ctx, 2, top=24, chunk=args.full_prefill_chunk))
         if not eager:
             report.append("\n## decode step parts (CUDA graph)\n"
                           + _step_parts(side, ids, ctx - 1, ctx))
