@@ -24,7 +24,8 @@ from typing import Any
 from edmm.bench.agent import SEED_RATIOS
 
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
-DEFAULT_DIRS = (Path("benchmarks/results/2026-11-30-h200-session4"),
+DEFAULT_DIRS = (Path("benchmarks/results/2026-11-30-h200-session6"),
+                Path("benchmarks/results/2026-11-30-h200-session4"),
                 Path("benchmarks/results/2026-11-30-h200-session3"),
                 Path("benchmarks/results/2026-11-30-h200"),
                 Path("benchmarks/results/2026-11-29-h200"))  # newest first
