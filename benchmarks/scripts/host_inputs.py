@@ -15,10 +15,9 @@ import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
-from types import SimpleNamespace
 
 from edmm.bench.report import ResultWriter, collect_environment
-from edmm.engine.runner import ModelRunner
+from edmm.engine.runner import int64_tensor
 from edmm.model.attention import AttentionMetadata
 
 TOKENS = (1, 8, 64, 512, 2048, 16384, 32768)
@@ -36,7 +35,6 @@ def _median_us(fn: Callable[[], object]) -> float:
 
 def measure() -> list[dict[str, object]]:
     """One row per (batch shape, token count): median microseconds of each conversion."""
-    cpu = SimpleNamespace(device="cpu")  # `_tensor` reads only the runner's device
     rows: list[dict[str, object]] = []
     for t in TOKENS:
         ids = list(range(1000, 1000 + t))
@@ -47,7 +45,7 @@ def measure() -> list[dict[str, object]]:
             rows.append({
                 "shape": shape, "tokens": t,
                 "metadata_us": _median_us(lambda a=meta_args: AttentionMetadata.build(*a)),
-                "ids_us": _median_us(lambda v=ids: ModelRunner._tensor(cpu, v)),  # type: ignore[arg-type]
+                "ids_us": _median_us(lambda v=ids: int64_tensor(v, "cpu")),
             })
     return rows
 
@@ -65,7 +63,7 @@ def main() -> None:
     writer.add_rows(rows)
     writer.write(rows, title="host time of a step's inputs (CPU)",
                  notes=[f"medians of {REPS} calls; metadata: AttentionMetadata.build to the "
-                        "CPU (no device copy); ids: ModelRunner._tensor"])
+                        "CPU (no device copy); ids: int64_tensor"])
 
 
 if __name__ == "__main__":

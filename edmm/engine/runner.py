@@ -106,7 +106,8 @@ class ModelRunner:
             [s.slot for s in batch.seqs], [len(s.token_ids) for s in batch.seqs],
             [s.context_len for s in batch.seqs], self.device)
         assert meta.token_index is not None
-        input_ids, sample_rows = self._tensor(ids + rows).split([len(ids), len(rows)])
+        input_ids, sample_rows = int64_tensor(ids + rows, self.device).split(
+            [len(ids), len(rows)])
         return ModelInputs(
             input_ids=input_ids, positions=meta.token_index, meta=meta,
             sample_rows=sample_rows, sample_seqs=sample_seqs,
@@ -131,7 +132,9 @@ class ModelRunner:
             logits = apply_logits_processors(logits, inputs.params, inputs.output_token_ids)
         return self.sampler(logits, inputs.params, inputs.rngs)  # [N]
 
-    def _tensor(self, values: list[int]) -> Tensor:
-        # through numpy: a 16K-token prompt's ids convert ~4x faster than by torch.tensor
-        host = torch.from_numpy(np.array(values, dtype=np.int64))
-        return host.to(self.device, non_blocking=True)
+
+def int64_tensor(values: list[int], device: torch.device | str) -> Tensor:
+    """``values`` as an int64 tensor on ``device``, converted through numpy (a 16K-token
+    prompt's ids ~4x faster than ``torch.tensor``) and copied without waiting for the device."""
+    host = torch.from_numpy(np.array(values, dtype=np.int64))
+    return host.to(device, non_blocking=True)
