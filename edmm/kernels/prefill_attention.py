@@ -65,13 +65,13 @@ def prefill_attention(
     kv = kv_layer_view(kv_cache, layer, q)  # [S, M, 2, Hkv, D]
     out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [Lq, Hq, D]
     cfg = config or PrefillConfig()
-    if cfg.warp_specialize:
-        if warp_specialize_usable(q, kv):
-            ids = torch.tensor([0, query_len, slot_id, context_len], dtype=torch.int32)
-            ids = ids.to(q.device)
-            _launch_ws(q, kv, out, (ids[:2], ids[2:3], ids[3:]), scale, cfg, skip_single=False)
-            return out
-        cfg = PrefillConfig()  # its launch parameters are the WS kernel's
+    plain = _plain_config(cfg, q, kv)
+    if plain is None:
+        ids = torch.tensor([0, query_len, slot_id, context_len], dtype=torch.int32)
+        ids = ids.to(q.device)
+        _launch_ws(q, kv, out, (ids[:2], ids[2:3], ids[3:]), scale, cfg, skip_single=False)
+        return out
+    cfg = plain
     _launch(q, kv, out, None, (slot_id, context_len, query_len), cdiv(query_len, cfg.block_m), 1,
             scale, cfg)
     return out
@@ -117,12 +117,11 @@ def prefill_attention_varlen(
     if batch == 0 or q.shape[0] == 0:
         return out
     cfg = config or PrefillConfig()
-    if cfg.warp_specialize:
-        if warp_specialize_usable(q, kv):
-            _launch_ws(q, kv, out, (cu_seqlens_q, slot_ids, context_lens), scale, cfg,
-                       skip_single)
-            return out
-        cfg = PrefillConfig()  # its launch parameters are the WS kernel's
+    plain = _plain_config(cfg, q, kv)
+    if plain is None:
+        _launch_ws(q, kv, out, (cu_seqlens_q, slot_ids, context_lens), scale, cfg, skip_single)
+        return out
+    cfg = plain
     tiles = q.shape[0] // cfg.block_m + batch
     _launch(q, kv, out, (cu_seqlens_q, slot_ids, context_lens), (0, 0, 0), tiles, batch,
             scale, cfg, skip_single)
@@ -156,6 +155,16 @@ def _launch(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor,
         DOT_PRECISION=dot_precision(q.dtype), REVERSE=cfg.reverse,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+
+
+def _plain_config(cfg: PrefillConfig, q: torch.Tensor, kv: torch.Tensor
+                  ) -> PrefillConfig | None:
+    """The plain kernel's launch parameters for this call, or None when the warp-specialized
+    kernel takes it (a warp-specialized config where that kernel cannot run falls back to
+    `PrefillConfig()`: its own launch parameters are the warp-specialized kernel's)."""
+    if not cfg.warp_specialize:
+        return cfg
+    return None if warp_specialize_usable(q, kv) else PrefillConfig()
 
 
 def warp_specialize_usable(q: torch.Tensor, kv: torch.Tensor) -> bool:

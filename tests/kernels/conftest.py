@@ -156,18 +156,3 @@ def check_close() -> Callable[[torch.Tensor, torch.Tensor, torch.dtype], None]:
     """Assert a kernel output matches a float64 reference within the tolerance of ``dtype``."""
     return _check_close
 
-
-def _cpu_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, causal: bool, scale: float
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    group = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
-    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, causal, scale=scale)
-    return out, lse
-
-
-@pytest.fixture
-def cpu_attend() -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    """An `AttendLSE` on the CPU (ATen's CPU flash kernel, which returns its log-sum-exp; top-left
-    causality, like cuDNN's): [1, Hq, n, D] x [1, Hkv, c, D] -> out, lse [1, Hq, n]."""
-    return _cpu_attend

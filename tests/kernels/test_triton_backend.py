@@ -9,8 +9,9 @@ import sys
 import pytest
 import torch
 
+import edmm.kernels
 from edmm.kernels import prefill_attention_varlen
-from edmm.model import PRESETS, AttentionMetadata, attention_triton
+from edmm.model import PRESETS, AttentionMetadata
 from edmm.model.attention import TorchSDPABackend
 from edmm.model.attention_triton import TritonAttentionBackend
 from edmm.model.transformer import CausalLM
@@ -30,12 +31,40 @@ def _model() -> CausalLM:
     return model
 
 
+Batch = list[tuple[int, int, int]]  # (slot, new tokens, context) per sequence
+
+
+def _batch(batch: Batch, seed: int, dtype: torch.dtype = torch.float32
+           ) -> tuple[torch.Tensor, AttentionMetadata, torch.Tensor]:
+    """The prefixes' KV as earlier steps left it [S, M, L, 2, Hkv, D], the batch's metadata
+    and its token ids [T]."""
+    cfg = PRESETS["tiny"]
+    gen = torch.Generator().manual_seed(seed)
+    shape = (SLOTS, MAX_TOKENS, cfg.num_layers, 2, cfg.num_kv_heads, cfg.head_dim)
+    cached = torch.randn(shape, generator=gen).to(dtype)
+    slots, qlens, ctxs = ([b[i] for b in batch] for i in range(3))
+    meta = AttentionMetadata.build(slots, qlens, ctxs)
+    ids = torch.randint(0, cfg.vocab_size, (sum(qlens),), generator=gen)
+    return cached, meta, ids
+
+
+def _run(model: CausalLM, backend: TorchSDPABackend | TritonAttentionBackend,
+         cached: torch.Tensor, meta: AttentionMetadata, ids: torch.Tensor
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Hidden states [T, hidden] and the KV after one forward pass through ``backend``."""
+    assert meta.token_index is not None
+    model.set_backend(backend)
+    kv = cached.clone()
+    with torch.inference_mode():
+        return model(ids, meta.token_index, kv, meta), kv
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("batch", [
-    [(0, 20, 20), (1, 1, 9), (2, 5, 17)],  # (slot, new tokens, context): prefill, decode, chunk
+    [(0, 20, 20), (1, 1, 9), (2, 5, 17)],  # prefill, decode, chunk
     [(1, 1, 9), (3, 1, 30)],  # decode only
 ])
-def test_triton_backend_matches_sdpa(batch: list[tuple[int, int, int]], dtype: torch.dtype,
+def test_triton_backend_matches_sdpa(batch: Batch, dtype: torch.dtype,
                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """bf16 batches with a prefill take the warp-specialized prefill kernel; fp32 the
     default one."""
@@ -44,25 +73,14 @@ def test_triton_backend_matches_sdpa(batch: list[tuple[int, int, int]], dtype: t
     launch = kernels._launch_ws
     monkeypatch.setattr(kernels, "_launch_ws",
                         lambda *a, **k: (ws_launches.append(1), launch(*a, **k)))
-    model, cfg = _model().to(dtype), PRESETS["tiny"]
-    gen = torch.Generator().manual_seed(1)
-    shape = (SLOTS, MAX_TOKENS, cfg.num_layers, 2, cfg.num_kv_heads, cfg.head_dim)
-    cached = torch.randn(shape, generator=gen).to(dtype)  # the prefixes' KV, as steps left it
-    slots, qlens, ctxs = ([b[i] for b in batch] for i in range(3))
-    meta = AttentionMetadata.build(slots, qlens, ctxs)
-    assert meta.token_index is not None
-    ids = torch.randint(0, cfg.vocab_size, (sum(qlens),), generator=gen)
-    out = {}
-    for name, backend in (("sdpa", TorchSDPABackend()), ("triton", TritonAttentionBackend(64))):
-        model.set_backend(backend)
-        kv = cached.clone()
-        with torch.inference_mode():
-            hidden = model(ids, meta.token_index, kv, meta)  # [T, hidden]
-        out[name] = (hidden, kv)
+    model = _model().to(dtype)
+    cached, meta, ids = _batch(batch, seed=1, dtype=dtype)
+    want = _run(model, TorchSDPABackend(), cached, meta, ids)
+    got = _run(model, TritonAttentionBackend(64), cached, meta, ids)
     tol = 1e-4 if dtype == torch.float32 else 3e-2
-    torch.testing.assert_close(out["triton"][0], out["sdpa"][0], atol=tol, rtol=tol)
-    torch.testing.assert_close(out["triton"][1], out["sdpa"][1], atol=tol / 10, rtol=tol / 10)
-    prefill = any(n > 1 for n in qlens)
+    torch.testing.assert_close(got[0], want[0], atol=tol, rtol=tol)
+    torch.testing.assert_close(got[1], want[1], atol=tol / 10, rtol=tol / 10)
+    prefill = any(n > 1 for n in meta.query_lens)
     assert bool(ws_launches) == (prefill and dtype == torch.bfloat16)
 
 
@@ -71,32 +89,20 @@ def test_triton_backend_matches_sdpa(batch: list[tuple[int, int, int]], dtype: t
     ([(0, 20, 20), (2, 12, 17)], True, True),  # a graph's static lists: always launched
     ([(0, 20, 20), (1, 1, 9)], False, True),  # a decode row rides along
 ])
-def test_decode_launch_only_where_rows_need_it(batch: list[tuple[int, int, int]],
-                                               placeholder: bool, decode_launched: bool,
+def test_decode_launch_only_where_rows_need_it(batch: Batch, placeholder: bool,
+                                               decode_launched: bool,
                                                monkeypatch: pytest.MonkeyPatch) -> None:
     """A mixed pass launches the split-K decode kernel only when a single-query row may be
     in it; skipping it leaves the hidden states and KV those of the reference."""
-    kernels = sys.modules[attention_triton.__name__]
     launches: list[int] = []
-    import edmm.kernels as kernel_pkg
-    varlen = kernel_pkg.decode_attention_varlen
-    monkeypatch.setattr(kernel_pkg, "decode_attention_varlen",
+    varlen = edmm.kernels.decode_attention_varlen
+    monkeypatch.setattr(edmm.kernels, "decode_attention_varlen",
                         lambda *a, **k: (launches.append(1), varlen(*a, **k))[1])
-    model, cfg = _model(), PRESETS["tiny"]
-    gen = torch.Generator().manual_seed(2)
-    shape = (SLOTS, MAX_TOKENS, cfg.num_layers, 2, cfg.num_kv_heads, cfg.head_dim)
-    cached = torch.randn(shape, generator=gen)
-    slots, qlens, ctxs = ([b[i] for b in batch] for i in range(3))
-    meta = dataclasses.replace(AttentionMetadata.build(slots, qlens, ctxs),
-                               placeholder_lists=placeholder)
-    assert meta.token_index is not None
-    ids = torch.randint(0, cfg.vocab_size, (sum(qlens),), generator=gen)
-    out = []
-    for backend in (TorchSDPABackend(), kernels.TritonAttentionBackend(64)):
-        model.set_backend(backend)
-        kv = cached.clone()
-        with torch.inference_mode():
-            out.append((model(ids, meta.token_index, kv, meta), kv))  # [T, hidden], KV
-    for got, want in zip(out[1], out[0], strict=True):
-        torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    model = _model()
+    cached, meta, ids = _batch(batch, seed=2)
+    meta = dataclasses.replace(meta, placeholder_lists=placeholder)
+    want = _run(model, TorchSDPABackend(), cached, meta, ids)
+    got = _run(model, TritonAttentionBackend(64), cached, meta, ids)
+    for a, b in zip(got, want, strict=True):
+        torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
     assert bool(launches) == decode_launched
