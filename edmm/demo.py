@@ -23,7 +23,7 @@ from typing import Any
 from edmm.agent import AgentConfig, AgentEngine, SessionState, ToolCall, ToolResult, ToolSpec
 from edmm.agent.render import assistant_message
 from edmm.bench.report import markdown_table
-from edmm.engine import EngineConfig, SamplingParams
+from edmm.engine import EngineConfig, EngineStats, SamplingParams
 
 TOOLS = [{"type": "function", "function": {
     "name": name, "description": f"Call {name.replace('_', ' ')}.",
@@ -161,27 +161,39 @@ def _metrics_rows(agent: AgentEngine) -> list[dict[str, Any]]:
     return rows
 
 
-def _run(edmm: bool, model_dir: str | None, turns: int) -> tuple[dict[str, Any], list[dict]]:
-    config = AgentConfig() if edmm else AgentConfig(speculation=(), retention="lru")
+def _engine_line(stats: EngineStats) -> str:
+    """What the engine computed and reused over the run, from its stats snapshot."""
+    return (f"Engine: {stats.prompt_tokens} prompt tokens in finished requests, "
+            f"{stats.prompt_tokens_computed} computed and {stats.prompt_tokens_reused} reused; "
+            f"{stats.speculation_tokens_computed} tokens prefilled speculatively; "
+            f"{stats.kv.cached_pages} of {stats.kv.pages_total} KV pages held by the prefix "
+            "cache at the end.")
+
+
+def _run(edmm: bool, model_dir: str | None, turns: int,
+         ) -> tuple[dict[str, Any], list[dict], EngineStats]:
+    config = AgentConfig() if edmm else AgentConfig.off()
     engine = EngineConfig(model=model_dir, dtype="float32", max_model_len=1024,
                           host_page_size=16384, num_slots=24, max_num_seqs=4)
     with AgentEngine(engine, config) as agent:
         outputs = run_agent_loop(agent, turns)
-        return outputs, _metrics_rows(agent)
+        return outputs, _metrics_rows(agent), agent.engine.stats()
 
 
 def _agent_section(model_dir: str | None, turns: int) -> bool:
     t0 = time.perf_counter()
-    on, on_rows = _run(True, model_dir, turns)
-    off, off_rows = _run(False, model_dir, turns)
+    on, on_rows, on_stats = _run(True, model_dir, turns)
+    off, off_rows, off_stats = _run(False, model_dir, turns)
     same = on == off
     print(f"## Agent tool loop: {len(on)} sessions x {turns} tool turns "
           f"({time.perf_counter() - t0:.1f} s for both runs)\n")
     print(f"Greedy outputs identical with EDMM on and off: {'yes' if same else 'NO'}\n")
     print("EDMM on (speculation: template, streamed, predicted; retention: cost):\n")
     print(markdown_table(on_rows) + "\n")
+    print(_engine_line(on_stats) + "\n")
     print("EDMM off (no speculation, LRU retention):\n")
     print(markdown_table(off_rows) + "\n")
+    print(_engine_line(off_stats) + "\n")
     return same
 
 

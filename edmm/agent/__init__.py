@@ -13,6 +13,7 @@ from edmm.agent.errors import (
 from edmm.agent.render import assistant_message
 from edmm.agent.types import (
     AgentConfig,
+    AgentStats,
     SessionMetrics,
     SessionState,
     TokenLayout,
@@ -26,6 +27,7 @@ __all__ = [
     "AgentConfig",
     "AgentEngine",
     "AgentError",
+    "AgentStats",
     "InsertionPositionError",
     "SessionMetrics",
     "SessionState",

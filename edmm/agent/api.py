@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import time
+from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
@@ -43,6 +44,7 @@ from edmm.agent.speculation import (
 )
 from edmm.agent.types import (
     AgentConfig,
+    AgentStats,
     SessionMetrics,
     SessionState,
     TokenLayout,
@@ -68,6 +70,7 @@ from edmm.model.prompt_encoder import PromptEncoder
 
 Message = Mapping[str, Any]
 S = SessionState
+_BUSY = (S.GENERATING, S.RESUMING)
 DURATION_EMA = 0.5  # weight of the newest observed duration of a tool
 
 
@@ -96,6 +99,7 @@ class AgentEngine:
         self._clock = clock
         self._sessions: dict[str, Session] = {}
         self._by_request: dict[str, str] = {}  # request id -> session id
+        self._closed_totals: Counter[str] = Counter()  # counters of closed sessions
         self._tools: dict[str, ToolSpec] = {}
         self._durations: dict[str, float] = {}  # tool name -> EMA of observed seconds
         self._memo: dict[tuple[str, str], ToolContent] = {}  # idempotent calls' results
@@ -111,20 +115,23 @@ class AgentEngine:
     def add_request(self, request_id: str, prompt: PromptInput,
                     params: SamplingParams | None = None, *,
                     session_id: str | None = None) -> None:
-        """Queue a request; with ``session_id``, a turn of that session (created if new; a
-        FINISHED session takes its next user turn). Raises `SessionStateError` if the session
-        is generating, awaiting a tool (use `resume`) or abandoned."""
+        """Validate and queue a request (`Engine.make_request`, then `submit`)."""
+        self.submit(self.engine.make_request(request_id, prompt, params), session_id)
+
+    def submit(self, request: Request, session_id: str | None = None) -> None:
+        """Queue a validated request; with ``session_id``, a turn of that session (created if
+        new; a FINISHED session takes its next user turn). Raises `SessionStateError` if the
+        session is generating, awaiting a tool (use `resume`) or abandoned."""
         if session_id is None:
-            self.engine.add_request(request_id, prompt, params)
+            self.engine.submit(request)
             return
         session = self._sessions.get(session_id)
         if session is not None:
             session.require(S.FINISHED, "a new turn")
-        request = self.engine.make_request(request_id, prompt, params)
         session = session if session is not None else Session(session_id)
         self._submit_turn(session, request, claim=())
-        self._sessions[session_id] = session
         session.transition(S.GENERATING)
+        self._touch(session)
 
     def step(self) -> list[RequestOutput]:
         """One engine step; also abandons sessions past their tool deadline and advances
@@ -159,6 +166,7 @@ class AgentEngine:
             session.request_id = None
             session.window = None
             session.resume_started = None
+            session.repeated = 0
             session.transition(S.FINISHED)
         return found
 
@@ -256,27 +264,47 @@ class AgentEngine:
         `UnknownToolCallError`, `InsertionPositionError`): on error nothing changes.
         """
         started = self._clock()
+        window = self._resumable(session_id, results)
+        if prompt is None:
+            positions = {r.call_id: r.position for r in results if r.position is not None}
+            renderer = window.renderer.with_positions(positions)
+            prompt = renderer.render({r.call_id: r.content for r in results})
+        self._resume(session_id, self.engine.make_request(request_id, prompt, params), results,
+                     started)
+
+    def resume_request(self, session_id: str, request: Request,
+                       results: Sequence[ToolResult]) -> None:
+        """`resume` with the next prompt already validated (``request``, built once by the
+        caller, e.g. the server); the same checks, and on error nothing changes."""
+        started = self._clock()
+        self._resumable(session_id, results)
+        self._resume(session_id, request, results, started)
+
+    def _resumable(self, session_id: str, results: Sequence[ToolResult]) -> ToolWindow:
+        """The window that ``results`` resume (every check of `resume`, nothing changed)."""
         session = self._get(session_id)
         session.require(S.AWAITING_TOOL, "resume")
         window = session.window
         assert window is not None
-        positions: dict[str, int] = {}
         for r in results:
             if r.call_id not in window.calls:
                 raise UnknownToolCallError(session_id, r.call_id)
             if r.position is not None:
                 self._check_position(session, r.position)
-                positions[r.call_id] = r.position
-        if prompt is None:
-            renderer = window.renderer.with_positions(positions)
-            prompt = renderer.render({r.call_id: r.content for r in results})
-        request = self.engine.make_request(request_id, prompt, params)
+        return window
+
+    def _resume(self, session_id: str, request: Request, results: Sequence[ToolResult],
+                started: float) -> None:
+        session = self._sessions[session_id]
+        window = session.window
+        assert window is not None
         self._stop_speculation(session, window)
         self._learn(window, results, started)
         claim = tuple(_branch_tag(session_id, key) for key in sorted(window.branches))
         self._submit_turn(session, request, claim)
         session.resume_started = started
         session.transition(S.RESUMING)
+        self._touch(session)
 
     # ------------------------------------------------------------------ sessions
     def session_state(self, session_id: str) -> SessionState:
@@ -295,23 +323,54 @@ class AgentEngine:
                                    commit_s=list(m.commit_s))
 
     def session_ids(self) -> list[str]:
-        """Ids of every session, abandoned ones included, in creation order."""
+        """Ids of every session, abandoned ones included, least recently used first."""
         return list(self._sessions)
 
-    def find_session(self, prompt_token_ids: Sequence[int], min_match: float = 0.5,
-                     ) -> str | None:
-        """The live session sharing the longest token prefix with ``prompt_token_ids``, if
-        that prefix covers at least ``min_match`` of its context (a server without a session
-        header finds a conversation's session this way)."""
-        prompt = list(prompt_token_ids)
-        best: tuple[int, str] | None = None
+    def has_session(self, session_id: str) -> bool:
+        """True if the session exists (in any state, abandoned included)."""
+        return session_id in self._sessions
+
+    def pending_calls(self, session_id: str) -> list[str]:
+        """Ids of the tool calls the session awaits (empty unless AWAITING_TOOL)."""
+        session = self._get(session_id)
+        if session.state != S.AWAITING_TOOL or session.window is None:
+            return []
+        return list(session.window.calls)
+
+    def session_awaiting(self, call_id: str) -> str | None:
+        """The session awaiting the result of tool call ``call_id``, if any."""
         for session in self._sessions.values():
-            if session.state == S.ABANDONED or not session.context:
-                continue
-            n = common_prefix_len(session.context, prompt)
-            if n >= min_match * len(session.context) and (best is None or n >= best[0]):
-                best = (n, session.id)
-        return best[1] if best is not None and best[0] > 0 else None
+            if session.state == S.AWAITING_TOOL and session.window is not None and (
+                    call_id in session.window.calls):
+                return session.id
+        return None
+
+    def finished_request(self, session_id: str) -> str | None:
+        """The request id of the session's last turn that finished (not aborted)."""
+        return self._get(session_id).finished_request_id
+
+    def find_session(self, prompt_token_ids: Sequence[int]) -> str | None:
+        """The session not generating whose last turn's prompt is the longest prefix of
+        ``prompt_token_ids`` (a server without a session id finds a conversation this way:
+        the next request repeats the last prompt, then the reply as re-rendered)."""
+        prompt = list(prompt_token_ids)
+        best: str | None = None
+        best_len = 0
+        for session in self._sessions.values():
+            n = session.prompt_len
+            if (best_len < n <= len(prompt) and session.state not in _BUSY
+                    and common_prefix_len(session.context, prompt, n) == n):
+                best, best_len = session.id, n
+        return best
+
+    def stats(self) -> AgentStats:
+        """The live sessions by state and the session counters summed since start."""
+        totals = Counter(self._closed_totals)
+        states: Counter[str] = Counter()
+        for session in self._sessions.values():
+            states[session.state.name.lower()] += 1
+            totals.update(_counters(session.metrics))
+        return AgentStats(sessions=dict(states), **totals)
 
     def close_session(self, session_id: str) -> None:
         """Abort its request, drop its speculation and retained KV, forget it."""
@@ -320,6 +379,7 @@ class AgentEngine:
             self._by_request.pop(session.request_id, None)
             self.engine.abort(session.request_id)
         self._drop_kv(session)
+        self._closed_totals.update(_counters(session.metrics))
         del self._sessions[session_id]
 
     def check_integrity(self) -> None:
@@ -351,7 +411,7 @@ class AgentEngine:
         if session.request_id is not None and (
                 self._by_request.get(session.request_id) != session.id):
             raise AgentError(f"session {session.id!r}: request map out of sync")
-        if session.state == S.ABANDONED and self.engine.tagged(_session_tag(session.id)):
+        if session.state == S.ABANDONED and self.engine.kv.tagged(_session_tag(session.id)):
             raise AgentError(f"abandoned session {session.id!r} still holds KV")
         keys = session.window.branches if session.window is not None else set()
         owned = live_specs & self._spec_ids(session.id, keys)
@@ -397,9 +457,21 @@ class AgentEngine:
         rank, priority = self._retention.retention(
             PausedSession(len(request.prompt_token_ids), False, None))
         self.engine.submit(request, SlotHints(_session_tag(session.id), rank, priority, claim))
+        prompt = request.prompt_token_ids
+        session.repeated = common_prefix_len(session.context, prompt)
         session.request_id = request.request_id
-        session.context = list(request.prompt_token_ids)
+        session.context = list(prompt)
+        session.prompt_len = len(prompt)
         self._by_request[request.request_id] = session.id
+
+    def _touch(self, session: Session) -> None:
+        """Make ``session`` the most recently used; close the least recently used sessions
+        that are not generating while more than ``max_sessions`` are kept."""
+        self._sessions.pop(session.id, None)
+        self._sessions[session.id] = session
+        idle = [s.id for s in self._sessions.values() if s.state not in _BUSY]
+        for session_id in idle[:max(0, len(self._sessions) - self.config.max_sessions)]:
+            self.close_session(session_id)
 
     def _on_output(self, session: Session, out: RequestOutput) -> None:
         if session.state == S.RESUMING:
@@ -408,7 +480,11 @@ class AgentEngine:
             session.context = out.prompt_token_ids + out.outputs[0].token_ids
             self._by_request.pop(out.request_id, None)
             session.request_id = None
+            session.finished_request_id = out.request_id
             session.metrics.turns += 1
+            session.metrics.context_tokens_recomputed += max(
+                0, session.repeated - out.num_cached_tokens)
+            session.repeated = 0
             session.transition(S.FINISHED)
 
     def _on_resumed(self, session: Session, out: RequestOutput) -> None:
@@ -425,7 +501,7 @@ class AgentEngine:
         # The losing branches become plain speculation entries: no unmapping here, on the
         # resume's critical path; they are reused or evicted first like any other.
         tags = [_branch_tag(session.id, k) for k in session.window.branches]
-        self.engine.untag(tags, EntryRank.SPECULATIVE)
+        self.engine.kv.untag(tags, EntryRank.SPECULATIVE)
         session.window = None
         session.resume_started = None
         session.transition(S.GENERATING)
@@ -468,12 +544,12 @@ class AgentEngine:
 
     def _drop_branches(self, session: Session, window: ToolWindow) -> None:
         self._stop_speculation(session, window)
-        self.engine.discard(_branch_tag(session.id, k) for k in window.branches)
+        self.engine.kv.discard(_branch_tag(session.id, k) for k in window.branches)
 
     def _drop_kv(self, session: Session) -> None:
         if session.window is not None:
             self._drop_branches(session, session.window)
-        self.engine.discard([_session_tag(session.id)])
+        self.engine.kv.discard([_session_tag(session.id)])
 
     def _expire_windows(self) -> None:
         """Abandon the sessions whose tool window passed its deadline; reclaim their KV."""
@@ -495,10 +571,10 @@ class AgentEngine:
         rank, priority = self._retention.retention(
             PausedSession(len(session.context), True, remaining))
         tag = _session_tag(session.id)
-        self.engine.set_retention(tag, rank, priority)
+        self.engine.kv.set_retention(tag, rank, priority)
         if (remaining is not None and remaining <= self.config.prefetch_lead_s
-                and self.engine.offloaded_tokens(tag)):
-            self.engine.restore(tag)  # prefetch: back before the tool returns, if room
+                and self.engine.kv.offloaded_tokens(tag)):
+            self.engine.kv.restore(tag)  # prefetch: back before the tool returns, if room
 
     def _expected_duration(self, calls: Iterable[ToolCall]) -> float | None:
         """The longest expected duration among the calls' tools (learned, else declared)."""
@@ -549,6 +625,14 @@ def _branch_tag(session_id: str, key: str) -> str:
 
 def _spec_id(tag: str) -> str:
     return "\x00spec" + tag  # outside any client's request id space
+
+
+def _counters(m: SessionMetrics) -> dict[str, int]:
+    """The counters of `AgentStats` that ``m`` adds to."""
+    return {"turns": m.turns, "resumes": m.resumes, "spec_hits": m.spec_hits,
+            "spec_partial": m.spec_partial, "spec_misses": m.spec_misses,
+            "tokens_speculated": m.tokens_speculated,
+            "context_tokens_recomputed": m.context_tokens_recomputed}
 
 
 def _check_calls(tool_calls: Sequence[ToolCall]) -> dict[str, ToolCall]:

@@ -34,7 +34,9 @@ class Session:
     request_id: str | None = None  # the turn being generated (GENERATING / RESUMING)
     window: ToolWindow | None = None  # the open tool window (AWAITING_TOOL / RESUMING)
     resume_started: float | None = None  # clock time of `resume` (RESUMING)
-    resume_prompt_len: int = 0
+    prompt_len: int = 0  # the last turn's prompt: context[:prompt_len]
+    finished_request_id: str | None = None  # the last turn that finished (not aborted)
+    repeated: int = 0  # tokens of the previous context that the running turn's prompt repeats
     metrics: SessionMetrics = field(init=False)
 
     def __post_init__(self) -> None:

@@ -100,7 +100,10 @@ class SessionMetrics:
     """Per-session counters (cumulative over the session's resumes).
 
     ``tokens_reused``: prompt tokens of resume turns whose KV was already there (retained or
-    speculated); ``tokens_recomputed``: the rest, prefilled at resume. A resume that commits a
+    speculated); ``tokens_recomputed``: the rest, prefilled at resume;
+    ``context_tokens_recomputed``: over every finished turn, tokens of the session's previous
+    context (prompt + output of its last turn) that the turn's prompt repeated and that were
+    computed again rather than reused (a lost context). A resume that commits a
     speculation branch matching all its tokens is a hit, one matching part of them a partial,
     and one whose speculation lost to the retained KV (or had none to use) a miss.
     """
@@ -111,6 +114,7 @@ class SessionMetrics:
     tokens_reused: int = 0
     tokens_recomputed: int = 0
     tokens_speculated: int = 0  # tokens prefilled into speculation branches
+    context_tokens_recomputed: int = 0
     spec_hits: int = 0
     spec_partial: int = 0
     spec_misses: int = 0
@@ -124,6 +128,22 @@ class SessionMetrics:
         d["resume_ttft_s"] = list(self.resume_ttft_s)
         d["commit_s"] = list(self.commit_s)
         return d
+
+
+@dataclass(frozen=True)
+class AgentStats:
+    """A snapshot of the agent layer's counters (`AgentEngine.stats`): the live sessions by
+    state name, and the sums of `SessionMetrics` over every session since start (closed
+    ones included)."""
+
+    sessions: Mapping[str, int]  # live sessions by lower-case state name
+    turns: int = 0
+    resumes: int = 0
+    spec_hits: int = 0
+    spec_partial: int = 0
+    spec_misses: int = 0
+    tokens_speculated: int = 0
+    context_tokens_recomputed: int = 0
 
 
 @dataclass(frozen=True)
@@ -142,6 +162,10 @@ class AgentConfig:
         prefetch_lead_s: with KV offload on (`EngineConfig.kv_offload_bytes`), a paused
             session whose KV went to host memory is copied back once its tool is expected
             back within this many seconds and the pool has room (a resume restores it anyway).
+        max_sessions: sessions kept; past it the least recently used ones that are not
+            generating are closed (their KV released).
+
+    ``AgentConfig.off()`` is EDMM off: no speculation, paused sessions' KV a plain LRU entry.
     """
 
     speculation: tuple[str, ...] = ("template", "streamed", "predicted", "prompt")
@@ -149,8 +173,16 @@ class AgentConfig:
     tool_timeout_s: float = 600.0
     reserialize_arguments: bool = True
     prefetch_lead_s: float = 0.5
+    max_sessions: int = 4096
+
+    @classmethod
+    def off(cls) -> AgentConfig:
+        """The same sessions with speculation and retention off (what engines do today)."""
+        return cls(speculation=(), retention="lru")
 
     def __post_init__(self) -> None:
+        if self.max_sessions < 1:
+            raise EngineConfigError(f"max_sessions must be >= 1, got {self.max_sessions}")
         if self.prefetch_lead_s < 0:
             raise EngineConfigError(f"prefetch_lead_s must be >= 0, got {self.prefetch_lead_s}")
         if not self.tool_timeout_s > 0:

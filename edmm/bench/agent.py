@@ -27,7 +27,7 @@ from __future__ import annotations
 import dataclasses
 import random
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -123,8 +123,8 @@ class _Runner:
         self._run_until_idle()
 
     def drop_base(self) -> None:
-        self.agent.engine.discard([_BASE_TAG])
-        self.agent.engine.reclaim()
+        self.agent.engine.kv.discard([_BASE_TAG])
+        self.agent.engine.kv.reclaim()
 
     def iteration(self, group: str, context: list[int]) -> _Iteration:
         """One session on the cached context: a first turn, a tool window, a timed resume."""
@@ -143,8 +143,8 @@ class _Runner:
         ttft = (time.perf_counter() - t0) * 1e3
         spec = _speculation(self.agent.session_metrics(sid))
         self.agent.close_session(sid)
-        self.agent.engine.discard([_B_TAG])
-        self.agent.engine.reclaim()  # off the clock: only the base entry stays
+        self.agent.engine.kv.discard([_B_TAG])
+        self.agent.engine.kv.reclaim()  # off the clock: only the base entry stays
         hit = out.prefix_hit
         return _Iteration(ttft, len(out.prompt_token_ids), out.num_cached_tokens,
                           hit.seconds * 1e3 if hit is not None else 0.0, spec)
@@ -164,7 +164,7 @@ class _Runner:
         self._run_until_idle()
         # The tool window has passed: the device has finished the speculation's queued work
         # (its steps sample nothing, so nothing waited for them).
-        if self.agent.engine.arena.kv.is_cuda:
+        if torch.device(self.agent.engine.config.device).type == "cuda":
             torch.cuda.synchronize()
         return result, position
 
@@ -256,12 +256,12 @@ def measure_interference(agent: AgentEngine, cfg: AgentBenchConfig, context: int
                             ignore_eos=True)
     engine.add_request("interference", prompt, params)
     engine.step()  # the prompt's prefill (one step: the budget holds the longest prompt)
-    base = engine.scheduler.config
+    base = engine.update_scheduler_config()
     rows = []
     try:
         for phase, busy in phases:
             if busy is not None:
-                engine.scheduler.config = replace(base, speculative_tokens_when_busy=busy)
+                engine.update_scheduler_config(speculative_tokens_when_busy=busy)
                 spec = [rng.randrange(vocab) for _ in range(context // 2)]
                 engine.speculate(f"interference-{busy}", spec,
                                  SlotHints("bench:spec", EntryRank.SPECULATIVE))
@@ -276,11 +276,12 @@ def measure_interference(agent: AgentEngine, cfg: AgentBenchConfig, context: int
             if busy is not None:
                 engine.stop_speculation(f"interference-{busy}")
     finally:
-        engine.scheduler.config = base
+        engine.update_scheduler_config(
+            speculative_tokens_when_busy=base.speculative_tokens_when_busy)
     while engine.has_unfinished() or engine.has_speculation():
         engine.step()
-    engine.discard(["bench:spec"])
-    engine.reclaim()
+    engine.kv.discard(["bench:spec"])
+    engine.kv.reclaim()
     return rows
 
 

@@ -1,13 +1,16 @@
 """Engine: sequences, the token-budget scheduler, prefix reuse, the model runner, the step loop."""
 
 from edmm.engine.config import EngineConfig
-from edmm.engine.engine import Engine, Request
+from edmm.engine.engine import Engine, EngineStats, Request, RequestValidator
 from edmm.engine.errors import (
+    ContextLengthError,
     EngineConfigError,
     EngineError,
     InvalidRequestError,
     SchedulerStallError,
 )
+from edmm.engine.kv_manager import KVCacheManager, KVStats
+from edmm.engine.kv_policy import AdoptionCost
 from edmm.engine.outputs import CompletionOutput, RequestOutput
 from edmm.engine.prefix_cache import EntryRank, PrefixCache, PrefixHit
 from edmm.engine.runner import ModelInputs, ModelRunner
@@ -16,20 +19,26 @@ from edmm.engine.scheduler import ScheduledBatch, ScheduledSeq, Scheduler, Sched
 from edmm.engine.sequence import Sequence, SequenceKind, SequenceStatus, SlotHints
 
 __all__ = [
+    "AdoptionCost",
     "CompletionOutput",
+    "ContextLengthError",
     "Engine",
     "EngineConfig",
     "EngineConfigError",
     "EngineError",
+    "EngineStats",
     "EntryRank",
     "FinishReason",
     "InvalidRequestError",
+    "KVCacheManager",
+    "KVStats",
     "ModelInputs",
     "ModelRunner",
     "PrefixCache",
     "PrefixHit",
     "Request",
     "RequestOutput",
+    "RequestValidator",
     "SamplingParams",
     "ScheduledBatch",
     "ScheduledSeq",

@@ -1,13 +1,15 @@
 """The engine: requests in, one scheduled step at a time, `RequestOutput`s out.
 
 ``Engine`` wires the pieces and owns nothing they own: the `Scheduler` owns sequences and their
-slots, the `PrefixCache` owns its entries, the arena and pool own pages, the `ModelRunner`
-computes. The engine validates and tokenizes requests, decides when a request stops (EOS, stop
-tokens, stop strings, ``max_tokens``, ``max_model_len``) and detokenizes incrementally.
+slots, the `KVCacheManager` (``engine.kv``) owns KV memory (arena, pool, prefix index, host
+offload), the `ModelRunner` computes. The engine validates and tokenizes requests, decides when
+a request stops (EOS, stop tokens, stop strings, ``max_tokens``, ``max_model_len``) and
+detokenizes incrementally; `stats` returns an `EngineStats` snapshot.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import operator
 from collections.abc import Iterable, Sequence
@@ -20,12 +22,18 @@ import torch
 from edmm.engine.config import HOST_POOL_BYTES, EngineConfig
 from edmm.engine.cuda_graph import CudaGraphRunner
 from edmm.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
-from edmm.engine.errors import EngineConfigError, InvalidRequestError, SchedulerStallError
+from edmm.engine.errors import (
+    ContextLengthError,
+    EngineConfigError,
+    InvalidRequestError,
+    SchedulerStallError,
+)
+from edmm.engine.kv_manager import KVCacheManager, KVStats
 from edmm.engine.outputs import CompletionOutput, RequestOutput
-from edmm.engine.prefix_cache import EntryRank, PrefixCache
+from edmm.engine.prefix_cache import PrefixCache
 from edmm.engine.runner import ModelRunner
 from edmm.engine.sampling import FinishReason, Sampler, SamplingParams, is_stop
-from edmm.engine.scheduler import Scheduler
+from edmm.engine.scheduler import Scheduler, SchedulerConfig
 from edmm.engine.sequence import SPECULATED, SequenceKind, SlotHints
 from edmm.engine.sequence import Sequence as Seq
 from edmm.memory import KVArena, KVSpec, PagePool, open_backend
@@ -44,6 +52,81 @@ class Request:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    """A snapshot of the engine (`Engine.stats`): KV memory, queues, and counters since start.
+
+    Prompt tokens are counted when a request finishes (aborted ones are not): ``reused`` had
+    their KV already (prefix cache, retained or speculated KV), ``computed`` were prefilled.
+    """
+
+    kv: KVStats
+    requests_waiting: int
+    requests_running: int
+    speculations: int  # speculative prefills waiting or running
+    requests_finished: int
+    prompt_tokens: int
+    prompt_tokens_reused: int
+    prompt_tokens_computed: int
+    speculation_tokens_computed: int  # tokens prefilled by speculation (all branches)
+    num_preemptions: int
+
+
+@dataclass
+class _Counters:
+    requests_finished: int = 0
+    prompt_tokens: int = 0
+    prompt_tokens_reused: int = 0
+
+
+@dataclass(frozen=True)
+class RequestValidator:
+    """Builds a `Request` from token ids and checks it against the model's fixed limits.
+
+    Immutable and independent of the engine's state, so any thread may use it (the server
+    validates on its tokenizing thread while the engine steps on its own). Raises
+    `InvalidRequestError` for an empty prompt, token ids outside the vocabulary, bad sampling
+    params or stop strings without a tokenizer, and `ContextLengthError` for a prompt longer
+    than ``max_model_len``.
+    """
+
+    vocab_size: int
+    max_model_len: int
+    has_tokenizer: bool
+
+    def make(self, request_id: str, prompt_token_ids: Sequence[int],
+             params: SamplingParams | None = None, prompt: str | None = None) -> Request:
+        """The validated request (``prompt``: its text, when it came as text)."""
+        params = params if params is not None else SamplingParams()
+        if not isinstance(params, SamplingParams):
+            raise InvalidRequestError(f"sampling params must be SamplingParams, got {params!r}")
+        if params.stop and not self.has_tokenizer:
+            raise InvalidRequestError("stop strings need a tokenizer; use stop_token_ids")
+        ids = self.token_ids(prompt_token_ids)
+        if not ids:
+            raise InvalidRequestError(f"request {request_id!r}: empty prompt")
+        if len(ids) > self.max_model_len:
+            raise ContextLengthError(request_id, len(ids), self.max_model_len)
+        return Request(request_id, prompt, ids, params)
+
+    def token_ids(self, prompt: Sequence[int]) -> list[int]:
+        """``prompt`` as a list of token ids in the vocabulary (`InvalidRequestError` if not)."""
+        if not isinstance(prompt, Sequence) or isinstance(prompt, str):
+            raise InvalidRequestError(f"prompt must be text or token ids, got {type(prompt)}")
+        vocab = self.vocab_size
+        if set(map(type, prompt)) == {int}:  # the common case, checked at C speed
+            ints: list[int] = list(prompt)
+            if min(ints) >= 0 and max(ints) < vocab:
+                return ints
+        ids: list[int] = []
+        for t in prompt:
+            tok = _token_id(t)
+            if tok is None or not 0 <= tok < vocab:
+                raise InvalidRequestError(f"token id {t!r} is not in the vocabulary [0, {vocab})")
+            ids.append(tok)
+        return ids
 
 
 class _RequestState:
@@ -82,41 +165,27 @@ class Engine:
         dtype = next(self.model.parameters()).dtype
         spec = KVSpec(self.model_config.num_layers, self.model_config.num_kv_heads,
                       self.model_config.head_dim, dtype)
-        self.backend, self.pool, self.arena = _build_memory(config, spec, self.max_model_len)
-        offload = (HostKVStore(self.arena, config.kv_offload_bytes)
+        self._backend, pool, arena = _build_memory(config, spec, self.max_model_len)
+        offload = (HostKVStore(arena, config.kv_offload_bytes)
                    if config.kv_offload_bytes > 0 and config.enable_prefix_caching else None)
-        self.prefix_cache = PrefixCache(self.arena, config.prefix_block_size,
-                                        config.enable_prefix_caching, offload)
-        self.scheduler = Scheduler(self.arena, self.prefix_cache,
-                                   config.scheduler_config(self.pool.capacity))
-        self.runner = _build_runner(config, self.model, self.arena, self.max_model_len)
+        self.kv = KVCacheManager(arena, PrefixCache(arena, config.prefix_block_size,
+                                                    config.enable_prefix_caching, offload))
+        self.scheduler = Scheduler(self.kv, config.scheduler_config(pool.capacity))
+        self.runner = _build_runner(config, self.model, arena, self.max_model_len)
+        self._counters = _Counters()
+        self.validator = RequestValidator(self.model_config.vocab_size, self.max_model_len,
+                                          self.tokenizer is not None)
         self._states: dict[str, _RequestState] = {}
         self._closed = False
 
     # ------------------------------------------------------------------ requests
     def make_request(self, request_id: str, prompt: PromptInput,
                      params: SamplingParams | None = None) -> Request:
-        """Validate and tokenize a request without queuing it.
-
-        Raises `InvalidRequestError` for a used request id, an empty prompt, a prompt longer
-        than ``max_model_len``, token ids outside the vocabulary, text or stop strings without
-        a tokenizer.
-        """
-        if request_id in self._states:
-            raise InvalidRequestError(f"request id {request_id!r} is already in use")
-        params = params if params is not None else SamplingParams()
-        if not isinstance(params, SamplingParams):
-            raise InvalidRequestError(f"sampling params must be SamplingParams, got {params!r}")
-        if params.stop and self.tokenizer is None:
-            raise InvalidRequestError("stop strings need a tokenizer; use stop_token_ids")
+        """Validate and tokenize a request without queuing it (`RequestValidator`; a text
+        prompt is tokenized with the engine's tokenizer). A used request id is refused by
+        `submit`, on the engine's thread."""
         text, ids = self._tokenize(prompt)
-        if not ids:
-            raise InvalidRequestError(f"request {request_id!r}: empty prompt")
-        if len(ids) > self.max_model_len:
-            raise InvalidRequestError(
-                f"request {request_id!r}: prompt of {len(ids)} tokens exceeds "
-                f"max_model_len={self.max_model_len}")
-        return Request(request_id, text, ids, params)
+        return self.validator.make(request_id, ids, params, text)
 
     def submit(self, request: Request, hints: SlotHints | None = None) -> None:
         """Queue a request made by `make_request`; ``hints`` tie its slot to tagged cache
@@ -146,7 +215,7 @@ class Engine:
         if not ids or len(ids) > self.max_model_len:
             raise InvalidRequestError(
                 f"speculation {spec_id!r}: {len(ids)} tokens, need 1..{self.max_model_len}")
-        if hints.tag is None or not self.prefix_cache.enabled:
+        if hints.tag is None or not self.kv.caching:
             raise InvalidRequestError(
                 f"speculation {spec_id!r} needs a tag and prefix caching to be claimed by")
         self.stop_speculation(spec_id)
@@ -181,23 +250,6 @@ class Engine:
         """Tokens speculation computed under ``tag`` since the last call (then forgotten)."""
         return self.scheduler.speculated.pop(tag, 0)
 
-    def tagged(self, tag: str) -> list[int]:
-        """Slots of the cache entries tagged ``tag``."""
-        return self.prefix_cache.tagged(tag)
-
-    def set_retention(self, tag: str, rank: EntryRank, priority: float = 0.0) -> int:
-        """Eviction class and priority of the cache entries tagged ``tag``; return how many."""
-        return self.prefix_cache.set_retention(tag, rank, priority)
-
-    def discard(self, tags: Iterable[str]) -> int:
-        """Free the cache entries tagged with any of ``tags``; return how many."""
-        return self.prefix_cache.discard(tags)
-
-    def untag(self, tags: Iterable[str], rank: EntryRank) -> int:
-        """Turn the entries tagged with any of ``tags`` into plain entries of ``rank`` (no
-        memory touched: freed lazily, under pressure); return how many."""
-        return self.prefix_cache.untag(tags, rank)
-
     def abort(self, request_id: str) -> bool:
         """Stop a request and release its memory; False if it is unknown or finished."""
         self._states.pop(request_id, None)
@@ -215,7 +267,7 @@ class Engine:
             if self.has_unfinished() and not batch.preempted:
                 raise SchedulerStallError(
                     f"{len(self.scheduler.waiting)} waiting request(s) cannot be admitted")
-            self.arena.reclaim()  # idle: release slots retired by zero-copy commits
+            self.kv.reclaim()  # idle: release slots retired by zero-copy commits
             return []
         sampled = self.runner.execute(batch)
         return [self._process(seq) for seq in self.scheduler.update(batch, sampled)]
@@ -233,32 +285,44 @@ class Engine:
         if reason is not None:
             self.scheduler.finish(seq, reason.value)
             del self._states[seq.request_id]
+            self._count_finished(seq)
         return _output(seq, state)
 
-    # ------------------------------------------------------------------ memory
-    def reclaim(self) -> int:
-        """Release the slots retired by zero-copy commits (driver unmaps: call it off the
-        critical path; the scheduler also does when idle or short of memory)."""
-        return self.arena.reclaim()
+    def _count_finished(self, seq: Seq) -> None:
+        c = self._counters
+        c.requests_finished += 1
+        c.prompt_tokens += seq.num_prompt_tokens
+        c.prompt_tokens_reused += seq.num_cached_tokens
 
-    def restore(self, tag: str) -> bool:
-        """Bring the host copy of the entry tagged ``tag`` back into GPU (arena) memory; False
-        when there is none or no room (see `PrefixCache.restore`)."""
-        return self.prefix_cache.restore(tag)
-
-    def offloaded_tokens(self, tag: str) -> int:
-        """Tokens of the host copy of the entry tagged ``tag`` (0: none)."""
-        return self.prefix_cache.offloaded_tokens(tag)
-
+    # ------------------------------------------------------------------ memory, stats
     def reset_prefix_cache(self) -> int:
         """Free every prefix-cache entry (and slots retired by commits); return how many."""
-        self.arena.reclaim()
-        return self.prefix_cache.clear()
+        return self.kv.reset()
+
+    def update_scheduler_config(self, **changes: Any) -> SchedulerConfig:
+        """Change scheduler limits between steps (fields of `SchedulerConfig`, validated);
+        return the previous config."""
+        old = self.scheduler.config
+        self.scheduler.config = dataclasses.replace(old, **changes)
+        return old
+
+    def stats(self) -> EngineStats:
+        """A snapshot of KV memory, the queues and the counters (call on the engine thread)."""
+        c, sched = self._counters, self.scheduler
+        return EngineStats(
+            kv=self.kv.stats(), requests_waiting=len(sched.waiting),
+            requests_running=len(sched.running),
+            speculations=len(sched.spec_waiting) + len(sched.spec_running),
+            requests_finished=c.requests_finished, prompt_tokens=c.prompt_tokens,
+            prompt_tokens_reused=c.prompt_tokens_reused,
+            prompt_tokens_computed=c.prompt_tokens - c.prompt_tokens_reused,
+            speculation_tokens_computed=sched.speculated_total,
+            num_preemptions=sched.num_preemptions)
 
     def check_integrity(self) -> None:
-        """Raise if the arena, the pool or the prefix index breaks an invariant."""
-        self.arena.check_integrity()
-        self.prefix_cache.check_integrity()
+        """Raise if the arena, the pool, the prefix index or the host tier breaks an
+        invariant."""
+        self.kv.check_integrity()
 
     def close(self) -> None:
         """Release the arena, the pool and the backend; the engine is unusable after."""
@@ -271,10 +335,8 @@ class Engine:
             self.scheduler.abort(seq.request_id)
         if isinstance(self.runner, CudaGraphRunner):
             self.runner.close()
-        self.prefix_cache.clear()
-        self.arena.close()
-        self.pool.close()
-        self.backend.close()
+        self.kv.close()
+        self._backend.close()
 
     def __enter__(self) -> Engine:
         return self
@@ -284,25 +346,11 @@ class Engine:
 
     # ------------------------------------------------------------------ helpers
     def _tokenize(self, prompt: PromptInput) -> tuple[str | None, list[int]]:
-        text: str | None = None
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequestError("a text prompt needs a tokenizer; pass token ids")
-            text, prompt = prompt, self.tokenizer.encode(prompt)
-        elif not isinstance(prompt, Sequence):
-            raise InvalidRequestError(f"prompt must be text or token ids, got {type(prompt)}")
-        vocab = self.model_config.vocab_size
-        if set(map(type, prompt)) == {int}:  # the common case, checked at C speed
-            ints: list[int] = list(prompt)  # type: ignore[arg-type]
-            if min(ints) >= 0 and max(ints) < vocab:
-                return text, ints
-        ids: list[int] = []
-        for t in prompt:
-            tok = _token_id(t)
-            if tok is None or not 0 <= tok < vocab:
-                raise InvalidRequestError(f"token id {t!r} is not in the vocabulary [0, {vocab})")
-            ids.append(tok)
-        return text, ids
+            return prompt, list(self.tokenizer.encode(prompt))
+        return None, self.validator.token_ids(prompt)
 
 
 def _token_id(value: object) -> int | None:

@@ -41,14 +41,11 @@ from collections import OrderedDict
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass, field
 
+from edmm.engine.kv_policy import AdoptionCost
 from edmm.memory import KVArena, KVMemoryError, NoFreeSlotError, PoolExhaustedError
 from edmm.memory.offload import HostKV, HostKVStore
 
 _CHAIN_SEED = 0x45444D4D  # "EDMM": the hash chain's value before the first block
-# Driver costs per 2 MiB page measured on an H200 (DESIGN.md): they decide whether a claimed
-# entry is truncated in place (unmaps its tail) or branched from (maps its full prefix pages).
-UNMAP_PAGE_US = 40.0
-MAP_PAGE_US = 28.0
 
 
 class EntryRank(enum.IntEnum):
@@ -107,17 +104,20 @@ class PrefixCache:
     """Index of reusable KV prefixes over the arena's slots; see the module docstring.
 
     With ``enabled=False`` nothing is indexed and `release` frees slots at once, so the
-    scheduler runs one code path either way.
+    scheduler runs one code path either way. ``policy`` decides whether a claimed entry is
+    truncated or branched from on a partial match.
     """
 
     def __init__(self, arena: KVArena, block_size: int = 16, enabled: bool = True,
-                 offload: HostKVStore | None = None) -> None:
+                 offload: HostKVStore | None = None,
+                 policy: AdoptionCost | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
         self.arena = arena
         self.block_size = block_size
         self.enabled = enabled
         self.offload = offload
+        self.policy = policy if policy is not None else AdoptionCost()
         self._offloaded: dict[str, _Offloaded] = {}  # tag -> its host copy
         self.offloaded_total = 0  # entries copied to the host, over the cache's life
         self.restored_total = 0  # host copies brought back
@@ -142,13 +142,6 @@ class PrefixCache:
         """Tokens of ``tag``'s host copy (0: none)."""
         off = self._offloaded.get(tag)
         return 0 if off is None else off.kv.num_tokens
-
-    def entry_tokens(self, slot: int) -> list[int]:
-        """The tokens whose KV an entry holds (a copy)."""
-        if slot not in self._lru:
-            raise KVMemoryError(f"slot {slot} is not a cache entry")
-        src = self._sources[slot]
-        return src.tokens[: src.num_tokens]
 
     # ------------------------------------------------------------------ sources
     def track(self, slot: int, tokens: list[int], num_tokens: int) -> None:
@@ -420,11 +413,11 @@ class PrefixCache:
         return PrefixHit(slot, n, slot, entry.tag, held, tuple(committed))
 
     def _branch_is_cheaper(self, slot: int, n: int) -> bool:
-        """True when truncating ``slot`` to ``n`` tokens would unmap more (driver time) than a
-        branch of it at ``n`` maps."""
+        """True when the policy finds truncating ``slot`` to ``n`` tokens (unmap its tail) dearer
+        than a branch of it at ``n`` (map its full prefix pages)."""
         tail = len(self.arena.slot_pages(slot)) - self.arena.pages_for(n)
         prefix = n * self.arena.spec.token_bytes // self.arena.page_size
-        return tail * UNMAP_PAGE_US > prefix * MAP_PAGE_US
+        return self.policy.prefer_branch(tail, prefix)
 
     def _shrink(self, slot: int, num_tokens: int) -> None:
         """Forget the tokens of source ``slot`` past ``num_tokens`` (after a truncate)."""

@@ -6,7 +6,7 @@ Each step spends at most ``max_num_batched_tokens`` tokens:
    the rest of the prompt, or as much of it as the budget allows: chunked prefill);
 2. if no sequence was preempted in (1), waiting sequences are admitted in FIFO order while
    budget, ``max_num_seqs`` and memory allow: a prefix-cache hit gives a slot that already
-   holds the longest cached prefix (`PrefixCache.acquire`: no recompute), else a fresh slot
+   holds the longest cached prefix (`KVCacheManager.match`: no recompute), else a fresh slot
    is taken.
 
 3. speculative prefills (`SequenceKind.SPECULATIVE`, an agent's branches in a tool window) get
@@ -18,7 +18,8 @@ Each step spends at most ``max_num_batched_tokens`` tokens:
 Admission stops at the first sequence whose tokens do not all fit, so a partially prefilled
 sequence is always the most recently admitted one: admission order puts decodes first.
 
-Memory: before its tokens are computed, a sequence's slot is grown (`KVArena.grow`) to map them.
+Memory: the scheduler sees it only through a `KVCacheManager` (match, allocate, grow, free,
+make room). Before its tokens are computed, a sequence's slot is grown to map them.
 When the pool (or the slots) are short for a request, the scheduler reclaims in this order:
 speculation entries, running speculative prefills, the other prefix-cache entries (by rank,
 priority, then LRU), and finally it preempts the most recently admitted running request: its
@@ -39,10 +40,11 @@ from collections import Counter, deque
 from dataclasses import dataclass, field
 
 from edmm.engine.errors import EngineConfigError
-from edmm.engine.prefix_cache import EntryRank, PrefixCache, PrefixHit
+from edmm.engine.kv_manager import KVCacheManager
+from edmm.engine.prefix_cache import EntryRank, PrefixHit
 from edmm.engine.sampling import RequestRng, SamplingParams
 from edmm.engine.sequence import ABORTED, SPECULATED, Sequence, SequenceStatus
-from edmm.memory import KVArena, NoFreeSlotError, PoolExhaustedError
+from edmm.memory import NoFreeSlotError, PoolExhaustedError
 
 
 @dataclass(frozen=True)
@@ -108,11 +110,10 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    """Continuous-batching scheduler over a KV arena; see the module docstring."""
+    """Continuous-batching scheduler over a KV cache manager; see the module docstring."""
 
-    def __init__(self, arena: KVArena, prefix_cache: PrefixCache, config: SchedulerConfig) -> None:
-        self.arena = arena
-        self.prefix_cache = prefix_cache
+    def __init__(self, kv: KVCacheManager, config: SchedulerConfig) -> None:
+        self.kv = kv
         self.config = config
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []  # admission order
@@ -120,6 +121,7 @@ class Scheduler:
         self.spec_running: list[Sequence] = []  # admission order
         self.num_preemptions = 0
         self.speculated: Counter[str] = Counter()  # tag -> tokens computed by speculation
+        self.speculated_total = 0  # tokens computed by speculation, since start
         self._seqs: dict[str, Sequence] = {}
 
     # ------------------------------------------------------------------ requests
@@ -186,6 +188,7 @@ class Scheduler:
             seq.num_computed_tokens = item.context_len
             if seq.is_speculative:
                 self.speculated[seq.hints.tag or ""] += len(item.token_ids)
+                self.speculated_total += len(item.token_ids)
                 if seq.num_uncomputed_tokens == 0:
                     done.append(seq)
             if item.sample:
@@ -194,7 +197,7 @@ class Scheduler:
                 seq.append_token(token)
                 out.append(seq)
             assert seq.slot is not None
-            self.prefix_cache.track(seq.slot, seq.token_ids, seq.num_computed_tokens)
+            self.kv.track(seq.slot, seq.token_ids, seq.num_computed_tokens)
         for seq in done:
             self.finish(seq, SPECULATED)
         return out
@@ -272,7 +275,7 @@ class Scheduler:
         assert seq.slot is not None
         while True:
             try:
-                self.arena.grow(seq.slot, num_tokens)
+                self.kv.grow(seq.slot, num_tokens)
                 return True
             except PoolExhaustedError:
                 if self._make_room():
@@ -290,17 +293,15 @@ class Scheduler:
 
         Host copies of the entries it claims are restored first, once: an entry the loop below
         then evicts again (offloaded) is recomputed rather than copied back and forth."""
-        claims = {*seq.hints.claim, *([seq.hints.tag] if seq.hints.tag is not None else [])}
-        for tag in claims:
-            if self.prefix_cache.offloaded_tokens(tag):
-                self.prefix_cache.restore(tag, make_room=True)
+        self.kv.restore_claimed(
+            {*seq.hints.claim, *([seq.hints.tag] if seq.hints.tag is not None else [])})
         while True:
             hit = None
             try:
                 hit = self._assign_slot(seq)
                 assert seq.slot is not None
                 n = min(seq.num_uncomputed_tokens, budget)
-                self.arena.grow(seq.slot, seq.num_computed_tokens + n)
+                self.kv.grow(seq.slot, seq.num_computed_tokens + n)
                 self._record_admission(seq, hit)
                 return n
             except (NoFreeSlotError, PoolExhaustedError):
@@ -340,7 +341,7 @@ class Scheduler:
             if n <= 0:
                 return 0
             try:
-                self.arena.grow(seq.slot, start + n)
+                self.kv.grow(seq.slot, start + n)
                 return n
             except PoolExhaustedError:
                 if not self._free_for_speculation():
@@ -350,19 +351,18 @@ class Scheduler:
         """Most tokens speculative ``slot`` may hold under ``max_speculative_pages``."""
         cap = self.config.max_speculative_pages
         if cap is None:
-            return self.arena.max_tokens
-        mine = self._private_pages(slot)
+            return self.kv.max_tokens
+        mine = self.kv.private_pages(slot)
         others = self.speculative_pages() - (mine if self._is_speculative_slot(slot) else 0)
-        pages = len(self.arena.slot_pages(slot)) + cap - others - mine
-        return max(pages, 0) * self.arena.page_size // self.arena.spec.token_bytes
+        return self.kv.tokens_in_pages(self.kv.mapped_pages(slot) + cap - others - mine)
 
     def speculative_pages(self) -> int:
         """Pages held only by speculation (running prefills and speculation entries)."""
-        return sum(self._private_pages(slot) for slot in self._speculative_slots())
+        return sum(self.kv.private_pages(slot) for slot in self._speculative_slots())
 
     def _speculative_slots(self) -> list[int]:
         slots = [s.slot for s in self.spec_running if s.slot is not None]
-        return slots + self.prefix_cache.entry_slots(EntryRank.SPECULATIVE)
+        return slots + self.kv.entry_slots(EntryRank.SPECULATIVE)
 
     def _is_speculative_slot(self, slot: int) -> bool:
         return slot in self._speculative_slots()
@@ -370,28 +370,24 @@ class Scheduler:
     def _free_for_speculation(self) -> bool:
         """Reclaim retired slots, else evict one speculation or plain entry (never a retained
         session's); False if none."""
-        return self.arena.reclaim() > 0 or self.prefix_cache.evict_one(EntryRank.PLAIN)
-
-    def _private_pages(self, slot: int) -> int:
-        pool = self.arena.pool
-        return sum(pool.refcount(p) == 1 for p in self.arena.slot_pages(slot))
+        return self.kv.make_room(EntryRank.PLAIN)
 
     def _make_room(self) -> bool:
         """Free memory for a request: slots retired by zero-copy commits, a speculation entry,
         else the latest speculative prefill, else any other cache entry (rank, priority, LRU).
         False if none is left."""
-        if self.arena.reclaim() or self.prefix_cache.evict_one(EntryRank.SPECULATIVE):
+        if self.kv.make_room(EntryRank.SPECULATIVE):
             return True
         if self.spec_running:
             seq = self.spec_running.pop()
             self._drop(seq)
             return True
-        return self.prefix_cache.evict_one()
+        return self.kv.make_room()
 
     def _drop(self, seq: Sequence) -> None:
         """Finish a speculative prefill and free its slot outright (memory pressure)."""
         assert seq.slot is not None
-        self.prefix_cache.release(seq.slot, seq.token_ids, 0)  # 0 tokens: freed, unindexed
+        self.kv.drop(seq.slot)
         seq.slot, seq.num_computed_tokens = None, 0
         seq.status, seq.finish_reason = SequenceStatus.FINISHED, ABORTED
         self._seqs.pop(seq.request_id, None)
@@ -402,9 +398,9 @@ class Scheduler:
         # A request must compute its last token to get logits: reuse at most num_tokens - 1.
         limit = seq.num_tokens if seq.is_speculative else seq.num_tokens - 1
         t0 = time.perf_counter()
-        hit = self.prefix_cache.acquire(seq.token_ids, limit, seq.hints.claim, seq.hints.tag)
+        hit = self.kv.match(seq.token_ids, limit, seq.hints.claim, seq.hints.tag)
         if hit is None:
-            seq.slot, seq.num_computed_tokens = self.arena.allocate(), 0
+            seq.slot, seq.num_computed_tokens = self.kv.allocate(), 0
             return None
         seq.slot, seq.num_computed_tokens = hit.slot, hit.num_tokens
         return dataclasses.replace(hit, seconds=time.perf_counter() - t0)
@@ -417,7 +413,7 @@ class Scheduler:
         if hit is not None and hit.slot == hit.source:
             self._release_slot(seq)
             return
-        self.prefix_cache.release(seq.slot, seq.token_ids, 0)  # 0 tokens: freed, unindexed
+        self.kv.drop(seq.slot)
         seq.slot, seq.num_computed_tokens = None, 0
 
     def _record_admission(self, seq: Sequence, hit: PrefixHit | None) -> None:
@@ -425,7 +421,7 @@ class Scheduler:
         did not adopt) and become plain entries; the first admission's hit is kept."""
         if seq.hints.tag is not None:
             stale = EntryRank.SPECULATIVE if seq.is_speculative else EntryRank.PLAIN
-            self.prefix_cache.untag([seq.hints.tag], stale)
+            self.kv.mark_stale(seq.hints.tag, stale)
         if seq.num_preemptions == 0:
             seq.num_cached_tokens = seq.num_computed_tokens
             seq.prefix_hit = hit
@@ -441,8 +437,7 @@ class Scheduler:
         assert seq.slot is not None
         h = seq.hints
         rank = EntryRank.SPECULATIVE if seq.is_speculative else h.rank
-        self.prefix_cache.release(seq.slot, seq.token_ids, seq.num_computed_tokens, h.tag, rank,
-                                  h.priority)
+        self.kv.free(seq.slot, seq.token_ids, seq.num_computed_tokens, h.tag, rank, h.priority)
         seq.slot, seq.num_computed_tokens = None, 0
 
     def _queue(self, seq: Sequence) -> deque[Sequence]:

@@ -2,10 +2,10 @@
 
 A paused session whose KV must leave the GPU under memory pressure can be copied to host memory
 (pinned on CUDA) instead of being dropped, and copied back into a fresh slot before it resumes.
-At the 51 GiB/s pinned copy bandwidth DESIGN.md measured on an H200, the 0.94 GB of a 7B model's
-16K-token context would take ~18 ms each way against ~0.5 s of recompute (an estimate: these
-copies have not been timed here). `HostKVStore` owns the host copies and their byte budget; the
-prefix cache decides what to offload and restore.
+At the 51 GiB/s pinned copy bandwidth measured on an H200 (docs/design.md), the 0.94 GB of a
+7B model's 16K-token context would take ~18 ms each way against ~0.5 s of recompute (an
+estimate: these copies have not been timed here). `HostKVStore` owns the host copies and their
+byte budget; the prefix cache decides what to offload and restore.
 """
 
 from __future__ import annotations
@@ -44,6 +44,8 @@ class HostKVStore:
         self.arena = arena
         self.capacity_bytes = capacity_bytes
         self.used_bytes = 0
+        self.saved_bytes_total = 0  # bytes copied to the host, over the store's life
+        self.loaded_bytes_total = 0  # bytes copied back
         self._pin = arena.kv.device.type == "cuda" and torch.cuda.is_available()
         self._held: set[int] = set()  # keys of the copies this store holds
         self._next_key = 0
@@ -68,6 +70,7 @@ class HostKVStore:
         data = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pin)
         data.copy_(self.arena.token_bytes_view(slot, 0, num_tokens))
         self.used_bytes += nbytes
+        self.saved_bytes_total += nbytes
         self._next_key += 1
         self._held.add(self._next_key)
         return HostKV(data, num_tokens, self._next_key)
@@ -76,6 +79,7 @@ class HostKVStore:
         """Copy ``host`` back into ``slot``'s first tokens (the slot maps at least as many)."""
         self._check(host)
         self.arena.token_bytes_view(slot, 0, host.num_tokens).copy_(host.data)
+        self.loaded_bytes_total += host.nbytes
 
     def release(self, host: HostKV) -> None:
         """Give ``host``'s bytes back to the budget."""

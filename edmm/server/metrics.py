@@ -15,8 +15,9 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from edmm.agent import SessionState
-from edmm.server.sessions import SessionBackend, SessionStats
+from edmm.agent import AgentStats, SessionState
+from edmm.engine import EngineStats
+from edmm.server.sessions import ServerSessions
 
 SPECULATION_OUTCOMES = ("hit", "partial", "miss")
 
@@ -33,25 +34,15 @@ class RequestCounters:
 class EngineSnapshot:
     """Engine-side values at one instant (built on the engine thread)."""
 
-    sessions: SessionStats
-    pages_in_use: int
-    pages_total: int
+    engine: EngineStats
+    sessions: AgentStats
     num_steps: int
-    num_preemptions: int
     num_running: int  # requests with a listener, not finished
-    kv_offloads: int = 0  # paused sessions' KV copied to host memory
-    kv_restores: int = 0  # host copies brought back
-    kv_host_bytes: int = 0  # host bytes held now
 
     @classmethod
-    def take(cls, backend: SessionBackend, num_steps: int, num_running: int) -> EngineSnapshot:
-        """Read everything from ``backend`` (call on the engine thread)."""
-        engine = backend.engine
-        cache = engine.prefix_cache
-        host = cache.offload.used_bytes if cache.offload is not None else 0
-        return cls(backend.stats(), engine.pool.num_used, engine.pool.capacity, num_steps,
-                   engine.scheduler.num_preemptions, num_running, cache.offloaded_total,
-                   cache.restored_total, host)
+    def take(cls, sessions: ServerSessions, num_steps: int, num_running: int) -> EngineSnapshot:
+        """The engine's and the agent layer's snapshots (call on the engine thread)."""
+        return cls(sessions.engine.stats(), sessions.agent.stats(), num_steps, num_running)
 
 
 class ServerMetrics(Collector):
@@ -73,7 +64,7 @@ class ServerMetrics(Collector):
         snap = self._snapshot
         if snap is None:
             return
-        yield from self._token_metrics(snap.sessions)
+        yield from self._token_metrics(snap.engine, snap.sessions)
         yield from self._session_metrics(snap.sessions)
         yield from self._engine_metrics(snap)
         yield from self._request_metrics(snap)
@@ -88,26 +79,27 @@ class ServerMetrics(Collector):
         g.add_metric([self.model_name], value)
         return g
 
-    def _token_metrics(self, s: SessionStats) -> Iterator[CounterMetricFamily]:
+    def _token_metrics(self, e: EngineStats, s: AgentStats) -> Iterator[CounterMetricFamily]:
         yield self._counter("edmm_prompt_tokens", "Prompt tokens of finished requests.",
-                            s.prompt_tokens)
+                            e.prompt_tokens)
         yield self._counter("edmm_prefix_hit_tokens",
                             "Prompt tokens whose KV was reused (prefix cache, retained or "
-                            "speculated KV) instead of computed.", s.cached_tokens)
+                            "speculated KV) instead of computed.", e.prompt_tokens_reused)
         yield self._counter("edmm_recomputed_tokens",
                             "Tokens a session had already computed in an earlier turn and "
-                            "that were computed again.", s.recomputed_tokens)
+                            "that were computed again.", s.context_tokens_recomputed)
         yield self._counter("edmm_speculated_tokens",
                             "Tokens prefilled speculatively during tool windows.",
-                            s.speculated_tokens)
+                            e.speculation_tokens_computed)
 
-    def _session_metrics(self, s: SessionStats,
+    def _session_metrics(self, s: AgentStats,
                          ) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         spec = CounterMetricFamily("edmm_speculation_outcomes",
                                    "Resumes by speculation outcome.",
                                    labels=["model_name", "outcome"])
+        counts = {"hit": s.spec_hits, "partial": s.spec_partial, "miss": s.spec_misses}
         for outcome in SPECULATION_OUTCOMES:
-            spec.add_metric([self.model_name, outcome], s.speculation.get(outcome, 0))
+            spec.add_metric([self.model_name, outcome], counts[outcome])
         yield spec
         yield self._counter("edmm_session_resumes", "Turns that resumed a session awaiting "
                             "tool results.", s.resumes)
@@ -115,24 +107,26 @@ class ServerMetrics(Collector):
                                    labels=["model_name", "state"])
         for state in SessionState:
             name = state.name.lower()
-            states.add_metric([self.model_name, name], s.states.get(name, 0))
+            states.add_metric([self.model_name, name], s.sessions.get(name, 0))
         yield states
 
     def _engine_metrics(self, snap: EngineSnapshot) -> Iterator[CounterMetricFamily |
                                                                 GaugeMetricFamily]:
-        yield self._gauge("edmm_kv_pages_in_use", "Physical KV pages mapped.",
-                          snap.pages_in_use)
+        kv = snap.engine.kv
+        yield self._gauge("edmm_kv_pages_in_use", "Physical KV pages mapped.", kv.pages_in_use)
         yield self._gauge("edmm_kv_pages_total", "Physical KV pages in the pool.",
-                          snap.pages_total)
+                          kv.pages_total)
+        yield self._gauge("edmm_kv_cached_pages", "KV pages held by prefix-cache entries.",
+                          kv.cached_pages)
         yield self._counter("edmm_kv_offloads", "Paused sessions' KV copied to host memory.",
-                            snap.kv_offloads)
+                            kv.offloads)
         yield self._counter("edmm_kv_restores", "Host copies of KV brought back.",
-                            snap.kv_restores)
+                            kv.restores)
         yield self._gauge("edmm_kv_host_bytes", "Host memory held by offloaded KV.",
-                          snap.kv_host_bytes)
+                          kv.offload_bytes)
         yield self._counter("edmm_engine_steps", "Engine steps run.", snap.num_steps)
         yield self._counter("edmm_preemptions", "Sequences preempted for memory.",
-                            snap.num_preemptions)
+                            snap.engine.num_preemptions)
 
     def _request_metrics(self, snap: EngineSnapshot,
                          ) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:

@@ -1,14 +1,14 @@
 """The OpenAI endpoints' logic, independent of the web framework.
 
-`OpenAIServing` validates a request, renders and tokenizes its prompt on the event loop, queues
-it on the engine thread (through the session backend, for chat) and turns the engine's outputs
-into OpenAI responses or server-sent-event chunks.
+`OpenAIServing` validates a request, renders and tokenizes its prompt on its tokenizing thread
+(the `Request` is built there once, by the engine's immutable `RequestValidator`), queues it on
+the engine thread (through `ServerSessions`, for chat) and turns the engine's outputs into
+OpenAI responses or server-sent-event chunks.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import logging
 import uuid
@@ -19,8 +19,8 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
-from edmm.engine import Engine, InvalidRequestError, RequestOutput
-from edmm.engine.engine import Request
+from edmm.engine import ContextLengthError as PromptTooLongError
+from edmm.engine import Engine, InvalidRequestError, Request, RequestOutput
 from edmm.engine.sampling import LogitsProcessor
 from edmm.model.prompt_encoder import PromptEncoder
 from edmm.server.engine_loop import EngineLoop, OutputStream
@@ -66,7 +66,7 @@ from edmm.server.protocol import (
     Usage,
     random_id,
 )
-from edmm.server.sessions import SessionBackend, Turn, TurnEnd
+from edmm.server.sessions import ServerSessions, Turn, TurnEnd
 from edmm.server.tool_parser import ParsedReply, ParsedToolCall, StreamingToolParser, parse_reply
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -98,9 +98,9 @@ class ChatTurn:
 
 
 class OpenAIServing:
-    """Chat and text completions over an `EngineLoop` running a `SessionBackend`."""
+    """Chat and text completions over an `EngineLoop` running `ServerSessions`."""
 
-    def __init__(self, loop: EngineLoop[SessionBackend], engine: Engine, tokenizer: Any,
+    def __init__(self, loop: EngineLoop[ServerSessions], engine: Engine, tokenizer: Any,
                  model_name: str, metrics: ServerMetrics,
                  guided: GuidedDecoding | None) -> None:
         self.loop = loop
@@ -114,6 +114,7 @@ class OpenAIServing:
         self.metrics = metrics
         self.guided = guided
         self.max_model_len = engine.max_model_len
+        self.validator = engine.validator  # immutable: safe off the engine thread
 
     def close(self) -> None:
         """Stop the tokenizing thread (after the work queued on it)."""
@@ -147,17 +148,22 @@ class OpenAIServing:
         check_chat_options(req)
         messages = template_messages(req.messages)
         tools = template_tools(req.tools)
-        ids = await self._tokenize(render_chat, self.tokenizer, messages, tools,
-                                   req.chat_template_kwargs, self.encoder)
-        params = sampling_params(req, req.completion_limit, len(ids), self.max_model_len,
-                                 self._chat_processors(req))
-        request = self._make_request(ids, params)
+        request = await self._tokenize(self._chat_request, req, messages, tools)
         ext = req.edmm
         turn = Turn(request, session_header or (ext.session_id if ext else None),
                     trailing_tool_results(req.messages))
         session_id, stream = await self.loop.submit(request.request_id, lambda b: b.begin(turn))
         return ChatTurn(random_id("chatcmpl"), req, request, session_id, messages, tools,
                         parses_tools(req), stream)
+
+    def _chat_request(self, req: ChatCompletionRequest, messages: list[dict[str, Any]],
+                      tools: list[dict[str, Any]] | None) -> Request:
+        """The chat request rendered, tokenized and validated (on the tokenizing thread)."""
+        ids = render_chat(self.tokenizer, messages, tools, req.chat_template_kwargs,
+                          self.encoder)
+        params = sampling_params(req, req.completion_limit, len(ids), self.max_model_len,
+                                 self._chat_processors(req))
+        return self._make_request(ids, params)
 
     async def chat_completion(self, turn: ChatTurn) -> ChatCompletion:
         """Run a queued chat turn to the end: the whole response."""
@@ -243,7 +249,7 @@ class OpenAIServing:
             # client leaves now.
             await asyncio.shield(self._end_turn(turn, content))
         reason = "tool_calls" if turn.calls else _reason(completion.finish_reason)
-        self._count_finished(turn.engine_request, out, reason)
+        self._count_finished(out, reason)
         return reason
 
     async def _end_turn(self, turn: ChatTurn, content: str | None) -> None:
@@ -335,7 +341,7 @@ class OpenAIServing:
                     last = out
                 assert last is not None
                 reason = _reason(last.outputs[0].finish_reason)
-                self._count_finished(request, last, reason)
+                self._count_finished(last, reason)
                 choices.append(CompletionChoice(index=index, text=last.outputs[0].text,
                                                 finish_reason=reason))
                 usage = _add_usage(usage, self._usage(request, last))
@@ -374,7 +380,7 @@ class OpenAIServing:
             text = _stable_text(out, request.params.stop)
             reason = _reason(out.outputs[0].finish_reason) if out.finished else None
             if reason is not None:
-                self._count_finished(request, out, reason)
+                self._count_finished(out, reason)
             if len(text) > sent or reason is not None:
                 choice = CompletionChoice(index=index, text=text[sent:], finish_reason=reason)
                 yield sse(Completion(id=cid, model=self.model_name, choices=[choice])), (
@@ -411,12 +417,12 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ shared
     def _make_request(self, ids: list[int], params: Any) -> Request:
-        """Validate a tokenized request (token ids in the vocabulary, length)."""
+        """Validate a tokenized request (token ids in the vocabulary, length); any thread."""
         try:
-            return self.engine.make_request(f"req-{uuid.uuid4().hex}", ids, params)
+            return self.validator.make(f"req-{uuid.uuid4().hex}", ids, params)
+        except PromptTooLongError as e:
+            raise ContextLengthError(str(e)) from e
         except InvalidRequestError as e:
-            if "max_model_len" in str(e):
-                raise ContextLengthError(str(e)) from e
             raise BadRequestError(str(e), param="prompt") from e
 
     async def _outputs(self, stream: OutputStream) -> AsyncIterator[RequestOutput]:
@@ -428,13 +434,10 @@ class OpenAIServing:
             if stream.aborted:
                 self.metrics.requests.finished["abort"] += 1
 
-    def _count_finished(self, request: Request, out: RequestOutput, reason: str) -> None:
+    def _count_finished(self, out: RequestOutput, reason: str) -> None:
         counters = self.metrics.requests
         counters.finished[reason] += 1
         counters.generation_tokens += len(out.outputs[0].token_ids)
-        prompt, cached = len(request.prompt_token_ids), out.num_cached_tokens
-        with contextlib.suppress(APIError):  # the engine stopped: nothing left to count
-            self.loop.call(lambda b: b.count_usage(prompt, cached))
 
     @staticmethod
     def _usage(request: Request, out: RequestOutput | None) -> Usage:

@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from edmm.agent import AgentEngine
+from edmm.agent import AgentConfig, AgentEngine
 from edmm.engine import Engine, EngineConfig
 from edmm.server.engine_loop import EngineLoop
 from edmm.server.guided import GuidedDecoding
 from edmm.server.metrics import ServerMetrics
 from edmm.server.serving import OpenAIServing
-from edmm.server.sessions import AgentSessions, PlainSessions, SessionBackend
+from edmm.server.sessions import ServerSessions
 
 TINY_MODEL_NAME = "edmm-tiny"
 
@@ -28,9 +29,11 @@ class ServerConfig:
         host, port: where to listen (loopback by default).
         served_model_name: the ``model`` clients must send; default: ``edmm-tiny``, the
             folder's name, or the preset's.
-        execution_aware: drive the engine through the agent layer (`edmm.agent.AgentEngine`:
-            speculation in tool windows, zero-copy commit); False: a plain engine with prefix
-            caching only.
+        execution_aware: speculation in tool windows and retention of paused sessions' KV
+            (`edmm.agent.AgentEngine`, zero-copy commit); False: EDMM off, the same sessions
+            with both off (`AgentConfig.off`: prefix caching only).
+        tool_timeout_s: seconds a session may await its tool results before it is abandoned
+            and its KV reclaimed (`AgentConfig.tool_timeout_s`).
         engine: further `EngineConfig` fields (``max_model_len``, ``num_pages``, ``dtype``...).
     """
 
@@ -40,6 +43,7 @@ class ServerConfig:
     port: int = 8000
     served_model_name: str | None = None
     execution_aware: bool = True
+    tool_timeout_s: float = AgentConfig.tool_timeout_s
     engine: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -51,23 +55,26 @@ class ServerConfig:
 
 
 class ServerState:
-    """The engine, the session backend on its thread, and the request logic."""
+    """The engine, the agent layer on its thread, and the request logic."""
 
     def __init__(self, config: ServerConfig, engine: Engine | None = None) -> None:
         self.config = config
         self.engine = engine if engine is not None else Engine(
             EngineConfig(model=config.model, device=config.device, **config.engine))
         tokenizer = copy.deepcopy(self.engine.tokenizer)  # the event loop's own instance
-        self.backend = _backend(self.engine, config.execution_aware)
-        self.loop: EngineLoop[SessionBackend] = EngineLoop(self.backend)
+        agent_config = dataclasses.replace(
+            AgentConfig() if config.execution_aware else AgentConfig.off(),
+            tool_timeout_s=config.tool_timeout_s)
+        self.sessions = ServerSessions(AgentEngine(self.engine, agent_config))
+        self.loop: EngineLoop[ServerSessions] = EngineLoop(self.sessions)
         self.metrics = ServerMetrics(config.model_name)
         self.serving = OpenAIServing(self.loop, self.engine, tokenizer, config.model_name,
                                      self.metrics, _guided(self.engine, tokenizer))
 
     @property
     def execution_aware(self) -> bool:
-        """True when the agent layer drives the engine."""
-        return isinstance(self.backend, AgentSessions)
+        """True when speculation and retention are on."""
+        return self.config.execution_aware
 
     def start(self) -> None:
         """Start the engine thread."""
@@ -82,12 +89,6 @@ class ServerState:
         self.stop()
         self.serving.close()
         self.engine.close()
-
-
-def _backend(engine: Engine, execution_aware: bool) -> SessionBackend:
-    if not execution_aware:
-        return PlainSessions(engine)
-    return AgentSessions(AgentEngine(engine), engine)
 
 
 def _guided(engine: Engine, tokenizer: Any) -> GuidedDecoding | None:

@@ -177,7 +177,7 @@ def test_speculation_only_uses_the_budget_requests_leave(tiny_dir: Path) -> None
     run(engine)
     while engine.has_speculation():
         engine.step()
-    assert len(engine.tagged("b")) == 1 and engine.take_speculated_tokens("b") == 200
+    assert len(engine.kv.tagged("b")) == 1 and engine.take_speculated_tokens("b") == 200
 
     reference = Engine(engine_config(tiny_dir, enable_prefix_caching=False))
     reference.add_request("r", prompt, greedy(8))
@@ -198,7 +198,7 @@ def test_memory_pressure_drops_speculation_before_preempting(tiny_dir: Path) -> 
     engine.add_request("r", list(range(10, 210)), greedy(8))  # 200 + 8 tokens: 26 pages
     out = run(engine)["r"]
     assert engine.scheduler.num_preemptions == 0  # the request never lost its KV
-    assert not engine.has_speculation() and engine.tagged("b") == []  # the branch was dropped
+    assert not engine.has_speculation() and engine.kv.tagged("b") == []  # the branch was dropped
     assert len(out.outputs[0].token_ids) == 8
     engine.check_integrity()
     engine.close()
@@ -212,9 +212,9 @@ def test_speculation_pages_are_capped(tiny_dir: Path) -> None:
         engine.step()
         assert engine.scheduler.speculative_pages() <= 6
     # "b" evicted "a" (older speculation) and then stopped at the cap
-    assert engine.tagged("a") == [] and len(engine.tagged("b")) == 1
-    (slot,) = engine.tagged("b")
-    assert engine.arena.num_tokens(slot) == 48  # 6 pages x 8 tokens
+    assert engine.kv.tagged("a") == [] and len(engine.kv.tagged("b")) == 1
+    (slot,) = engine.kv.tagged("b")
+    assert engine.kv.arena.num_tokens(slot) == 48  # 6 pages x 8 tokens
     engine.check_integrity()
     engine.close()
 

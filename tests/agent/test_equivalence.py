@@ -289,7 +289,7 @@ def engines(tiny_dir: Path, device: str,
 
 def _clean(agent: AgentEngine) -> bool:
     return not (agent.session_ids() or agent.has_unfinished() or agent.has_speculation()
-                or agent.engine.pool.num_used > agent.engine.runner.reserved_slots)
+                or agent.engine.kv.pool.num_used > agent.engine.runner.reserved_slots)
 
 
 @pytest.fixture(scope="module")
@@ -336,11 +336,11 @@ def test_greedy_outputs_identical_with_edmm_on_and_off(
     assert on == off
     agent.check_integrity()
     assert not agent.has_speculation() and not agent.session_ids()
-    arena = agent.engine.arena
+    arena = agent.engine.kv.arena
     reserved = agent.engine.runner.reserved_slots  # a CUDA-graph runner's pad slot: one page
     cached = arena.stats().slots_in_use - reserved
-    assert cached == agent.engine.prefix_cache.num_entries + arena.stats().slots_retired
+    assert cached == agent.engine.kv.index.num_entries + arena.stats().slots_retired
     agent.engine.reset_prefix_cache()  # what is left is plain cache, and frees completely
-    assert agent.engine.pool.num_used == reserved
+    assert agent.engine.kv.pool.num_used == reserved
     assert arena.stats().slots_in_use == reserved
     agent.check_integrity()

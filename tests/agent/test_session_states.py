@@ -8,6 +8,7 @@ import pytest
 from agent_helpers import FakeClock, MakeAgent, drain, greedy, run
 
 from edmm.agent import (
+    AgentConfig,
     AgentEngine,
     InsertionPositionError,
     SessionState,
@@ -186,7 +187,7 @@ def test_deadline_abandons_the_session_and_reclaims_its_kv(make_agent: MakeAgent
     paused(agent)
     agent.predict_tool_result("s", "c1", list(range(200, 230)))
     agent.step()  # speculation starts
-    pool = agent.engine.pool
+    pool = agent.engine.kv.pool
     assert pool.num_used > 0
     clock.advance(599.0)
     agent.step()
@@ -210,7 +211,7 @@ def test_close_session_while_speculating_frees_everything(make_agent: MakeAgent)
     agent.step()
     assert agent.has_speculation()
     agent.close_session("s")
-    assert not agent.has_speculation() and agent.engine.pool.num_used == 0
+    assert not agent.has_speculation() and agent.engine.kv.pool.num_used == 0
     with pytest.raises(UnknownSessionError):
         agent.session_state("s")
     agent.check_integrity()
@@ -242,12 +243,41 @@ def test_find_session_by_conversation_prefix(make_agent: MakeAgent) -> None:
     agent = make_agent()
     agent.add_request("a0", PROMPT, greedy(), session_id="a")
     agent.add_request("b0", list(range(500, 540)), greedy(), session_id="b")
+    assert agent.find_session([*PROMPT, 1]) is None  # "a" is generating
     run(agent)
     a = agent.session_context("a")
     assert agent.find_session([*a, 1, 2, 3]) == "a"
-    assert agent.find_session([*a[:10], 9, 9]) is None  # under half of a's context
+    assert agent.find_session([*PROMPT, 9, 9]) == "a"  # the reply re-rendered differently
+    assert agent.find_session(PROMPT[:-1]) is None  # shorter than a's last prompt
     assert agent.find_session(list(range(700, 760))) is None
     assert agent.session_ids() == ["a", "b"]
+    agent.add_request("b1", [*agent.session_context("b"), 5], greedy(), session_id="b")
+    run(agent)
+    assert agent.session_ids() == ["a", "b"]  # least recently used first
+    agent.add_request("a1", [*a, 5], greedy(), session_id="a")
+    assert agent.session_ids() == ["b", "a"]
+    run(agent)
+
+
+def test_stats_sum_sessions_also_closed_ones(make_agent: MakeAgent) -> None:
+    agent = make_agent()
+    agent.add_request("a0", PROMPT, greedy(), session_id="a")
+    agent.add_request("b0", list(range(500, 540)), greedy(), session_id="b")
+    run(agent)
+    stats = agent.stats()
+    assert stats.sessions == {"finished": 2} and stats.turns == 2
+    agent.close_session("a")
+    assert agent.stats().sessions == {"finished": 1} and agent.stats().turns == 2
+
+
+def test_oldest_idle_sessions_are_closed_past_max_sessions(make_agent: MakeAgent) -> None:
+    agent = make_agent(AgentConfig(max_sessions=2))
+    for i in range(3):
+        agent.add_request(f"r{i}", list(range(10 * i + 1, 10 * i + 30)), greedy(),
+                          session_id=f"s{i}")
+        run(agent)
+    assert agent.session_ids() == ["s1", "s2"]
+    agent.check_integrity()
 
 
 def test_agent_needs_prefix_caching(make_agent: MakeAgent) -> None:

@@ -286,7 +286,7 @@ def test_offloaded_session_is_prefetched_before_its_tool_returns(make_agent: Mak
     agent.await_tools("s", [ToolCall("c1", "f")], expected_duration_s=5.0)
     agent.add_request("big", list(range(200, 450)), greedy(4))  # 32 pages: the session goes
     run(agent)
-    cache = agent.engine.prefix_cache
+    cache = agent.engine.kv.index
     assert cache.offloaded_total == int(offload) and cache.num_entries == 1
     while cache.evict_one(max_rank=EntryRank.PLAIN):  # room again (others' entries go)
         pass
@@ -311,7 +311,7 @@ def test_resume_restores_an_offloaded_session_making_room(make_agent: MakeAgent)
     agent.await_tools("s", [ToolCall("c1", "f")])
     agent.add_request("big", list(range(200, 450)), greedy(4))
     run(agent)
-    cache = agent.engine.prefix_cache
+    cache = agent.engine.kv.index
     assert cache.offloaded_total == 1 and cache.num_entries == 1  # the big request's entry
     out = resume_and_run(agent, RESULT)
     assert cache.restored_total == 1 and out.num_cached_tokens == len(context) - 1

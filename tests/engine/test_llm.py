@@ -21,7 +21,7 @@ def llm(tiny_dir: Path) -> Iterator[LLM]:
         yield model
         model.reset_prefix_cache()
         model.llm_engine.check_integrity()
-        assert model.llm_engine.pool.num_free == model.llm_engine.pool.capacity
+        assert model.llm_engine.kv.pool.num_free == model.llm_engine.kv.pool.capacity
 
 
 def test_generate_text_ids_and_dicts_in_order(llm: LLM) -> None:

@@ -2,20 +2,12 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
 from pathlib import Path
 
+from edmm.agent import AgentEngine
 from edmm.engine import Engine, EngineConfig, EntryRank
 from edmm.server.metrics import EngineSnapshot, ServerMetrics
-from edmm.server.sessions import SessionStats
-
-
-@dataclass
-class _Backend:
-    engine: Engine
-
-    def stats(self) -> SessionStats:
-        return SessionStats()
+from edmm.server.sessions import ServerSessions
 
 
 def _value(text: str, name: str) -> float:
@@ -27,18 +19,23 @@ def test_offload_counters_and_host_bytes(tiny_dir: Path) -> None:
     engine = Engine(EngineConfig(model=str(tiny_dir), dtype="float32", max_model_len=256,
                                  num_slots=8, max_num_seqs=4, num_pages=64,
                                  host_page_size=16384, kv_offload_bytes=1 << 20))
-    cache = engine.prefix_cache
-    slot = engine.arena.allocate()
-    engine.arena.grow(slot, 40)
-    cache.release(slot, list(range(5, 45)), 40, tag="s", rank=EntryRank.RETAINED)
-    assert cache.evict_one()  # to the host
+    sessions = ServerSessions(AgentEngine(engine))
+    slot = engine.kv.allocate()
+    engine.kv.grow(slot, 40)
+    engine.kv.free(slot, list(range(5, 45)), 40, tag="s", rank=EntryRank.RETAINED)
+    assert engine.kv.make_room()  # to the host
     metrics = ServerMetrics("tiny")
-    text = metrics.render(EngineSnapshot.take(_Backend(engine), 0, 0)).decode()  # type: ignore[arg-type]
+    text = metrics.render(EngineSnapshot.take(sessions, 0, 0)).decode()
+    host_bytes = 40 * engine.kv.arena.spec.token_bytes
     assert _value(text, "edmm_kv_offloads_total") == 1
     assert _value(text, "edmm_kv_restores_total") == 0
-    assert _value(text, "edmm_kv_host_bytes") == 40 * engine.arena.spec.token_bytes
-    assert engine.restore("s")
-    text = metrics.render(EngineSnapshot.take(_Backend(engine), 0, 0)).decode()  # type: ignore[arg-type]
+    assert _value(text, "edmm_kv_host_bytes") == host_bytes
+    assert engine.kv.restore("s")
+    text = metrics.render(EngineSnapshot.take(sessions, 0, 0)).decode()
     assert _value(text, "edmm_kv_restores_total") == 1 and _value(text, "edmm_kv_host_bytes") == 0
+    kv = engine.stats().kv
+    assert (kv.offloaded_bytes_total, kv.restored_bytes_total) == (host_bytes, host_bytes)
+    assert kv.cached_pages == kv.pages_in_use > 0 and kv.cache_entries == 1
     engine.reset_prefix_cache()
+    assert engine.stats().kv.pages_in_use == 0
     engine.close()

@@ -1,0 +1,201 @@
+"""`KVCacheManager`: the one seam between the scheduler and KV memory.
+
+The scheduler's whole view of memory is this object (as vLLM v1's ``KVCacheManager`` or
+mini-sglang's ``CacheManager``): it asks it to *match* a prompt against the cached prefixes
+(`match`: a slot that already holds the longest prefix, adopted or branched), to *allocate* a
+fresh slot and map it for ``n`` tokens (`allocate`, `grow`), to *free* a slot (`free`: kept as a
+prefix-cache entry or released) and to *make room* (`make_room`: reclaim the slots zero-copy
+commits retired, else evict one entry up to an eviction class). Behind it, and touched by
+nothing else, are the arena (slots -> pages), the page pool (refcounts, free list), the prefix
+index (`PrefixCache`) and the host offload tier (`HostKVStore`, inside the index).
+
+The choice between truncating a claimed entry in place and branching from it is made by one
+named policy, `AdoptionCost`, which the index consults.
+
+The agent layer reaches the tagged entries through the same object (`tagged`, `set_retention`,
+`untag`, `discard`, `restore`, `offloaded_tokens`); `stats` returns a `KVStats` snapshot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Iterable
+from dataclasses import dataclass
+
+from edmm.engine.prefix_cache import EntryRank, PrefixCache, PrefixHit
+from edmm.memory import KVArena, PagePool
+
+
+@dataclass(frozen=True)
+class KVStats:
+    """KV memory at one instant (pages of the pool, entries of the prefix index, host tier)."""
+
+    pages_total: int
+    pages_in_use: int  # mapped by at least one slot
+    pages_free: int
+    cached_pages: int  # distinct pages mapped by prefix-cache entries (evictable)
+    cache_entries: int
+    offload_bytes: int  # host bytes held now by offloaded KV
+    offload_capacity_bytes: int  # 0: offload off
+    offloads: int  # entries copied to the host, since start
+    restores: int  # host copies brought back, since start
+    offloaded_bytes_total: int  # bytes copied to the host, since start
+    restored_bytes_total: int  # bytes copied back, since start
+
+
+class KVCacheManager:
+    """The scheduler's and the agent layer's one handle on KV memory; see the module docstring.
+
+    Args:
+        arena: the KV arena (its pool comes with it).
+        index: the prefix index over the arena (with its offload store, if any).
+    """
+
+    def __init__(self, arena: KVArena, index: PrefixCache) -> None:
+        if index.arena is not arena:
+            raise ValueError("the prefix index must index this arena")
+        self.arena = arena
+        self.index = index
+
+    @property
+    def pool(self) -> PagePool:
+        """The physical page pool under the arena."""
+        return self.arena.pool
+
+    @property
+    def caching(self) -> bool:
+        """True when finished sequences' KV is kept for reuse (prefix caching on)."""
+        return self.index.enabled
+
+    @property
+    def max_tokens(self) -> int:
+        """Most tokens one slot can map."""
+        return self.arena.max_tokens
+
+    # ------------------------------------------------------------------ the scheduler's seam
+    def match(self, tokens: list[int], max_tokens: int, claim: Collection[str] = (),
+              own_tag: str | None = None) -> PrefixHit | None:
+        """A slot whose first ``hit.num_tokens`` tokens of ``tokens`` already have KV (at most
+        ``max_tokens``), or None; see `PrefixCache.acquire`. Raises `NoFreeSlotError` /
+        `PoolExhaustedError` (nothing changed): `make_room` and retry."""
+        return self.index.acquire(tokens, max_tokens, claim, own_tag)
+
+    def allocate(self) -> int:
+        """A fresh empty slot (`NoFreeSlotError` when none is free)."""
+        return self.arena.allocate()
+
+    def grow(self, slot: int, num_tokens: int) -> None:
+        """Map ``slot`` for its first ``num_tokens`` tokens (`PoolExhaustedError`: unchanged)."""
+        self.arena.grow(slot, num_tokens)
+
+    def track(self, slot: int, tokens: list[int], num_tokens: int) -> None:
+        """A live slot now holds KV of ``tokens[:num_tokens]`` (a source for prefix matches)."""
+        self.index.track(slot, tokens, num_tokens)
+
+    def free(self, slot: int, tokens: list[int], num_tokens: int, tag: str | None = None,
+             rank: EntryRank = EntryRank.PLAIN, priority: float = 0.0) -> None:
+        """The owner is done with ``slot`` (KV of ``tokens[:num_tokens]``): keep it as a cache
+        entry with this tag and eviction class, or release it (caching off, or 0 tokens)."""
+        self.index.release(slot, tokens, num_tokens, tag, rank, priority)
+
+    def drop(self, slot: int) -> None:
+        """Release ``slot`` and its pages outright (never kept as an entry)."""
+        self.index.release(slot, [], 0)
+
+    def make_room(self, max_rank: EntryRank = EntryRank.RETAINED) -> bool:
+        """Free memory: the slots retired by zero-copy commits, else one entry of rank <=
+        ``max_rank`` (lowest rank, then priority, then LRU; a retained session's KV goes to
+        the host tier first if it fits). False if nothing was freed."""
+        return self.arena.reclaim() > 0 or self.index.evict_one(max_rank)
+
+    def restore_claimed(self, tags: Iterable[str]) -> None:
+        """Bring the host copies of ``tags`` back before a sequence claiming them is admitted,
+        evicting speculation and plain entries for them if needed (a failure leaves the
+        sequence to recompute)."""
+        for tag in tags:
+            if self.index.offloaded_tokens(tag):
+                self.index.restore(tag, make_room=True)
+
+    def mark_stale(self, tag: str, rank: EntryRank) -> None:
+        """Entries still tagged ``tag`` once its sequence holds a slot: plain entries of
+        ``rank`` (valid KV, reused by lookups, evicted in turn)."""
+        self.index.untag([tag], rank)
+
+    def entry_slots(self, max_rank: EntryRank = EntryRank.RETAINED) -> list[int]:
+        """Slots of cache entries of rank <= ``max_rank``, least recently used first."""
+        return self.index.entry_slots(max_rank)
+
+    def mapped_pages(self, slot: int) -> int:
+        """Pages ``slot`` maps."""
+        return len(self.arena.slot_pages(slot))
+
+    def private_pages(self, slot: int) -> int:
+        """Pages mapped by ``slot`` alone (freed with it)."""
+        pool = self.arena.pool
+        return sum(pool.refcount(p) == 1 for p in self.arena.slot_pages(slot))
+
+    def tokens_in_pages(self, num_pages: int) -> int:
+        """Tokens that ``num_pages`` pages hold."""
+        return max(num_pages, 0) * self.arena.page_size // self.arena.spec.token_bytes
+
+    # ------------------------------------------------------------------ tagged entries
+    def tagged(self, tag: str) -> list[int]:
+        """Slots of the cache entries tagged ``tag``."""
+        return self.index.tagged(tag)
+
+    def set_retention(self, tag: str, rank: EntryRank, priority: float = 0.0) -> int:
+        """Eviction class and priority of the cache entries tagged ``tag``; return how many."""
+        return self.index.set_retention(tag, rank, priority)
+
+    def untag(self, tags: Iterable[str], rank: EntryRank) -> int:
+        """Turn the entries tagged with any of ``tags`` into plain entries of ``rank`` (no
+        memory touched: freed lazily, under pressure); return how many."""
+        return self.index.untag(tags, rank)
+
+    def discard(self, tags: Iterable[str]) -> int:
+        """Free the cache entries tagged with any of ``tags`` (and host copies); how many."""
+        return self.index.discard(tags)
+
+    def restore(self, tag: str) -> bool:
+        """Copy the host copy of ``tag``'s entry back into the arena; False when there is
+        none or no room (nothing is evicted for it)."""
+        return self.index.restore(tag)
+
+    def offloaded_tokens(self, tag: str) -> int:
+        """Tokens of the host copy of ``tag``'s entry (0: none)."""
+        return self.index.offloaded_tokens(tag)
+
+    # ------------------------------------------------------------------ lifetime
+    def reclaim(self) -> int:
+        """Release the slots retired by zero-copy commits (driver unmaps: off the critical
+        path); return how many."""
+        return self.arena.reclaim()
+
+    def reset(self) -> int:
+        """Free every cache entry and host copy (and retired slots); return how many entries."""
+        self.arena.reclaim()
+        return self.index.clear()
+
+    def stats(self) -> KVStats:
+        """A snapshot of the pool, the prefix index and the host tier."""
+        pool, index, store = self.arena.pool, self.index, self.index.offload
+        cached = {p for slot in index.entry_slots() for p in self.arena.slot_pages(slot)}
+        return KVStats(
+            pages_total=pool.capacity, pages_in_use=pool.num_used, pages_free=pool.num_free,
+            cached_pages=len(cached), cache_entries=index.num_entries,
+            offload_bytes=store.used_bytes if store is not None else 0,
+            offload_capacity_bytes=store.capacity_bytes if store is not None else 0,
+            offloads=index.offloaded_total, restores=index.restored_total,
+            offloaded_bytes_total=store.saved_bytes_total if store is not None else 0,
+            restored_bytes_total=store.loaded_bytes_total if store is not None else 0)
+
+    def check_integrity(self) -> None:
+        """Raise if the arena, the pool, the prefix index or the host tier breaks an
+        invariant."""
+        self.arena.check_integrity()
+        self.index.check_integrity()
+
+    def close(self) -> None:
+        """Free every entry, then the arena and the pool (the manager is unusable after)."""
+        self.index.clear()
+        self.arena.close()
+        self.arena.pool.close()
