@@ -383,13 +383,19 @@ class AgentEngine:
         del self._sessions[session_id]
 
     def check_integrity(self) -> None:
-        """Raise if a session breaks its state's invariants, or the engine its own."""
+        """Raise if a session breaks its state's invariants, the engine its own, or the two
+        disagree (speculation or KV tagged for no session, abandoned sessions holding KV)."""
         self.engine.check_integrity()
         live_specs = set(self.engine.speculation_ids())
+        owned_tags: set[str] = set()
         for session in self._sessions.values():
             live_specs -= self._check_session(session, live_specs)
+            owned_tags |= self._tags(session)
         if live_specs:
             raise AgentError(f"speculation without a session: {sorted(live_specs)}")
+        stray = {t for t in self.engine.kv.tags() if t.startswith(_TAG_PREFIXES)} - owned_tags
+        if stray:
+            raise AgentError(f"KV tagged for no session: {sorted(stray)}")
 
     def close(self) -> None:
         """Close every session and the engine (if this object built it)."""
@@ -418,6 +424,11 @@ class AgentEngine:
         if owned and session.state != S.AWAITING_TOOL:
             raise AgentError(f"session {session.id!r} speculates in {session.state}")
         return owned
+
+    def _tags(self, session: Session) -> set[str]:
+        """The tags the session's KV may carry: its own, its open window's branches."""
+        keys = session.window.branches if session.window is not None else set()
+        return {_session_tag(session.id), *(_branch_tag(session.id, k) for k in keys)}
 
     def _get(self, session_id: str) -> Session:
         session = self._sessions.get(session_id)
@@ -613,6 +624,9 @@ class AgentEngine:
 
     def _spec_ids(self, session_id: str, keys: Iterable[str]) -> set[str]:
         return {_spec_id(_branch_tag(session_id, k)) for k in keys}
+
+
+_TAG_PREFIXES = ('["session",', '["branch",')  # the agent's tags (JSON lists)
 
 
 def _session_tag(session_id: str) -> str:

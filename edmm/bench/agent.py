@@ -322,6 +322,7 @@ def run_agent_bench(cfg: AgentBenchConfig, out_dir: Path) -> dict[str, Path]:
         rows = measure(agent, cfg)
         interference = measure_interference(agent, cfg, max(cfg.contexts) // 2)
         mcfg = agent.engine.model_config
+        stats = agent.engine.stats()
     finally:
         agent.close()
     summary = summarize_groups(rows)
@@ -334,6 +335,10 @@ def run_agent_bench(cfg: AgentBenchConfig, out_dir: Path) -> dict[str, Path]:
              " of the context",
              f"iterations: {cfg.iterations} after {cfg.warmup} warm-up; trimmed mean drops 10% "
              "each side",
+             f"engine over the whole run (warm-up included): {stats.prompt_tokens_computed} "
+             f"prompt tokens computed, {stats.prompt_tokens_reused} reused, "
+             f"{stats.speculation_tokens_computed} prefilled speculatively, "
+             f"{stats.num_preemptions} preemptions",
              *ratio_notes(summary), *_interference_notes(interference)]
     return writer.write(summary, title=f"edmm bench ttft: agent resume groups ({cfg.device})",
                         notes=notes)

@@ -6,6 +6,7 @@ from edmm.engine.errors import (
     ContextLengthError,
     EngineConfigError,
     EngineError,
+    IntegrityError,
     InvalidRequestError,
     SchedulerStallError,
 )
@@ -29,6 +30,7 @@ __all__ = [
     "EngineStats",
     "EntryRank",
     "FinishReason",
+    "IntegrityError",
     "InvalidRequestError",
     "KVCacheManager",
     "KVStats",

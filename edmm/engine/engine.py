@@ -320,9 +320,9 @@ class Engine:
             num_preemptions=sched.num_preemptions)
 
     def check_integrity(self) -> None:
-        """Raise if the arena, the pool, the prefix index or the host tier breaks an
-        invariant."""
-        self.kv.check_integrity()
+        """Raise if the scheduler and the KV memory disagree, or the arena, the pool, the
+        prefix index or the host tier breaks an invariant."""
+        self.scheduler.check_integrity()
 
     def close(self) -> None:
         """Release the arena, the pool and the backend; the engine is unusable after."""

@@ -27,3 +27,7 @@ class EngineConfigError(EngineError, ValueError):
 
 class SchedulerStallError(EngineError):
     """Unfinished requests remain but the scheduler can schedule none of them (a bug)."""
+
+
+class IntegrityError(EngineError):
+    """An owner's invariant is broken (`check_integrity`): a bug, never bad input."""

@@ -124,6 +124,10 @@ class KVCacheManager:
         """Slots of cache entries of rank <= ``max_rank``, least recently used first."""
         return self.index.entry_slots(max_rank)
 
+    def num_tokens(self, slot: int) -> int:
+        """Tokens ``slot`` maps."""
+        return self.arena.num_tokens(slot)
+
     def mapped_pages(self, slot: int) -> int:
         """Pages ``slot`` maps."""
         return len(self.arena.slot_pages(slot))
@@ -141,6 +145,10 @@ class KVCacheManager:
     def tagged(self, tag: str) -> list[int]:
         """Slots of the cache entries tagged ``tag``."""
         return self.index.tagged(tag)
+
+    def tags(self) -> set[str]:
+        """The tags of every cache entry and host copy."""
+        return self.index.tags()
 
     def set_retention(self, tag: str, rank: EntryRank, priority: float = 0.0) -> int:
         """Eviction class and priority of the cache entries tagged ``tag``; return how many."""

@@ -138,6 +138,10 @@ class PrefixCache:
         """Entry slots tagged ``tag``, least recently used first."""
         return [slot for slot, e in self._lru.items() if e.tag == tag]
 
+    def tags(self) -> set[str]:
+        """The tags of every entry and host copy."""
+        return {e.tag for e in self._lru.values() if e.tag is not None} | set(self._offloaded)
+
     def offloaded_tokens(self, tag: str) -> int:
         """Tokens of ``tag``'s host copy (0: none)."""
         off = self._offloaded.get(tag)

@@ -39,7 +39,7 @@ import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
 
-from edmm.engine.errors import EngineConfigError
+from edmm.engine.errors import EngineConfigError, IntegrityError
 from edmm.engine.kv_manager import KVCacheManager
 from edmm.engine.prefix_cache import EntryRank, PrefixHit
 from edmm.engine.sampling import RequestRng, SamplingParams
@@ -161,6 +161,28 @@ class Scheduler:
         if seq is not None:
             self.finish(seq, ABORTED)
         return seq
+
+    def check_integrity(self) -> None:
+        """Raise `IntegrityError` if the queues, the sequences' slots and the KV manager
+        disagree: a running sequence holds a live slot of its own (not a cache entry) mapping
+        its computed tokens; a waiting one holds none."""
+        running = [*self.running, *self.spec_running]
+        queued = [*self.waiting, *self.spec_waiting]
+        if {s.request_id for s in (*running, *queued)} != set(self._seqs) or (
+                len(running) + len(queued) != len(self._seqs)):
+            raise IntegrityError("scheduler queues out of sync with its sequences")
+        slots = [s.slot for s in running]
+        if None in slots or len(set(slots)) != len(slots):
+            raise IntegrityError(f"running sequences' slots {slots}: missing or shared")
+        entries = set(self.kv.entry_slots())
+        for seq in running:
+            assert seq.slot is not None
+            if seq.slot in entries or self.kv.num_tokens(seq.slot) < seq.num_computed_tokens:
+                raise IntegrityError(f"{seq.request_id!r}: slot {seq.slot} is a cache entry "
+                                     f"or maps fewer than {seq.num_computed_tokens} tokens")
+        if any(s.slot is not None or s.status != SequenceStatus.WAITING for s in queued):
+            raise IntegrityError("a waiting sequence holds a slot")
+        self.kv.check_integrity()
 
     # ------------------------------------------------------------------ scheduling
     def schedule(self) -> ScheduledBatch:

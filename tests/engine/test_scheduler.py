@@ -6,9 +6,10 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 
 import pytest
-import torch
+from kv_helpers import PAGE, SPEC
 
 from edmm.engine import (
+    IntegrityError,
     KVCacheManager,
     PrefixCache,
     SamplingParams,
@@ -18,10 +19,8 @@ from edmm.engine import (
     Sequence,
     SequenceStatus,
 )
-from edmm.memory import KVArena, KVSpec, PagePool, open_backend
+from edmm.memory import KVArena, PagePool, open_backend
 
-# 512 B per token: 8 tokens per 4 KiB page.
-SPEC = KVSpec(num_layers=1, num_kv_heads=1, head_dim=64, dtype=torch.float32)
 PARAMS = SamplingParams(temperature=0.0, max_tokens=100)
 MakeArena = Callable[..., KVArena]
 
@@ -31,7 +30,7 @@ def make_arena() -> Iterator[MakeArena]:
     made: list[tuple[KVArena, PagePool]] = []
 
     def make(num_pages: int, num_slots: int = 4, max_tokens: int = 48) -> KVArena:
-        pool = PagePool(open_backend("host", host_page_size=4096), num_pages)
+        pool = PagePool(open_backend("host", host_page_size=PAGE), num_pages)
         arena = KVArena(pool, SPEC, num_slots=num_slots, max_tokens=max_tokens)
         made.append((arena, pool))
         return arena
@@ -59,6 +58,7 @@ def step(sched: Scheduler) -> ScheduledBatch:
     """Schedule, then account for a fake forward that samples token 7 where asked."""
     batch = sched.schedule()
     sched.update(batch, [7 if s.sample else None for s in batch.seqs])
+    sched.check_integrity()
     return batch
 
 
@@ -137,3 +137,25 @@ def test_abort_waiting_and_running(make_arena: MakeArena) -> None:
     assert sched.abort("b") is not None and sched.abort("a") is not None
     assert sched.abort("a") is None and not sched.has_unfinished()
     assert arena.pool.num_free == arena.pool.capacity
+
+
+def test_integrity_check_catches_a_slot_out_of_sync(make_arena: MakeArena) -> None:
+    sched = scheduler(make_arena(32), caching=True)
+    a = add(sched, "a", 6)
+    add(sched, "b", 6, first=50)
+    step(sched)
+    slot = a.slot
+    a.slot = None  # a running sequence that lost its slot
+    with pytest.raises(IntegrityError, match="missing or shared"):
+        sched.check_integrity()
+    a.slot = sched.get("b").slot  # two sequences on one slot
+    with pytest.raises(IntegrityError, match="missing or shared"):
+        sched.check_integrity()
+    a.slot = slot
+    a.num_computed_tokens = 40  # more than its slot maps
+    with pytest.raises(IntegrityError, match="maps fewer"):
+        sched.check_integrity()
+    a.num_computed_tokens = 6
+    sched.check_integrity()
+    sched.abort("a")
+    sched.abort("b")

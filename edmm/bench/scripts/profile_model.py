@@ -1,0 +1,139 @@
+"""Where the time of a decode step and of a cached-prefix prefill goes (torch.profiler, H200).
+
+    python -m edmm.bench.scripts.profile_model [--context 16384] [--out DIR]
+
+Prints, for the qwen2.5-7b preset on the arena: the top CUDA kernels of a decode step, of a
+512-token prefill on a cached prefix and of a full prefill (time per step; the decode step
+completes a ``--context``-token context, as `edmm bench ttft` times it), their sum against the
+wall time, and the wall time of the parts of a graph-replayed decode step and 512-token prefill
+(medians of 30): mapping the new tokens' pages (``grow``, timed apart), building the inputs
+(``grow`` included), `forward` (copy into the graph's buffers, launch the replay), `sample`
+(launch), the wait for the device, and the graph's replay alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from pathlib import Path
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+from edmm.bench.ttft import EdmmSide, TTFTBenchConfig
+from edmm.engine.cuda_graph import CudaGraphRunner
+
+
+def _kernel_table(prof: profile, steps: int, top: int = 18) -> str:
+    events = [e for e in prof.key_averages()
+              if e.device_type == DeviceType.CUDA and e.device_time_total > 0]  # kernels only
+    events.sort(key=lambda e: e.device_time_total, reverse=True)
+    total = sum(e.device_time_total for e in events)
+    lines = [f"GPU kernel time per step: {total / steps / 1e3:.3f} ms",
+             "| kernel | calls/step | us/step | share |", "|---|---:|---:|---:|"]
+    for e in events[:top]:
+        lines.append(f"| {e.key[:90]} | {e.count / steps:.0f} | "
+                     f"{e.device_time_total / steps:.1f} | {e.device_time_total / total:.1%} |")
+    return "\n".join(lines)
+
+
+def _profile(side: EdmmSide, ids: torch.Tensor, keep: int, end: int, steps: int,
+             top: int = 18, chunk: int = 0) -> str:
+    for _ in range(2):
+        side.truncate(keep)
+        side.extend(ids[keep:end], chunk)
+    walls = []
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            side.truncate(keep)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            side.extend(ids[keep:end], chunk)
+            torch.cuda.synchronize()
+            walls.append((time.perf_counter() - t0) * 1e3)
+    return f"wall per step (profiled): {sum(walls) / len(walls):.3f} ms\n" + _kernel_table(
+        prof, steps, top)
+
+
+def _step_parts(side: EdmmSide, ids: torch.Tensor, keep: int, end: int,
+                steps: int = 30) -> str:
+    """Host-side parts of a graph-replayed step appending ids[keep:end] against the graph
+    alone; ``grow`` (mapping the new tokens' pages) is timed apart, then inside ``inputs``."""
+    parts: dict[str, list[float]] = {k: [] for k in ("grow", "inputs", "forward", "sample",
+                                                      "wait", "total", "graph alone")}
+    runner = side.runner
+    assert isinstance(runner, CudaGraphRunner)
+    with torch.inference_mode():
+        for _ in range(steps):
+            side.truncate(keep)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            side.arena.grow(side.slot, end)
+            parts["grow"].append((time.perf_counter() - t0) * 1e3)
+            side.truncate(keep)
+            torch.cuda.synchronize()
+            t = [time.perf_counter()]
+            inputs = side.inputs(ids[keep:end])
+            t.append(time.perf_counter())
+            hidden = runner.forward(inputs)
+            t.append(time.perf_counter())
+            token = runner.sample(hidden, inputs)
+            t.append(time.perf_counter())
+            token.item()
+            t.append(time.perf_counter())
+            for k, a, b in zip(("inputs", "forward", "sample", "wait"), t, t[1:], strict=False):
+                parts[k].append((b - a) * 1e3)
+            parts["total"].append((t[-1] - t[0]) * 1e3)
+            n = end - keep  # the inputs of the step above are still loaded
+            graph = (runner._decode[1] if n == 1 else runner._mixed[n]).graph
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            graph.replay()
+            torch.cuda.synchronize()
+            parts["graph alone"].append((time.perf_counter() - t0) * 1e3)
+    rows = [f"| {k} | {statistics.median(v):.3f} |" for k, v in parts.items()]
+    return "| part | median ms |\n|---|---:|\n" + "\n".join(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--context", type=int, default=16384)
+    parser.add_argument("--out", type=Path, default=None)
+    parser.add_argument("--fast-only", action="store_true", help="skip the eager SDPA variant")
+    parser.add_argument("--full-prefill-chunk", type=int, default=0,
+                        help="also profile the full prefill in passes of this many tokens")
+    args = parser.parse_args()
+    ctx = args.context
+    report = [f"# profile, qwen2.5-7b preset, context {ctx}, {torch.cuda.get_device_name()}"]
+    for eager in (False,) if args.fast_only else (True, False):
+        cfg = TTFTBenchConfig(contexts=(ctx,), eager=eager)
+        side = EdmmSide(cfg, ctx)
+        ids = torch.randint(0, side.cfg.vocab_size, (ctx + 1,), device="cuda")
+        side.extend(ids[:ctx])
+        name = "eager SDPA" if eager else "Triton + fused pointwise + CUDA graph"
+        report.append(f"\n## decode step ({name})\n" + _profile(side, ids, ctx - 1, ctx, 10))
+        report.append(f"\n## prefill 512 on cached prefix ({name})\n"
+                      + _profile(side, ids, ctx - 512, ctx, 5))
+        report.append(f"\n## full prefill of {ctx} tokens ({name}, eager)\n"
+                      + _profile(side, ids, 0, ctx, 2, top=24))
+        if args.full_prefill_chunk:
+            report.append(f"\n## full prefill of {ctx} tokens in passes of "
+                          f"{args.full_prefill_chunk} ({name}, eager)\n"
+                          + _profile(side, ids, 0, ctx, 2, top=24, chunk=args.full_prefill_chunk))
+        if not eager:
+            report.append("\n## decode step parts (CUDA graph)\n"
+                          + _step_parts(side, ids, ctx - 1, ctx))
+            report.append("\n## prefill 512 parts (CUDA graph)\n"
+                          + _step_parts(side, ids, ctx - 512, ctx))
+        side.close()
+    text = "\n".join(report)
+    print(text)
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+        (args.out / "profile.md").write_text(text + "\n")
+
+
+if __name__ == "__main__":
+    main()
