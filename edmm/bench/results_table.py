@@ -3,7 +3,9 @@
 ``python -m edmm.bench.results_table [RESULTS_DIR ...] [--readme README.md]`` prints Markdown
 built from ``agent-ttft.json`` (and ``agent-ttft-transformers.json`` beside it),
 ``agent-ttft-live.json``, ``vmm-cuda.json`` and ``ttft-model.json``, each taken from the first
-folder that has it (a file in no folder leaves its part out). With ``--readme`` the block
+folder that has it (a file in no folder leaves its part out). Without folders: every folder of
+``benchmarks/results`` named ``<date>-<device>[-<label>]`` for ``--device`` (default ``h200``),
+newest first (`result_dirs`). With ``--readme`` the block
 between ``<!-- results:begin -->`` and ``<!-- results:end -->`` in that file is replaced.
 
 Rounding: A/B/C times to 0.1 ms (whole ms from 1000 up), ratios to 2 decimals (B/A with an
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 from collections.abc import Mapping, Sequence
 from pathlib import Path
@@ -24,11 +27,8 @@ from typing import Any
 from edmm.bench.agent import SEED_RATIOS
 
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
-DEFAULT_DIRS = (Path("benchmarks/results/2026-11-30-h200-session6"),
-                Path("benchmarks/results/2026-11-30-h200-session4"),
-                Path("benchmarks/results/2026-11-30-h200-session3"),
-                Path("benchmarks/results/2026-11-30-h200"),
-                Path("benchmarks/results/2026-11-29-h200"))  # newest first
+RESULTS_ROOT = Path("benchmarks/results")
+_FOLDER = re.compile(r"(?P<date>\d{4}-\d{2}-\d{2})-(?P<device>[a-z0-9]+)(?:-(?P<label>.+))?")
 MODEL_CONTEXT = 16384
 # The model-level targets of the seed (ms, or a multiple of the compute floor).
 DECODE_TARGET_MS = 5.0
@@ -40,6 +40,25 @@ Row = Mapping[str, Any]
 
 class ResultsTableError(ValueError):
     """A results file lacks what a table needs, or the README lacks the markers."""
+
+
+def result_dirs(root: Path = RESULTS_ROOT, device: str = "h200") -> list[Path]:
+    """The results folders of ``device`` under ``root`` (``<date>-<device>[-<label>]``),
+    newest first: by date, then a labelled folder (a later session of that day) before the
+    unlabelled one, labels in natural order (``session10`` after ``session9``)."""
+    found = []
+    for path in root.iterdir() if root.is_dir() else ():
+        m = _FOLDER.fullmatch(path.name)
+        if path.is_dir() and m is not None and m["device"] == device:
+            label = m["label"] or ""
+            natural = [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", label) if t]
+            found.append(((m["date"], bool(label), natural), path))
+    return [path for _, path in sorted(found, key=lambda kv: _sort_key(kv[0]), reverse=True)]
+
+
+def _sort_key(key: tuple[str, bool, list[int | str]]) -> tuple[str, bool, list[tuple[int, Any]]]:
+    date, labelled, natural = key
+    return date, labelled, [(0, t) if isinstance(t, int) else (1, t) for t in natural]
 
 
 def load_summary(folders: Sequence[Path], name: str) -> list[dict[str, Any]] | None:
@@ -241,13 +260,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     """The command line; see the module docstring."""
     parser = argparse.ArgumentParser(prog="python -m edmm.bench.results_table",
                                      description="README results tables from a results folder")
-    parser.add_argument("results_dirs", nargs="*", type=Path, default=list(DEFAULT_DIRS),
-                        help="folders to take each file from, first match wins")
+    parser.add_argument("results_dirs", nargs="*", type=Path,
+                        help="folders to take each file from, first match wins (default: "
+                             "the --device folders of benchmarks/results, newest first)")
+    parser.add_argument("--device", default="h200",
+                        help="device part of the default folders' names")
     parser.add_argument("--readme", type=Path, default=None,
                         help=f"replace the block between {BEGIN} and {END} in this file")
     args = parser.parse_args(argv)
     try:
-        block = render(args.results_dirs)
+        block = render(args.results_dirs or result_dirs(device=args.device))
         if args.readme is not None:
             text = args.readme.read_text(encoding="utf-8")
             args.readme.write_text(replace_block(text, block), encoding="utf-8")

@@ -43,7 +43,7 @@ from edmm.model.attention_triton import PREFILL, default_backend
 from edmm.model.config import ModelConfig
 from edmm.model.loader import load_model
 
-MEASURED_BF16_TFLOPS = 790.0  # dense bf16 matmul measured on the lent H200 (DESIGN.md)
+MEASURED_BF16_TFLOPS = 790.0  # dense bf16 matmul on the lent H200 (docs/design.md)
 OPS = ("decode step", "prefill on cached prefix", "full prefill")
 PREFILL_KERNELS: dict[str, PrefillConfig] = {  # --prefill-kernel
     "warp-specialized": PREFILL,

@@ -6,11 +6,12 @@ into a slot only as far as its tokens reach: a slot of ``n`` tokens maps exactly
 ``ceil(n * token_bytes / page_size)`` pages, so it never holds a page beyond its tokens' last one.
 
 Per-token layout: **token-major across layers**, ``[slot, token, layer, K|V, kv_head, head_dim]``.
-Measured on an H200 (see DESIGN.md): SDPA reads a token-major strided view as fast as per-layer
-contiguous KV (decode 48-52 us per layer at 4K-32K; a 512-token prefill on a 16K cache 0.51 vs
-0.52 ms per layer). With per-layer ranges each of the ``layers x 2`` ranges wastes up to a page
-(56 MiB of waste per slot for a 28-layer model on 2 MiB pages) and a branch would have to copy
-``layers x 2`` boundary pages; token-major wastes under one page and copies one. So token-major.
+Measured on an H200 (docs/design.md): SDPA reads a token-major strided view as fast as
+per-layer contiguous KV (decode 48-52 us per layer at 4K-32K; a 512-token prefill on a 16K
+cache 0.51 vs 0.52 ms per layer). With per-layer ranges each of the ``layers x 2`` ranges
+wastes up to a page (56 MiB of waste per slot for a 28-layer model on 2 MiB pages) and a branch
+would have to copy ``layers x 2`` boundary pages; token-major wastes under one page and copies
+one. So token-major.
 
 Branch and commit (the zero-copy path):
 - `branch` maps the *same* physical pages as the source's full pages below the branch point,

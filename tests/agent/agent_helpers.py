@@ -3,26 +3,11 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
-from typing import Any
 
 from edmm.agent import AgentEngine
-from edmm.engine import Engine, EngineConfig, RequestOutput, SamplingParams
-
-# tiny model: 4 layers x {K, V} x 2 kv heads x 32 dims x 4 B = 2 KiB per token: 8 per page.
-HOST_PAGE = 16384
-TOKENS_PER_PAGE = 8
-MAX_LEN = 256
+from edmm.engine import Engine, RequestOutput, SamplingParams
 
 MakeAgent = Callable[..., AgentEngine]
-
-
-def engine_config(folder: Path | str, **overrides: Any) -> EngineConfig:
-    """A small float32 engine on the tiny model (16 KiB host pages)."""
-    kwargs: dict[str, Any] = dict(
-        model=str(folder), dtype="float32", host_page_size=HOST_PAGE, max_model_len=MAX_LEN,
-        num_slots=24, max_num_seqs=8, num_pages=400, max_num_batched_tokens=512)
-    return EngineConfig(**{**kwargs, **overrides})
 
 
 def greedy(max_tokens: int = 6) -> SamplingParams:

@@ -7,7 +7,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from agent_helpers import MakeAgent, engine_config
+from agent_helpers import MakeAgent
+from kv_helpers import tiny_engine_config as engine_config
 
 from edmm.agent import AgentConfig, AgentEngine
 

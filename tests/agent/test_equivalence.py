@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from agent_helpers import FakeClock, engine_config, greedy, run
+from agent_helpers import FakeClock, greedy, run
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from kv_helpers import tiny_engine_config as engine_config
 
 from edmm.agent import AgentEngine, SessionState, TokenLayout, ToolCall, ToolResult
 from edmm.agent.render import TokenRenderer

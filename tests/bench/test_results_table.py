@@ -7,7 +7,15 @@ from pathlib import Path
 
 import pytest
 
-from edmm.bench.results_table import BEGIN, END, ResultsTableError, main, render, replace_block
+from edmm.bench.results_table import (
+    BEGIN,
+    END,
+    ResultsTableError,
+    main,
+    render,
+    replace_block,
+    result_dirs,
+)
 
 H200 = Path(__file__).resolve().parents[2] / "benchmarks/results/2026-11-29-h200"
 
@@ -128,3 +136,14 @@ def test_groups_plot_from_committed_files(tmp_path: Path) -> None:
     assert png == tmp_path / "agent-ttft.png" and png.read_bytes()[:4] == b"\x89PNG"
     (tmp_path / "agent-ttft-transformers.json").unlink()
     assert plot_groups(tmp_path).stat().st_size > 0
+
+
+def test_result_dirs_are_found_by_name_newest_first(tmp_path: Path) -> None:
+    for name in ("2026-11-29-h200", "2026-11-30-h200", "2026-11-30-h200-session9",
+                 "2026-11-30-h200-session10", "2026-11-30-cpu", "notes", "2026-12-01-h200"):
+        (tmp_path / name).mkdir()
+    (tmp_path / "2026-12-02-h200").write_text("a file, not a folder")
+    names = [p.name for p in result_dirs(tmp_path)]
+    assert names == ["2026-12-01-h200", "2026-11-30-h200-session10", "2026-11-30-h200-session9",
+                     "2026-11-30-h200", "2026-11-29-h200"]
+    assert [p.name for p in result_dirs(tmp_path, device="cpu")] == ["2026-11-30-cpu"]

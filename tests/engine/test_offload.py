@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from arena_helpers import SPEC, filled, host_arena, kv_values
+from kv_helpers import SPEC, filled, host_arena, kv_values
 
 from edmm.engine import PrefixCache
 from edmm.engine.prefix_cache import EntryRank

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from arena_helpers import filled, host_arena, kv_values
+from kv_helpers import filled, host_arena, kv_values
 
 import edmm.engine.prefix_cache as prefix_cache_module
 from edmm.engine import PrefixCache
