@@ -7,7 +7,14 @@ from typing import Any
 import pytest
 from engine_helpers import VOCAB, HFCase, MakeEngine, greedy, run_to_completion
 
-from edmm.engine import Engine, EngineConfig, EngineConfigError, InvalidRequestError, SamplingParams
+from edmm.engine import (
+    ContextLengthError,
+    Engine,
+    EngineConfig,
+    EngineConfigError,
+    InvalidRequestError,
+    SamplingParams,
+)
 
 
 def serves_next_request(engine: Engine, case: HFCase) -> bool:
@@ -94,6 +101,26 @@ def test_max_model_len_caps_generation(qwen2_case: HFCase, make_engine: MakeEngi
     out = run_to_completion(engine)["long"].outputs[0]
     assert out.finish_reason == "length"
     assert out.token_ids == qwen2_case.reference[3][:7]
+
+
+def test_a_prompt_past_max_model_len_is_a_context_length_error(
+        qwen2_case: HFCase, make_engine: MakeEngine) -> None:
+    engine = make_engine(qwen2_case.folder, max_model_len=72)
+    validator = engine.validator  # immutable: what the server uses off the engine thread
+    with pytest.raises(ContextLengthError) as info:
+        validator.make("long", [1] * 73, greedy())
+    assert (info.value.prompt_len, info.value.max_model_len) == (73, 72)
+    assert isinstance(info.value, InvalidRequestError)
+    with pytest.raises(ContextLengthError):
+        engine.add_request("long", [1] * 73, greedy())
+    with pytest.raises(InvalidRequestError) as bad:
+        validator.make("oov", [VOCAB], greedy())
+    assert not isinstance(bad.value, ContextLengthError)
+    request = validator.make("ok", [1] * 60, greedy())
+    engine.submit(request)
+    with pytest.raises(InvalidRequestError, match="already in use"):  # refused at submit
+        engine.submit(validator.make("ok", [2, 3], greedy()))
+    assert run_to_completion(engine)["ok"].prompt_token_ids == [1] * 60
 
 
 @pytest.mark.parametrize("fields", [
