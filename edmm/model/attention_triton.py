@@ -17,7 +17,6 @@ and on a 16K prefill in 2048-token chunks (432 vs 494), faster only on one fresh
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from edmm.kernels import PrefillConfig
@@ -102,13 +101,3 @@ class TritonAttentionBackend(AttentionBackend):
                                        meta.slot_ids_t, meta.context_lens_t, out, scale,
                                        max_context=self.max_context)
 
-
-def default_backend(device: torch.device | str, max_context: int,
-                    prefill: PrefillConfig = PREFILL) -> AttentionBackend:
-    """Triton kernels (``prefill``: the prefill kernel's launch parameters) on a CUDA device
-    where triton is usable, else the reference SDPA."""
-    from edmm.kernels import triton_usable
-
-    if torch.device(device).type == "cuda" and triton_usable(device):
-        return TritonAttentionBackend(max_context, prefill)
-    return TorchSDPABackend()

@@ -7,10 +7,13 @@ from pathlib import Path
 import pytest
 import torch
 
+from edmm.kernels.fa4 import fa4_usable
 from edmm.memory import KVArena, KVSpec, PagePool
 from edmm.memory.backends import open_backend
 from edmm.model.attention import AttentionMetadata
-from edmm.model.attention_triton import TritonAttentionBackend, default_backend
+from edmm.model.attention_choice import build_backend, kv_read_align
+from edmm.model.attention_fa4 import FA4AttentionBackend
+from edmm.model.attention_triton import TritonAttentionBackend
 from edmm.model.loader import load_model
 
 pytestmark = pytest.mark.gpu
@@ -32,25 +35,30 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-@pytest.mark.parametrize("kernels", ["sdpa", "triton"])
+@pytest.mark.parametrize("kernels", ["sdpa", "triton", "fa4"])
 @torch.inference_mode()
 def test_bf16_logits_match_transformers(tmp_path: Path, kernels: str) -> None:
-    """bf16 logits through the loader's reference SDPA backend or the engine's Triton one
-    (two prefill chunks, then decode steps) against transformers in float32, as close as
-    transformers in bf16 is."""
+    """bf16 logits through the loader's reference SDPA backend, the engine's Triton one or
+    the FA4 one (FA4 prefill, Triton decode) (two prefill chunks, then decode steps) against
+    transformers in float32, as close as transformers in bf16 is."""
     from transformers import AutoModelForCausalLM
+
+    if kernels == "fa4" and not fa4_usable("cuda"):
+        pytest.skip("FA4 (flash_attn.cute) not importable or not a FA4 GPU")
 
     folder = _hf_folder(tmp_path)
     ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).cuda().eval()
     hf16 = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda().eval()
     model, cfg = load_model(folder, "cuda", torch.bfloat16)
-    if kernels == "triton":
-        model.set_backend(default_backend("cuda", 4096))
-        assert isinstance(model.backend, TritonAttentionBackend)
+    if kernels != "sdpa":
+        model.set_backend(build_backend(kernels, 4096))
+        want_type = FA4AttentionBackend if kernels == "fa4" else TritonAttentionBackend
+        assert type(model.backend) is want_type
     backend = open_backend("cuda")
     pool = PagePool(backend, 16)
     spec = KVSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16)
-    arena = KVArena(pool, spec, num_slots=2, max_tokens=4096)
+    arena = KVArena(pool, spec, num_slots=2, max_tokens=4096,
+                    read_align=kv_read_align(kernels))
     slot = arena.allocate()
     ids = torch.randint(0, cfg.vocab_size, (1200,), device="cuda")
     # Prefill 1100 tokens in two chunks, then 100 decode steps; logits of every step.
