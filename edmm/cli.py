@@ -110,6 +110,10 @@ def build_parser() -> argparse.ArgumentParser:
                            "the other in this run: auto (FlashAttention-4 prefill where it "
                            "runs, else Triton), fa4, triton, sdpa; the first also runs the "
                            "A/B/C groups (default: auto)")
+    ttft.add_argument("--decode-routes", default=None, metavar="JSON",
+                      help="the decode kernel's measured routing table (written by "
+                           "benchmarks/scripts/decode_sweep.py; default: the committed one, "
+                           "else the kernel's heuristic)")
     ttft.add_argument("--full-prefill-chunk", type=_non_negative, default=0,
                       help="run the full prefill in passes of this many tokens, as the "
                            "engine's token budget does (both engines; default 0: one pass)")
@@ -236,7 +240,7 @@ def _bench(args: argparse.Namespace) -> int:
                                new_tokens=args.new_tokens, peer=not args.no_peer,
                                eager=args.eager, prefill_kernel=args.prefill_kernel,
                                full_prefill_chunk=args.full_prefill_chunk,
-                               attentions=args.attention)
+                               attentions=args.attention, decode_routes=args.decode_routes)
         print(Path(run_ttft_bench(tcfg, out)["md"]).read_text())
     print(f"wrote {out}")
     return 0

@@ -36,6 +36,7 @@ from edmm.engine.cuda_graph import CudaGraphRunner
 from edmm.engine.runner import ModelInputs, ModelRunner
 from edmm.engine.sampling import RequestRng, SamplingParams
 from edmm.kernels import PrefillConfig
+from edmm.kernels.decode_routes import DecodeRoutes, default_decode_routes
 from edmm.memory.arena import KVArena, KVSpec
 from edmm.memory.backends import open_backend
 from edmm.memory.pool import PagePool
@@ -77,6 +78,7 @@ class TTFTBenchConfig:
     # EDMM's attention backends (`ATTENTION_CHOICES`), timed one after the other: the first's
     # rows are engine "edmm", the others' "edmm-<name>"
     attentions: tuple[str, ...] = ("auto",)
+    decode_routes: str | None = None  # decode routing table file; None: the committed one
 
 
 def _sync(device: torch.device) -> None:
@@ -113,7 +115,8 @@ class EdmmSide:
         self.runner: ModelRunner
         if cuda and not cfg.eager:
             self.model.set_backend(build_backend(attention, max_tokens,
-                                                 PREFILL_KERNELS[cfg.prefill_kernel]))
+                                                 PREFILL_KERNELS[cfg.prefill_kernel],
+                                                 decode_routes_of(cfg)))
             self.model.enable_fusion()
             self.runner = CudaGraphRunner(self.model, self.arena, self.device, sizes=(1,),
                                           token_sizes=(cfg.new_tokens,), max_seqs=1)
@@ -301,6 +304,7 @@ def run_ttft_bench(cfg: TTFTBenchConfig, out_dir: Path) -> dict[str, Path]:
              f"compute floor: matmul FLOPs / {MEASURED_BF16_TFLOPS} TFLOP/s",
              "attention (CUDA, not eager): " + ", ".join(
                  f"{engine}: {attention}" for engine, attention in sides.items()),
+             "decode kernel launch: " + _routes_note(decode_routes_of(cfg)),
              f"Triton prefill kernel (attention triton): {cfg.prefill_kernel} "
              f"({PREFILL_KERNELS[cfg.prefill_kernel]})",
              "full prefill: " + (f"chunks of {cfg.full_prefill_chunk} tokens (both engines), "
@@ -312,6 +316,14 @@ def run_ttft_bench(cfg: TTFTBenchConfig, out_dir: Path) -> dict[str, Path]:
     return paths
 
 
+def decode_routes_of(cfg: TTFTBenchConfig) -> DecodeRoutes | None:
+    """The decode routing table of the run: ``cfg.decode_routes``'s file, else the committed
+    one (None: the kernel's heuristic)."""
+    if cfg.decode_routes is not None:
+        return DecodeRoutes.from_json(cfg.decode_routes)
+    return default_decode_routes()
+
+
 def edmm_sides(cfg: TTFTBenchConfig) -> dict[str, str]:
     """Engine label -> resolved attention backend of each EDMM side (``eager``: one side,
     "edmm-eager", on the reference SDPA). Raises `AttentionChoiceError` for a backend that
@@ -321,6 +333,12 @@ def edmm_sides(cfg: TTFTBenchConfig) -> dict[str, str]:
     caps = AttentionCapabilities.probe(cfg.device)
     names = list(dict.fromkeys(resolve_attention(a, caps) for a in cfg.attentions))
     return {("edmm" if i == 0 else f"edmm-{name}"): name for i, name in enumerate(names)}
+
+
+def _routes_note(routes: DecodeRoutes | None) -> str:
+    if routes is None:
+        return "the split-K kernel's heuristic (no measured routing table)"
+    return f"measured routing table ({routes.source}, {len(routes.routes)} shapes)"
 
 
 def _plot(summary: list[dict[str, Any]], out_dir: Path) -> list[str]:

@@ -28,6 +28,7 @@ from edmm.engine.sampling import FinishReason, Sampler, SamplingParams, is_stop
 from edmm.engine.scheduler import Scheduler
 from edmm.engine.sequence import SPECULATED, SequenceKind, SlotHints
 from edmm.engine.sequence import Sequence as Seq
+from edmm.kernels.decode_routes import default_decode_routes
 from edmm.memory import KVArena, KVSpec, PagePool, open_backend
 from edmm.memory.offload import HostKVStore
 from edmm.memory.vmm import VMMBackend
@@ -422,7 +423,8 @@ def _build_runner(config: EngineConfig, model: CausalLM, arena: KVArena,
     sampler = Sampler(config.seed)
     if not config.uses_cuda_graphs:
         return ModelRunner(model, arena, config.device, sampler)
-    model.set_backend(build_backend(attention, max_model_len))
+    model.set_backend(build_backend(attention, max_model_len,
+                                    decode_routes=default_decode_routes()))
     model.enable_fusion()
     token_sizes = tuple(t for t in config.cuda_graph_token_sizes
                         if t <= config.max_num_batched_tokens)

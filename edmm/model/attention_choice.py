@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from edmm.kernels import PrefillConfig
+from edmm.kernels.decode_routes import DecodeRoutes
 from edmm.model.attention import AttentionBackend, TorchSDPABackend
 from edmm.model.attention_triton import PREFILL
 from edmm.model.errors import ModelError
@@ -88,27 +89,21 @@ def kv_read_align(name: str) -> int:
     return 1
 
 
-def build_backend(name: str, max_context: int,
-                  prefill: PrefillConfig = PREFILL) -> AttentionBackend:
+def build_backend(name: str, max_context: int, prefill: PrefillConfig = PREFILL,
+                  decode_routes: DecodeRoutes | None = None) -> AttentionBackend:
     """The backend ``name`` (a resolved name: fa4, triton or sdpa). ``max_context`` is the
     longest context a decode call serves; ``prefill`` the Triton prefill kernel's launch
-    parameters (the triton backend's)."""
+    parameters (the triton backend's); ``decode_routes`` the decode kernel's measured
+    routing table (fa4 and triton; None: its heuristic)."""
     if name == "fa4":
         from edmm.model.attention_fa4 import FA4AttentionBackend
 
-        return FA4AttentionBackend(max_context)
+        return FA4AttentionBackend(max_context, decode_routes)
     if name == "triton":
         from edmm.model.attention_triton import TritonAttentionBackend
 
-        return TritonAttentionBackend(max_context, prefill)
+        return TritonAttentionBackend(max_context, prefill, decode_routes)
     if name == "sdpa":
         return TorchSDPABackend()
     raise AttentionChoiceError(f"no backend {name!r} (resolve it with resolve_attention)")
 
-
-def default_backend(device: torch.device | str, max_context: int,
-                    prefill: PrefillConfig = PREFILL,
-                    attention: str = "auto") -> AttentionBackend:
-    """`build_backend` of ``attention`` resolved for ``device``."""
-    name = resolve_attention(attention, AttentionCapabilities.probe(device))
-    return build_backend(name, max_context, prefill)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from torch import Tensor
 
+from edmm.kernels.decode_routes import DecodeRoutes
 from edmm.kernels.fa4 import FA4_DTYPES, FA4_KV_TILE, FA4VarlenArgs, fa4_varlen_args
 from edmm.model.attention import AttentionMetadata, AttentionMetadataError, write_kv
 from edmm.model.attention_triton import TritonAttentionBackend
@@ -30,12 +31,14 @@ class FA4AttentionBackend(TritonAttentionBackend):
     Args:
         max_context: the longest context a decode call (or captured graph) serves (the
             decode kernel's split count).
+        decode_routes: the decode kernel's measured routing table, as in
+            `TritonAttentionBackend`.
     """
 
     kv_read_align = FA4_KV_TILE
 
-    def __init__(self, max_context: int) -> None:
-        super().__init__(max_context)
+    def __init__(self, max_context: int, decode_routes: DecodeRoutes | None = None) -> None:
+        super().__init__(max_context, decode_routes=decode_routes)
         self._args_meta: AttentionMetadata | None = None  # the pass `_args` belongs to
         self._args_layer = -1  # the last layer that used them
         self._args: FA4VarlenArgs | None = None
