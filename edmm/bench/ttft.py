@@ -108,10 +108,12 @@ class EdmmSide:
                                     host_page_size=cfg.host_page_size)
         dtype = self.model.model.embed_tokens.weight.dtype
         spec = KVSpec(self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim, dtype)
+        align = kv_read_align(attention)
         pages = -(-max_tokens * spec.token_bytes // self.backend.page_size) + 2
-        self.pool = PagePool(self.backend, pages + 1)  # + the graph runner's pad page
+        pad = -(-align * spec.token_bytes // self.backend.page_size)  # the pad slot's pages
+        self.pool = PagePool(self.backend, pages + pad)
         self.arena = KVArena(self.pool, spec, num_slots=2, max_tokens=max_tokens,
-                             read_align=kv_read_align(attention))
+                             read_align=align)
         self.runner: ModelRunner
         if cuda and not cfg.eager:
             self.model.set_backend(build_backend(attention, max_tokens,
