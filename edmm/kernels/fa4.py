@@ -59,7 +59,7 @@ def fa4_available() -> bool:
 def fa4_capable(device: torch.device | str) -> bool:
     """Whether ``device`` is a GPU FA4's forward targets (compute capability 9.x-11.x)."""
     device = torch.device(device)
-    return (device.type == "cuda"
+    return (device.type == "cuda" and torch.cuda.is_available()
             and torch.cuda.get_device_capability(device)[0] in FA4_CAPABILITIES)
 
 
