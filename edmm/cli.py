@@ -27,6 +27,17 @@ def _ints(text: str) -> tuple[int, ...]:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from e
 
 
+def _attentions(text: str) -> tuple[str, ...]:
+    from edmm.model.attention_choice import ATTENTION_CHOICES
+
+    names = tuple(x for x in text.split(",") if x)
+    bad = [n for n in names if n not in ATTENTION_CHOICES]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated names of {ATTENTION_CHOICES}, got {text!r}")
+    return names
+
+
 def _non_negative(text: str) -> int:
     try:
         value = int(text)
@@ -94,6 +105,15 @@ def build_parser() -> argparse.ArgumentParser:
                       default="warp-specialized",
                       help="the Triton prefill kernel's launch config (default: the plain "
                            "kernel's), for comparisons")
+    ttft.add_argument("--attention", type=_attentions, default=("auto",),
+                      help="EDMM's attention backend(s), comma-separated, timed one after "
+                           "the other in this run: auto (FlashAttention-4 prefill where it "
+                           "runs, else Triton), fa4, triton, sdpa; the first also runs the "
+                           "A/B/C groups (default: auto)")
+    ttft.add_argument("--decode-routes", default=None, metavar="JSON",
+                      help="the decode kernel's measured routing table (written by "
+                           "python -m edmm.bench.scripts.decode_sweep; default: the committed one, "
+                           "else the kernel's heuristic)")
     ttft.add_argument("--full-prefill-chunk", type=_non_negative, default=0,
                       help="run the full prefill in passes of this many tokens, as the "
                            "engine's token budget does (both engines; default 0: one pass)")
@@ -203,7 +223,7 @@ def _bench(args: argparse.Namespace) -> int:
         acfg = AgentBenchConfig(model=args.model, device=args.device, dtype=args.dtype,
                                 contexts=args.contexts, result_tokens=args.result_tokens,
                                 insert_fraction=args.insert_fraction, iterations=args.repeats,
-                                enforce_eager=args.eager)
+                                enforce_eager=args.eager, attention=args.attention[0])
         print(Path(run_agent_bench(acfg, out)["md"]).read_text())
         from edmm.bench.agent_peer import plot_groups, run_peer_bench
 
@@ -219,7 +239,8 @@ def _bench(args: argparse.Namespace) -> int:
                                full_prefill_repeats=args.full_prefill_repeats,
                                new_tokens=args.new_tokens, peer=not args.no_peer,
                                eager=args.eager, prefill_kernel=args.prefill_kernel,
-                               full_prefill_chunk=args.full_prefill_chunk)
+                               full_prefill_chunk=args.full_prefill_chunk,
+                               attentions=args.attention, decode_routes=args.decode_routes)
         print(Path(run_ttft_bench(tcfg, out)["md"]).read_text())
     print(f"wrote {out}")
     return 0

@@ -65,6 +65,7 @@ class AgentBenchConfig:
     host_page_size: int = 64 * 1024
     enforce_eager: bool = False
     seed: int = 0
+    attention: str = "auto"  # the engine's attention backend (`EngineConfig.attention`)
 
     def __post_init__(self) -> None:
         if self.result_tokens < 1 or self.iterations < 1 or self.warmup < 0:
@@ -88,7 +89,8 @@ class AgentBenchConfig:
         return EngineConfig(model=self.model, device=self.device, dtype=self.dtype,
                             max_model_len=longest, max_num_batched_tokens=budget,
                             num_pages=self.num_pages, host_page_size=self.host_page_size,
-                            num_slots=16, max_num_seqs=4, enforce_eager=self.enforce_eager)
+                            num_slots=16, max_num_seqs=4, enforce_eager=self.enforce_eager,
+                            attention=self.attention)
 
 
 @dataclass(frozen=True)

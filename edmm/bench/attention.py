@@ -7,8 +7,9 @@ plain tensor with the same strides.
 - decode: `decode_attention` vs SDPA on the strided view, batch 1 and 8, 4K/16K/32K context;
   eager, and inside a CUDA graph of all 28 layers (per-layer mean), as the engine runs it;
 - prefill: `prefill_attention_varlen` (512 queries of one sequence) vs SDPA with
-  ``causal_lower_right``, and cuDNN's fused attention on the same strided KV (two calls,
-  merged: `edmm.kernels.fused_sdpa`), as candidates;
+  ``causal_lower_right``, FlashAttention-4 on the arena's slots (`edmm.kernels.fa4`; skipped,
+  with a note, where it does not import), and cuDNN's fused attention on the same strided KV
+  (two calls, merged: `edmm.kernels.fused_sdpa`), as candidates;
 - sweeps at 16K: decode splits and launch configs, prefill launch configs.
 
 Eager times are CUDA-event medians over ``reps`` calls after warmup. Each call reads the next
@@ -40,6 +41,7 @@ from edmm.kernels import (
     prefill_attention_varlen,
     triton_usable,
 )
+from edmm.kernels.fa4 import fa4_usable, fa4_varlen_args, fa4_varlen_attention
 from edmm.kernels.fused_sdpa import (
     AttendLSE,
     cudnn_attend,
@@ -303,7 +305,25 @@ def _attention_fns(kv: torch.Tensor, q: torch.Tensor, context: int,
                                              enable_gqa=True)
         return out[0].transpose(0, 1)  # [Lq, Hq, D]
 
-    return {"triton": triton_fn, "sdpa": sdpa_fn, **_cudnn_fns(kv, q, context)}
+    return {"triton": triton_fn, "sdpa": sdpa_fn, **_fa4_fns(kv, q, cu, slot, ctx),
+            **_cudnn_fns(kv, q, context)}
+
+
+FA4_NOTE = "flash_attn_varlen_func, the arena's slots as its batch (no copy)"
+
+
+def _fa4_fns(kv: torch.Tensor, q: torch.Tensor, cu: torch.Tensor, slot: torch.Tensor,
+             ctx: torch.Tensor) -> dict[str, Fn]:
+    """FA4 on the queries ``q`` [n, Hq, D] of one sequence (query starts ``cu``, ``slot``,
+    context ``ctx``), or nothing where FA4 does not run (`environment` says why)."""
+    if not fa4_usable(DEVICE):
+        return {}
+    args = fa4_varlen_args(cu, slot, ctx, kv.shape[0], skip_single=False)
+
+    def fa4_fn(i: int) -> torch.Tensor:
+        return fa4_varlen_attention(q, kv, i % SPEC.num_layers, args, SCALE)
+
+    return {"fa4": fa4_fn}
 
 
 def _prefill_flops(queries: int, context: int) -> float:
@@ -362,7 +382,7 @@ def bench_prefill(kv: torch.Tensor, cfg: AttentionBenchConfig) -> list[Row]:
     eager = functools.partial(time_eager, warmup=cfg.warmup, reps=cfg.reps)
     n = cfg.prefill_queries
     notes = {"triton": f"{PrefillConfig()}", "triton-backend": f"{PREFILL}",
-             "sdpa": "causal_lower_right", **CUDNN_NOTES}
+             "sdpa": "causal_lower_right", "fa4": FA4_NOTE, **CUDNN_NOTES}
     rows = []
     for context in cfg.contexts:
         case = Case("prefill", 1, context, n, _prefill_flops(n, context), "TFLOP/s")
@@ -389,6 +409,9 @@ def sweep_prefill(kv: torch.Tensor, cfg: AttentionBenchConfig) -> list[Row]:
                           {"triton": f"chunks of {CHUNK}, {config}"})
     rows += time_case(full, {"cudnn-gqa": _chunked_fn(kv, ctx, "cudnn-gqa")}, chunked,
                       {"cudnn-gqa": f"chunks of {CHUNK}, {CUDNN_NOTES['cudnn-gqa']}"})
+    if fa4_usable(DEVICE):
+        rows += time_case(full, {"fa4": _chunked_fn(kv, ctx, "fa4")}, chunked,
+                          {"fa4": f"chunks of {CHUNK}, {FA4_NOTE}"})
     return rows
 
 
@@ -419,12 +442,25 @@ def markdown(rows: Sequence[Row]) -> str:
 
 
 def environment(kv_kind: str) -> dict[str, Any]:
-    """Device and versions of this run."""
+    """Device and versions of this run (FA4's, or why its rows are missing)."""
     import triton
 
+    from edmm.model.attention_choice import AttentionCapabilities
+
+    caps = AttentionCapabilities.probe(DEVICE)
     return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
             "cuda": torch.version.cuda, "triton": triton.__version__, "kv_memory": kv_kind,
-            "sms": torch.cuda.get_device_properties(0).multi_processor_count}
+            "sms": torch.cuda.get_device_properties(0).multi_processor_count,
+            "fa4": _fa4_version() if caps.fa4 else f"skipped: {caps.fa4_reason}"}
+
+
+def _fa4_version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("flash-attn-4")
+    except PackageNotFoundError:
+        return "importable (no package metadata)"
 
 
 def run(cfg: AttentionBenchConfig, out_dir: Path) -> list[Row]:

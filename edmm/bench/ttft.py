@@ -10,9 +10,10 @@ values), in one process:
 - full prefill of n tokens into an empty slot: in one pass, or (``full_prefill_chunk``) in
   chunks as the engine's token budget splits a long prompt, each chunk's pages mapped and its
   pass launched while the previous chunk still computes, sampling after the last.
-EDMM runs them on its KV arena (mapping pages as it grows, as the engine does), with Triton
-attention, fused pointwise ops and CUDA-graph decode on the GPU (``eager``: reference SDPA,
-no fusion, no graphs); the peer is HF
+EDMM runs them on its KV arena (mapping pages as it grows, as the engine does), with its GPU
+attention (``attentions``: FlashAttention-4 prefill where it runs, else Triton; several names
+time each in the same process), fused pointwise ops and CUDA-graph decode on the GPU
+(``eager``: reference SDPA, no fusion, no graphs); the peer is HF
 transformers' best path for the same work (SDPA, a DynamicCache cropped back between repeats).
 Wall-clock times with the device synchronised around each repeat.
 """
@@ -35,11 +36,18 @@ from edmm.engine.cuda_graph import CudaGraphRunner
 from edmm.engine.runner import ModelInputs, ModelRunner
 from edmm.engine.sampling import RequestRng, SamplingParams
 from edmm.kernels import PrefillConfig
+from edmm.kernels.decode_routes import DecodeRoutes, default_decode_routes
 from edmm.memory.arena import KVArena, KVSpec
 from edmm.memory.backends import open_backend
 from edmm.memory.pool import PagePool
 from edmm.model.attention import AttentionMetadata
-from edmm.model.attention_triton import PREFILL, default_backend
+from edmm.model.attention_choice import (
+    AttentionCapabilities,
+    build_backend,
+    kv_read_align,
+    resolve_attention,
+)
+from edmm.model.attention_triton import PREFILL
 from edmm.model.config import ModelConfig
 from edmm.model.loader import load_model
 
@@ -67,6 +75,10 @@ class TTFTBenchConfig:
     host_page_size: int = 64 * 1024
     prefill_kernel: str = "warp-specialized"  # a PREFILL_KERNELS key, for comparisons
     full_prefill_chunk: int = 0  # tokens per pass of the full prefill (both engines); 0: one
+    # EDMM's attention backends (`ATTENTION_CHOICES`), timed one after the other: the first's
+    # rows are engine "edmm", the others' "edmm-<name>"
+    attentions: tuple[str, ...] = ("auto",)
+    decode_routes: str | None = None  # decode routing table file; None: the committed one
 
 
 def _sync(device: torch.device) -> None:
@@ -86,8 +98,9 @@ def _timed(out: list[float], device: torch.device) -> Iterator[None]:
 class EdmmSide:
     """The model on a KV arena with one slot, driven directly (no scheduler in the way)."""
 
-    def __init__(self, cfg: TTFTBenchConfig, max_ctx: int) -> None:
+    def __init__(self, cfg: TTFTBenchConfig, max_ctx: int, attention: str = "auto") -> None:
         self.device = torch.device(cfg.device)
+        attention = resolve_attention(attention, AttentionCapabilities.probe(cfg.device))
         max_tokens = max_ctx + cfg.new_tokens + 1
         self.model, self.cfg = load_model(cfg.model, self.device, cfg.dtype,
                                           max_positions=max_tokens)
@@ -96,13 +109,17 @@ class EdmmSide:
                                     host_page_size=cfg.host_page_size)
         dtype = self.model.model.embed_tokens.weight.dtype
         spec = KVSpec(self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim, dtype)
+        align = kv_read_align(attention)
         pages = -(-max_tokens * spec.token_bytes // self.backend.page_size) + 2
-        self.pool = PagePool(self.backend, pages + 1)  # + the graph runner's pad page
-        self.arena = KVArena(self.pool, spec, num_slots=2, max_tokens=max_tokens)
+        pad = -(-align * spec.token_bytes // self.backend.page_size)  # the pad slot's pages
+        self.pool = PagePool(self.backend, pages + pad)
+        self.arena = KVArena(self.pool, spec, num_slots=2, max_tokens=max_tokens,
+                             read_align=align)
         self.runner: ModelRunner
         if cuda and not cfg.eager:
-            self.model.set_backend(default_backend(self.device, max_tokens,
-                                                   PREFILL_KERNELS[cfg.prefill_kernel]))
+            self.model.set_backend(build_backend(attention, max_tokens,
+                                                 PREFILL_KERNELS[cfg.prefill_kernel],
+                                                 decode_routes_of(cfg)))
             self.model.enable_fusion()
             self.runner = CudaGraphRunner(self.model, self.arena, self.device, sizes=(1,),
                                           token_sizes=(cfg.new_tokens,), max_seqs=1)
@@ -259,16 +276,21 @@ def run_ttft_bench(cfg: TTFTBenchConfig, out_dir: Path) -> dict[str, Path]:
     torch.manual_seed(0)
     out_dir.mkdir(parents=True, exist_ok=True)
     max_ctx = max(cfg.contexts)
-    edmm = EdmmSide(cfg, max_ctx)
-    mcfg = edmm.cfg
-    ids = torch.randint(0, mcfg.vocab_size, (max_ctx + 1,), device=edmm.device)
+    sides = edmm_sides(cfg)
     rows: list[dict[str, Any]] = []
     per_ctx = cfg.full_prefill_repeats + 2 * cfg.repeats + 3  # + a warm-up of each op
-    progress = Progress("model ops", (2 if cfg.peer else 1) * len(cfg.contexts) * per_ctx)
-    for ctx in cfg.contexts:
-        rows += _measure(edmm, ids, ctx, cfg, "edmm-eager" if cfg.eager else "edmm", progress)
-    edmm.close()
-    del edmm
+    progress = Progress("model ops", (len(sides) + cfg.peer) * len(cfg.contexts) * per_ctx)
+    ids: torch.Tensor | None = None
+    for engine, attention in sides.items():
+        edmm = EdmmSide(cfg, max_ctx, attention)
+        mcfg = edmm.cfg
+        if ids is None:  # the same tokens for every side
+            ids = torch.randint(0, mcfg.vocab_size, (max_ctx + 1,), device=edmm.device)
+        for ctx in cfg.contexts:
+            rows += _measure(edmm, ids, ctx, cfg, engine, progress)
+        edmm.close()
+        del edmm
+    assert ids is not None
     if cfg.peer:
         hf = HFSide(cfg, mcfg)
         for ctx in cfg.contexts:
@@ -283,7 +305,10 @@ def run_ttft_bench(cfg: TTFTBenchConfig, out_dir: Path) -> dict[str, Path]:
              f"repeats: {cfg.repeats} (full prefill: {cfg.full_prefill_repeats}), after one "
              "warm-up; trimmed mean drops 10% each side",
              f"compute floor: matmul FLOPs / {MEASURED_BF16_TFLOPS} TFLOP/s",
-             f"prefill kernel (CUDA, not eager): {cfg.prefill_kernel} "
+             "attention (CUDA, not eager): " + ", ".join(
+                 f"{engine}: {attention}" for engine, attention in sides.items()),
+             "decode kernel launch: " + _routes_note(decode_routes_of(cfg)),
+             f"Triton prefill kernel (attention triton): {cfg.prefill_kernel} "
              f"({PREFILL_KERNELS[cfg.prefill_kernel]})",
              "full prefill: " + (f"chunks of {cfg.full_prefill_chunk} tokens (both engines), "
                                  "each launched without waiting for the last"
@@ -292,6 +317,31 @@ def run_ttft_bench(cfg: TTFTBenchConfig, out_dir: Path) -> dict[str, Path]:
     paths = writer.write(summary, title=f"edmm bench ttft (model level, {cfg.device})",
                          notes=notes)
     return paths
+
+
+def decode_routes_of(cfg: TTFTBenchConfig) -> DecodeRoutes | None:
+    """The decode routing table of the run: ``cfg.decode_routes``'s file, else the committed
+    one (None: the kernel's heuristic)."""
+    if cfg.decode_routes is not None:
+        return DecodeRoutes.from_json(cfg.decode_routes)
+    return default_decode_routes()
+
+
+def edmm_sides(cfg: TTFTBenchConfig) -> dict[str, str]:
+    """Engine label -> resolved attention backend of each EDMM side (``eager``: one side,
+    "edmm-eager", on the reference SDPA). Raises `AttentionChoiceError` for a backend that
+    cannot run on ``cfg.device``."""
+    if cfg.eager or torch.device(cfg.device).type != "cuda":
+        return {"edmm-eager" if cfg.eager else "edmm": "sdpa"}
+    caps = AttentionCapabilities.probe(cfg.device)
+    names = list(dict.fromkeys(resolve_attention(a, caps) for a in cfg.attentions))
+    return {("edmm" if i == 0 else f"edmm-{name}"): name for i, name in enumerate(names)}
+
+
+def _routes_note(routes: DecodeRoutes | None) -> str:
+    if routes is None:
+        return "the split-K kernel's heuristic (no measured routing table)"
+    return f"measured routing table ({routes.source}, {len(routes.routes)} shapes)"
 
 
 def _plot(summary: list[dict[str, Any]], out_dir: Path) -> list[str]:

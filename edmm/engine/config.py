@@ -10,6 +10,7 @@ from edmm.engine.errors import EngineConfigError
 from edmm.engine.scheduler import SchedulerConfig
 from edmm.memory.backends import BACKEND_NAMES
 from edmm.memory.host import DEFAULT_HOST_PAGE_SIZE
+from edmm.model.attention_choice import ATTENTION_CHOICES
 
 HOST_POOL_BYTES = 4 << 30  # default cap of the host pool (memfd pages are committed on touch)
 
@@ -45,6 +46,9 @@ class EngineConfig:
         seed: seed of the sampler's shared stream (requests without their own seed).
         enforce_eager: on CUDA, run every step eagerly instead of replaying CUDA graphs, and
             keep the reference SDPA attention instead of the Triton kernels.
+        attention: the attention backend of CUDA-graph steps, one of `ATTENTION_CHOICES`:
+            ``auto`` (FlashAttention-4 for prefill where it runs, else Triton), ``fa4``,
+            ``triton``, ``sdpa`` (`edmm.model.attention_choice`).
         cuda_graph_token_sizes: token counts at which batches with a prefill (chunks, resumes,
             decodes with speculation riding along) replay captured graphs; sizes above
             ``max_num_batched_tokens`` or not above ``max_num_seqs`` are skipped. Empty: such
@@ -75,6 +79,7 @@ class EngineConfig:
     prefix_block_size: int = 16
     seed: int | None = 0
     enforce_eager: bool = False
+    attention: str = "auto"
     cuda_graph_token_sizes: tuple[int, ...] = DEFAULT_GRAPH_TOKEN_SIZES
     speculative_tokens_when_busy: int | None = None
     speculative_tokens_when_idle: int = 2048
@@ -91,6 +96,9 @@ class EngineConfig:
             raise EngineConfigError("the cuda backend needs device='cuda'")
         if self.backend_kind == "host" and device.type != "cpu":
             raise EngineConfigError("the host backend needs device='cpu'")
+        if self.attention not in ATTENTION_CHOICES:
+            raise EngineConfigError(
+                f"attention must be one of {ATTENTION_CHOICES}, got {self.attention!r}")
         if self.kv_offload_bytes < 0:
             raise EngineConfigError(f"kv_offload_bytes must be >= 0, got {self.kv_offload_bytes}")
         for name in ("num_slots", "max_num_batched_tokens", "max_num_seqs", "prefix_block_size"):

@@ -36,10 +36,17 @@ from edmm.engine.sampling import FinishReason, Sampler, SamplingParams, is_stop
 from edmm.engine.scheduler import Scheduler, SchedulerConfig
 from edmm.engine.sequence import SPECULATED, SequenceKind, SlotHints
 from edmm.engine.sequence import Sequence as Seq
+from edmm.kernels.decode_routes import default_decode_routes
 from edmm.memory import KVArena, KVSpec, PagePool, open_backend
 from edmm.memory.offload import HostKVStore
 from edmm.memory.vmm import VMMBackend
 from edmm.model import CausalLM, ModelConfig, load_model, load_tokenizer
+from edmm.model.attention_choice import (
+    AttentionCapabilities,
+    build_backend,
+    kv_read_align,
+    resolve_attention,
+)
 
 PromptInput = str | Sequence[int]
 
@@ -165,13 +172,16 @@ class Engine:
         dtype = next(self.model.parameters()).dtype
         spec = KVSpec(self.model_config.num_layers, self.model_config.num_kv_heads,
                       self.model_config.head_dim, dtype)
-        self._backend, pool, arena = _build_memory(config, spec, self.max_model_len)
+        self.attention = _attention_name(config)
+        self._backend, pool, arena = _build_memory(config, spec, self.max_model_len,
+                                                   kv_read_align(self.attention))
         offload = (HostKVStore(arena, config.kv_offload_bytes)
                    if config.kv_offload_bytes > 0 and config.enable_prefix_caching else None)
         self.kv = KVCacheManager(arena, PrefixCache(arena, config.prefix_block_size,
                                                     config.enable_prefix_caching, offload))
         self.scheduler = Scheduler(self.kv, config.scheduler_config(pool.capacity))
-        self.runner = _build_runner(config, self.model, arena, self.max_model_len)
+        self.runner = _build_runner(config, self.model, arena, self.max_model_len,
+                                    self.attention)
         self._counters = _Counters()
         self.validator = RequestValidator(self.model_config.vocab_size, self.max_model_len,
                                           self.tokenizer is not None)
@@ -415,9 +425,18 @@ def _max_model_len(config: EngineConfig, model: CausalLM) -> int:
     return config.max_model_len
 
 
-def _build_memory(config: EngineConfig, spec: KVSpec,
-                  max_model_len: int) -> tuple[VMMBackend, PagePool, KVArena]:
-    """The VMM backend, the page pool and the arena; the pool must hold one longest sequence."""
+def _attention_name(config: EngineConfig) -> str:
+    """The attention backend the steps run: ``config.attention`` resolved for the device when
+    steps replay CUDA graphs, else the reference SDPA."""
+    if not config.uses_cuda_graphs:
+        return "sdpa"
+    return resolve_attention(config.attention, AttentionCapabilities.probe(config.device))
+
+
+def _build_memory(config: EngineConfig, spec: KVSpec, max_model_len: int,
+                  read_align: int = 1) -> tuple[VMMBackend, PagePool, KVArena]:
+    """The VMM backend, the page pool and the arena (slots mapped up to ``read_align``
+    tokens, the attention's); the pool must hold one longest sequence."""
     backend = open_backend(config.backend_kind,
                            device_index=torch.device(config.device).index or 0,
                            host_page_size=config.host_page_size)
@@ -430,7 +449,7 @@ def _build_memory(config: EngineConfig, spec: KVSpec,
             f"max_model_len={max_model_len} ({per_seq} pages); raise num_pages or lower "
             "max_model_len")
     pool = PagePool(backend, num_pages)
-    return backend, pool, KVArena(pool, spec, config.num_slots, max_model_len)
+    return backend, pool, KVArena(pool, spec, config.num_slots, max_model_len, read_align)
 
 
 def _num_pages(config: EngineConfig, page_size: int, per_seq: int) -> int:
@@ -445,15 +464,15 @@ def _num_pages(config: EngineConfig, page_size: int, per_seq: int) -> int:
 
 
 def _build_runner(config: EngineConfig, model: CausalLM, arena: KVArena,
-                  max_model_len: int) -> ModelRunner:
-    """On CUDA (unless ``enforce_eager``): Triton attention, fused pointwise ops, CUDA graphs
-    for decode and mixed batches."""
+                  max_model_len: int, attention: str) -> ModelRunner:
+    """On CUDA (unless ``enforce_eager``): the ``attention`` backend (FA4 or Triton), fused
+    pointwise ops, CUDA graphs for decode and mixed batches (captured, and FA4's kernels
+    compiled, here at start-up)."""
     sampler = Sampler(config.seed)
     if not config.uses_cuda_graphs:
         return ModelRunner(model, arena, config.device, sampler)
-    from edmm.model.attention_triton import default_backend
-
-    model.set_backend(default_backend(config.device, max_model_len))
+    model.set_backend(build_backend(attention, max_model_len,
+                                    decode_routes=default_decode_routes()))
     model.enable_fusion()
     token_sizes = tuple(t for t in config.cuda_graph_token_sizes
                         if t <= config.max_num_batched_tokens)

@@ -3,7 +3,11 @@
 A slot holds one sequence's KV, virtually contiguous, so ordinary attention kernels read it
 through a strided tensor view with no page table. Physical pages from the `PagePool` are mapped
 into a slot only as far as its tokens reach: a slot of ``n`` tokens maps exactly
-``ceil(n * token_bytes / page_size)`` pages, so it never holds a page beyond its tokens' last one.
+``ceil(backed(n) * token_bytes / page_size)`` pages, ``backed(n)`` being ``n`` rounded up to
+``read_align`` tokens (at most ``max_tokens``). With the default ``read_align=1`` a slot never
+holds a page beyond its tokens' last one; a kernel that loads whole tiles of keys past a
+context (FlashAttention-4 loads 128 at a time) needs ``read_align`` = its tile, so every address
+it touches is mapped.
 
 Per-token layout: **token-major across layers**, ``[slot, token, layer, K|V, kv_head, head_dim]``.
 Measured on an H200 (docs/design.md): SDPA reads a token-major strided view as fast as
@@ -22,7 +26,8 @@ Branch and commit (the zero-copy path):
 
 Invariants (checked by `check_integrity`): a slot maps exactly the pages its tokens need; each
 page's refcount equals the number of slots mapping it; the page holding a slot's write frontier
-(its partially filled last page) is private to that slot, so appending never writes a shared page.
+(its partially filled last page) and every page after it (the read margin) are private to that
+slot, so appending never writes a shared page.
 """
 
 from __future__ import annotations
@@ -85,9 +90,11 @@ class ArenaStats:
 class KVArena:
     """Slots of virtually contiguous KV over a shared physical page pool; see module docstring."""
 
-    def __init__(self, pool: PagePool, spec: KVSpec, num_slots: int, max_tokens: int) -> None:
-        if num_slots < 1 or max_tokens < 1:
-            raise ValueError("num_slots and max_tokens must be >= 1")
+    def __init__(self, pool: PagePool, spec: KVSpec, num_slots: int, max_tokens: int,
+                 read_align: int = 1) -> None:
+        if num_slots < 1 or max_tokens < 1 or read_align < 1:
+            raise ValueError("num_slots, max_tokens and read_align must be >= 1")
+        self.read_align = read_align
         self.pool = pool
         self.backend = pool.backend
         self.spec = spec
@@ -143,8 +150,17 @@ class KVArena:
         return list(self._live(slot).pages)
 
     def pages_for(self, num_tokens: int) -> int:
-        """Pages a slot of ``num_tokens`` tokens maps."""
-        return -(-num_tokens * self.spec.token_bytes // self.page_size)
+        """Pages a slot of ``num_tokens`` tokens maps (its tokens rounded up to
+        ``read_align``, at most ``max_tokens``)."""
+        backed = num_tokens
+        if num_tokens <= self.max_tokens:
+            backed = min(_round_up(num_tokens, self.read_align), self.max_tokens)
+        return -(-backed * self.spec.token_bytes // self.page_size)
+
+    def _frontier_page(self, num_tokens: int) -> int:
+        """Index of the first page a slot of ``num_tokens`` tokens may still write: the page
+        holding its frontier (partially filled), or the next one (frontier on a boundary)."""
+        return num_tokens * self.spec.token_bytes // self.page_size
 
     def free_slots(self) -> int:
         """Slots not in use."""
@@ -200,7 +216,7 @@ class KVArena:
         full = nbytes // self.page_size
         dst = self.allocate()
         try:
-            boundary = self.pool.alloc(1 if nbytes % self.page_size else 0)
+            boundary = self.pool.alloc(self.pages_for(num_tokens) - full)  # + read margin
             pages = s.pages[:full] + boundary
             self._map_pages(dst, 0, pages, fresh=boundary)
         except BaseException:
@@ -210,7 +226,7 @@ class KVArena:
             self.pool.incref(p)
         d = self._slots[dst]
         d.pages, d.num_tokens = pages, num_tokens
-        if boundary:
+        if nbytes % self.page_size:
             self._copy_bytes(self.slot_address(dst) + full * self.page_size,
                              self.slot_address(src) + full * self.page_size,
                              nbytes - full * self.page_size)
@@ -233,8 +249,9 @@ class KVArena:
     def truncate(self, slot: int, num_tokens: int) -> None:
         """Keep only the first ``num_tokens`` tokens; unmap pages past them.
 
-        If the new last page is shared (partly filled, mapped by another slot too), it is
-        replaced by a private copy, so later appends never write into another slot's tokens.
+        If the new frontier page (partly filled) or a page after it is shared (mapped by another
+        slot too), it is replaced by a private copy, so later appends never write into another
+        slot's tokens.
         """
         s = self._writable(slot)
         if not 0 <= num_tokens <= s.num_tokens:
@@ -243,9 +260,11 @@ class KVArena:
         if keep < len(s.pages):
             self._unmap_pages(slot, keep)
         s.num_tokens = num_tokens
+        frontier = self._frontier_page(num_tokens)
         partial = (num_tokens * self.spec.token_bytes) % self.page_size
-        if partial and self.pool.refcount(s.pages[-1]) > 1:
-            self._make_private(slot, keep - 1, partial)
+        for index in range(frontier, keep):
+            if self.pool.refcount(s.pages[index]) > 1:  # the margin's bytes need no copy
+                self._make_private(slot, index, partial if index == frontier else 0)
 
     def free(self, slot: int) -> None:
         """Unmap every page of a slot and give the slot back (retired slots too)."""
@@ -284,9 +303,9 @@ class KVArena:
                 raise KVMemoryError(f"slot {i}: {len(s.pages)} pages for {s.num_tokens} tokens")
             if len(set(s.pages)) != len(s.pages):
                 raise KVMemoryError(f"slot {i}: a page is mapped twice")
-            partial = (s.num_tokens * self.spec.token_bytes) % self.page_size
-            if partial and self.pool.refcount(s.pages[-1]) != 1:
-                raise KVMemoryError(f"slot {i}: frontier page {s.pages[-1]} is shared")
+            for p in s.pages[self._frontier_page(s.num_tokens):]:
+                if self.pool.refcount(p) != 1:
+                    raise KVMemoryError(f"slot {i}: page {p} at or past the frontier is shared")
             mapped.update(s.pages)
         for p in range(self.pool.capacity):
             if self.pool.refcount(p) != mapped[p]:

@@ -153,9 +153,14 @@ class AttentionBackend(abc.ABC):
     A backend whose ``fuses_rope`` is True takes q and k unrotated together with
     ``rope=(cos, sin)`` ([T, D] each) and applies the rotary embedding itself (fused with its
     KV write); the caller then skips its own rotary op. Otherwise q and k come rotated.
+
+    ``kv_read_align``: the backend's kernels may read a slot's KV up to its context rounded up
+    to this many tokens (a kernel loading whole key tiles); the arena they read must map that
+    far (`KVArena`'s ``read_align``). 1: never past the context.
     """
 
     fuses_rope: bool = False
+    kv_read_align: int = 1
 
     @abc.abstractmethod
     def forward(

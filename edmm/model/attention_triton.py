@@ -17,10 +17,10 @@ and on a 16K prefill in 2048-token chunks (432 vs 494), faster only on one fresh
 
 from __future__ import annotations
 
-import torch
 from torch import Tensor
 
 from edmm.kernels import PrefillConfig
+from edmm.kernels.decode_routes import DecodeRoutes
 from edmm.model.attention import (
     AttentionBackend,
     AttentionMetadata,
@@ -48,13 +48,18 @@ class TritonAttentionBackend(AttentionBackend):
             the split count of the decode kernel.
         prefill: launch parameters of the prefill kernel (`PREFILL`, or the default kernel's
             `PrefillConfig()` for comparisons).
+        decode_routes: a measured table of the decode kernel's split count and launch config
+            per (batch, context) (`edmm.kernels.decode_routes`), looked up for decode batches
+            at ``max_context``; None: the kernel's own heuristic.
     """
 
     fuses_rope = True
 
-    def __init__(self, max_context: int, prefill: PrefillConfig = PREFILL) -> None:
+    def __init__(self, max_context: int, prefill: PrefillConfig = PREFILL,
+                 decode_routes: DecodeRoutes | None = None) -> None:
         self.max_context = max_context
         self.prefill = prefill
+        self.decode_routes = decode_routes
         self._fallback = TorchSDPABackend()
 
     def forward(
@@ -90,8 +95,13 @@ class TritonAttentionBackend(AttentionBackend):
         else:
             write_kv(kv_cache, layer, k, v, meta)
         if all(n == 1 for n in meta.query_lens):
+            route = (self.decode_routes.lookup(q.shape[0], self.max_context)
+                     if self.decode_routes is not None else None)
+            if route is None:
+                return decode_attention(q, kv_cache, layer, meta.slot_ids_t,
+                                        meta.context_lens_t, scale, max_context=self.max_context)
             return decode_attention(q, kv_cache, layer, meta.slot_ids_t, meta.context_lens_t,
-                                    scale, max_context=self.max_context)
+                                    scale, num_splits=route.num_splits, config=route.config)
         # Mixed: multi-query sequences in query tiles, single-query ones split-K, in place.
         out = prefill_attention_varlen(q, kv_cache, layer, meta.query_start_loc,
                                        meta.slot_ids_t, meta.context_lens_t, scale,
@@ -102,13 +112,3 @@ class TritonAttentionBackend(AttentionBackend):
                                        meta.slot_ids_t, meta.context_lens_t, out, scale,
                                        max_context=self.max_context)
 
-
-def default_backend(device: torch.device | str, max_context: int,
-                    prefill: PrefillConfig = PREFILL) -> AttentionBackend:
-    """Triton kernels (``prefill``: the prefill kernel's launch parameters) on a CUDA device
-    where triton is usable, else the reference SDPA."""
-    from edmm.kernels import triton_usable
-
-    if torch.device(device).type == "cuda" and triton_usable(device):
-        return TritonAttentionBackend(max_context, prefill)
-    return TorchSDPABackend()

@@ -26,7 +26,9 @@ def test_bench_ttft_smoke(tmp_path: Path) -> None:
                 assert (engine, op, ctx) in keys
     assert all(r["ms"] > 0 for r in data["rows"])
     assert (tmp_path / "ttft-decode.png").stat().st_size > 1000
-    assert any(n.startswith("prefill kernel (CUDA, not eager): default (") for n in data["notes"])
+    assert any(n.startswith("Triton prefill kernel (attention triton): default (")
+               for n in data["notes"])
+    assert "attention (CUDA, not eager): edmm: sdpa" in data["notes"]
     assert "full prefill: chunks of 40 tokens (both engines), each launched without waiting " \
            "for the last" in data["notes"]
 
@@ -56,3 +58,27 @@ def test_chunked_full_prefill_matches_one_pass(chunk: int) -> None:
     hf.truncate(0)
     assert int(hf.extend(ids, chunk)) == one
     assert hf.cache.get_seq_length() == 96
+
+
+def test_attention_flag_names_the_sides() -> None:
+    """``--attention`` takes a comma list of backend names; on the CPU the one EDMM side is
+    the reference SDPA whatever was asked (the GPU backends are for CUDA-graph runs)."""
+    from edmm.bench.ttft import TTFTBenchConfig, edmm_sides
+    from edmm.cli import build_parser
+
+    args = build_parser().parse_args(["bench", "ttft", "--attention", "fa4,triton"])
+    assert args.attention == ("fa4", "triton")
+    assert build_parser().parse_args(["bench", "ttft"]).attention == ("auto",)
+    with pytest.raises(SystemExit):
+        build_parser().parse_args(["bench", "ttft", "--attention", "fa4,flash"])
+    cpu = TTFTBenchConfig(device="cpu", attentions=("fa4", "triton"))
+    assert edmm_sides(cpu) == {"edmm": "sdpa"}
+    assert edmm_sides(TTFTBenchConfig(device="cpu", eager=True)) == {"edmm-eager": "sdpa"}
+
+
+def test_engine_config_names_its_attention() -> None:
+    from edmm.engine import EngineConfig, EngineConfigError
+
+    assert EngineConfig().attention == "auto"
+    with pytest.raises(EngineConfigError, match="attention must be one of"):
+        EngineConfig(attention="flash")

@@ -1,0 +1,160 @@
+"""Decode attention launch sweep on a real CUDA VMM arena, and the routing table it implies.
+
+    PYTHONPATH=. python3 -m edmm.bench.scripts.decode_sweep --out DIR [--reps 20]
+
+Qwen2.5-7B heads (28 query heads, 4 KV heads, head dim 128, bf16; 33.5 MB of K+V per layer at
+16K), batch 1 and 8 at 4K / 16K / 32K (``--batches``, ``--contexts``). For each shape it times,
+per layer, inside a CUDA graph of all 28 layers as the engine runs decode (median of ``reps``
+replays, CUDA events, a GPU sleep before each so launch latency stays out):
+- the split-K Triton kernel at its default launch (`default_num_splits`, `DecodeConfig()`);
+- the same kernel over split counts x launch configs (``SPLITS`` x ``CONFIGS``);
+- SDPA on the strided view (equal lengths only: the engine cannot route a CUDA-graph batch of
+  unequal lengths to it without reading past each context, so it is a yardstick).
+Every candidate's output is checked against SDPA's (relative error in the table).
+
+Writes ``decode-sweep.json`` (every row, device, date, command), ``decode-sweep.md`` (per shape:
+default, best, SDPA, in TB/s of K+V read) and ``decode_routes.json``: the fastest Triton launch
+per shape in `edmm.kernels.decode_routes`'s format. Pass it to ``edmm bench ttft
+--decode-routes``; committed as ``edmm/kernels/decode_routes.json`` it is the engine's default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as _dt
+import functools
+import json
+import shlex
+import sys
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from edmm.bench.attention import (
+    SPEC,
+    Case,
+    Row,
+    _decode_bytes,
+    _decode_fns,
+    environment,
+    make_kv,
+    time_case,
+    time_eager,
+    time_graph,
+)
+from edmm.kernels import DecodeConfig, default_num_splits, triton_usable
+
+SPLITS = (8, 16, 32, 48, 64, 96, 128, 192, 256)
+CONFIGS = (DecodeConfig(32, 4, 4), DecodeConfig(32, 2, 3), DecodeConfig(64, 4, 2),
+           DecodeConfig(64, 4, 3), DecodeConfig(64, 8, 3), DecodeConfig(64, 2, 3),
+           DecodeConfig(128, 4, 2), DecodeConfig(128, 8, 3))
+TARGET_TBS = 3.0  # issue 20: decode attention >= 3 TB/s at batch 1 and 8, 16K
+
+
+def sweep_shape(kv: torch.Tensor, batch: int, context: int, reps: int) -> list[Row]:
+    """Rows of every candidate at one shape (op decode-graph, and decode for the default)."""
+    graph = functools.partial(time_graph, reps=reps)
+    eager = functools.partial(time_eager, warmup=5, reps=reps)
+    work = _decode_bytes(batch, context)
+    case = Case("decode-graph", batch, context, 1, work, "GB/s")
+    tri, sdpa = _decode_fns(kv, batch, context, max_context=kv.shape[1])
+    default = default_num_splits(batch, SPEC.num_kv_heads, kv.shape[1])
+    notes = {"triton": f"default: splits={default}, {DecodeConfig()}", "sdpa": "strided view"}
+    rows = time_case(case, {"triton": tri, "sdpa": sdpa}, graph, notes)
+    rows += time_case(Case("decode", batch, context, 1, work, "GB/s"),
+                      {"triton": tri, "sdpa": sdpa}, eager, notes)
+    for config in CONFIGS:
+        for splits in SPLITS:
+            if splits > -(-context // config.block_n):  # a split past the tiles does nothing
+                continue
+            cand, ref = _decode_fns(kv, batch, context, num_splits=splits, config=config)
+            rows += [_tag(r, splits, config) for r in time_case(
+                case, {"triton-sweep": cand}, graph, {"triton-sweep": ""}, reference=ref)]
+    return rows
+
+
+def _tag(row: Row, splits: int, config: DecodeConfig) -> Row:
+    row.note = f"splits={splits}, {config}"
+    row.extra = {"num_splits": splits, **asdict(config)}
+    return row
+
+
+def routes(rows: list[Row]) -> list[dict[str, Any]]:
+    """The fastest swept Triton launch of each shape (graph median), in the routing format."""
+    best: dict[tuple[int, int], Row] = {}
+    for r in rows:
+        if r.impl != "triton-sweep" or (r.rel_err or 0.0) > 2e-2:
+            continue
+        key = (r.batch, r.context)
+        if key not in best or r.median_us < best[key].median_us:
+            best[key] = r
+    return [{"batch": b, "context": c, "graph_us": r.median_us, **r.extra}
+            for (b, c), r in sorted(best.items())]
+
+
+def markdown(rows: list[Row], table: list[dict[str, Any]], header: str) -> str:
+    """Per shape: the default launch, the best swept one and SDPA, per layer in a graph."""
+    def cell(r: Row | None) -> str:
+        return f"{r.median_us:.1f} us, {r.throughput / 1e3:.2f} TB/s" if r else "-"
+
+    by = {(r.op, r.impl, r.batch, r.context): r for r in rows if r.impl != "triton-sweep"}
+    lines = [header, "", f"Per layer, median inside a CUDA graph of {SPEC.num_layers} layers. "
+             f"Target (issue 20): >= {TARGET_TBS} TB/s at batch 1 and 8.", "",
+             "| batch | context | Triton default | best swept Triton (launch) | SDPA | eager "
+             "Triton default | best >= target |", "|---|---|---|---|---|---|---|"]
+    for route in table:
+        b, c = route["batch"], route["context"]
+        best = next(r for r in rows if r.impl == "triton-sweep" and (r.batch, r.context) == (b, c)
+                    and r.median_us == route["graph_us"])
+        lines.append(
+            f"| {b} | {c} | {cell(by.get(('decode-graph', 'triton', b, c)))} | {cell(best)} "
+            f"({best.note}) | {cell(by.get(('decode-graph', 'sdpa', b, c)))} | "
+            f"{cell(by.get(('decode', 'triton', b, c)))} | "
+            f"{'yes' if best.throughput / 1e3 >= TARGET_TBS else 'no'} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI entry; see the module docstring."""
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--reps", type=int, default=20)
+    parser.add_argument("--batches", default="1,8")
+    parser.add_argument("--contexts", default="4096,16384,32768")
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available() or not triton_usable("cuda"):
+        print("decode_sweep.py needs a CUDA GPU and triton", file=sys.stderr)
+        return 2
+    batches = [int(x) for x in args.batches.split(",")]
+    contexts = [int(x) for x in args.contexts.split(",")]
+    mem = make_kv(max(batches), max(contexts))
+    rows: list[Row] = []
+    try:
+        with torch.inference_mode():
+            for context in contexts:
+                for batch in batches:
+                    rows += sweep_shape(mem.kv, batch, context, args.reps)
+                    print(f"swept batch {batch} at {context}", file=sys.stderr)
+        env = environment(mem.kind)
+    finally:
+        mem.close()
+    date = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    command = "python3 -m edmm.bench.scripts.decode_sweep " + shlex.join(sys.argv[1:])
+    table = routes(rows)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "decode-sweep.json").write_text(json.dumps(
+        {"environment": env, "date": date, "command": command,
+         "rows": [asdict(r) for r in rows]}, indent=2))
+    (args.out / "decode_routes.json").write_text(json.dumps(
+        {"device": env["gpu"], "date": date, "command": command, "routes": table}, indent=2))
+    md = markdown(rows, table, f"# Decode attention sweep\n\n{env}\n\n{date}: `{command}`")
+    (args.out / "decode-sweep.md").write_text(md + "\n")
+    print(md)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
