@@ -496,7 +496,8 @@ class AgentEngine:
             PausedSession(len(session.context), True, remaining))
         tag = _session_tag(session.id)
         self.engine.set_retention(tag, rank, priority)
-        if (remaining is not None and remaining <= self.config.prefetch_lead_s
+        if (self.config.prefetch and remaining is not None
+                and remaining <= self.config.prefetch_lead_s
                 and self.engine.offloaded_tokens(tag)):
             self.engine.restore(tag)  # prefetch: back before the tool returns, if room
 

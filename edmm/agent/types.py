@@ -142,6 +142,8 @@ class AgentConfig:
         prefetch_lead_s: with KV offload on (`EngineConfig.kv_offload_bytes`), a paused
             session whose KV went to host memory is copied back once its tool is expected
             back within this many seconds and the pool has room (a resume restores it anyway).
+        prefetch: copy offloaded sessions back ahead of their predicted return (False: only at
+            resume, as an offloading cache without predictions does).
     """
 
     speculation: tuple[str, ...] = ("template", "streamed", "predicted", "prompt")
@@ -149,6 +151,7 @@ class AgentConfig:
     tool_timeout_s: float = 600.0
     reserialize_arguments: bool = True
     prefetch_lead_s: float = 0.5
+    prefetch: bool = True
 
     def __post_init__(self) -> None:
         if self.prefetch_lead_s < 0:

@@ -1,0 +1,71 @@
+"""The only place the agent bench reaches past `AgentEngine`'s public methods.
+
+- `read_counters`: the engine has no stats snapshot yet, so this reads the page pool and the
+  host KV store directly; when `Engine.stats()` exists, only this function changes.
+- `KVBallast`: shrinks the usable KV pool of a built engine (so one engine, built once, runs at
+  several oversubscriptions) by mapping pages into arena slots no sequence uses; the arena's
+  and pool's invariants hold throughout. A KV-manager capacity knob would replace it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from edmm.agent import AgentEngine
+from edmm.engine import Engine
+
+
+@dataclass(frozen=True)
+class EngineCounters:
+    """KV pages and host-copy totals at one moment."""
+
+    pages_total: int
+    pages_used: int
+    offloaded_bytes_held: int  # host bytes held by offloaded sessions now
+    offloads: int  # copies to the host, over the engine's life
+    offloaded_bytes: int
+    offload_s: float
+    restores: int  # copies back, over the engine's life
+    restored_bytes: int
+    restore_s: float
+
+
+def read_counters(agent: AgentEngine) -> EngineCounters:
+    """The engine's counters now (host-copy totals are 0 without offload)."""
+    engine = agent.engine
+    pool = engine.pool
+    store = engine.prefix_cache.offload
+    if store is None:
+        return EngineCounters(pool.capacity, pool.num_used, 0, 0, 0, 0.0, 0, 0, 0.0)
+    c = store.counters
+    return EngineCounters(pool.capacity, pool.num_used, store.used_bytes, c.saves,
+                          c.saved_bytes, c.save_s, c.loads, c.loaded_bytes, c.load_s)
+
+
+class KVBallast:
+    """Holds ``num_pages`` pages of ``engine``'s pool in otherwise unused arena slots."""
+
+    def __init__(self, engine: Engine, num_pages: int) -> None:
+        arena = engine.arena
+        per_slot = arena.pages_for(arena.max_tokens)
+        self._engine = engine
+        self.slots: list[int] = []
+        left = num_pages
+        while left > 0:
+            k = min(left, per_slot)
+            slot = arena.allocate()
+            self.slots.append(slot)
+            arena.grow(slot, min(arena.max_tokens, k * arena.page_size // arena.spec.token_bytes))
+            left -= len(arena.slot_pages(slot))
+        self.num_pages = num_pages - left
+
+    def release(self) -> None:
+        """Give the pages and slots back."""
+        for slot in self.slots:
+            self._engine.arena.free(slot)
+        self.slots.clear()
+
+
+def ballast_slots(engine_pages: int, target_pages: int, pages_per_slot: int) -> int:
+    """Arena slots a ballast of ``engine_pages - target_pages`` pages takes."""
+    return -(-max(engine_pages - target_pages, 0) // pages_per_slot)
