@@ -30,16 +30,18 @@ class EngineCounters:
     restore_s: float
 
 
-def read_counters(agent: AgentEngine) -> EngineCounters:
-    """The engine's counters now (host-copy totals are 0 without offload)."""
+def read_counters(agent: AgentEngine, reserved_pages: int = 0) -> EngineCounters:
+    """The engine's counters now, less ``reserved_pages`` held by a `KVBallast` (host-copy
+    totals are 0 without offload)."""
     engine = agent.engine
-    pool = engine.pool
+    total = engine.pool.capacity - reserved_pages
+    used = engine.pool.num_used - reserved_pages
     store = engine.prefix_cache.offload
     if store is None:
-        return EngineCounters(pool.capacity, pool.num_used, 0, 0, 0, 0.0, 0, 0, 0.0)
+        return EngineCounters(total, used, 0, 0, 0, 0.0, 0, 0, 0.0)
     c = store.counters
-    return EngineCounters(pool.capacity, pool.num_used, store.used_bytes, c.saves,
-                          c.saved_bytes, c.save_s, c.loads, c.loaded_bytes, c.load_s)
+    return EngineCounters(total, used, store.used_bytes, c.saves, c.saved_bytes, c.save_s,
+                          c.loads, c.loaded_bytes, c.load_s)
 
 
 class KVBallast:

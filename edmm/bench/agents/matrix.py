@@ -241,7 +241,7 @@ class Matrix:
                                                         rcfg.prefetch_lead_s))
         try:
             result = Replayer(agent, policy, jobs, rcfg, ReplayClock(rcfg.clock == "virtual"),
-                              f"r{self._runs}").run()
+                              f"r{self._runs}", reserved_pages=ballast.num_pages).run()
             agent.check_integrity()
         finally:
             agent.close()

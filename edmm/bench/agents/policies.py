@@ -23,6 +23,7 @@ cost policy; ``offload``, ``prefetch``, ``template``, ``streamed``, ``predicted`
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from edmm.agent.registry import Registry
@@ -84,18 +85,25 @@ _BASE = {
 
 
 def _without(mechanism: str) -> Policy:
+    """``edmm`` with one mechanism off (no offload: no prefetch either)."""
     edmm = _BASE["edmm"]
-    change: dict[str, object] = {"retention": "lru"} if mechanism == "retention" else \
-        {mechanism: False}
+    name, what = f"edmm-no-{mechanism}", f"edmm without {mechanism}"
+    if mechanism == "retention":
+        return dataclasses.replace(edmm, name=name, description=what, retention="lru")
     if mechanism == "offload":
-        change["prefetch"] = False
-    return dataclasses.replace(edmm, name=f"edmm-no-{mechanism}",
-                               description=f"edmm without {mechanism}", **change)
+        return dataclasses.replace(edmm, name=name, description=what, offload=False,
+                                   prefetch=False)
+    off: dict[str, bool] = {mechanism: False}
+    return dataclasses.replace(edmm, name=name, description=what, **off)  # type: ignore[arg-type]
 
 
-for _name, _policy in _BASE.items():
-    POLICIES.register(_name)(lambda p=_policy: p)
+def _constant(policy: Policy) -> Callable[[], Policy]:
+    return lambda: policy
+
+
+for _policy in _BASE.values():
+    POLICIES.register(_policy.name)(_constant(_policy))
 for _mech in MECHANISMS:
-    POLICIES.register(f"edmm-no-{_mech}")(lambda m=_mech: _without(m))
+    POLICIES.register(f"edmm-no-{_mech}")(_constant(_without(_mech)))
 
 BASELINES = ("lru", "ttl", "offload", "rewarm")

@@ -50,8 +50,9 @@ class ReplayConfig:
     ``mode``: ``"closed"`` (``load`` sessions run at once; a finished job's place goes to the
     next) or ``"open"`` (jobs arrive as a Poisson process of ``load`` jobs per second).
     ``prefetch_lead_s``: how long before a tool's expected return offloaded KV is prefetched
-    (edmm) and the known history re-sent (rewarm). ``sample_s``: spacing of the KV-pages
-    timeline. ``seed``: the open loop's arrivals.
+    (edmm) and the known history re-sent (rewarm); the expected duration is the client's
+    running average per tool, the same rule the agent layer learns by, and an idle loop wakes
+    then. ``sample_s``: spacing of the KV-pages timeline. ``seed``: the open loop's arrivals.
     """
 
     mode: str = "closed"
@@ -124,16 +125,20 @@ class _JobRun:
     result: list[int] = field(default_factory=list)
     position: int | None = None
     rewarm_due: bool = False
+    awaiting: bool = False  # the tool runs
 
 
 class Replayer:
-    """Replays ``jobs`` under ``policy`` on ``agent`` (built with the policy's config)."""
+    """Replays ``jobs`` under ``policy`` on ``agent`` (built with the policy's config);
+    ``reserved_pages``: pages of the pool a `KVBallast` holds (left out of the counters)."""
 
     def __init__(self, agent: AgentEngine, policy: Policy, jobs: list[Job], cfg: ReplayConfig,
                  clock: ReplayClock, run_id: str,
-                 on_job_done: Callable[[str], None] | None = None) -> None:
+                 on_job_done: Callable[[str], None] | None = None,
+                 reserved_pages: int = 0) -> None:
         self.agent, self.policy, self.jobs, self.cfg = agent, policy, jobs, cfg
         self.clock, self.run_id = clock, run_id
+        self.reserved_pages = reserved_pages  # held by a ballast: not the run's
         self.vocab = agent.engine.model_config.vocab_size
         self._on_job_done = on_job_done or (lambda _: None)
         self._events: list[tuple[float, int, str, _JobRun]] = []
@@ -151,7 +156,7 @@ class Replayer:
     # ------------------------------------------------------------------ driving
     def run(self) -> RunResult:
         """Replay every job to its end; return what was measured."""
-        before = read_counters(self.agent)
+        before = read_counters(self.agent, self.reserved_pages)
         t0 = self.clock()
         arrivals = self._arrivals(t0)
         pending = list(range(len(self.jobs)))
@@ -180,8 +185,9 @@ class Replayer:
             self.clock.wait_until(self._next_wake(pending, arrivals, now))
         makespan = self.clock() - t0
         self._sample(makespan)
+        after = read_counters(self.agent, self.reserved_pages)
         return RunResult(self.turn_rows, self.job_rows, self.timeline, self.sessions, makespan,
-                         spec_s, busy_s, before, read_counters(self.agent), self.outputs)
+                         spec_s, busy_s, before, after, self.outputs)
 
     def _arrivals(self, t0: float) -> list[float]:
         if self.cfg.mode == "closed":
@@ -211,8 +217,10 @@ class Replayer:
         times = [self._events[0][0]] if self._events else []
         if pending and (self.cfg.mode == "open" or len(self._active) < self.cfg.load):
             times.append(arrivals[pending[0]])
-        if self.policy.prefetch or self.policy.rewarm:
-            times.append(now + self.cfg.prefetch_lead_s / 2)
+        if self.policy.prefetch or self.policy.rewarm:  # the engine prefetches at this point
+            times += [t for jr in self._active.values() if jr.awaiting
+                      and (t := jr.tool_start + self._expected(jr) - self.cfg.prefetch_lead_s)
+                      > now]
         return min(times) if times else now
 
     def _fire(self, now: float) -> None:
@@ -287,6 +295,7 @@ class Replayer:
             self._push(now + turn.tool_s / 2, "stream", jr)
         self._push(now + turn.tool_s, "resume", jr)
         jr.rewarm_due = self.policy.rewarm
+        jr.awaiting = True
 
     def _predict(self, jr: _JobRun, turn: Turn, head: list[int]) -> None:
         """What the client (or a template-aware renderer) knows ahead of the result."""
@@ -315,7 +324,7 @@ class Replayer:
         elapsed = now - jr.tool_start
         self._durations[turn.tool] = elapsed if old is None else \
             DURATION_EMA * elapsed + (1 - DURATION_EMA) * old
-        jr.rewarm_due = False
+        jr.rewarm_due = jr.awaiting = False
         jr.turn += 1
         jr.first_seen = False
         jr.resumed_at = self.clock()
@@ -359,7 +368,7 @@ class Replayer:
         heapq.heappush(self._events, (t, next(self._seq), kind, jr))
 
     def _sample(self, t: float) -> None:
-        c = read_counters(self.agent)
+        c = read_counters(self.agent, self.reserved_pages)
         self.timeline.append({"t_s": t, "pages_used": c.pages_used,
                               "pages_total": c.pages_total,
                               "offloaded_bytes_held": c.offloaded_bytes_held,

@@ -235,46 +235,56 @@ def job_to_dict(job: Job) -> dict[str, Any]:
 
 
 def job_from_dict(obj: Any, where: str = "job") -> Job:
-    """A job from a trace line's object; `TraceError` names what is wrong."""
+    """A job from a trace line's object; `TraceError` names where and what is wrong."""
+    try:
+        return _job_from_dict(obj)
+    except TraceError as e:
+        raise TraceError(f"{where}: {e}") from None
+
+
+def _job_from_dict(obj: Any) -> Job:
     if not isinstance(obj, dict):
-        raise TraceError(f"{where}: expected an object, got {type(obj).__name__}")
+        raise TraceError(f"expected an object, got {type(obj).__name__}")
     unknown = set(obj) - {"job_id", "arrival_s", "system_tokens", "turns"}
     if unknown:
-        raise TraceError(f"{where}: unknown fields {sorted(unknown)}")
-    try:
-        turns = obj["turns"]
-        if not isinstance(turns, list):
-            raise TraceError(f"{where}: 'turns' must be a list")
-        return Job(str(obj["job_id"]), _int(obj["system_tokens"], "system_tokens"),
-                   tuple(_turn(t, f"{where} turn {i}") for i, t in enumerate(turns)),
-                   float(obj.get("arrival_s", 0.0)))
-    except KeyError as e:
-        raise TraceError(f"{where}: missing field {e.args[0]!r}") from None
-    except (TypeError, ValueError) as e:
-        if isinstance(e, TraceError):
-            raise
-        raise TraceError(f"{where}: {e}") from None
+        raise TraceError(f"unknown fields {sorted(unknown)}")
+    for name in ("job_id", "system_tokens", "turns"):
+        if name not in obj:
+            raise TraceError(f"missing field {name!r}")
+    if not isinstance(obj["turns"], list):
+        raise TraceError("'turns' must be a list")
+    turns = []
+    for i, t in enumerate(obj["turns"]):
+        try:
+            turns.append(_turn(t))
+        except TraceError as e:
+            raise TraceError(f"turn {i}: {e}") from None
+    arrival = obj.get("arrival_s", 0.0)
+    if isinstance(arrival, bool) or not isinstance(arrival, (int, float)):
+        raise TraceError(f"arrival_s must be a number, got {arrival!r}")
+    return Job(str(obj["job_id"]), _int(obj["system_tokens"], "system_tokens"), tuple(turns),
+               float(arrival))
 
 
 _TURN_FIELDS = {f.name for f in dataclasses.fields(Turn)}
 
 
-def _turn(obj: Any, where: str) -> Turn:
+def _turn(obj: Any) -> Turn:
     if not isinstance(obj, dict):
-        raise TraceError(f"{where}: expected an object")
+        raise TraceError("expected an object")
     unknown = set(obj) - _TURN_FIELDS
     if unknown:
-        raise TraceError(f"{where}: unknown fields {sorted(unknown)}")
+        raise TraceError(f"unknown fields {sorted(unknown)}")
     if "output_tokens" not in obj:
-        raise TraceError(f"{where}: missing field 'output_tokens'")
+        raise TraceError("missing field 'output_tokens'")
     kw = dict(obj)
     for name in ("output_tokens", "result_tokens"):
         if name in kw:
             kw[name] = _int(kw[name], name)
     try:
         return Turn(**kw)
-    except TraceError as e:
-        raise TraceError(f"{where}: {e}") from None
+    except TypeError as e:
+        raise TraceError(str(e)) from None
 
 
 def _int(v: Any, name: str) -> int:
