@@ -202,8 +202,10 @@ class Matrix:
                    for o in oversubs)
 
     # ------------------------------------------------------------------ running
-    def run(self, conditions: list[Condition]) -> list[RunRecord]:
-        """Run ``conditions``, grouped so each engine is built once."""
+    def run(self, conditions: list[Condition],
+            on_record: Callable[[RunRecord], object] = lambda r: None) -> list[RunRecord]:
+        """Run ``conditions``, grouped so each engine is built once; ``on_record`` after each
+        (e.g. to write partial results)."""
         ordered = sorted(conditions, key=lambda c: (POLICIES.create(c.policy).offload
                                                     != self._engine_offload))
         out = []
@@ -213,6 +215,7 @@ class Matrix:
             out.append(record)
             self.records.append(record)
             progress.step(_progress_line(record))
+            on_record(record)
         return out
 
     def close(self) -> None:

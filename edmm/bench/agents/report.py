@@ -17,7 +17,7 @@ from typing import Any
 from edmm.bench.agents.matrix import SUSTAIN_TTFT_S, AgentsBenchConfig, Matrix, RunRecord
 from edmm.bench.agents.policies import BASELINES
 from edmm.bench.agents.trace import write_jsonl
-from edmm.bench.report import ResultWriter, collect_environment
+from edmm.bench.report import Environment, ResultWriter, collect_environment
 from edmm.bench.stats import mean, percentile
 
 NAME = "agents"
@@ -243,28 +243,40 @@ def _plot_oversub(figure: Any, rows: Sequence[dict[str, Any]], path: Path,
 
 def run_agents_bench(cfg: AgentsBenchConfig, out_dir: Path,
                      log: Any = print) -> dict[str, Path]:
-    """Run the matrix (main, then checks) and write every file; return their paths."""
+    """Run the matrix (main, then checks) and write every file; return their paths. The tables
+    are rewritten after every run, so an interrupted matrix leaves what it measured."""
     matrix = Matrix(cfg, log=log)
+    env = collect_environment(cfg.device)
+    load = min(cfg.loads)
+
+    def write(_: object = None) -> dict[str, Path]:
+        return write_results(matrix, cfg, env, out_dir, load)
+
     try:
-        main = matrix.run(matrix.plan_main())
+        main = matrix.run(matrix.plan_main(), on_record=write)
         rows = summary_rows(main)
         load = check_load(rows, cfg.oversubscription, cfg.loads)
-        checks = matrix.plan_checks(best_baseline(rows, cfg.oversubscription), load)
-        matrix.run(checks)
+        matrix.run(matrix.plan_checks(best_baseline(rows, cfg.oversubscription), load),
+                   on_record=write)
     finally:
         matrix.close()
-    records = matrix.records
-    rows = summary_rows(records)
-    env = collect_environment(cfg.device)
-    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = write()
+    rows = summary_rows(matrix.records)
+    for p in plot_all(matrix.records, rows, cfg, out_dir, env.gpu_name or env.device):
+        paths[p.stem] = p
+    return paths
+
+
+def write_results(matrix: Matrix, cfg: AgentsBenchConfig, env: Environment, out_dir: Path,
+                  load: float) -> dict[str, Path]:
+    """The tables, the timeline and the trace of the runs so far."""
+    rows = summary_rows(matrix.records)
     writer = ResultWriter(out_dir, NAME, env)
-    writer.add_rows(detail_rows(records))
+    writer.add_rows(detail_rows(matrix.records))
     notes = [*target_notes(rows, cfg, load), *_method_notes(cfg)]
     paths = writer.write(rows, "Agent workloads: policies on one trace", notes)
-    paths["timeline"] = write_timeline(records, out_dir / f"{NAME}-timeline.csv")
+    paths["timeline"] = write_timeline(matrix.records, out_dir / f"{NAME}-timeline.csv")
     paths["trace"] = write_jsonl(matrix.mixes["long"], out_dir / f"{NAME}-trace.jsonl")
-    for p in plot_all(records, rows, cfg, out_dir, env.gpu_name or env.device):
-        paths[p.stem] = p
     return paths
 
 
