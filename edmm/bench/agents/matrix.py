@@ -172,7 +172,8 @@ class Matrix:
         self._log = log
         self._engine: Engine | None = None
         self._engine_offload: bool | None = None
-        self._engine_pages = 0
+        self._engine_pages = 0  # pages a run may use with no ballast
+        self._idle_pages = 0  # pages the engine holds with nothing running (CUDA graphs' pad)
         self._runs = 0
 
     # ------------------------------------------------------------------ plan
@@ -231,7 +232,7 @@ class Matrix:
         pages = pool_pages(jobs, cond.load, cond.oversubscription, self.cfg)
         ws = working_set_pages(jobs, self.cfg.working_set_sessions or cond.load, self.cfg)
         self._log(f"run {cond.label}: {pages} pages (working set {ws})")
-        result = self._replay(engine, policy, jobs, cond.load, self._engine_pages - pages)
+        result = self._replay(engine, policy, jobs, cond.load, max(self._engine_pages - pages, 0))
         return RunRecord(cond, pages, ws, result)
 
     def _replay(self, engine: Engine, policy: Policy, jobs: list[Job], load: float,
@@ -244,15 +245,17 @@ class Matrix:
                                                         rcfg.prefetch_lead_s))
         try:
             result = Replayer(agent, policy, jobs, rcfg, ReplayClock(rcfg.clock == "virtual"),
-                              f"r{self._runs}", reserved_pages=ballast.num_pages).run()
+                              f"r{self._runs}",
+                              reserved_pages=ballast.num_pages + self._idle_pages).run()
             agent.check_integrity()
         finally:
             agent.close()
             ballast.release()
         engine.reset_prefix_cache()
         engine.check_integrity()
-        if engine.pool.num_used:
-            raise ReplayError(f"{engine.pool.num_used} KV pages not back after a run")
+        if engine.pool.num_used != self._idle_pages:
+            raise ReplayError(f"{engine.pool.num_used - self._idle_pages} KV pages not back "
+                              "after a run")
         return result
 
     def _engine_for(self, offload: bool) -> Engine:
@@ -264,7 +267,8 @@ class Matrix:
                   f"{cfg.num_pages} pages)")
         self._engine = Engine(cfg)
         self._engine_offload = offload
-        self._engine_pages = self._engine.pool.capacity
+        self._idle_pages = self._engine.pool.num_used
+        self._engine_pages = self._engine.pool.capacity - self._idle_pages
         if self.cfg.warmup:
             warm = self.mixes["long"][:2]
             self._replay(self._engine, POLICIES.create("lru"), warm, 2, 0)
@@ -274,7 +278,7 @@ class Matrix:
         """The engine of every run with this offload setting."""
         cfg = self.cfg
         jobs = self.mixes["long"]
-        pages = self.all_pages()
+        pages = self.all_pages() + 1  # + the page of the CUDA graphs' pad slot
         length = max_model_len(jobs)
         per_slot = math.ceil(length * token_bytes(cfg) / page_size(cfg))
         sessions = int(max(cfg.loads)) if cfg.mode == "closed" else \
