@@ -71,3 +71,14 @@ class KVBallast:
 def ballast_slots(engine_pages: int, target_pages: int, pages_per_slot: int) -> int:
     """Arena slots a ballast of ``engine_pages - target_pages`` pages takes."""
     return -(-max(engine_pages - target_pages, 0) // pages_per_slot)
+
+
+def speculated_tokens_now(agent: AgentEngine) -> int:
+    """Tokens with KV of every queued or running speculation (to tell a step that advanced
+    speculation from one that could not schedule any)."""
+    engine = agent.engine
+    total = 0
+    for spec_id in engine.speculation_ids():
+        progress = engine.speculation_progress(spec_id)
+        total += progress[0] if progress is not None else 0
+    return total

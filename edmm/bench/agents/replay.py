@@ -5,7 +5,8 @@ streamed output and sends the resumes whose tool has run its (scaled) duration, 
 wall-clock deadlines. With ``clock="virtual"`` (the default) the loop skips the time when the
 engine has nothing at all to compute (no request, no speculation) by moving its clock forward
 instead of sleeping: every step still takes its real time, so TTFTs and queueing are as
-measured, while hours of tool time replay in the minutes of compute they leave. With
+measured, while hours of tool time replay in the minutes of compute they leave (a
+speculation-only step that could not advance counts as nothing to compute). With
 ``clock="wall"`` it sleeps instead.
 
 Each turn is forced to the trace's output length (greedy, ``min_tokens = max_tokens``, EOS
@@ -28,7 +29,7 @@ from typing import Any
 
 from edmm.agent import AgentEngine, TokenLayout, ToolCall, ToolResult
 from edmm.agent.types import ToolSpec
-from edmm.bench.agents.engine_io import EngineCounters, read_counters
+from edmm.bench.agents.engine_io import EngineCounters, read_counters, speculated_tokens_now
 from edmm.bench.agents.policies import Policy
 from edmm.bench.agents.trace import Job, Turn
 from edmm.engine import SamplingParams
@@ -173,15 +174,22 @@ class Replayer:
                 self._sample(now - t0)
                 next_sample = now + self.cfg.sample_s
             busy = self.agent.has_unfinished()
-            if busy or self.agent.has_speculation():
+            if busy:
                 start = time.perf_counter()
                 outputs = self.agent.step()
-                dt = time.perf_counter() - start
-                busy_s, spec_s = (busy_s + dt, spec_s) if busy else (busy_s, spec_s + dt)
+                busy_s += time.perf_counter() - start
                 for out in outputs:
                     self._on_output(out)
                 continue
-            self.agent.step()  # idle: retention and prefetch decisions still run
+            if self.agent.has_speculation():
+                done = speculated_tokens_now(self.agent)
+                start = time.perf_counter()
+                self.agent.step()
+                spec_s += time.perf_counter() - start
+                if speculated_tokens_now(self.agent) != done or not self.agent.has_speculation():
+                    continue  # it advanced: speculation keeps the engine busy
+            else:  # idle: retention and prefetch decisions still run
+                self.agent.step()
             self.clock.wait_until(self._next_wake(pending, arrivals, now))
         makespan = self.clock() - t0
         self._sample(makespan)
