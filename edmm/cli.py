@@ -170,6 +170,11 @@ def _agents_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     agents.add_argument("--busy-spec-tokens", type=int, default=None,
                         help="speculative tokens riding along busy steps (default: engine's)")
     agents.add_argument("--host-page-size", type=int, default=1 << 16)
+    agents.add_argument("--http", action="store_true",
+                        help="replay over HTTP instead (edmm serve + the openai SDK; lru and "
+                             "edmm at the first load, wall clock; needs the server extras)")
+    agents.add_argument("--server-arg", action="append", default=[],
+                        help="extra edmm serve option with --http, repeatable")
     agents.add_argument("--write-trace", type=Path, default=None,
                         help="write the (scaled) trace here and exit")
     agents.add_argument("--out", type=Path, default=None)
@@ -251,6 +256,15 @@ def _bench_agents(args: argparse.Namespace) -> int:
         print(f"wrote {write_jsonl(load_trace(cfg)['long'], args.write_trace)}")
         return 0
     out = args.out or default_out_dir(_device_tag(args.device.startswith("cuda")))
+    if args.http:
+        from edmm.bench.agents.http import SERVER_FLAGS, HttpReplayConfig, run_http_bench
+
+        hcfg = HttpReplayConfig(load=int(args.loads[0]), model=args.model, device=args.device,
+                                policies=tuple(p for p in cfg.policies if p in SERVER_FLAGS),
+                                server_args=tuple(args.server_arg))
+        paths = run_http_bench(load_trace(cfg)["long"], hcfg, out)
+        print(Path(paths["md"]).read_text())
+        return 0
     paths = run_agents_bench(cfg, out, log=lambda s: print(s, file=sys.stderr, flush=True))
     print(Path(paths["md"]).read_text())
     print("wrote " + ", ".join(str(p) for p in paths.values()))
