@@ -265,6 +265,9 @@ def _bench_agents(args: argparse.Namespace) -> int:
         paths = run_http_bench(load_trace(cfg)["long"], hcfg, out)
         print(Path(paths["md"]).read_text())
         return 0
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a time limit: files still written
     paths = run_agents_bench(cfg, out, log=lambda s: print(s, file=sys.stderr, flush=True))
     print(Path(paths["md"]).read_text())
     print("wrote " + ", ".join(str(p) for p in paths.values()))

@@ -244,7 +244,8 @@ def _plot_oversub(figure: Any, rows: Sequence[dict[str, Any]], path: Path,
 def run_agents_bench(cfg: AgentsBenchConfig, out_dir: Path,
                      log: Any = print) -> dict[str, Path]:
     """Run the matrix (main, then checks) and write every file; return their paths. The tables
-    are rewritten after every run, so an interrupted matrix leaves what it measured."""
+    are rewritten after every run, and the plots drawn however the matrix ends, so an
+    interrupted matrix leaves what it measured."""
     matrix = Matrix(cfg, log=log)
     env = collect_environment(cfg.device)
     load = min(cfg.loads)
@@ -252,18 +253,20 @@ def run_agents_bench(cfg: AgentsBenchConfig, out_dir: Path,
     def write(_: object = None) -> dict[str, Path]:
         return write_results(matrix, cfg, env, out_dir, load)
 
+    paths: dict[str, Path] = {}
     try:
         main = matrix.run(matrix.plan_main(), on_record=write)
         rows = summary_rows(main)
         load = check_load(rows, cfg.oversubscription, cfg.loads)
         matrix.run(matrix.plan_checks(best_baseline(rows, cfg.oversubscription), load),
                    on_record=write)
-    finally:
+    finally:  # interrupted too (e.g. SIGTERM from a time limit): keep what was measured
         matrix.close()
-    paths = write()
-    rows = summary_rows(matrix.records)
-    for p in plot_all(matrix.records, rows, cfg, out_dir, env.gpu_name or env.device):
-        paths[p.stem] = p
+        if matrix.records:
+            paths = write()
+            rows = summary_rows(matrix.records)
+            for p in plot_all(matrix.records, rows, cfg, out_dir, env.gpu_name or env.device):
+                paths[p.stem] = p
     return paths
 
 
