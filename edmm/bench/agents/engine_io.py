@@ -1,7 +1,8 @@
 """The only place the agent bench reaches past `AgentEngine`'s public methods.
 
-- `read_counters`: the engine has no stats snapshot yet, so this reads the page pool and the
-  host KV store directly; when `Engine.stats()` exists, only this function changes.
+- `read_counters`, `pages_in_use`, `pages_total`: the engine has no stats snapshot yet, so
+  these read the page pool and the host KV store directly; when `Engine.stats()` exists, only
+  they change.
 - `KVBallast`: shrinks the usable KV pool of a built engine (so one engine, built once, runs at
   several oversubscriptions) by mapping pages into arena slots no sequence uses; the arena's
   and pool's invariants hold throughout. A KV-manager capacity knob would replace it.
@@ -28,6 +29,16 @@ class EngineCounters:
     restores: int  # copies back, over the engine's life
     restored_bytes: int
     restore_s: float
+
+
+def pages_in_use(engine: Engine) -> int:
+    """Pages of the engine's pool mapped now."""
+    return engine.pool.num_used
+
+
+def pages_total(engine: Engine) -> int:
+    """Pages of the engine's pool."""
+    return engine.pool.capacity
 
 
 def read_counters(agent: AgentEngine, reserved_pages: int = 0) -> EngineCounters:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from edmm.agent import AgentEngine
-from edmm.bench.agents.engine_io import KVBallast, ballast_slots
+from edmm.bench.agents.engine_io import KVBallast, ballast_slots, pages_in_use, pages_total
 from edmm.bench.agents.policies import BASELINES, POLICIES, Policy
 from edmm.bench.agents.replay import ReplayClock, ReplayConfig, Replayer, ReplayError, RunResult
 from edmm.bench.agents.trace import GeneratorConfig, Job, ToolTimes, generate, read_jsonl, scale
@@ -253,8 +253,8 @@ class Matrix:
             ballast.release()
         engine.reset_prefix_cache()
         engine.check_integrity()
-        if engine.pool.num_used != self._idle_pages:
-            raise ReplayError(f"{engine.pool.num_used - self._idle_pages} KV pages not back "
+        if pages_in_use(engine) != self._idle_pages:
+            raise ReplayError(f"{pages_in_use(engine) - self._idle_pages} KV pages not back "
                               "after a run")
         return result
 
@@ -267,8 +267,8 @@ class Matrix:
                   f"{cfg.num_pages} pages)")
         self._engine = Engine(cfg)
         self._engine_offload = offload
-        self._idle_pages = self._engine.pool.num_used
-        self._engine_pages = self._engine.pool.capacity - self._idle_pages
+        self._idle_pages = pages_in_use(self._engine)
+        self._engine_pages = pages_total(self._engine) - self._idle_pages
         if self.cfg.warmup:
             warm = self.mixes["long"][:2]
             self._replay(self._engine, POLICIES.create("lru"), warm, 2, 0)
