@@ -138,7 +138,66 @@ def build_parser() -> argparse.ArgumentParser:
     live.add_argument("--server-arg", action="append", default=[],
                       help="extra edmm serve option, repeatable: --server-arg=--dtype=bfloat16")
     live.add_argument("--out", type=Path, default=None)
+    _agents_parser(bsub)
     return parser
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(",") if x)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from e
+
+
+def _agents_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    agents = bsub.add_parser("agents", help="many agent sessions replayed from a trace under KV "
+                             "policies (lru, ttl, offload, rewarm, edmm), in process")
+    agents.add_argument("--model", default=None,
+                        help="preset or local HF folder (default: the embedded tiny model)")
+    agents.add_argument("--device", default="cpu")
+    agents.add_argument("--dtype", default=None)
+    agents.add_argument("--trace", type=Path, default=None,
+                        help="your own JSONL trace (README: 'Replaying your own trace')")
+    agents.add_argument("--jobs", type=int, default=16, help="jobs of a generated trace")
+    agents.add_argument("--seed", type=int, default=0)
+    agents.add_argument("--turns", type=_ints, default=(10, 40),
+                        help="low,high turns per generated job")
+    agents.add_argument("--token-scale", type=float, default=1.0,
+                        help="multiply every token count (e.g. 0.02 for the tiny CPU model)")
+    agents.add_argument("--time-scale", type=float, default=1.0,
+                        help="multiply every tool time (a run that fits in minutes)")
+    agents.add_argument("--policies", default="lru,ttl,offload,rewarm,edmm",
+                        help="comma-separated; also edmm-no-<retention|offload|prefetch|"
+                             "template|streamed|predicted>")
+    agents.add_argument("--loads", type=_floats, default=(8, 32, 64),
+                        help="concurrent sessions (closed loop) or jobs/s (open loop)")
+    agents.add_argument("--mode", choices=("closed", "open"), default="closed")
+    agents.add_argument("--oversub", type=float, default=2.0,
+                        help="working set / KV pool of the main matrix")
+    agents.add_argument("--check-oversub", type=float, default=1.0,
+                        help="oversubscription of the edmm vs best-baseline check (0: none)")
+    agents.add_argument("--no-short-mix", action="store_true",
+                        help="skip the short-tool (< 1 s) check")
+    agents.add_argument("--working-set-sessions", type=int, default=None,
+                        help="sessions the pool is sized for (default: the load; open loop: 16)")
+    agents.add_argument("--clock", choices=("virtual", "wall"), default="virtual",
+                        help="virtual: skip idle time (steps still timed for real)")
+    agents.add_argument("--threads", type=int, default=None, help="torch CPU threads")
+    agents.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    agents.add_argument("--max-num-seqs", type=int, default=64)
+    agents.add_argument("--graph-sizes", type=_ints, default=None,
+                        help="token counts of the captured mixed-batch CUDA graphs")
+    agents.add_argument("--busy-spec-tokens", type=int, default=None,
+                        help="speculative tokens riding along busy steps (default: engine's)")
+    agents.add_argument("--host-page-size", type=int, default=1 << 16)
+    agents.add_argument("--http", action="store_true",
+                        help="replay over HTTP instead (edmm serve + the openai SDK; lru and "
+                             "edmm at the first load, wall clock; needs the server extras)")
+    agents.add_argument("--server-arg", action="append", default=[],
+                        help="extra edmm serve option with --http, repeatable")
+    agents.add_argument("--write-trace", type=Path, default=None,
+                        help="write the (scaled) trace here and exit")
+    agents.add_argument("--out", type=Path, default=None)
 
 
 def _demo(argv: list[str]) -> int:
@@ -188,8 +247,57 @@ def _device_tag(use_cuda: bool) -> str:
     return torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-").lower()
 
 
+def _bench_agents(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    import torch
+
+    from edmm.bench.agents.matrix import AgentsBenchConfig, load_trace
+    from edmm.bench.agents.report import run_agents_bench
+    from edmm.bench.agents.trace import GeneratorConfig, write_jsonl
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    if len(args.turns) != 2:
+        raise SystemExit("--turns takes low,high")
+    cfg = AgentsBenchConfig(
+        model=args.model, device=args.device, dtype=args.dtype, trace=args.trace,
+        jobs=args.jobs, seed=args.seed,
+        generator=dataclasses.replace(GeneratorConfig(), turns=tuple(args.turns)),
+        token_scale=args.token_scale, time_scale=args.time_scale,
+        policies=tuple(p for p in args.policies.split(",") if p), loads=args.loads,
+        mode=args.mode, oversubscription=args.oversub,
+        check_oversubscription=args.check_oversub or None, short_mix=not args.no_short_mix,
+        working_set_sessions=args.working_set_sessions, clock=args.clock,
+        host_page_size=args.host_page_size, max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs, cuda_graph_token_sizes=args.graph_sizes,
+        speculative_tokens_when_busy=args.busy_spec_tokens)
+    if args.write_trace is not None:
+        print(f"wrote {write_jsonl(load_trace(cfg)['long'], args.write_trace)}")
+        return 0
+    out = args.out or default_out_dir(_device_tag(args.device.startswith("cuda")))
+    if args.http:
+        from edmm.bench.agents.http import SERVER_FLAGS, HttpReplayConfig, run_http_bench
+
+        hcfg = HttpReplayConfig(load=int(args.loads[0]), model=args.model, device=args.device,
+                                policies=tuple(p for p in cfg.policies if p in SERVER_FLAGS),
+                                server_args=tuple(args.server_arg))
+        paths = run_http_bench(load_trace(cfg)["long"], hcfg, out)
+        print(Path(paths["md"]).read_text())
+        return 0
+    import signal
+
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a time limit: files still written
+    paths = run_agents_bench(cfg, out, log=lambda s: print(s, file=sys.stderr, flush=True))
+    print(Path(paths["md"]).read_text())
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 0
+
+
 @_command("bench")
 def _bench(args: argparse.Namespace) -> int:
+    if args.bench == "agents":
+        return _bench_agents(args)
     if args.bench == "vmm":
         from edmm.bench.vmm import VMMBenchConfig, run_vmm_bench
 

@@ -583,7 +583,8 @@ class AgentEngine:
             PausedSession(len(session.context), True, remaining))
         tag = _session_tag(session.id)
         self.engine.kv.set_retention(tag, rank, priority)
-        if (remaining is not None and remaining <= self.config.prefetch_lead_s
+        if (self.config.prefetch and remaining is not None
+                and remaining <= self.config.prefetch_lead_s
                 and self.engine.kv.offloaded_tokens(tag)):
             self.engine.kv.restore(tag)  # prefetch: back before the tool returns, if room
 

@@ -74,3 +74,18 @@ class CostPolicy(RetentionPolicy):
         remaining = session.expected_remaining_s
         remaining = 1.0 if remaining is None else max(remaining, MIN_REMAINING_S)
         return EntryRank.RETAINED, session.num_tokens / remaining
+
+
+@RETENTION_POLICIES.register("ttl")
+class TTLPolicy(RetentionPolicy):
+    """Continuum-style time to live: a session awaiting a tool outranks plain entries until its
+    tool's expected duration has passed (unknown duration: not at all), then it is an ordinary
+    LRU entry."""
+
+    name = "ttl"
+
+    def retention(self, session: PausedSession) -> tuple[EntryRank, float]:
+        remaining = session.expected_remaining_s
+        if session.awaiting_tool and remaining is not None and remaining > 0:
+            return EntryRank.RETAINED, 0.0
+        return EntryRank.PLAIN, 0.0

@@ -164,6 +164,8 @@ class AgentConfig:
             back within this many seconds and the pool has room (a resume restores it anyway).
         max_sessions: sessions kept; past it the least recently used ones that are not
             generating are closed (their KV released).
+        prefetch: copy offloaded sessions back ahead of their predicted return (False: only at
+            resume, as an offloading cache without predictions does).
 
     ``AgentConfig.off()`` is EDMM off: no speculation, paused sessions' KV a plain LRU entry.
     """
@@ -174,6 +176,7 @@ class AgentConfig:
     reserialize_arguments: bool = True
     prefetch_lead_s: float = 0.5
     max_sessions: int = 4096
+    prefetch: bool = True
 
     @classmethod
     def off(cls) -> AgentConfig:

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 from edmm.engine.prefix_cache import EntryRank, PrefixCache, PrefixHit
 from edmm.memory import KVArena, PagePool
+from edmm.memory.offload import CopyCounters
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,8 @@ class KVStats:
     restores: int  # host copies brought back, since start
     offloaded_bytes_total: int  # bytes copied to the host, since start
     restored_bytes_total: int  # bytes copied back, since start
+    offload_s: float  # seconds the copies to the host took, since start
+    restore_s: float  # seconds the copies back took, since start
 
 
 class KVCacheManager:
@@ -186,6 +189,7 @@ class KVCacheManager:
     def stats(self) -> KVStats:
         """A snapshot of the pool, the prefix index and the host tier."""
         pool, index, store = self.arena.pool, self.index, self.index.offload
+        copies = store.counters if store is not None else CopyCounters()
         cached = {p for slot in index.entry_slots() for p in self.arena.slot_pages(slot)}
         return KVStats(
             pages_total=pool.capacity, pages_in_use=pool.num_used, pages_free=pool.num_free,
@@ -193,8 +197,8 @@ class KVCacheManager:
             offload_bytes=store.used_bytes if store is not None else 0,
             offload_capacity_bytes=store.capacity_bytes if store is not None else 0,
             offloads=index.offloaded_total, restores=index.restored_total,
-            offloaded_bytes_total=store.saved_bytes_total if store is not None else 0,
-            restored_bytes_total=store.loaded_bytes_total if store is not None else 0)
+            offloaded_bytes_total=copies.saved_bytes, restored_bytes_total=copies.loaded_bytes,
+            offload_s=copies.save_s, restore_s=copies.load_s)
 
     def check_integrity(self) -> None:
         """Raise if the arena, the pool, the prefix index or the host tier breaks an

@@ -10,6 +10,7 @@ byte budget; the prefix cache decides what to offload and restore.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +33,31 @@ class HostKV:
         return int(self.data.numel())
 
 
+@dataclass
+class CopyCounters:
+    """Bytes copied to and from the host over the store's life, and the seconds those copies
+    took (synchronous copies, timed from the device's idle point to their end)."""
+
+    saves: int = 0
+    saved_bytes: int = 0
+    save_s: float = 0.0
+    loads: int = 0
+    loaded_bytes: int = 0
+    load_s: float = 0.0
+
+    def saved(self, nbytes: int, seconds: float) -> None:
+        """Count one copy to the host."""
+        self.saves += 1
+        self.saved_bytes += nbytes
+        self.save_s += seconds
+
+    def loaded(self, nbytes: int, seconds: float) -> None:
+        """Count one copy back from the host."""
+        self.loads += 1
+        self.loaded_bytes += nbytes
+        self.load_s += seconds
+
+
 class HostKVStore:
     """Host copies of arena slots' KV within ``capacity_bytes``.
 
@@ -44,11 +70,10 @@ class HostKVStore:
         self.arena = arena
         self.capacity_bytes = capacity_bytes
         self.used_bytes = 0
-        self.saved_bytes_total = 0  # bytes copied to the host, over the store's life
-        self.loaded_bytes_total = 0  # bytes copied back
         self._pin = arena.kv.device.type == "cuda" and torch.cuda.is_available()
         self._held: set[int] = set()  # keys of the copies this store holds
         self._next_key = 0
+        self.counters = CopyCounters()
 
     def save(self, slot: int, num_tokens: int, replacing: HostKV | None = None
              ) -> HostKV | None:
@@ -68,9 +93,10 @@ class HostKVStore:
         if replacing is not None:
             self.release(replacing)
         data = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pin)
+        t0 = self._start()
         data.copy_(self.arena.token_bytes_view(slot, 0, num_tokens))
+        self.counters.saved(nbytes, self._stop(t0))
         self.used_bytes += nbytes
-        self.saved_bytes_total += nbytes
         self._next_key += 1
         self._held.add(self._next_key)
         return HostKV(data, num_tokens, self._next_key)
@@ -78,8 +104,9 @@ class HostKVStore:
     def load(self, host: HostKV, slot: int) -> None:
         """Copy ``host`` back into ``slot``'s first tokens (the slot maps at least as many)."""
         self._check(host)
+        t0 = self._start()
         self.arena.token_bytes_view(slot, 0, host.num_tokens).copy_(host.data)
-        self.loaded_bytes_total += host.nbytes
+        self.counters.loaded(host.nbytes, self._stop(t0))
 
     def release(self, host: HostKV) -> None:
         """Give ``host``'s bytes back to the budget."""
@@ -91,6 +118,17 @@ class HostKVStore:
     def num_held(self) -> int:
         """Copies held."""
         return len(self._held)
+
+    def _start(self) -> float:
+        """Start timing a copy (after the device's queued work: the copies are synchronous)."""
+        if self._pin:
+            torch.cuda.synchronize(self.arena.kv.device)
+        return time.perf_counter()
+
+    def _stop(self, t0: float) -> float:
+        if self._pin:
+            torch.cuda.synchronize(self.arena.kv.device)
+        return time.perf_counter() - t0
 
     def _check(self, host: HostKV) -> None:
         if host.key not in self._held:

@@ -316,3 +316,36 @@ def test_resume_restores_an_offloaded_session_making_room(make_agent: MakeAgent)
     out = resume_and_run(agent, RESULT)
     assert cache.restored_total == 1 and out.num_cached_tokens == len(context) - 1
     agent.check_integrity()
+
+
+def test_prefetch_off_leaves_the_copy_for_the_resume(make_agent: MakeAgent) -> None:
+    """``AgentConfig.prefetch=False`` (an offloading cache without predictions): a session past
+    the prefetch point stays on the host until its resume copies it back."""
+    clock = FakeClock()
+    agent = make_agent(AgentConfig(speculation=(), prefetch=False), clock=clock,
+                       num_pages=36, kv_offload_bytes=1 << 20)
+    context = first_turn(agent)
+    agent.await_tools("s", [ToolCall("c1", "f")], expected_duration_s=5.0)
+    agent.add_request("big", list(range(200, 450)), greedy(4))
+    run(agent)
+    cache = agent.engine.kv.index
+    while cache.evict_one(max_rank=EntryRank.PLAIN):
+        pass
+    clock.advance(4.8)
+    agent.step()  # inside the lead: prefetch would copy it back now
+    assert cache.offloaded_total == 1 and cache.restored_total == 0
+    out = resume_and_run(agent, RESULT)
+    assert cache.restored_total == 1 and out.num_cached_tokens == len(context) - 1
+    counters = cache.offload.counters if cache.offload is not None else None
+    assert counters is not None and counters.loads == counters.saves == 1
+    assert counters.loaded_bytes == counters.saved_bytes > 0 and counters.load_s > 0
+
+
+@pytest.mark.parametrize("awaiting, remaining, rank", [
+    (True, 2.0, EntryRank.RETAINED), (True, 0.0, EntryRank.PLAIN),
+    (True, None, EntryRank.PLAIN), (False, 2.0, EntryRank.PLAIN)])
+def test_ttl_keeps_a_session_for_its_tools_expected_time(awaiting: bool,
+                                                         remaining: float | None,
+                                                         rank: EntryRank) -> None:
+    policy = RETENTION_POLICIES.create("ttl")
+    assert policy.retention(PausedSession(100, awaiting, remaining)) == (rank, 0.0)

@@ -1,0 +1,89 @@
+"""The only place the agent bench reaches past `AgentEngine`'s public methods.
+
+- `read_counters`, `pages_in_use`, `pages_total`: the engine's `stats()` snapshot, as the
+  bench's counters.
+- `KVBallast`: shrinks the usable KV pool of a built engine (so one engine, built once, runs at
+  several oversubscriptions) by mapping pages into arena slots no sequence uses; the arena's
+  and pool's invariants hold throughout. A KV-manager capacity knob would replace it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from edmm.agent import AgentEngine
+from edmm.engine import Engine
+
+
+@dataclass(frozen=True)
+class EngineCounters:
+    """KV pages and host-copy totals at one moment."""
+
+    pages_total: int
+    pages_used: int
+    offloaded_bytes_held: int  # host bytes held by offloaded sessions now
+    offloads: int  # copies to the host, over the engine's life
+    offloaded_bytes: int
+    offload_s: float
+    restores: int  # copies back, over the engine's life
+    restored_bytes: int
+    restore_s: float
+
+
+def pages_in_use(engine: Engine) -> int:
+    """Pages of the engine's pool mapped now."""
+    return engine.stats().kv.pages_in_use
+
+
+def pages_total(engine: Engine) -> int:
+    """Pages of the engine's pool."""
+    return engine.stats().kv.pages_total
+
+
+def read_counters(agent: AgentEngine, reserved_pages: int = 0) -> EngineCounters:
+    """The engine's counters now, less ``reserved_pages`` held by a `KVBallast` (host-copy
+    totals are 0 without offload)."""
+    kv = agent.engine.stats().kv
+    return EngineCounters(kv.pages_total - reserved_pages, kv.pages_in_use - reserved_pages,
+                          kv.offload_bytes, kv.offloads, kv.offloaded_bytes_total, kv.offload_s,
+                          kv.restores, kv.restored_bytes_total, kv.restore_s)
+
+
+class KVBallast:
+    """Holds ``num_pages`` pages of ``engine``'s pool in otherwise unused arena slots."""
+
+    def __init__(self, engine: Engine, num_pages: int) -> None:
+        arena = engine.kv.arena
+        per_slot = arena.pages_for(arena.max_tokens)
+        self._engine = engine
+        self.slots: list[int] = []
+        left = num_pages
+        while left > 0:
+            k = min(left, per_slot)
+            slot = arena.allocate()
+            self.slots.append(slot)
+            arena.grow(slot, min(arena.max_tokens, k * arena.page_size // arena.spec.token_bytes))
+            left -= len(arena.slot_pages(slot))
+        self.num_pages = num_pages - left
+
+    def release(self) -> None:
+        """Give the pages and slots back."""
+        for slot in self.slots:
+            self._engine.kv.arena.free(slot)
+        self.slots.clear()
+
+
+def ballast_slots(engine_pages: int, target_pages: int, pages_per_slot: int) -> int:
+    """Arena slots a ballast of ``engine_pages - target_pages`` pages takes."""
+    return -(-max(engine_pages - target_pages, 0) // pages_per_slot)
+
+
+def speculated_tokens_now(agent: AgentEngine) -> int:
+    """Tokens with KV of every queued or running speculation (to tell a step that advanced
+    speculation from one that could not schedule any)."""
+    engine = agent.engine
+    total = 0
+    for spec_id in engine.speculation_ids():
+        progress = engine.speculation_progress(spec_id)
+        total += progress[0] if progress is not None else 0
+    return total

@@ -1,0 +1,109 @@
+"""The KV policies the agent-workload bench compares, as registry entries.
+
+Each `Policy` is a set of mechanisms mapped onto the engine's own switches: a retention policy
+(`edmm.agent.retention`), KV offload to host memory (`EngineConfig.kv_offload_bytes`), prefetch
+of offloaded KV before the predicted return (`AgentConfig.prefetch`), speculation sources
+(`edmm.agent.speculation`), and the client-side re-warm of the known history. Named after what
+users run today:
+
+- ``lru``: a paused session's KV is an ordinary prefix-cache entry (vLLM automatic prefix
+  caching, SGLang's radix cache); no speculation. This is EDMM off.
+- ``ttl``: kept for the tool's expected time, then ordinary (Continuum).
+- ``offload``: evicted KV of paused sessions goes to host memory and is copied back at the
+  resume (LMCache, vLLM's offloading connector); no prediction.
+- ``rewarm``: shortly before the tool is expected back the known history is prefilled again as
+  an ordinary 1-token request (Dynamo's speculative prefill); nothing more.
+- ``edmm``: cost-based retention + offload + prefetch + template, streamed and predicted
+  speculation (+ the zero-copy commit the engine always does).
+
+``edmm-no-<mechanism>`` is ``edmm`` with one mechanism off (``retention``: LRU instead of the
+cost policy; ``offload``, ``prefetch``, ``template``, ``streamed``, ``predicted``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from edmm.agent.registry import Registry
+from edmm.agent.types import AgentConfig
+
+MECHANISMS = ("retention", "offload", "prefetch", "template", "streamed", "predicted")
+
+
+@dataclass(frozen=True)
+class Policy:
+    """One policy's mechanisms (see the module docstring)."""
+
+    name: str
+    description: str
+    retention: str = "lru"  # a name of edmm.agent.retention.RETENTION_POLICIES
+    offload: bool = False  # evicted paused sessions go to host memory
+    prefetch: bool = False  # offloaded KV comes back before the predicted return
+    template: bool = False  # the known next prompt up to the tool result is speculated
+    streamed: bool = False  # streamed tool output is prefilled as it arrives
+    predicted: bool = False  # predicted and memoised results are speculated
+    rewarm: bool = False  # the client re-sends the known history ahead of the resume
+
+    @property
+    def speculation(self) -> tuple[str, ...]:
+        """Speculation sources to run (``prompt`` carries the template's head when the
+        template rewrites earlier tokens, and whole predicted prompts)."""
+        names: list[str] = []
+        if self.template:
+            names.append("template")
+        if self.streamed:
+            names.append("streamed")
+        if self.predicted:
+            names.append("predicted")
+        if self.template or self.predicted:
+            names.append("prompt")
+        return tuple(names)
+
+    def agent_config(self, tool_timeout_s: float, prefetch_lead_s: float) -> AgentConfig:
+        """The agent-layer config of this policy."""
+        return AgentConfig(speculation=self.speculation, retention=self.retention,
+                           tool_timeout_s=tool_timeout_s, prefetch_lead_s=prefetch_lead_s,
+                           prefetch=self.prefetch)
+
+
+POLICIES: Registry[Policy] = Registry("bench policy")
+
+_BASE = {
+    "lru": Policy("lru", "paused KV is a plain LRU cache entry (EDMM off)"),
+    "ttl": Policy("ttl", "paused KV kept for the tool's expected time, then LRU",
+                  retention="ttl"),
+    "offload": Policy("offload", "evicted paused KV copied to host, back at resume",
+                      retention="keep", offload=True),
+    "rewarm": Policy("rewarm", "known history prefilled again before the resume",
+                     rewarm=True),
+    "edmm": Policy("edmm", "cost retention + offload + prefetch + speculation",
+                   retention="cost", offload=True, prefetch=True, template=True,
+                   streamed=True, predicted=True),
+}
+
+
+def _without(mechanism: str) -> Policy:
+    """``edmm`` with one mechanism off (no offload: no prefetch either)."""
+    edmm = _BASE["edmm"]
+    name, what = f"edmm-no-{mechanism}", f"edmm without {mechanism}"
+    if mechanism == "retention":
+        return dataclasses.replace(edmm, name=name, description=what, retention="lru")
+    if mechanism == "offload":
+        return dataclasses.replace(edmm, name=name, description=what, offload=False,
+                                   prefetch=False)
+    off: dict[str, bool] = {mechanism: False}
+    return dataclasses.replace(edmm, name=name, description=what, **off)  # type: ignore[arg-type]
+
+
+def _constant(policy: Policy) -> Callable[[], Policy]:
+    return lambda: policy
+
+
+for _policy in _BASE.values():
+    POLICIES.register(_policy.name)(_constant(_policy))
+for _mech in MECHANISMS:
+    POLICIES.register(f"edmm-no-{_mech}")(_constant(_without(_mech)))
+
+BASELINES = ("lru", "ttl", "offload", "rewarm")

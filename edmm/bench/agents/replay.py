@@ -1,0 +1,405 @@
+"""Replay an agent trace against an in-process `AgentEngine`, closed or open loop.
+
+One thread runs the engine loop: between steps it admits jobs, reports tool calls, feeds
+streamed output and sends the resumes whose tool has run its (scaled) duration, all against
+wall-clock deadlines. With ``clock="virtual"`` (the default) the loop skips the time when the
+engine has nothing at all to compute (no request, no speculation) by moving its clock forward
+instead of sleeping: every step still takes its real time, so TTFTs and queueing are as
+measured, while hours of tool time replay in the minutes of compute they leave (a
+speculation-only step that could not advance counts as nothing to compute). With
+``clock="wall"`` it sleeps instead.
+
+Each turn is forced to the trace's output length (greedy, ``min_tokens = max_tokens``, EOS
+ignored). Token ids are synthetic: the job's task prompt and each tool result are seeded draws
+(the same call of a cacheable tool, the same arguments, returns the same ids), and a result
+enters the next prompt as ``BEFORE + result + AFTER`` appended (or inserted at the trace's
+``mid_prompt`` fraction of the context), then ``SUFFIX``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import itertools
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from edmm.agent import AgentEngine, TokenLayout, ToolCall, ToolResult
+from edmm.agent.types import ToolSpec
+from edmm.bench.agents.engine_io import EngineCounters, read_counters, speculated_tokens_now
+from edmm.bench.agents.policies import Policy
+from edmm.bench.agents.trace import Job, Turn
+from edmm.engine import SamplingParams
+
+BEFORE, AFTER = (3,), (4,)  # e.g. <tool_response> ... </tool_response>
+SUFFIX = (2, 1, 10)  # e.g. <|im_end|> <|im_start|> assistant
+FIRST_ID = 16  # synthetic token ids start above the special ones
+DURATION_EMA = 0.5  # weight of the newest duration in the client's estimate (rewarm)
+
+
+class ReplayError(RuntimeError):
+    """The replay broke an invariant (pages not returned, a job that never ends)."""
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    """How a trace is replayed.
+
+    ``mode``: ``"closed"`` (``load`` sessions run at once; a finished job's place goes to the
+    next) or ``"open"`` (jobs arrive as a Poisson process of ``load`` jobs per second).
+    ``prefetch_lead_s``: how long before a tool's expected return offloaded KV is prefetched
+    (edmm) and the known history re-sent (rewarm); the expected duration is the client's
+    running average per tool, the same rule the agent layer learns by, and an idle loop wakes
+    then. ``sample_s``: spacing of the KV-pages timeline. ``seed``: the open loop's arrivals.
+    """
+
+    mode: str = "closed"
+    load: float = 8
+    clock: str = "virtual"
+    prefetch_lead_s: float = 0.05
+    tool_timeout_s: float = 1e6
+    sample_s: float = 0.05
+    seed: int = 0
+    max_wall_s: float = 3600.0
+
+    def __post_init__(self) -> None:
+        if self.mode not in ("closed", "open"):
+            raise ValueError(f"mode must be 'closed' or 'open', got {self.mode!r}")
+        if self.clock not in ("virtual", "wall"):
+            raise ValueError(f"clock must be 'virtual' or 'wall', got {self.clock!r}")
+        if not self.load > 0:
+            raise ValueError(f"load must be > 0, got {self.load}")
+
+
+class ReplayClock:
+    """Monotonic seconds; ``virtual`` clocks jump over idle time instead of sleeping."""
+
+    def __init__(self, virtual: bool) -> None:
+        self.virtual = virtual
+        self._offset = 0.0
+
+    def __call__(self) -> float:
+        return time.monotonic() + self._offset
+
+    def wait_until(self, t: float) -> None:
+        """Idle until ``t``: jump there (virtual) or sleep."""
+        gap = t - self()
+        if gap <= 0:
+            return
+        if self.virtual:
+            self._offset += gap
+        else:
+            time.sleep(gap)
+
+
+@dataclass
+class RunResult:
+    """What one replay measured (rows are plain dicts for the report)."""
+
+    turns: list[dict[str, Any]]
+    jobs: list[dict[str, Any]]
+    timeline: list[dict[str, Any]]
+    sessions: dict[str, int]  # summed `SessionMetrics` counters
+    makespan_s: float
+    spec_only_step_s: float  # engine time of steps that ran speculation only
+    busy_step_s: float  # engine time of steps that ran requests
+    counters_before: EngineCounters
+    counters_after: EngineCounters
+    outputs: dict[str, str] = field(default_factory=dict)  # "job/turn" -> digest of its ids
+
+
+@dataclass
+class _JobRun:
+    job: Job
+    sid: str
+    admitted: float
+    turn: int = 0
+    prompt: list[int] = field(default_factory=list)
+    tool_start: float = 0.0
+    tool_waited: float = 0.0
+    resumed_at: float | None = None
+    first_seen: bool = False
+    next_prompt: list[int] = field(default_factory=list)
+    result: list[int] = field(default_factory=list)
+    position: int | None = None
+    rewarm_due: bool = False
+    awaiting: bool = False  # the tool runs
+
+
+class Replayer:
+    """Replays ``jobs`` under ``policy`` on ``agent`` (built with the policy's config);
+    ``reserved_pages``: pages of the pool a `KVBallast` holds (left out of the counters)."""
+
+    def __init__(self, agent: AgentEngine, policy: Policy, jobs: list[Job], cfg: ReplayConfig,
+                 clock: ReplayClock, run_id: str,
+                 on_job_done: Callable[[str], None] | None = None,
+                 reserved_pages: int = 0) -> None:
+        self.agent, self.policy, self.jobs, self.cfg = agent, policy, jobs, cfg
+        self.clock, self.run_id = clock, run_id
+        self.reserved_pages = reserved_pages  # held by a ballast: not the run's
+        self.vocab = agent.engine.model_config.vocab_size
+        self._on_job_done = on_job_done or (lambda _: None)
+        self._events: list[tuple[float, int, str, _JobRun]] = []
+        self._seq = itertools.count()
+        self._requests: dict[str, tuple[_JobRun, str]] = {}  # request id -> (job, kind)
+        self._active: dict[str, _JobRun] = {}
+        self._durations: dict[str, float] = {}  # tool -> the client's EMA (rewarm)
+        self.turn_rows: list[dict[str, Any]] = []
+        self.job_rows: list[dict[str, Any]] = []
+        self.timeline: list[dict[str, Any]] = []
+        self.outputs: dict[str, str] = {}
+        self.sessions: dict[str, int] = {}
+        self._declare_tools()
+
+    # ------------------------------------------------------------------ driving
+    def run(self) -> RunResult:
+        """Replay every job to its end; return what was measured."""
+        before = read_counters(self.agent, self.reserved_pages)
+        t0 = self.clock()
+        arrivals = self._arrivals(t0)
+        pending = list(range(len(self.jobs)))
+        spec_s = busy_s = 0.0
+        next_sample = t0
+        wall_end = time.monotonic() + self.cfg.max_wall_s
+        while pending or self._active or self.agent.has_unfinished():
+            if time.monotonic() > wall_end:
+                raise ReplayError(f"replay {self.run_id} ran past {self.cfg.max_wall_s} s")
+            now = self.clock()
+            self._admit(pending, arrivals, now)
+            self._fire(now)
+            if now >= next_sample:
+                self._sample(now - t0)
+                next_sample = now + self.cfg.sample_s
+            busy = self.agent.has_unfinished()
+            if busy:
+                start = time.perf_counter()
+                outputs = self.agent.step()
+                busy_s += time.perf_counter() - start
+                for out in outputs:
+                    self._on_output(out)
+                continue
+            if self.agent.has_speculation():
+                done = speculated_tokens_now(self.agent)
+                start = time.perf_counter()
+                self.agent.step()
+                spec_s += time.perf_counter() - start
+                if speculated_tokens_now(self.agent) != done or not self.agent.has_speculation():
+                    continue  # it advanced: speculation keeps the engine busy
+            else:  # idle: retention and prefetch decisions still run
+                self.agent.step()
+            self.clock.wait_until(self._next_wake(pending, arrivals, now))
+        makespan = self.clock() - t0
+        self._sample(makespan)
+        after = read_counters(self.agent, self.reserved_pages)
+        return RunResult(self.turn_rows, self.job_rows, self.timeline, self.sessions, makespan,
+                         spec_s, busy_s, before, after, self.outputs)
+
+    def _arrivals(self, t0: float) -> list[float]:
+        if self.cfg.mode == "closed":
+            return [t0] * len(self.jobs)
+        rng = random.Random(self.cfg.seed)
+        t, out = t0, []
+        for _ in self.jobs:
+            out.append(t)
+            t += rng.expovariate(self.cfg.load)
+        return out
+
+    def _admit(self, pending: list[int], arrivals: list[float], now: float) -> None:
+        while pending and arrivals[pending[0]] <= now and (
+                self.cfg.mode == "open" or len(self._active) < self.cfg.load):
+            i = pending.pop(0)
+            job = self.jobs[i]
+            admitted = arrivals[i] if self.cfg.mode == "open" else now
+            jr = _JobRun(job, f"{self.run_id}/{job.job_id}", admitted)
+            jr.prompt = self._ids(job.job_id, "system", job.system_tokens)
+            self._active[jr.sid] = jr
+            rid = self._rid(jr, "t0")
+            self.agent.add_request(rid, jr.prompt, _params(job.turns[0]), session_id=jr.sid)
+            self._requests[rid] = (jr, "turn")
+
+    def _next_wake(self, pending: list[int], arrivals: list[float], now: float) -> float:
+        """The next moment something happens: an event, an arrival, a prefetch decision."""
+        times = [self._events[0][0]] if self._events else []
+        if pending and (self.cfg.mode == "open" or len(self._active) < self.cfg.load):
+            times.append(arrivals[pending[0]])
+        if self.policy.prefetch or self.policy.rewarm:  # the engine prefetches at this point
+            times += [t for jr in self._active.values() if jr.awaiting
+                      and (t := jr.tool_start + self._expected(jr) - self.cfg.prefetch_lead_s)
+                      > now]
+        return min(times) if times else now
+
+    def _fire(self, now: float) -> None:
+        while self._events and self._events[0][0] <= now:
+            _, _, kind, jr = heapq.heappop(self._events)
+            if kind == "stream":
+                call = _call_id(jr)
+                self.agent.feed_tool_output(jr.sid, call, jr.result[: len(jr.result) // 2])
+            else:
+                self._resume(jr, now)
+        if self.policy.rewarm:
+            for jr in self._active.values():
+                if jr.rewarm_due and now >= jr.tool_start + self._expected(jr) - \
+                        self.cfg.prefetch_lead_s:
+                    self._rewarm(jr)
+
+    # ------------------------------------------------------------------ turns
+    def _on_output(self, out: Any) -> None:
+        entry = self._requests.get(out.request_id)
+        if entry is None:
+            return
+        jr, kind = entry
+        if kind == "rewarm":
+            if out.finished:
+                del self._requests[out.request_id]
+            return
+        if not jr.first_seen:
+            jr.first_seen = True
+            self._record_first(jr, out)
+        if out.finished:
+            del self._requests[out.request_id]
+            self._turn_done(jr, list(out.prompt_token_ids) + list(out.outputs[0].token_ids),
+                            list(out.outputs[0].token_ids))
+
+    def _record_first(self, jr: _JobRun, out: Any) -> None:
+        now = self.clock()
+        prompt = len(out.prompt_token_ids)
+        self.turn_rows.append({
+            "job": jr.job.job_id, "turn": jr.turn, "prompt_tokens": prompt,
+            "cached_tokens": out.num_cached_tokens,
+            "ttft_s": now - (jr.resumed_at if jr.resumed_at is not None else jr.admitted),
+            "resume": jr.turn > 0})
+
+    def _turn_done(self, jr: _JobRun, context: list[int], output: list[int]) -> None:
+        turn = jr.job.turns[jr.turn]
+        self.outputs[f"{jr.job.job_id}/{jr.turn}"] = hashlib.sha1(
+            repr(output).encode()).hexdigest()[:16]
+        if turn.tool is None:
+            self._job_done(jr)
+            return
+        self._await(jr, turn, context, output)
+
+    def _await(self, jr: _JobRun, turn: Turn, context: list[int], output: list[int]) -> None:
+        assert turn.tool is not None
+        base = context
+        if turn.reasoning_stripped:  # the template drops this turn's reasoning
+            base = context[: len(context) - len(output)] + output[len(output) // 2:]
+        jr.result = self._ids(f"{turn.tool}{turn.arguments}", jr.job.job_id if not
+                              turn.cacheable else "cacheable", turn.result_tokens)
+        wrapped = [*BEFORE, *jr.result, *AFTER]
+        jr.position = None if turn.mid_prompt is None else int(turn.mid_prompt * len(base))
+        cut = len(base) if jr.position is None else jr.position
+        jr.next_prompt = [*base[:cut], *wrapped, *base[cut:], *SUFFIX]
+        call = ToolCall(_call_id(jr), turn.tool, turn.arguments)
+        positions = {} if jr.position is None else {call.id: jr.position}
+        self.agent.await_tools(jr.sid, [call], layout=TokenLayout(BEFORE, AFTER, SUFFIX,
+                                                                   positions))
+        now = self.clock()
+        jr.tool_start = now
+        self._predict(jr, turn, base[:cut] + list(BEFORE))
+        if turn.streamed and self.policy.streamed:
+            self._push(now + turn.tool_s / 2, "stream", jr)
+        self._push(now + turn.tool_s, "resume", jr)
+        jr.rewarm_due = self.policy.rewarm
+        jr.awaiting = True
+
+    def _predict(self, jr: _JobRun, turn: Turn, head: list[int]) -> None:
+        """What the client (or a template-aware renderer) knows ahead of the result."""
+        if turn.reasoning_stripped:
+            if self.policy.predicted and turn.predictable:
+                self.agent.predict_prompt(jr.sid, jr.next_prompt)
+            elif self.policy.template:
+                self.agent.predict_prompt(jr.sid, head)
+        elif self.policy.predicted and turn.predictable:
+            self.agent.predict_tool_result(jr.sid, _call_id(jr), jr.result)
+
+    def _rewarm(self, jr: _JobRun) -> None:
+        jr.rewarm_due = False
+        cut = len(jr.next_prompt) - len(SUFFIX) - len(AFTER) - len(jr.result) if \
+            jr.position is None else jr.position + len(BEFORE)
+        rid = self._rid(jr, f"rewarm{jr.turn}")
+        self.agent.add_request(rid, jr.next_prompt[:cut],
+                               SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True))
+        self._requests[rid] = (jr, "rewarm")
+
+    def _resume(self, jr: _JobRun, now: float) -> None:
+        turn = jr.job.turns[jr.turn]
+        assert turn.tool is not None
+        jr.tool_waited += now - jr.tool_start
+        old = self._durations.get(turn.tool)
+        elapsed = now - jr.tool_start
+        self._durations[turn.tool] = elapsed if old is None else \
+            DURATION_EMA * elapsed + (1 - DURATION_EMA) * old
+        jr.rewarm_due = jr.awaiting = False
+        jr.turn += 1
+        jr.first_seen = False
+        jr.resumed_at = self.clock()
+        rid = self._rid(jr, f"t{jr.turn}")
+        self.agent.resume(jr.sid, rid, [ToolResult(_call_id_at(jr, jr.turn - 1), jr.result,
+                                                   jr.position)],
+                          _params(jr.job.turns[jr.turn]), prompt=jr.next_prompt)
+        self._requests[rid] = (jr, "turn")
+
+    def _job_done(self, jr: _JobRun) -> None:
+        now = self.clock()
+        m = self.agent.session_metrics(jr.sid)
+        for key in ("resumes", "tokens_reused", "tokens_recomputed", "tokens_speculated",
+                    "spec_hits", "spec_partial", "spec_misses"):
+            self.sessions[key] = self.sessions.get(key, 0) + int(getattr(m, key))
+        self.agent.close_session(jr.sid)
+        jct = now - jr.admitted
+        self.job_rows.append({"job": jr.job.job_id, "turns": len(jr.job.turns),
+                              "jct_s": jct, "tool_s": jr.tool_waited,
+                              "engine_wait_s": jct - jr.tool_waited,
+                              "output_tokens": sum(t.output_tokens for t in jr.job.turns)})
+        del self._active[jr.sid]
+        self._on_job_done(jr.job.job_id)
+
+    # ------------------------------------------------------------------ helpers
+    def _declare_tools(self) -> None:
+        """Tools whose every call in the trace is cacheable are declared idempotent."""
+        calls: dict[str, bool] = {}
+        for job in self.jobs:
+            for t in job.turns:
+                if t.tool is not None:
+                    calls[t.tool] = calls.get(t.tool, True) and t.cacheable
+        for name, cacheable in calls.items():
+            self.agent.declare_tool(ToolSpec(name, cacheable=cacheable))
+
+    def _expected(self, jr: _JobRun) -> float:
+        tool = jr.job.turns[jr.turn].tool
+        return self._durations.get(tool, 0.0) if tool is not None else 0.0
+
+    def _push(self, t: float, kind: str, jr: _JobRun) -> None:
+        heapq.heappush(self._events, (t, next(self._seq), kind, jr))
+
+    def _sample(self, t: float) -> None:
+        c = read_counters(self.agent, self.reserved_pages)
+        self.timeline.append({"t_s": t, "pages_used": c.pages_used,
+                              "pages_total": c.pages_total,
+                              "offloaded_bytes_held": c.offloaded_bytes_held,
+                              "sessions": len(self._active)})
+
+    def _rid(self, jr: _JobRun, what: str) -> str:
+        return f"{jr.sid}/{what}"
+
+    def _ids(self, key: str, salt: str, n: int) -> list[int]:
+        """``n`` seeded token ids for ``(key, salt)``."""
+        seed = int.from_bytes(hashlib.sha1(f"{key}|{salt}".encode()).digest()[:8], "little")
+        rng = random.Random(seed)
+        return [rng.randrange(FIRST_ID, self.vocab) for _ in range(n)]
+
+
+def _params(turn: Turn) -> SamplingParams:
+    n = turn.output_tokens
+    return SamplingParams(temperature=0.0, max_tokens=n, min_tokens=n, ignore_eos=True)
+
+
+def _call_id(jr: _JobRun) -> str:
+    return _call_id_at(jr, jr.turn)
+
+
+def _call_id_at(jr: _JobRun, turn: int) -> str:
+    return f"{jr.job.job_id}-call{turn}"

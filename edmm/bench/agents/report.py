@@ -1,0 +1,299 @@
+"""What `edmm bench agents` reports: one summary row per run, sustainable loads, plots.
+
+Files written (at most 8): ``agents.csv`` (one row per job and per turn of every run),
+``agents.json`` (environment, summary, those rows, notes), ``agents.md`` (the summary table),
+``agents-timeline.csv`` (KV pages in use over time, every run), ``agents-trace.jsonl`` (the
+long-tool trace replayed), and three PNGs: the resume-TTFT CDF per policy, engine-wait per job
+against memory oversubscription, and pages in use over time.
+"""
+
+from __future__ import annotations
+
+import csv
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from edmm.bench.agents.matrix import SUSTAIN_TTFT_S, AgentsBenchConfig, Matrix, RunRecord
+from edmm.bench.agents.policies import BASELINES
+from edmm.bench.agents.trace import write_jsonl
+from edmm.bench.report import Environment, ResultWriter, collect_environment
+from edmm.bench.stats import mean, percentile
+
+NAME = "agents"
+GIB = float(1 << 30)
+
+
+def summarize_run(rec: RunRecord, reference: dict[str, str] | None) -> dict[str, Any]:
+    """The summary row of one run (``reference``: the outputs of ``lru`` in the same condition,
+    for the greedy-identity column)."""
+    res, cond = rec.result, rec.condition
+    jct = [j["jct_s"] for j in res.jobs]
+    wait = [j["engine_wait_s"] for j in res.jobs]
+    resumes = [t["ttft_s"] for t in res.turns if t["resume"]]
+    s = res.sessions
+    reused, recomputed = s.get("tokens_reused", 0), s.get("tokens_recomputed", 0)
+    b, a = res.counters_before, res.counters_after
+    off_b, res_b = a.offloaded_bytes - b.offloaded_bytes, a.restored_bytes - b.restored_bytes
+    off_s, res_s = a.offload_s - b.offload_s, a.restore_s - b.restore_s
+    pages = [p["pages_used"] for p in res.timeline]
+    minutes = res.makespan_s / 60
+    row: dict[str, Any] = {
+        "policy": cond.policy, "tools": cond.mix, "oversub": cond.oversubscription,
+        "oversub_reached": round(rec.working_set_pages / rec.pages, 2), "load": cond.load,
+        "jobs": len(res.jobs), "pages": rec.pages,
+        "jct_mean_s": mean(jct), "jct_p50_s": percentile(jct, 50), "jct_p90_s": percentile(jct, 90),
+        "wait_mean_s": mean(wait), "wait_p50_s": percentile(wait, 50),
+        "wait_p90_s": percentile(wait, 90),
+        "resume_ttft_p50_ms": _p(resumes, 50), "resume_ttft_p90_ms": _p(resumes, 90),
+        "resume_ttft_p99_ms": _p(resumes, 99),
+        "jobs_per_min": len(res.jobs) / minutes if minutes > 0 else None,
+        "out_tok_per_s": sum(j["output_tokens"] for j in res.jobs) / res.makespan_s
+        if res.makespan_s > 0 else None,
+        "recomputed_tokens": recomputed,
+        "prefix_hit_rate": reused / (reused + recomputed) if reused + recomputed else None,
+        "spec_hit": s.get("spec_hits", 0), "spec_partial": s.get("spec_partial", 0),
+        "spec_miss": s.get("spec_misses", 0), "spec_tokens": s.get("tokens_speculated", 0),
+        "spec_only_steps_s": res.spec_only_step_s, "busy_steps_s": res.busy_step_s,
+        "offloaded_MiB": off_b / (1 << 20), "restored_MiB": res_b / (1 << 20),
+        "offload_GiB_s": off_b / GIB / off_s if off_s > 0 else None,
+        "restore_GiB_s": res_b / GIB / res_s if res_s > 0 else None,
+        "pages_used_mean": mean(pages) if pages else None,
+        "pages_used_max": max(pages) if pages else None,
+        "makespan_s": res.makespan_s,
+    }
+    if reference is not None:
+        row["outputs_as_lru"] = res.outputs == reference
+    return row
+
+
+def _p(xs: list[float], q: float) -> float | None:
+    return percentile(xs, q) * 1e3 if xs else None
+
+
+def summary_rows(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
+    """One row per run, in run order, with the greedy-identity column against ``lru``."""
+    refs = {(r.condition.mix, r.condition.oversubscription, r.condition.load): r.result.outputs
+            for r in records if r.condition.policy == "lru"}
+    return [summarize_run(r, refs.get((r.condition.mix, r.condition.oversubscription,
+                                       r.condition.load))) for r in records]
+
+
+def sustainable(rows: Sequence[dict[str, Any]], tools: str = "long",
+                oversub: float | None = None) -> dict[str, float | None]:
+    """Per policy: the highest load whose p90 resume TTFT is <= 1 s (None: no load does)."""
+    out: dict[str, float | None] = {}
+    for r in rows:
+        if r["tools"] != tools or (oversub is not None and r["oversub"] != oversub):
+            continue
+        out.setdefault(r["policy"], None)
+        p90 = r["resume_ttft_p90_ms"]
+        best = out[r["policy"]]
+        if p90 is not None and p90 <= SUSTAIN_TTFT_S * 1e3 and (best is None or r["load"] > best):
+            out[r["policy"]] = r["load"]
+    return out
+
+
+def best_baseline(rows: Sequence[dict[str, Any]], oversub: float) -> str | None:
+    """The baseline with the highest sustainable load, then the shortest mean engine-wait at
+    the highest load."""
+    sus = sustainable(rows, "long", oversub)
+    top = max((r["load"] for r in rows), default=None)
+    waits = {r["policy"]: r["wait_mean_s"] for r in rows
+             if r["load"] == top and r["tools"] == "long" and r["oversub"] == oversub}
+    cands = [p for p in BASELINES if p in waits]
+    if not cands:
+        return None
+    return max(cands, key=lambda p: (sus.get(p) or 0.0, -waits[p]))
+
+
+def check_load(rows: Sequence[dict[str, Any]], oversub: float, loads: Sequence[float]) -> float:
+    """The highest load ``lru`` sustains (the lowest load if none)."""
+    got = sustainable(rows, "long", oversub).get("lru")
+    return got if got is not None else min(loads)
+
+
+def target_notes(rows: Sequence[dict[str, Any]], cfg: AgentsBenchConfig,
+                 load: float) -> list[str]:
+    """The issue's targets, as measured (ratios; nothing is judged that was not run)."""
+    sus = sustainable(rows, "long", cfg.oversubscription)
+    notes = [f"sustainable load (p90 resume TTFT <= {SUSTAIN_TTFT_S:g} s, {cfg.mode} loop, "
+             f"x{cfg.oversubscription:g}): " + ", ".join(
+                 f"{p} {v if v is not None else 'none'}" for p, v in sus.items())]
+    by = {(r["policy"], r["tools"], r["oversub"], r["load"]): r for r in rows}
+    edmm, lru = (by.get((p, "long", cfg.oversubscription, load)) for p in ("edmm", "lru"))
+    if edmm and lru and edmm["wait_mean_s"] > 0:
+        notes.append(f"at load {load:g}: mean engine-wait per job lru / edmm = "
+                     f"{lru['wait_mean_s'] / edmm['wait_mean_s']:.2f}x (target >= 1.5x)")
+    one = by.get(("edmm", "long", cfg.check_oversubscription, load))
+    if edmm and one and one["resume_ttft_p90_ms"] and edmm["resume_ttft_p90_ms"]:
+        notes.append(f"edmm p90 resume TTFT x{cfg.oversubscription:g} / "
+                     f"x{cfg.check_oversubscription:g} = "
+                     f"{edmm['resume_ttft_p90_ms'] / one['resume_ttft_p90_ms']:.2f} "
+                     "(target <= 1.3)")
+    return notes
+
+
+# ---------------------------------------------------------------- files
+
+def write_timeline(records: Sequence[RunRecord], path: Path) -> Path:
+    """KV pages in use over time of every run (one row per sample)."""
+    with path.open("w", newline="", encoding="utf-8") as f:
+        w = csv.writer(f)
+        w.writerow(["policy", "tools", "oversub", "load", "t_s", "pages_used", "pages_total",
+                    "offloaded_bytes_held", "sessions"])
+        for r in records:
+            c = r.condition
+            for s in r.result.timeline:
+                w.writerow([c.policy, c.mix, c.oversubscription, c.load, f"{s['t_s']:.4f}",
+                            s["pages_used"], r.pages, s["offloaded_bytes_held"], s["sessions"]])
+    return path
+
+
+def detail_rows(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
+    """One row per job and per turn of every run."""
+    out = []
+    for r in records:
+        c = r.condition
+        key = {"policy": c.policy, "tools": c.mix, "oversub": c.oversubscription, "load": c.load}
+        out += [{**key, "kind": "job", **j} for j in r.result.jobs]
+        out += [{**key, "kind": "turn", **t} for t in r.result.turns]
+    return out
+
+
+def plot_all(records: Sequence[RunRecord], rows: Sequence[dict[str, Any]],
+             cfg: AgentsBenchConfig, out: Path, device: str) -> list[Path]:
+    """The three PNGs (nothing without matplotlib)."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        return []
+    top = max(cfg.loads)
+    main = [r for r in records if r.condition.mix == "long"
+            and r.condition.oversubscription == cfg.oversubscription and r.condition.load == top]
+    paths = [_plot_cdf(Figure, main, out / "agents-resume-ttft-cdf.png", device, cfg, top),
+             _plot_pages(Figure, main, out / "agents-pages.png", device, cfg, top)]
+    jct = _plot_oversub(Figure, rows, out / "agents-wait-vs-oversub.png", device)
+    return paths + ([jct] if jct is not None else [])
+
+
+def _plot_cdf(figure: Any, recs: Sequence[RunRecord], path: Path, device: str,
+              cfg: AgentsBenchConfig, load: float) -> Path:
+    fig = figure(figsize=(7, 4.5), layout="constrained")
+    ax = fig.add_subplot()
+    for r in recs:
+        xs = sorted(t["ttft_s"] * 1e3 for t in r.result.turns if t["resume"])
+        if xs:
+            ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post",
+                    label=r.condition.policy)
+    ax.axvline(SUSTAIN_TTFT_S * 1e3, color="grey", linestyle=":", label="1 s")
+    ax.set_xscale("log")
+    ax.set_xlabel("resume TTFT (ms, log scale)")
+    ax.set_ylabel("fraction of resumes")
+    ax.set_title(f"Resume TTFT per policy ({device}, load {load:g}, "
+                 f"x{cfg.oversubscription:g} oversubscription)")
+    ax.legend(loc="lower right")
+    fig.savefig(path, format="png", dpi=120)
+    return path
+
+
+def _plot_pages(figure: Any, recs: Sequence[RunRecord], path: Path, device: str,
+                cfg: AgentsBenchConfig, load: float) -> Path:
+    fig = figure(figsize=(7, 4.5), layout="constrained")
+    ax = fig.add_subplot()
+    for r in recs:
+        ts = [s["t_s"] for s in r.result.timeline]
+        ax.plot(ts, [s["pages_used"] for s in r.result.timeline], label=r.condition.policy)
+    if recs:
+        ax.axhline(recs[0].pages, color="grey", linestyle=":", label="pool")
+    ax.set_xlabel("time since the run started (s)")
+    ax.set_ylabel("KV pages in use (pages)")
+    ax.set_title(f"KV pages in use ({device}, load {load:g}, x{cfg.oversubscription:g})")
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.savefig(path, format="png", dpi=120)
+    return path
+
+
+def _plot_oversub(figure: Any, rows: Sequence[dict[str, Any]], path: Path,
+                  device: str) -> Path | None:
+    per_load: dict[float, set[float]] = {}
+    for r in rows:
+        if r["tools"] == "long":
+            per_load.setdefault(r["load"], set()).add(r["oversub"])
+    multi = [ld for ld, o in per_load.items() if len(o) > 1]
+    if not multi:
+        return None
+    load = max(multi)
+    pts: dict[str, list[tuple[float, float]]] = {}
+    for r in rows:
+        if r["tools"] == "long" and r["load"] == load:
+            pts.setdefault(r["policy"], []).append((r["oversub"], r["wait_mean_s"]))
+    fig = figure(figsize=(7, 4.5), layout="constrained")
+    ax = fig.add_subplot()
+    for policy, xy in pts.items():
+        xy.sort()
+        ax.plot([x for x, _ in xy], [y for _, y in xy], marker="o", label=policy)
+    ax.set_xlabel("KV memory oversubscription (working set / pool)")
+    ax.set_ylabel("mean engine-wait per job (s)")
+    ax.set_title(f"Engine-wait per job vs memory oversubscription ({device}, load {load:g})")
+    ax.legend(loc="upper left")
+    fig.savefig(path, format="png", dpi=120)
+    return path
+
+
+def run_agents_bench(cfg: AgentsBenchConfig, out_dir: Path,
+                     log: Any = print) -> dict[str, Path]:
+    """Run the matrix (main, then checks) and write every file; return their paths. The tables
+    are rewritten after every run, and the plots drawn however the matrix ends, so an
+    interrupted matrix leaves what it measured."""
+    matrix = Matrix(cfg, log=log)
+    env = collect_environment(cfg.device)
+    load = min(cfg.loads)
+
+    def write(_: object = None) -> dict[str, Path]:
+        return write_results(matrix, cfg, env, out_dir, load)
+
+    paths: dict[str, Path] = {}
+    try:
+        main = matrix.run(matrix.plan_main(), on_record=write)
+        rows = summary_rows(main)
+        load = check_load(rows, cfg.oversubscription, cfg.loads)
+        matrix.run(matrix.plan_checks(best_baseline(rows, cfg.oversubscription), load),
+                   on_record=write)
+    finally:  # interrupted too (e.g. SIGTERM from a time limit): keep what was measured
+        matrix.close()
+        if matrix.records:
+            paths = write()
+            rows = summary_rows(matrix.records)
+            for p in plot_all(matrix.records, rows, cfg, out_dir, env.gpu_name or env.device):
+                paths[p.stem] = p
+    return paths
+
+
+def write_results(matrix: Matrix, cfg: AgentsBenchConfig, env: Environment, out_dir: Path,
+                  load: float) -> dict[str, Path]:
+    """The tables, the timeline and the trace of the runs so far."""
+    rows = summary_rows(matrix.records)
+    writer = ResultWriter(out_dir, NAME, env)
+    writer.add_rows(detail_rows(matrix.records))
+    notes = [*target_notes(rows, cfg, load), *_method_notes(cfg)]
+    paths = writer.write(rows, "Agent workloads: policies on one trace", notes)
+    paths["timeline"] = write_timeline(matrix.records, out_dir / f"{NAME}-timeline.csv")
+    paths["trace"] = write_jsonl(matrix.mixes["long"], out_dir / f"{NAME}-trace.jsonl")
+    return paths
+
+
+def _method_notes(cfg: AgentsBenchConfig) -> list[str]:
+    return [
+        f"trace: {cfg.trace or f'generated, {cfg.jobs} jobs, seed {cfg.seed}'}; tokens x"
+        f"{cfg.token_scale:g}, tool times x{cfg.time_scale:g}; {cfg.mode} loop, load = "
+        + ("concurrent sessions" if cfg.mode == "closed" else "jobs per second"),
+        f"clock: {cfg.clock} (" + ("idle time skipped, every step timed for real"
+                                   if cfg.clock == "virtual" else "tools slept through") + ")",
+        "engine-wait = JCT minus the tool time the job waited; resume TTFT = resume() to the "
+        "first token; prefix hit rate = reused / (reused + recomputed) prompt tokens of resumes",
+        "spec_only_steps_s: engine time of steps that ran speculation alone (speculation riding "
+        "along in busy steps is in busy_steps_s); offload/restore GiB/s: synchronous copies",
+        "oversub_reached: working set / pool pages (a pool never holds less than one longest "
+        "sequence); outputs_as_lru: greedy tokens of every turn identical to lru's",
+    ]

@@ -1,0 +1,329 @@
+"""Agent-workload traces: one JSON object per line, one agent session (job) per object.
+
+A job is a task prompt followed by turns; each turn generates ``output_tokens`` tokens and,
+except the last, ends in one tool call whose result enters the next prompt::
+
+    {"job_id": "j0", "arrival_s": 0.0, "system_tokens": 4096, "turns": [
+      {"output_tokens": 180, "tool": "bash", "tool_s": 0.31, "result_tokens": 1200,
+       "arguments": "{\\"cmd\\": 7}", "mid_prompt": null, "reasoning_stripped": false,
+       "cacheable": false, "predictable": false, "streamed": false},
+      ...,
+      {"output_tokens": 90, "tool": null}]}
+
+Per turn: ``tool`` (null: the job ends after this turn), ``tool_s`` (seconds the tool runs),
+``result_tokens`` (tokens of its result), ``arguments`` (JSON text of the call; two calls of a
+cacheable tool with the same arguments return the same result), ``mid_prompt`` (null: the result
+is appended; a fraction in [0, 1]: it is inserted at that fraction of the context, like a memory
+block), ``reasoning_stripped`` (the template drops the first half of this turn's output, its
+reasoning, from the next prompt), ``cacheable`` (the tool is idempotent: results are memoised),
+``predictable`` (the client predicts the result exactly), ``streamed`` (the tool streams half of
+its output halfway through). Missing optional fields take these defaults.
+
+`generate` draws a seeded trace calibrated to published agent-trace statistics (tool time per
+call P50 0.3 s, P90 13.6 s, mean 18.4 s; 10-40 turns; context 2-8K growing 1-2.5K a turn; 50-600
+output tokens a turn); `scale` shrinks token counts (a tiny CPU model) and times (a run of
+minutes).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import random
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from statistics import NormalDist
+from typing import Any
+
+TOOL_NAMES = ("bash", "read_file", "edit_file", "search", "run_tests", "web_fetch")
+
+
+class TraceError(ValueError):
+    """A trace line or generator setting is malformed (names the line and the field)."""
+
+
+@dataclass(frozen=True)
+class Turn:
+    """One model turn; all but a job's last end in a tool call."""
+
+    output_tokens: int
+    tool: str | None = None
+    tool_s: float = 0.0
+    result_tokens: int = 0
+    arguments: str = "{}"
+    mid_prompt: float | None = None
+    reasoning_stripped: bool = False
+    cacheable: bool = False
+    predictable: bool = False
+    streamed: bool = False
+
+    def __post_init__(self) -> None:
+        _check(self.output_tokens >= 1, "output_tokens", self.output_tokens, ">= 1")
+        _check(self.tool_s >= 0 and math.isfinite(self.tool_s), "tool_s", self.tool_s, ">= 0")
+        _check(self.result_tokens >= 0, "result_tokens", self.result_tokens, ">= 0")
+        if self.tool is not None:
+            _check(self.result_tokens >= 1, "result_tokens", self.result_tokens,
+                   ">= 1 for a tool call")
+        if self.mid_prompt is not None:
+            _check(0 <= self.mid_prompt <= 1, "mid_prompt", self.mid_prompt, "in [0, 1]")
+
+
+@dataclass(frozen=True)
+class Job:
+    """One agent session: a task prompt of ``system_tokens`` tokens, then its turns."""
+
+    job_id: str
+    system_tokens: int
+    turns: tuple[Turn, ...]
+    arrival_s: float = 0.0
+
+    def __post_init__(self) -> None:
+        _check(self.system_tokens >= 1, "system_tokens", self.system_tokens, ">= 1")
+        _check(len(self.turns) >= 1, "turns", len(self.turns), "at least one turn")
+        _check(self.arrival_s >= 0, "arrival_s", self.arrival_s, ">= 0")
+        for t in self.turns[:-1]:
+            _check(t.tool is not None, "tool", t.tool, "a tool on every turn but the last")
+        _check(self.turns[-1].tool is None, "tool", self.turns[-1].tool,
+               "null on the last turn")
+
+    @property
+    def tool_time_s(self) -> float:
+        """Seconds the job's tools run in all."""
+        return sum(t.tool_s for t in self.turns if t.tool is not None)
+
+    @property
+    def final_context(self) -> int:
+        """Tokens of the job's last prompt plus its last output (an upper bound of its KV)."""
+        return self.system_tokens + sum(t.output_tokens + t.result_tokens for t in self.turns)
+
+
+@dataclass(frozen=True)
+class GeneratorConfig:
+    """Settings of `generate` (defaults: the published statistics, see the module docstring).
+
+    ``tool_mix``: ``"long"`` (the heavy-tailed spread) or ``"short"`` (every call under 1 s).
+    Flags are drawn per tool call with the given probabilities.
+    """
+
+    num_jobs: int = 64
+    turns: tuple[int, int] = (10, 40)
+    context_start: tuple[int, int] = (2048, 8192)
+    growth_per_turn: tuple[int, int] = (1024, 2560)
+    output_tokens: tuple[int, int] = (50, 600)
+    tool_p50_s: float = 0.3
+    tool_p90_s: float = 13.6
+    tool_mean_s: float = 18.4
+    tool_mix: str = "long"
+    arrival_rate_per_s: float = 0.1
+    p_mid_prompt: float = 0.1
+    p_reasoning_stripped: float = 0.1
+    p_cacheable: float = 0.2
+    p_predictable: float = 0.1
+    p_streamed: float = 0.2
+
+    def __post_init__(self) -> None:
+        _check(self.num_jobs >= 1, "num_jobs", self.num_jobs, ">= 1")
+        for name in ("turns", "context_start", "growth_per_turn", "output_tokens"):
+            lo, hi = getattr(self, name)
+            _check(1 <= lo <= hi, name, (lo, hi), "1 <= low <= high")
+        _check(self.tool_mix in ("long", "short"), "tool_mix", self.tool_mix, "long or short")
+        _check(0 < self.tool_p50_s < self.tool_p90_s and self.tool_mean_s > 0, "tool times",
+               (self.tool_p50_s, self.tool_p90_s, self.tool_mean_s), "0 < p50 < p90, mean > 0")
+        _check(self.arrival_rate_per_s > 0, "arrival_rate_per_s", self.arrival_rate_per_s, "> 0")
+        for name in ("p_mid_prompt", "p_reasoning_stripped", "p_cacheable", "p_predictable",
+                     "p_streamed"):
+            _check(0 <= getattr(self, name) <= 1, name, getattr(self, name), "in [0, 1]")
+
+
+@dataclass
+class ToolTimes:
+    """A log-normal through the given P50 and P90, capped where its mean is the given mean."""
+
+    mu: float
+    sigma: float
+    cap_s: float
+
+    @classmethod
+    def fit(cls, p50: float, p90: float, mean: float) -> ToolTimes:
+        """Fit ``mu``/``sigma`` to the quantiles, then bisect the cap for the mean."""
+        mu = math.log(p50)
+        sigma = math.log(p90 / p50) / NormalDist().inv_cdf(0.9)
+        if math.exp(mu + sigma * sigma / 2) <= mean:
+            return cls(mu, sigma, math.inf)  # the mean needs no cap
+        lo, hi = p90, 1e9
+        for _ in range(200):
+            mid = math.sqrt(lo * hi)
+            lo, hi = (mid, hi) if _capped_mean(mu, sigma, mid) < mean else (lo, mid)
+        return cls(mu, sigma, lo)
+
+    def draw(self, rng: random.Random) -> float:
+        """One tool duration in seconds."""
+        return min(rng.lognormvariate(self.mu, self.sigma), self.cap_s)
+
+
+def _capped_mean(mu: float, sigma: float, cap: float) -> float:
+    """E[min(X, cap)] of a log-normal X."""
+    n = NormalDist()
+    z = (math.log(cap) - mu) / sigma
+    return math.exp(mu + sigma * sigma / 2) * n.cdf(z - sigma) + cap * (1 - n.cdf(z))
+
+
+def generate(cfg: GeneratorConfig, seed: int) -> list[Job]:
+    """A seeded synthetic trace (the same ``cfg`` and ``seed`` give the same jobs)."""
+    rng = random.Random(seed)
+    if cfg.tool_mix == "long":
+        times = ToolTimes.fit(cfg.tool_p50_s, cfg.tool_p90_s, cfg.tool_mean_s)
+    else:  # every call under a second, median as published
+        times = ToolTimes(math.log(cfg.tool_p50_s), 0.6, 0.95)
+    jobs, t = [], 0.0
+    for j in range(cfg.num_jobs):
+        jobs.append(_job(cfg, rng, times, f"j{j}", t))
+        t += rng.expovariate(cfg.arrival_rate_per_s)
+    return jobs
+
+
+def _job(cfg: GeneratorConfig, rng: random.Random, times: ToolTimes, job_id: str,
+         arrival: float) -> Job:
+    n = rng.randint(*cfg.turns)
+    turns: list[Turn] = []
+    seen: list[str] = []  # arguments of earlier calls (a cacheable call may repeat one)
+    for i in range(n):
+        out = rng.randint(*cfg.output_tokens)
+        if i == n - 1:
+            turns.append(Turn(out))
+            break
+        growth = rng.randint(*cfg.growth_per_turn)
+        cacheable = rng.random() < cfg.p_cacheable
+        args = rng.choice(seen) if cacheable and seen and rng.random() < 0.5 else \
+            json.dumps({"arg": rng.randrange(1 << 30)})
+        seen.append(args)
+        turns.append(Turn(
+            out, rng.choice(TOOL_NAMES), round(times.draw(rng), 4), max(1, growth - out), args,
+            round(rng.uniform(0.2, 0.8), 3) if rng.random() < cfg.p_mid_prompt else None,
+            rng.random() < cfg.p_reasoning_stripped, cacheable,
+            rng.random() < cfg.p_predictable, rng.random() < cfg.p_streamed))
+    return Job(job_id, rng.randint(*cfg.context_start), tuple(turns), round(arrival, 4))
+
+
+def scale(jobs: Iterable[Job], *, tokens: float = 1.0, time: float = 1.0) -> list[Job]:
+    """Token counts times ``tokens`` (at least 1 each), tool times and arrivals times ``time``."""
+    _check(tokens > 0, "token scale", tokens, "> 0")
+    _check(time > 0, "time scale", time, "> 0")
+
+    def tok(n: int) -> int:
+        return max(1, round(n * tokens)) if n else 0
+
+    out = []
+    for job in jobs:
+        turns = tuple(dataclasses.replace(
+            t, output_tokens=tok(t.output_tokens), result_tokens=tok(t.result_tokens),
+            tool_s=t.tool_s * time) for t in job.turns)
+        out.append(dataclasses.replace(job, system_tokens=tok(job.system_tokens), turns=turns,
+                                       arrival_s=job.arrival_s * time))
+    return out
+
+
+# ---------------------------------------------------------------- JSONL
+
+def job_to_dict(job: Job) -> dict[str, Any]:
+    """The JSON object of a trace line."""
+    return {"job_id": job.job_id, "arrival_s": job.arrival_s,
+            "system_tokens": job.system_tokens,
+            "turns": [dataclasses.asdict(t) for t in job.turns]}
+
+
+def job_from_dict(obj: Any, where: str = "job") -> Job:
+    """A job from a trace line's object; `TraceError` names where and what is wrong."""
+    try:
+        return _job_from_dict(obj)
+    except TraceError as e:
+        raise TraceError(f"{where}: {e}") from None
+
+
+def _job_from_dict(obj: Any) -> Job:
+    if not isinstance(obj, dict):
+        raise TraceError(f"expected an object, got {type(obj).__name__}")
+    unknown = set(obj) - {"job_id", "arrival_s", "system_tokens", "turns"}
+    if unknown:
+        raise TraceError(f"unknown fields {sorted(unknown)}")
+    for name in ("job_id", "system_tokens", "turns"):
+        if name not in obj:
+            raise TraceError(f"missing field {name!r}")
+    if not isinstance(obj["turns"], list):
+        raise TraceError("'turns' must be a list")
+    turns = []
+    for i, t in enumerate(obj["turns"]):
+        try:
+            turns.append(_turn(t))
+        except TraceError as e:
+            raise TraceError(f"turn {i}: {e}") from None
+    arrival = obj.get("arrival_s", 0.0)
+    if isinstance(arrival, bool) or not isinstance(arrival, (int, float)):
+        raise TraceError(f"arrival_s must be a number, got {arrival!r}")
+    return Job(str(obj["job_id"]), _int(obj["system_tokens"], "system_tokens"), tuple(turns),
+               float(arrival))
+
+
+_TURN_FIELDS = {f.name for f in dataclasses.fields(Turn)}
+
+
+def _turn(obj: Any) -> Turn:
+    if not isinstance(obj, dict):
+        raise TraceError("expected an object")
+    unknown = set(obj) - _TURN_FIELDS
+    if unknown:
+        raise TraceError(f"unknown fields {sorted(unknown)}")
+    if "output_tokens" not in obj:
+        raise TraceError("missing field 'output_tokens'")
+    kw = dict(obj)
+    for name in ("output_tokens", "result_tokens"):
+        if name in kw:
+            kw[name] = _int(kw[name], name)
+    try:
+        return Turn(**kw)
+    except TypeError as e:
+        raise TraceError(str(e)) from None
+
+
+def _int(v: Any, name: str) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise TraceError(f"{name} must be an integer, got {v!r}")
+    return v
+
+
+def write_jsonl(jobs: Sequence[Job], path: Path | str) -> Path:
+    """Write a trace, one job per line."""
+    out = Path(path)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text("".join(json.dumps(job_to_dict(j)) + "\n" for j in jobs), encoding="utf-8")
+    return out
+
+
+def read_jsonl(path: Path | str) -> list[Job]:
+    """Read a trace (blank lines skipped); `TraceError` names the bad line."""
+    jobs = []
+    for n, line in enumerate(Path(path).read_text(encoding="utf-8").splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise TraceError(f"{path}:{n}: not JSON ({e.msg})") from None
+        jobs.append(job_from_dict(obj, f"{path}:{n}"))
+    ids = [j.job_id for j in jobs]
+    if len(set(ids)) != len(ids):
+        raise TraceError(f"{path}: job ids repeat")
+    if not jobs:
+        raise TraceError(f"{path}: no jobs")
+    return jobs
+
+
+def _check(ok: bool, name: str, value: Any, want: str) -> None:
+    if not ok:
+        raise TraceError(f"{name} must be {want}, got {value!r}")
+
+
+__all__ = ["GeneratorConfig", "Job", "ToolTimes", "TraceError", "Turn", "generate",
+           "job_from_dict", "job_to_dict", "read_jsonl", "scale", "write_jsonl"]
