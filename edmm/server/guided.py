@@ -45,6 +45,10 @@ _JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flex
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 _CHECKED_SCHEMAS = 256  # tool schemas remembered as valid (agents send the same tools each turn)
 _MAX_MESSAGE_CHARS = 500
+# Bounds that no value meets when the first is over the second (llguidance drops such an
+# optional property silently instead of refusing the schema).
+_BOUND_PAIRS = (("minimum", "maximum"), ("minLength", "maxLength"), ("minItems", "maxItems"),
+                ("minProperties", "maxProperties"))
 
 
 @dataclass(frozen=True)
@@ -73,7 +77,8 @@ class GrammarLogitsProcessor:
     """
 
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int,
-                 eos_token_id: int, budget: GrammarBudget | None = None) -> None:
+                 eos_token_id: int, budget: GrammarBudget | None = None,
+                 param: str | None = None) -> None:
         self._matcher = matcher
         self._vocab_size = vocab_size
         self._eos = eos_token_id
@@ -83,6 +88,7 @@ class GrammarLogitsProcessor:
         self._masks = 0
         self._mask_time_s = 0.0
         self.failure: str | None = None  # why the processor stopped (its masks cost too much)
+        self.param = param  # the request parameter the grammar comes from
 
     def __call__(self, output_token_ids: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
         """``logits`` ``[V]`` with the forbidden tokens set to ``-inf`` (once the processor has
@@ -179,6 +185,7 @@ class GuidedDecoding:
         if key in self._checked:
             self._checked.move_to_end(key)
             return
+        _check_bounds(schema, param)
         grammar = llguidance.LLMatcher.grammar_from_lark(f"start: {_lark_json(schema, param)}")
         self._validate(grammar, param)
         self._checked[key] = None
@@ -209,7 +216,8 @@ class GuidedDecoding:
         if matcher.is_error():
             raise BadRequestError(f"invalid JSON schema: {clean_message(matcher.get_error())}",
                                   param=param)
-        processor = GrammarLogitsProcessor(matcher, self._vocab_size, self._eos, self.budget)
+        processor = GrammarLogitsProcessor(matcher, self._vocab_size, self._eos, self.budget,
+                                           param)
         took = processor.first_mask_time()
         if matcher.is_error():
             raise BadRequestError(f"invalid JSON schema: {clean_message(matcher.get_error())}",
@@ -220,6 +228,23 @@ class GuidedDecoding:
                 f"{took * 1e3:.0f} ms, over the budget of {self.budget.first_mask_s * 1e3:g} ms",
                 param=param, code="grammar_too_costly")
         return processor
+
+
+def _check_bounds(schema: Any, param: str) -> None:
+    """400 for a (sub)schema with a lower bound over its upper bound, anywhere in it."""
+    stack = [schema]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            for low, high in _BOUND_PAIRS:
+                lo, hi = item.get(low), item.get(high)
+                if (isinstance(lo, int | float) and isinstance(hi, int | float)
+                        and not isinstance(lo, bool) and not isinstance(hi, bool) and lo > hi):
+                    raise BadRequestError(f"invalid JSON schema: {low} ({lo}) is greater than "
+                                          f"{high} ({hi})", param=param)
+            stack.extend(item.values())
 
 
 def clean_message(message: str) -> str:

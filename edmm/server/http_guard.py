@@ -29,6 +29,9 @@ ASGIApp = Callable[[Scope, Receive, Send], Awaitable[None]]
 DEFAULT_MAX_BODY_BYTES = 16 << 20
 DEFAULT_MAX_HEADER_BYTES = 64 << 10
 _WILDCARD_HOSTS = ("0.0.0.0", "::", "")
+# A body over the limit is read on (and dropped) up to this many times the limit, so that the
+# client, still sending, reads the 413 instead of a reset connection.
+DRAIN_FACTOR = 4
 
 
 def default_allowed_hosts(bound: str) -> list[str] | None:
@@ -96,6 +99,7 @@ class RequestGuard:
             chunk = message.get("body", b"")
             size += len(chunk)
             if size > self.max_body_bytes:
+                await _drain(receive, message, self.max_body_bytes * DRAIN_FACTOR)
                 return None
             chunks.append(chunk)
             if not message.get("more_body", False):
@@ -104,6 +108,15 @@ class RequestGuard:
     async def _too_large(self, send: Send) -> None:
         await _refuse(send, 413, f"the request body is over {self.max_body_bytes} bytes",
                       "request_too_large")
+
+
+async def _drain(receive: Receive, message: Message, most: int) -> None:
+    """Read and drop the rest of a body (at most ``most`` bytes)."""
+    while message.get("more_body", False) and most > 0:
+        message = await receive()
+        if message["type"] != "http.request":
+            return
+        most -= len(message.get("body", b""))
 
 
 def _replay(first: Message, receive: Receive) -> Receive:

@@ -81,7 +81,12 @@ from edmm.server.protocol import (
 from edmm.server.sessions import SessionBackend, Turn, TurnEnd
 from edmm.server.templates import TemplateLimits
 from edmm.server.tool_parser import ParsedReply, ParsedToolCall, StreamingToolParser, parse_reply
-from edmm.server.validation import check_conversation, check_text, check_tools
+from edmm.server.validation import (
+    check_conversation,
+    check_text,
+    check_tool_names,
+    check_tool_schemas,
+)
 
 SSE_DONE = "data: [DONE]\n\n"
 T = TypeVar("T")
@@ -186,6 +191,7 @@ class OpenAIServing:
         check_text(req.model_dump(by_alias=True, exclude_defaults=True))
         check_chat_options(req)
         check_conversation(req.messages)
+        check_tool_names(req.tools)
         messages = template_messages(req.messages)
         tools = template_tools(req.tools)
         ids = await self._chat_ids(messages, tools, req.chat_template_kwargs,
@@ -330,7 +336,7 @@ class OpenAIServing:
     def _chat_processors(self, req: ChatCompletionRequest) -> list[LogitsProcessor]:
         """Grammar constraints: forced tool calls, or a JSON response format (every tool's
         schema is checked, whatever the choice)."""
-        check_tools(req.tools, self.guided)
+        check_tool_schemas(req.tools, self.guided)
         choice = req.tool_choice
         if choice == "required" or isinstance(choice, NamedToolChoice):
             tools = [t.function for t in req.tools or []]
@@ -506,7 +512,8 @@ def _check_grammar(request: Request) -> None:
     aborts the request)."""
     for processor in request.params.logits_processors:
         if isinstance(processor, GrammarLogitsProcessor) and processor.failure is not None:
-            raise BadRequestError(processor.failure, code="grammar_too_costly")
+            raise BadRequestError(processor.failure, param=processor.param,
+                                  code="grammar_too_costly")
 
 
 def _reason(value: str | None) -> FinishReason:

@@ -6,8 +6,9 @@ Each check raises a `BadRequestError` (400) naming the offending parameter:
   surrogate (``"\\ud800"`` is a valid JSON escape, but no UTF-8 text: the tokenizer would fail);
 - `check_conversation`: every tool message answers a call of an earlier assistant message,
   and every call's arguments are a JSON object;
-- `check_tools`: at most `MAX_TOOLS` tools, with unique names and parameter schemas that
-  compile (whatever the tool choice: a schema that cannot constrain a call is a client bug).
+- `check_tool_names`: at most `MAX_TOOLS` tools, with unique names;
+- `check_tool_schemas`: parameter schemas that compile (whatever the tool choice: a schema that
+  cannot constrain a call is a client bug).
 """
 
 from __future__ import annotations
@@ -68,9 +69,8 @@ def check_conversation(messages: Sequence[ChatMessage]) -> None:
                                   "called", param=f"messages.{i}")
 
 
-def check_tools(tools: Sequence[ChatTool] | None, guided: GuidedDecoding | None) -> None:
-    """400 for too many tools, duplicate names, or a parameter schema that does not compile
-    (compiled with ``guided`` when the model has one)."""
+def check_tool_names(tools: Sequence[ChatTool] | None) -> None:
+    """400 for too many tools or duplicate names."""
     if not tools:
         return
     if len(tools) > MAX_TOOLS:
@@ -83,6 +83,12 @@ def check_tools(tools: Sequence[ChatTool] | None, guided: GuidedDecoding | None)
             raise BadRequestError(f"tools.{i}: the function name {name!r} is used twice",
                                   param=f"tools.{i}")
         seen.add(name)
+
+
+def check_tool_schemas(tools: Sequence[ChatTool] | None, guided: GuidedDecoding | None) -> None:
+    """400 for a parameter schema that does not compile (with ``guided``, when the model has
+    one)."""
+    for i, tool in enumerate(tools or []):
         if tool.function.parameters is not None and guided is not None:
             guided.check_schema(tool.function.parameters, f"tools.{i}")
 
