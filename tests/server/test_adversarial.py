@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
-from server_helpers import MODEL, LiveServer, serve, server_config
+from server_helpers import MODEL, QUESTION, WEATHER, LiveServer, serve, server_config
 
 from edmm.server import ServerState
 from edmm.server.templates import TemplateLimits
@@ -317,3 +317,38 @@ def test_loopback_names_are_accepted(server: LiveServer) -> None:
 def test_api_docs_are_off_by_default(server: LiveServer, path: str) -> None:
     _assert_error(httpx.get(f"{server.url}{path}", timeout=10), 404)
 
+
+
+# ---------------------------------------------------------------------------- late failures
+
+PICKY_TEMPLATE = ("{% if messages|length > 2 %}{{ 1/0 }}{% endif %}"
+                  "{% for m in messages %}{{ m.role }}: {{ m.content }}\n{% endfor %}assistant:")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+@pytest.mark.parametrize("kind", ["template-fails", "over-context"])
+def test_predicted_messages_that_fail_late_cost_only_the_hint(hardened: LiveServer,
+                                                              stream: bool, kind: str) -> None:
+    """Predicted next messages whose rendering fails only once the reply exists (a client
+    template raising on them, or longer than the context): the reply is whole, the session
+    awaits its tool."""
+    tool = {"role": "tool", "tool_call_id": "get_weather", "content": "sunny"}
+    if kind == "over-context":
+        tool["content"] = "sunny " * 5000
+    body = _chat(messages=QUESTION, tools=[WEATHER], tool_choice="required", max_tokens=64,
+                 stream=stream, edmm={"predicted_next_messages": [*QUESTION, tool]})
+    if kind == "template-fails":
+        body["chat_template_kwargs"] = {"chat_template": PICKY_TEMPLATE}
+    resp = _post(hardened, "/v1/chat/completions", body)
+    assert resp.status_code == 200, resp.text
+    session_id = resp.headers["x-session-id"]
+    if stream:
+        events = [line for line in resp.text.splitlines() if line.startswith("data: ")]
+        assert events[-1] == "data: [DONE]" and '"error"' not in resp.text
+        assert '"finish_reason":"tool_calls"' in resp.text
+    else:
+        assert resp.json()["choices"][0]["finish_reason"] == "tool_calls"
+    state = httpx.get(f"{hardened.url}/v1/edmm/sessions/{session_id}", timeout=10).json()
+    assert state["state"] == "awaiting_tool"
+    httpx.delete(f"{hardened.url}/v1/edmm/sessions/{session_id}", timeout=10)
+    _still_serves(hardened)
