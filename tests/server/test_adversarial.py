@@ -352,3 +352,22 @@ def test_predicted_messages_that_fail_late_cost_only_the_hint(hardened: LiveServ
     assert state["state"] == "awaiting_tool"
     httpx.delete(f"{hardened.url}/v1/edmm/sessions/{session_id}", timeout=10)
     _still_serves(hardened)
+
+
+def test_a_bad_tool_output_chunk_is_refused_before_it_is_stored(hardened: LiveServer) -> None:
+    """A chunk that is not text is a 400 and not kept: the call's later valid chunks are
+    accepted."""
+    resp = _post(hardened, "/v1/chat/completions",
+                 _chat(messages=QUESTION, tools=[WEATHER], tool_choice="required",
+                       max_tokens=64))
+    assert resp.status_code == 200, resp.text
+    session_id = resp.headers["x-session-id"]
+    call_id = resp.json()["choices"][0]["message"]["tool_calls"][0]["id"]
+    path = f"/v1/edmm/sessions/{session_id}/tool_output"
+    _assert_error(_post(hardened, path, {"tool_call_id": call_id, "content": "a" + BAD}), 400,
+                  "content", "invalid_text")
+    for chunk in ("partial ", "output"):
+        ok = _post(hardened, path, {"tool_call_id": call_id, "content": chunk})
+        assert ok.status_code == 200, ok.text
+    httpx.delete(f"{hardened.url}/v1/edmm/sessions/{session_id}", timeout=10)
+    _still_serves(hardened)
