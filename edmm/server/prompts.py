@@ -177,8 +177,10 @@ def prompt_too_long(e: PromptTooLongError, param: str = "messages") -> ContextLe
 
 
 def prompt_limit(max_model_len: int, completion_limit: int | None) -> int:
-    """The most prompt tokens a request may have: the context less its completion."""
-    return max(max_model_len - (completion_limit or 1), 0)
+    """The most prompt tokens a request may have: the context less its completion (less one
+    token when the completion alone does not fit: `sampling_params` then says so)."""
+    completion = completion_limit or 1
+    return max_model_len - (completion if completion < max_model_len else 1)
 
 
 def render_chat(tokenizer: Any, messages: list[dict[str, Any]],

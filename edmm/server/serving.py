@@ -159,7 +159,8 @@ class OpenAIServing:
                         tools: list[dict[str, Any]] | None, kwargs: dict[str, Any] | None,
                         limit: int) -> list[int]:
         """Prompt ids of a conversation, refused past ``limit`` tokens; a client's template
-        renders on the isolated pool, the model's on the tokenizing thread."""
+        renders on the isolated pool (which reads the tokenizer's special tokens, never runs
+        it), the model's on the tokenizing thread."""
         if client_template(kwargs, self.client_templates) is None:
             return await self._tokenize(render_chat, self.tokenizer, messages, tools, kwargs,
                                         self.encoder, limit)

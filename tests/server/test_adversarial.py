@@ -18,7 +18,7 @@ from typing import Any
 
 import httpx
 import pytest
-from server_helpers import MODEL, QUESTION, WEATHER, LiveServer, serve, server_config
+from server_helpers import MAX_MODEL_LEN, MODEL, QUESTION, WEATHER, LiveServer, serve, server_config
 
 from edmm.server import ServerState
 from edmm.server.templates import TemplateLimits
@@ -161,6 +161,11 @@ CHAT_400 = [
                  "tools.0", None, id="x-guidance-in-tool"),
     pytest.param(_chat(tools=[_tool(f"t{i}") for i in range(3000)], tool_choice="required"),
                  "tools", None, id="3000-forced-tools"),
+    # context
+    pytest.param(_chat(max_tokens=MAX_MODEL_LEN), "max_tokens", "context_length_exceeded",
+                 id="max-tokens-over-context"),
+    pytest.param(_chat(max_tokens=MAX_MODEL_LEN - 4), "messages", "context_length_exceeded",
+                 id="max-tokens-leaves-no-room"),
     # conversation and tools
     pytest.param(_chat(messages=[USER[0], {"role": "tool", "tool_call_id": "nope",
                                            "content": "x"}]), "messages.1", None,
