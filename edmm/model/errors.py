@@ -79,3 +79,17 @@ class KVCacheError(ModelError):
 
 class ContextTooLongError(ModelError):
     """A sequence's context exceeds the positions the rotary cache was built for."""
+
+
+class PromptTooLongError(ModelError):
+    """A prompt has more tokens than the caller allows (found before all of it was encoded).
+
+    Attributes:
+        limit: the most tokens allowed.
+        at_least: a lower bound of the prompt's token count (over ``limit``).
+    """
+
+    def __init__(self, limit: int, at_least: int) -> None:
+        self.limit = limit
+        self.at_least = at_least
+        super().__init__(f"the prompt has at least {at_least} tokens, over the limit of {limit}")

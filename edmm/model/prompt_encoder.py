@@ -10,6 +10,11 @@ added token that both hold at the same place, and encodes only the rest.
 
 Added tokens that strip neighbouring whitespace or are normalised would break the identity:
 with any such token the encoder encodes whole (`PromptEncoder.incremental` is False).
+
+A caller's token limit (``limit``) bounds the work on a prompt far too long: a text with many
+more characters than the limit allows tokens is counted piece by piece first, and refused
+(`PromptTooLongError`) as soon as the count is certainly past the limit; a refused prompt is
+not kept among the recent ones.
 """
 
 from __future__ import annotations
@@ -20,6 +25,14 @@ from array import array
 from collections import deque
 from dataclasses import dataclass
 from typing import Any
+
+from edmm.model.errors import PromptTooLongError
+
+# A text of at most this many characters per allowed token is encoded whole, without counting
+# first (the work stays a small multiple of the limit); a longer one is counted piece by piece.
+EXACT_CHARS_PER_TOKEN = 8
+PIECE_CHARS = 16_384  # characters per counted piece, cut at whitespace where there is some
+PIECE_SLACK = 16  # tokens a cut between pieces may add (a word or an added token split in two)
 
 
 @dataclass
@@ -58,21 +71,49 @@ class PromptEncoder:
         """Whether prompts can reuse earlier prompts' ids (see the module docstring)."""
         return self._pattern is not None
 
-    def encode(self, text: str) -> list[int]:
-        """The ids of ``text``, equal to ``tokenizer.encode(text, add_special_tokens=False)``."""
+    def encode(self, text: str, limit: int | None = None) -> list[int]:
+        """The ids of ``text``, equal to ``tokenizer.encode(text, add_special_tokens=False)``.
+
+        Raises:
+            PromptTooLongError: ``text`` has more than ``limit`` tokens (when one is given);
+                nothing is kept of it.
+        """
         if self._pattern is None:
+            if limit is not None:
+                self.check_fits(text, limit)
             ids = list(self._tokenizer.encode(text, add_special_tokens=False))
             self.encoded_tokens += len(ids)
+            _check_count(len(ids), limit)
             return ids
         base, char, tok = self._longest_prefix(text)
+        if limit is not None:
+            _check_count(tok, limit)
+            self.check_fits(text[char:], limit - tok, tok)
         head = base.ids[:tok] if base is not None else array("q")
         cuts = base.cuts[:bisect.bisect_left(base.cuts, (char, -1))] if base is not None else []
         tail_ids, tail_cuts = self._encode_part(text, char, tok)
         entry = _Encoded(text, head + tail_ids, cuts + tail_cuts)
+        _check_count(len(entry.ids), limit)
         self._recent.append(entry)
         self.reused_tokens += tok
         self.encoded_tokens += len(tail_ids)
         return entry.ids.tolist()
+
+    def check_fits(self, text: str, limit: int, before: int = 0) -> None:
+        """Raise `PromptTooLongError` if ``text`` certainly has more than ``limit`` tokens,
+        counting it piece by piece and stopping once past the limit; a text short enough for
+        the limit (`EXACT_CHARS_PER_TOKEN`) is not counted (``before``: tokens ahead of it,
+        for the error's count)."""
+        if len(text) <= EXACT_CHARS_PER_TOKEN * max(limit, 1):
+            return
+        count, start, pieces = 0, 0, 0
+        while start < len(text):
+            end = _piece_end(text, start)
+            count += len(self._tokenizer.encode(text[start:end], add_special_tokens=False))
+            start, pieces = end, pieces + 1
+            at_least = count - PIECE_SLACK * pieces  # each cut (the last: the prefix's end)
+            if at_least > limit:
+                raise PromptTooLongError(limit + before, at_least + before)
 
     def _longest_prefix(self, text: str) -> tuple[_Encoded | None, int, int]:
         """The recent prompt sharing the longest prefix with ``text`` that ends where both hold
@@ -104,3 +145,18 @@ class PromptEncoder:
             if i < len(starts) and starts[i] == m.start():  # a token starts there: the added one
                 cuts.append((start + m.start(), tok0 + i))
         return array("q", enc.ids), cuts
+
+
+def _check_count(count: int, limit: int | None) -> None:
+    if limit is not None and count > limit:
+        raise PromptTooLongError(limit, count)
+
+
+def _piece_end(text: str, start: int) -> int:
+    """Where the counted piece from ``start`` ends: after the last whitespace within
+    `PIECE_CHARS`, else `PIECE_CHARS` on."""
+    end = start + PIECE_CHARS
+    if end >= len(text):
+        return len(text)
+    cut = max(text.rfind(" ", start, end), text.rfind("\n", start, end))
+    return cut if cut > start else end

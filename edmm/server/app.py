@@ -2,6 +2,8 @@
 
 `build_app(state)` is the factory: everything the routes use hangs off ``state`` (a
 `ServerState`); there is no module-level state, so several apps can live in one process.
+The app runs behind `RequestGuard` (Host check, header and body limits); the API docs are off
+unless the config enables them.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from edmm.openai_errors import error_body
 from edmm.server.engine_loop import OutputStream
 from edmm.server.errors import APIError
+from edmm.server.http_guard import RequestGuard
 from edmm.server.protocol import (
     ChatCompletion,
     ChatCompletionRequest,
@@ -31,6 +34,7 @@ from edmm.server.protocol import (
     ToolOutputRequest,
 )
 from edmm.server.state import ServerState
+from edmm.server.validation import check_text
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +42,7 @@ T = TypeVar("T")
 SESSION_HEADER = "X-Session-Id"
 DISCONNECT_POLL_S = 0.2  # how often a non-streamed request checks that its client is still there
 CLIENT_CLOSED = 499  # nginx's status for a request whose client went away (never seen by it)
+MAX_SESSION_ID = 256  # as the body field `EdmmExtension.session_id`
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -51,11 +56,16 @@ def build_app(state: ServerState) -> FastAPI:
         finally:
             state.stop()
 
-    app = FastAPI(title="EDMM", lifespan=lifespan)
+    docs = state.config.api_docs
+    app = FastAPI(title="EDMM", lifespan=lifespan, docs_url="/docs" if docs else None,
+                  redoc_url="/redoc" if docs else None,
+                  openapi_url="/openapi.json" if docs else None)
     app.state.edmm = state
     _add_error_handlers(app)
     _add_openai_routes(app, state)
     _add_edmm_routes(app, state)
+    app.add_middleware(RequestGuard, allowed_hosts=state.config.hosts,  # type: ignore[arg-type]
+                       max_body_bytes=state.config.max_body_bytes)
     return app
 
 
@@ -87,7 +97,7 @@ def _add_error_handlers(app: FastAPI) -> None:
 def _param(loc: Sequence[Any]) -> str | None:
     """The request parameter of an error location: the top-level field and the list indexes
     right after it (``messages.2``); the message has the rest."""
-    parts = [p for p in loc if p != "body"]
+    parts = [p for p in loc if p not in ("body", "header", "query", "path")]
     if not parts or not isinstance(parts[0], str):
         return None
     head = [parts[0]]
@@ -99,7 +109,8 @@ def _param(loc: Sequence[Any]) -> str | None:
 
 
 def _describe(error: Any) -> str:
-    loc = ".".join(str(p) for p in error.get("loc", ()) if p != "body")
+    loc = ".".join(str(p) for p in error.get("loc", ())
+                   if p not in ("body", "header", "query", "path"))
     return f"{loc}: {error.get('msg', 'invalid')}" if loc else str(error.get("msg", "invalid"))
 
 
@@ -123,7 +134,8 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(body: ChatCompletionRequest, request: Request,
-                   x_session_id: str | None = Header(default=None)) -> Response:
+                   x_session_id: str | None = Header(default=None, min_length=1,
+                                                     max_length=MAX_SESSION_ID)) -> Response:
         turn = await serving.start_chat(body, x_session_id)
         headers = {SESSION_HEADER: turn.session_id}
         if body.stream:
@@ -155,6 +167,7 @@ def _add_edmm_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/edmm/sessions/{session_id}/tool_output")
     async def tool_output(session_id: str, body: ToolOutputRequest) -> JSONResponse:
+        check_text(body.model_dump())
         await state.loop.run(
             lambda b: b.feed_tool_output(session_id, body.tool_call_id, body.content))
         return JSONResponse({"id": session_id, "object": "edmm.tool_output",

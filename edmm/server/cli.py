@@ -11,6 +11,7 @@ import logging
 from collections.abc import Sequence
 from typing import Any
 
+from edmm.server.http_guard import DEFAULT_MAX_BODY_BYTES
 from edmm.server.state import ServerConfig, ServerState
 
 
@@ -34,6 +35,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="host memory for paused sessions' KV under pressure (default: off)")
     parser.add_argument("--no-execution-aware", action="store_true",
                         help="plain engine: prefix caching only, no agent sessions")
+    parser.add_argument("--allow-client-chat-template", action="store_true",
+                        help="accept a chat template in chat_template_kwargs (rendered in a "
+                             "sandbox with a time and size limit; default: refused, 400)")
+    parser.add_argument("--max-body-mib", type=float, default=DEFAULT_MAX_BODY_BYTES / 2**20,
+                        help="largest request body in MiB (413 past it; default %(default)g)")
+    parser.add_argument("--allowed-hosts", nargs="+", default=None, metavar="HOST",
+                        help="Host header names to answer ('*': any; default: the --host "
+                             "address, with localhost when it is loopback)")
+    parser.add_argument("--api-docs", action="store_true",
+                        help="serve /docs, /redoc and /openapi.json (default: off)")
     parser.add_argument("--log-level", default="info",
                         choices=("critical", "error", "warning", "info", "debug"))
 
@@ -56,7 +67,10 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         engine["kv_offload_bytes"] = int(args.kv_offload_gib * 2**30)
     return ServerConfig(model=args.model, device=args.device, host=args.host, port=args.port,
                         served_model_name=args.served_model_name,
-                        execution_aware=not args.no_execution_aware, engine=engine)
+                        execution_aware=not args.no_execution_aware, engine=engine,
+                        allow_client_chat_template=args.allow_client_chat_template,
+                        max_body_bytes=int(args.max_body_mib * 2**20),
+                        allowed_hosts=args.allowed_hosts, api_docs=args.api_docs)
 
 
 def serve(config: ServerConfig, log_level: str = "info") -> None:

@@ -5,10 +5,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Any
 
-import jinja2
-
 from edmm.engine import SamplingParams
 from edmm.engine.sampling import InvalidSamplingParams, LogitsProcessor
+from edmm.model.errors import PromptTooLongError
 from edmm.model.prompt_encoder import PromptEncoder
 from edmm.server.errors import BadRequestError, ContextLengthError
 from edmm.server.protocol import (
@@ -22,6 +21,7 @@ from edmm.server.protocol import (
     UserMessage,
     content_text,
 )
+from edmm.server.templates import TemplateLimits, render_client_template
 from edmm.server.tool_parser import ParsedToolCall
 
 # OpenAI's default temperature (and top_p) when a request sets none.
@@ -89,28 +89,113 @@ def trailing_tool_results(messages: Sequence[ChatMessage]) -> list[tuple[str, st
     return out[::-1]
 
 
-def render_chat(tokenizer: Any, messages: list[dict[str, Any]],
-                tools: list[dict[str, Any]] | None,
-                kwargs: dict[str, Any] | None,
-                encoder: PromptEncoder | None = None) -> list[int]:
-    """Prompt token ids of a conversation, rendered with the tokenizer's chat template
-    (encoded through ``encoder``, which reuses recent prompts' ids, when given)."""
+# Arguments of `apply_chat_template` (and the template's own variables) that
+# ``chat_template_kwargs`` may not set: the server sets them.
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tools", "documents", "add_generation_prompt",
+    "continue_final_message", "tokenize", "sanitize_control_tokens", "padding", "truncation",
+    "max_length", "return_tensors", "return_dict", "return_assistant_tokens_mask",
+    "tokenizer_kwargs"})
+CLIENT_TEMPLATE_KEY = "chat_template"
+
+
+def client_template(kwargs: dict[str, Any] | None,
+                    limits: TemplateLimits | None) -> str | None:
+    """The client's own chat template in ``kwargs`` (None: the model's); 400 for a key the
+    server sets, or a template when client templates are off (``limits`` None)."""
+    if not kwargs:
+        return None
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
+    if reserved:
+        raise BadRequestError(f"chat_template_kwargs may not set {', '.join(reserved)}",
+                              param="chat_template_kwargs")
+    if CLIENT_TEMPLATE_KEY not in kwargs:
+        return None
+    if limits is None:
+        raise BadRequestError("client chat templates are disabled on this server (the "
+                              "operator enables them with --allow-client-chat-template)",
+                              param="chat_template_kwargs", code="chat_template_disabled")
+    source = kwargs[CLIENT_TEMPLATE_KEY]
+    if not isinstance(source, str) or not source:
+        raise BadRequestError("chat_template must be a non-empty string",
+                              param="chat_template_kwargs")
+    return source
+
+
+def chat_text(tokenizer: Any, messages: list[dict[str, Any]],
+              tools: list[dict[str, Any]] | None, kwargs: dict[str, Any] | None,
+              limits: TemplateLimits | None = None) -> str:
+    """The prompt text of a conversation: the model's chat template, or the client's
+    (``chat_template_kwargs.chat_template``, sandboxed within ``limits``) when allowed.
+
+    Raises:
+        BadRequestError: no template, a key the server sets, a client template while they are
+            off, or any failure of the template.
+    """
     if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
         raise BadRequestError("this model has no chat template; use /v1/completions",
                               param="messages")
-    if kwargs and not kwargs.keys().isdisjoint({"tokenize", "tools", "conversation"}):
-        raise BadRequestError("chat_template_kwargs may not set tokenize, tools or conversation",
-                              param="chat_template_kwargs")
+    source = client_template(kwargs, limits)
+    if source is not None:
+        assert limits is not None
+        rest = {k: v for k, v in (kwargs or {}).items() if k != CLIENT_TEMPLATE_KEY}
+        variables = {**dict(tokenizer.special_tokens_map), **rest, "messages": messages,
+                     "tools": tools, "add_generation_prompt": True}
+        return render_client_template(source, variables, limits)
     try:
         text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                             add_generation_prompt=True,
-                                             **(kwargs or {}))
-    except jinja2.TemplateError as e:
-        raise BadRequestError(f"the chat template rejected the messages: {e}",
-                              param="messages") from e
-    if encoder is not None:
-        return encoder.encode(text)
-    return list(tokenizer.encode(text, add_special_tokens=False))
+                                             add_generation_prompt=True, **(kwargs or {}))
+    except Exception as e:  # what the input made the template do: a 400
+        raise BadRequestError(f"the chat template rejected the messages: "
+                              f"{type(e).__name__}: {e}", param="messages") from None
+    if not isinstance(text, str):
+        raise BadRequestError("the chat template did not render text", param="messages")
+    return text
+
+
+def encode_prompt(tokenizer: Any, encoder: PromptEncoder | None, text: str,
+                  limit: int) -> list[int]:
+    """Prompt token ids of a rendered chat ``text``; 400 as soon as it is certainly over
+    ``limit`` tokens (the whole text is not tokenized then)."""
+    try:
+        if encoder is not None:
+            return encoder.encode(text, limit)
+        ids = list(tokenizer.encode(text, add_special_tokens=False))
+    except PromptTooLongError as e:
+        raise prompt_too_long(e) from None
+    if len(ids) > limit:
+        raise prompt_too_long(PromptTooLongError(limit, len(ids)))
+    return ids
+
+
+def prompt_too_long(e: PromptTooLongError, param: str = "messages") -> ContextLengthError:
+    """The 400 of a prompt over its token limit."""
+    return ContextLengthError(
+        f"This model's context leaves at most {e.limit} tokens for the prompt (with the "
+        f"requested completion). However, your prompt has at least {e.at_least} tokens.",
+        param=param)
+
+
+def prompt_limit(max_model_len: int, completion_limit: int | None) -> int:
+    """The most prompt tokens a request may have: the context less its completion (less one
+    token when the completion alone does not fit: `sampling_params` then says so)."""
+    completion = completion_limit or 1
+    return max_model_len - (completion if completion < max_model_len else 1)
+
+
+def render_chat(tokenizer: Any, messages: list[dict[str, Any]],
+                tools: list[dict[str, Any]] | None,
+                kwargs: dict[str, Any] | None,
+                encoder: PromptEncoder | None = None, limit: int | None = None,
+                limits: TemplateLimits | None = None) -> list[int]:
+    """Prompt token ids of a conversation (`chat_text`, then `encode_prompt`, which stops
+    past ``limit`` tokens when one is given)."""
+    text = chat_text(tokenizer, messages, tools, kwargs, limits)
+    if limit is None:
+        if encoder is not None:
+            return encoder.encode(text)
+        return list(tokenizer.encode(text, add_special_tokens=False))
+    return encode_prompt(tokenizer, encoder, text, limit)
 
 
 def check_chat_options(req: ChatCompletionRequest) -> None:

@@ -1,9 +1,15 @@
 """The OpenAI endpoints' logic, independent of the web framework.
 
 `OpenAIServing` validates a request, renders and tokenizes its prompt on its tokenizing thread
-(the `Request` is built there once, by the engine's immutable `RequestValidator`), queues it on
+(the `Request` is built once, by the engine's immutable `RequestValidator`), queues it on
 the engine thread (through `ServerSessions`, for chat) and turns the engine's outputs into
 OpenAI responses or server-sent-event chunks.
+
+Work whose cost the client controls runs where it cannot hold anyone else up: the model's own
+chat template and the tokenizer on the one tokenizing thread, with the context check made while
+tokenizing (a prompt far over the context is refused before all of it is encoded); a client's
+chat template (sandboxed, within its `TemplateLimits`) and grammar compilation (within its
+`GrammarBudget`) on a separate pool.
 """
 
 from __future__ import annotations
@@ -19,9 +25,10 @@ from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
-from edmm.engine import ContextLengthError as PromptTooLongError
+from edmm.engine import ContextLengthError as EngineContextLengthError
 from edmm.engine import Engine, InvalidRequestError, Request, RequestOutput
 from edmm.engine.sampling import LogitsProcessor
+from edmm.model.errors import PromptTooLongError
 from edmm.model.prompt_encoder import PromptEncoder
 from edmm.server.engine_loop import EngineLoop, OutputStream
 from edmm.server.errors import (
@@ -30,13 +37,18 @@ from edmm.server.errors import (
     ContextLengthError,
     ModelNotFoundError,
 )
-from edmm.server.guided import GuidedDecoding
+from edmm.server.guided import GrammarLogitsProcessor, GuidedDecoding
 from edmm.server.metrics import EngineSnapshot, ServerMetrics
 from edmm.server.prompts import (
     assistant_message,
+    chat_text,
     check_chat_options,
+    client_template,
+    encode_prompt,
     parses_tools,
     predicted_messages,
+    prompt_limit,
+    prompt_too_long,
     render_chat,
     sampling_params,
     template_messages,
@@ -67,7 +79,14 @@ from edmm.server.protocol import (
     random_id,
 )
 from edmm.server.sessions import ServerSessions, Turn, TurnEnd
+from edmm.server.templates import TemplateLimits
 from edmm.server.tool_parser import ParsedReply, ParsedToolCall, StreamingToolParser, parse_reply
+from edmm.server.validation import (
+    check_conversation,
+    check_text,
+    check_tool_names,
+    check_tool_schemas,
+)
 
 SSE_DONE = "data: [DONE]\n\n"
 T = TypeVar("T")
@@ -98,11 +117,15 @@ class ChatTurn:
 
 
 class OpenAIServing:
-    """Chat and text completions over an `EngineLoop` running `ServerSessions`."""
+    """Chat and text completions over an `EngineLoop` running a `ServerSessions`.
+
+    ``client_templates``: the limits of client-supplied chat templates; None: they are refused.
+    """
 
     def __init__(self, loop: EngineLoop[ServerSessions], engine: Engine, tokenizer: Any,
                  model_name: str, metrics: ServerMetrics,
-                 guided: GuidedDecoding | None) -> None:
+                 guided: GuidedDecoding | None,
+                 client_templates: TemplateLimits | None = None) -> None:
         self.loop = loop
         self.engine = engine
         # The server's own copy, used only on its one tokenizing thread (tokenizers are not
@@ -110,6 +133,9 @@ class OpenAIServing:
         self.tokenizer = tokenizer
         self.encoder = PromptEncoder(tokenizer) if tokenizer is not None else None
         self._tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edmm-tokenize")
+        # Client templates and grammar compilation: never ahead of others' tokenizing.
+        self._isolated = ThreadPoolExecutor(max_workers=2, thread_name_prefix="edmm-isolated")
+        self.client_templates = client_templates
         self.model_name = model_name
         self.metrics = metrics
         self.guided = guided
@@ -117,12 +143,31 @@ class OpenAIServing:
         self.validator = engine.validator  # immutable: safe off the engine thread
 
     def close(self) -> None:
-        """Stop the tokenizing thread (after the work queued on it)."""
+        """Stop the tokenizing threads (after the work queued on them)."""
         self._tokenizing.shutdown(wait=True)
+        self._isolated.shutdown(wait=True)
 
     async def _tokenize(self, fn: Callable[..., T], *args: Any) -> T:
         """Run tokenizer work (chat rendering, encoding) on the tokenizing thread."""
         return await asyncio.get_running_loop().run_in_executor(self._tokenizing, fn, *args)
+
+    async def _isolate(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run work a client's input may make costly (its chat template, its grammars) on the
+        isolated pool."""
+        return await asyncio.get_running_loop().run_in_executor(self._isolated, fn, *args)
+
+    async def _chat_ids(self, messages: list[dict[str, Any]],
+                        tools: list[dict[str, Any]] | None, kwargs: dict[str, Any] | None,
+                        limit: int) -> list[int]:
+        """Prompt ids of a conversation, refused past ``limit`` tokens; a client's template
+        renders on the isolated pool (which reads the tokenizer's special tokens, never runs
+        it), the model's on the tokenizing thread."""
+        if client_template(kwargs, self.client_templates) is None:
+            return await self._tokenize(render_chat, self.tokenizer, messages, tools, kwargs,
+                                        self.encoder, limit)
+        text = await self._isolate(chat_text, self.tokenizer, messages, tools, kwargs,
+                                   self.client_templates)
+        return await self._tokenize(encode_prompt, self.tokenizer, self.encoder, text, limit)
 
     # ------------------------------------------------------------------ models, metrics
     def models(self) -> ModelList:
@@ -145,10 +190,18 @@ class OpenAIServing:
                          session_header: str | None) -> ChatTurn:
         """Validate, render and queue a chat request (any error is raised before queuing)."""
         self.check_model(req.model)
+        check_text(req.model_dump(by_alias=True, exclude_defaults=True))
         check_chat_options(req)
+        check_conversation(req.messages)
+        check_tool_names(req.tools)
         messages = template_messages(req.messages)
         tools = template_tools(req.tools)
-        request = await self._tokenize(self._chat_request, req, messages, tools)
+        ids = await self._chat_ids(messages, tools, req.chat_template_kwargs,
+                                   prompt_limit(self.max_model_len, req.completion_limit))
+        processors = await self._isolate(self._chat_processors, req)
+        params = sampling_params(req, req.completion_limit, len(ids), self.max_model_len,
+                                 processors)
+        request = self._make_request(ids, params)
         ext = req.edmm
         turn = Turn(request, session_header or (ext.session_id if ext else None),
                     trailing_tool_results(req.messages))
@@ -156,19 +209,15 @@ class OpenAIServing:
         return ChatTurn(random_id("chatcmpl"), req, request, session_id, messages, tools,
                         parses_tools(req), stream)
 
-    def _chat_request(self, req: ChatCompletionRequest, messages: list[dict[str, Any]],
-                      tools: list[dict[str, Any]] | None) -> Request:
-        """The chat request rendered, tokenized and validated (on the tokenizing thread)."""
-        ids = render_chat(self.tokenizer, messages, tools, req.chat_template_kwargs,
-                          self.encoder)
-        params = sampling_params(req, req.completion_limit, len(ids), self.max_model_len,
-                                 self._chat_processors(req))
-        return self._make_request(ids, params)
-
     async def chat_completion(self, turn: ChatTurn) -> ChatCompletion:
         """Run a queued chat turn to the end: the whole response."""
-        async for out in self._outputs(turn.stream):
-            turn.last = out
+        try:
+            async for out in self._outputs(turn.stream):
+                turn.last = out
+                _check_grammar(turn.engine_request)
+        except BaseException:
+            turn.stream.abort()  # no-op once finished
+            raise
         reply = self._reply(turn)
         turn.calls = reply.tool_calls
         finish = await self._finish_chat(turn, reply.content)
@@ -194,6 +243,7 @@ class OpenAIServing:
         sent = 0
         async for out in self._outputs(turn.stream):
             turn.last = out
+            _check_grammar(turn.engine_request)
             text = _stable_text(out, turn.engine_request.params.stop)  # all of it at the end
             delta, sent = self._chat_delta(turn, parser, text, sent)
             if delta is not None:
@@ -255,7 +305,7 @@ class OpenAIServing:
     async def _end_turn(self, turn: ChatTurn, content: str | None) -> None:
         """Put the turn's session in awaiting-tool (its speculation starts)."""
         ext = turn.request.edmm
-        predicted = await self._tokenize(self._predicted_prompt, turn, content)
+        predicted = await self._predicted_prompt(turn, content)
         end = TurnEnd(
             session_id=turn.session_id, request_id=turn.engine_request.request_id,
             tool_calls=turn.calls,
@@ -266,10 +316,11 @@ class OpenAIServing:
             predicted_prompt=predicted)
         await self.loop.run(lambda b: b.end(end))
 
-    def _predicted_prompt(self, turn: ChatTurn, content: str | None) -> list[int]:
+    async def _predicted_prompt(self, turn: ChatTurn, content: str | None) -> list[int]:
         """Token ids of the client's predicted next request with this turn's reply
         (`EdmmExtension.predicted_next_messages`), rendered as that request will be; empty
-        without one, or when the chat template rejects it (only speculation is lost)."""
+        without one, or when it fails in any way (its text was checked with the request; the
+        reply exists already, so only speculation may be lost)."""
         ext = turn.request.edmm
         if ext is None or ext.predicted_next_messages is None:
             return []
@@ -277,15 +328,17 @@ class OpenAIServing:
                                  tool_calls=_tool_calls(turn.calls))
         messages = template_messages(predicted_messages(ext.predicted_next_messages, reply))
         try:
-            return render_chat(self.tokenizer, messages, turn.tools,
-                               turn.request.chat_template_kwargs, self.encoder)
-        except BadRequestError as e:
+            return await self._chat_ids(messages, turn.tools, turn.request.chat_template_kwargs,
+                                        self.max_model_len)
+        except Exception as e:  # a hint that fails costs the hint only
             logger.info("session %s: predicted_next_messages ignored: %s", turn.session_id,
-                        e.message)
+                        getattr(e, "message", None) or type(e).__name__)
             return []
 
     def _chat_processors(self, req: ChatCompletionRequest) -> list[LogitsProcessor]:
-        """Grammar constraints: forced tool calls, or a JSON response format."""
+        """Grammar constraints: forced tool calls, or a JSON response format (every tool's
+        schema is checked, whatever the choice)."""
+        check_tool_schemas(req.tools, self.guided)
         choice = req.tool_choice
         if choice == "required" or isinstance(choice, NamedToolChoice):
             tools = [t.function for t in req.tools or []]
@@ -314,6 +367,7 @@ class OpenAIServing:
                                                                             OutputStream]]:
         """Validate and queue every prompt of a text-completion request."""
         self.check_model(req.model)
+        check_text(req.model_dump(exclude_defaults=True))
         if req.echo or req.logprobs is not None or req.suffix is not None:
             raise BadRequestError("echo, logprobs and suffix are not supported")
         if req.best_of not in (None, 1):
@@ -403,6 +457,12 @@ class OpenAIServing:
             if self.tokenizer is None:
                 raise BadRequestError("this model has no tokenizer; send token ids",
                                       param="prompt")
+            if self.encoder is not None:
+                try:  # refused before all of a far too long prompt is encoded
+                    self.encoder.check_fits(prompt, prompt_limit(self.max_model_len,
+                                                                 req.max_tokens))
+                except PromptTooLongError as e:
+                    raise prompt_too_long(e, "prompt") from None
             ids = list(self.tokenizer.encode(prompt))
         else:
             ids = prompt
@@ -420,7 +480,7 @@ class OpenAIServing:
         """Validate a tokenized request (token ids in the vocabulary, length); any thread."""
         try:
             return self.validator.make(f"req-{uuid.uuid4().hex}", ids, params)
-        except PromptTooLongError as e:
+        except EngineContextLengthError as e:
             raise ContextLengthError(str(e)) from e
         except InvalidRequestError as e:
             raise BadRequestError(str(e), param="prompt") from e
@@ -444,6 +504,15 @@ class OpenAIServing:
         completion = len(out.outputs[0].token_ids) if out is not None else 0
         cached = out.num_cached_tokens if out is not None else 0
         return Usage.of(len(request.prompt_token_ids), completion, cached)
+
+
+def _check_grammar(request: Request) -> None:
+    """400 once a grammar of ``request`` stopped over its budget (leaving the output stream
+    aborts the request)."""
+    for processor in request.params.logits_processors:
+        if isinstance(processor, GrammarLogitsProcessor) and processor.failure is not None:
+            raise BadRequestError(processor.failure, param=processor.param,
+                                  code="grammar_too_costly")
 
 
 def _reason(value: str | None) -> FinishReason:

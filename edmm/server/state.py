@@ -11,10 +11,12 @@ from typing import Any
 from edmm.agent import AgentConfig, AgentEngine
 from edmm.engine import Engine, EngineConfig
 from edmm.server.engine_loop import EngineLoop
-from edmm.server.guided import GuidedDecoding
+from edmm.server.guided import GrammarBudget, GuidedDecoding
+from edmm.server.http_guard import DEFAULT_MAX_BODY_BYTES, default_allowed_hosts
 from edmm.server.metrics import ServerMetrics
 from edmm.server.serving import OpenAIServing
 from edmm.server.sessions import ServerSessions
+from edmm.server.templates import TemplateLimits
 
 TINY_MODEL_NAME = "edmm-tiny"
 
@@ -35,6 +37,14 @@ class ServerConfig:
         tool_timeout_s: seconds a session may await its tool results before it is abandoned
             and its KV reclaimed (`AgentConfig.tool_timeout_s`).
         engine: further `EngineConfig` fields (``max_model_len``, ``num_pages``, ``dtype``...).
+        allow_client_chat_template: accept ``chat_template_kwargs.chat_template`` (rendered
+            in a sandbox within ``template_limits``); off: such a request is a 400.
+        template_limits: the time, size and loop budget of one client template render.
+        grammar_budget: what one request's grammar may cost the engine thread per token.
+        max_body_bytes: the largest request body (413 past it).
+        allowed_hosts: the ``Host`` names accepted (``"*"``: any); None: the bound address
+            (with ``localhost`` when it is loopback; any when bound to every interface).
+        api_docs: serve ``/docs``, ``/redoc`` and ``/openapi.json``.
     """
 
     model: str | None = None
@@ -45,6 +55,19 @@ class ServerConfig:
     execution_aware: bool = True
     tool_timeout_s: float = AgentConfig.tool_timeout_s
     engine: dict[str, Any] = field(default_factory=dict)
+    allow_client_chat_template: bool = False
+    template_limits: TemplateLimits = field(default_factory=TemplateLimits)
+    grammar_budget: GrammarBudget = field(default_factory=GrammarBudget)
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    allowed_hosts: list[str] | None = None
+    api_docs: bool = False
+
+    @property
+    def hosts(self) -> list[str] | None:
+        """The ``Host`` names to accept (None: any)."""
+        if self.allowed_hosts is not None:
+            return None if "*" in self.allowed_hosts else list(self.allowed_hosts)
+        return default_allowed_hosts(self.host)
 
     @property
     def model_name(self) -> str:
@@ -68,8 +91,10 @@ class ServerState:
         self.sessions = ServerSessions(AgentEngine(self.engine, agent_config))
         self.loop: EngineLoop[ServerSessions] = EngineLoop(self.sessions)
         self.metrics = ServerMetrics(config.model_name)
-        self.serving = OpenAIServing(self.loop, self.engine, tokenizer, config.model_name,
-                                     self.metrics, _guided(self.engine, tokenizer))
+        self.serving = OpenAIServing(
+            self.loop, self.engine, tokenizer, config.model_name, self.metrics,
+            _guided(self.engine, tokenizer, config.grammar_budget),
+            config.template_limits if config.allow_client_chat_template else None)
 
     @property
     def execution_aware(self) -> bool:
@@ -91,11 +116,11 @@ class ServerState:
         self.engine.close()
 
 
-def _guided(engine: Engine, tokenizer: Any) -> GuidedDecoding | None:
+def _guided(engine: Engine, tokenizer: Any, budget: GrammarBudget) -> GuidedDecoding | None:
     """Constrained decoding for models with a tokenizer (presets have none)."""
     if tokenizer is None:
         return None
     eos = tokenizer.eos_token_id
     if eos is None:
         eos = min(engine.eos_token_ids, default=0)
-    return GuidedDecoding(tokenizer, engine.model_config.vocab_size, int(eos))
+    return GuidedDecoding(tokenizer, engine.model_config.vocab_size, int(eos), budget)

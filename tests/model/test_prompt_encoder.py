@@ -10,6 +10,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
+from edmm.model import prompt_encoder
+from edmm.model.errors import PromptTooLongError
 from edmm.model.prompt_encoder import PromptEncoder
 
 WORDS = ["agent", "tool", " memory", "result\n", "  page", "<tool_call>", "</tool_call>", "{",
@@ -73,3 +75,60 @@ def test_tokens_that_strip_whitespace_turn_reuse_off(tiny_dir: Path, tmp_path: P
     assert encoder.encode(text) == encoder.encode(text) == tok.encode(text,
                                                                       add_special_tokens=False)
     assert encoder.reused_tokens == 0
+
+
+class _CountingTokenizer:
+    """The tiny tokenizer, counting the characters its ``encode`` is given."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._inner = tokenizer
+        self.chars = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def encode(self, text: str, **kwargs: Any) -> list[int]:
+        self.chars += len(text)
+        return list(self._inner.encode(text, **kwargs))
+
+
+@pytest.mark.parametrize("incremental", [True, False], ids=["incremental", "whole"])
+def test_a_prompt_far_over_the_limit_is_refused_early_and_not_kept(
+        tokenizer: Any, incremental: bool) -> None:
+    counting = _CountingTokenizer(tokenizer)
+    encoder = PromptEncoder(counting)
+    if not incremental:
+        encoder._pattern = None  # as for a tokenizer whose added tokens strip whitespace
+    huge = "<|im_start|>user\n" + "Paris is nice. " * 200_000 + "<|im_end|>\n"
+    with pytest.raises(PromptTooLongError) as info:
+        encoder.encode(huge, limit=1000)
+    assert info.value.limit == 1000 and info.value.at_least > 1000
+    assert counting.chars < len(huge) // 50  # only the first pieces were counted
+    # Nothing of the refused prompt is kept: the same text again reuses nothing.
+    ids = encoder.encode(huge[:20_000])
+    assert ids == tokenizer.encode(huge[:20_000], add_special_tokens=False)
+    assert encoder.reused_tokens == 0
+
+
+def test_a_prompt_within_the_limit_is_encoded_exactly(tokenizer: Any) -> None:
+    encoder = PromptEncoder(tokenizer)
+    text = "<|im_start|>user\n" + "a b " * 300 + "<|im_end|>\n"
+    want = tokenizer.encode(text, add_special_tokens=False)
+    assert encoder.encode(text, limit=len(want)) == want
+    with pytest.raises(PromptTooLongError) as info:  # just over: the exact count says so
+        encoder.encode(text + "<|im_start|>", limit=len(want))
+    assert info.value.at_least == len(want) + 1
+
+
+def test_the_piecewise_count_never_refuses_a_prompt_that_fits(
+        tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Counted in pieces (every text is, with one character per token allowed), a text is
+    refused only past the limit: whitespace runs, a word cut between pieces, added tokens."""
+    monkeypatch.setattr(prompt_encoder, "EXACT_CHARS_PER_TOKEN", 1)
+    encoder = PromptEncoder(tokenizer)
+    for text in (" " * 100_000, "a" * 100_000, "<|im_end|>x" * 5_000,
+                 "memory agent, 数据 é " * 5_000):
+        want = tokenizer.encode(text, add_special_tokens=False)
+        assert encoder.encode(text, limit=len(want)) == want
+        with pytest.raises(PromptTooLongError):
+            encoder.encode(text + "!", limit=len(want) // 2)

@@ -30,6 +30,21 @@ def test_options_map_to_the_config() -> None:
     assert more.engine == {"kv_offload_bytes": 1 << 29, "tokenizer": "/tok"}
 
 
+def test_hardening_options() -> None:
+    default = config_from_args(build_parser().parse_args([]))
+    assert not default.allow_client_chat_template and not default.api_docs
+    assert default.hosts == ["127.0.0.1", "::1", "localhost"]
+    assert default.max_body_bytes == 16 << 20
+    opened = config_from_args(build_parser().parse_args([
+        "--allow-client-chat-template", "--api-docs", "--max-body-mib", "2",
+        "--allowed-hosts", "edmm.internal", "10.0.0.5"]))
+    assert opened.allow_client_chat_template and opened.api_docs
+    assert opened.max_body_bytes == 2 << 20
+    assert opened.hosts == ["edmm.internal", "10.0.0.5"]
+    anyone = config_from_args(build_parser().parse_args(["--allowed-hosts", "*"]))
+    assert anyone.hosts is None
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

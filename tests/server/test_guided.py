@@ -10,7 +10,7 @@ import pytest
 
 from edmm.engine import Engine, EngineConfig, SamplingParams
 from edmm.server.errors import BadRequestError
-from edmm.server.guided import GuidedDecoding
+from edmm.server.guided import GrammarBudget, GuidedDecoding, clean_message
 from edmm.server.protocol import FunctionDefinition
 from edmm.server.tool_parser import parse_reply
 
@@ -76,3 +76,59 @@ def test_invalid_schema_is_a_bad_request(guided: GuidedDecoding) -> None:
         guided.json_schema({"type": "no-such-type"})
     with pytest.raises(BadRequestError):
         guided.tool_calls([], parallel=False)
+
+
+PANIC = ("panic: assertion failed: grammar.symbols.len() < u16::MAX as usize - 10\n"
+         "<backtrace>\n   0: <unknown>\n  16: type_call\n             at /tmp/Objects/typeobject.c"
+         ":1091:11\n</backtrace>")
+LISTING = ("at 1(8): failed to compile JSON schema: Invalid type: nope\n"
+           "   1 | start: %json {\"type\": \"nope\"}\n       ^")
+
+
+def test_llguidance_messages_lose_backtraces_and_listings() -> None:
+    assert clean_message(PANIC) == ("panic: assertion failed: grammar.symbols.len() < u16::MAX "
+                                    "as usize - 10")
+    assert clean_message(LISTING) == "failed to compile JSON schema: Invalid type: nope"
+    assert len(clean_message("x" * 10_000)) < 600
+
+
+def test_a_grammar_over_its_mask_budget_stops_at_eos(engine: Engine, tiny_dir: Path) -> None:
+    """Masks costing more than the budget (here: any) stop the processor: it allows only EOS
+    from then on, at no cost, and says why."""
+    tok = engine.tokenizer
+    costly = GuidedDecoding(tok, engine.model_config.vocab_size, tok.eos_token_id,
+                            GrammarBudget(first_mask_s=60.0, mask_s=0.0, grace_masks=0))
+    processor = costly.json_schema({"type": "object"})
+    assert processor.failure is None and processor.param == "response_format"
+    text = _run(engine, processor, seed=0)
+    assert processor.failure is not None and "too costly" in processor.failure
+    assert text == "{"  # the mask that went over is applied, then only EOS
+
+
+def test_a_grammar_whose_first_mask_is_over_budget_is_refused(engine: Engine) -> None:
+    tok = engine.tokenizer
+    strict = GuidedDecoding(tok, engine.model_config.vocab_size, tok.eos_token_id,
+                            GrammarBudget(first_mask_s=0.0))
+    with pytest.raises(BadRequestError) as info:
+        strict.json_schema({"type": "object"})
+    assert info.value.code == "grammar_too_costly" and info.value.param == "response_format"
+
+
+@pytest.mark.parametrize("schema", [
+    pytest.param({"type": "nope"}, id="bad-type"),
+    pytest.param({"type": "object", "properties": {"n": {"type": "integer", "minimum": 3,
+                                                         "maximum": 1}}}, id="nested-bounds"),
+    pytest.param({"type": "object", "properties": {"s": {"type": "string", "minLength": 3,
+                                                         "maxLength": 1}}}, id="nested-lengths"),
+    pytest.param({"type": "object", "x-guidance": None}, id="x-guidance-null"),
+    pytest.param([1], id="not-an-object"),
+])
+def test_check_schema_refuses_invalid_schemas(guided: GuidedDecoding, schema: Any) -> None:
+    with pytest.raises(BadRequestError) as info:
+        guided.check_schema(schema, "tools.3")
+    assert info.value.param == "tools.3"
+
+
+def test_check_schema_accepts_valid_ones(guided: GuidedDecoding) -> None:
+    for function in FUNCTIONS:
+        guided.check_schema(function.parameters or {"type": "object"}, "tools.0")
