@@ -79,3 +79,7 @@ class KVCacheError(ModelError):
 
 class ContextTooLongError(ModelError):
     """A sequence's context exceeds the positions the rotary cache was built for."""
+
+
+class ShardingError(ModelError):
+    """A model shape cannot be split over the requested tensor-parallel ranks."""
