@@ -9,6 +9,7 @@ from typing import Any
 
 from edmm.agent import AgentEngine
 from edmm.engine import Engine, EngineConfig
+from edmm.engine.tp import build_engine
 from edmm.server.engine_loop import EngineLoop
 from edmm.server.guided import GuidedDecoding
 from edmm.server.metrics import ServerMetrics
@@ -55,7 +56,7 @@ class ServerState:
 
     def __init__(self, config: ServerConfig, engine: Engine | None = None) -> None:
         self.config = config
-        self.engine = engine if engine is not None else Engine(
+        self.engine = engine if engine is not None else build_engine(
             EngineConfig(model=config.model, device=config.device, **config.engine))
         tokenizer = copy.deepcopy(self.engine.tokenizer)  # the event loop's own instance
         self.backend = _backend(self.engine, config.execution_aware)

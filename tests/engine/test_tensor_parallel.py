@@ -21,6 +21,7 @@ import torch
 from hf_weights import randomize_
 from safetensors.torch import save_file
 
+from edmm import LLM
 from edmm.agent import AgentEngine, ToolCall, ToolResult
 from edmm.agent.types import TokenLayout
 from edmm.engine import Engine, EngineConfig, SamplingParams
@@ -39,6 +40,7 @@ from edmm.model.config import resolve_preset
 from edmm.model.errors import ShardingError
 from edmm.model.loader import build_empty, export_hf_state_dict
 from edmm.model.parallel import HeadLayout, head_layout, local_config
+from edmm.server.cli import build_parser, config_from_args
 
 HOST_PAGE = 4096  # 4 tokens of the tiny model per page at TP=1, 4-8 per rank
 MAX_LEN = 192
@@ -67,17 +69,24 @@ def model_dir(request: pytest.FixtureRequest, tiny_dir: Path,
     return _write_replicated_model(tmp_path_factory.mktemp("tp") / "replicated", tiny_dir)
 
 
+SMALL: dict[str, Any] = dict(dtype="float32", host_page_size=HOST_PAGE, max_model_len=MAX_LEN,
+                             num_slots=16, max_num_seqs=4, num_pages=300,
+                             max_num_batched_tokens=64)
+
+
 def _config(folder: Path, tp: int) -> EngineConfig:
-    return EngineConfig(model=str(folder), dtype="float32", host_page_size=HOST_PAGE,
-                        max_model_len=MAX_LEN, num_slots=16, max_num_seqs=4, num_pages=300,
-                        max_num_batched_tokens=64, tensor_parallel_size=tp)
+    return EngineConfig(model=str(folder), tensor_parallel_size=tp, **SMALL)
 
 
 @pytest.fixture(scope="module")
-def engines(model_dir: Path) -> Iterator[tuple[Engine, Engine]]:
-    """(TP=1 engine, TP=2 engine) on the same model; shared by the module's tests."""
+def engines(model_dir: Path, tiny_dir: Path) -> Iterator[tuple[Engine, Engine]]:
+    """(TP=1 engine, TP=2 engine) on the same model; shared by the module's tests. The
+    embedded model's TP engine comes from ``LLM(..., tensor_parallel_size=2)``."""
     ref = Engine(_config(model_dir, 1))
-    tp = build_engine(_config(model_dir, 2), timeout_s=120)
+    if model_dir == tiny_dir:
+        tp = LLM(str(model_dir), tensor_parallel_size=2, **SMALL).llm_engine
+    else:
+        tp = build_engine(_config(model_dir, 2), timeout_s=120)
     yield ref, tp
     tp.close()
     ref.close()
@@ -197,6 +206,12 @@ def test_engine_refuses_tp_without_hooks(tiny_dir: Path) -> None:
         _config(tiny_dir, 0)
     with pytest.raises(EngineConfigError, match="offload"):
         EngineConfig(tensor_parallel_size=2, kv_offload_bytes=1 << 20)
+
+
+def test_serve_option() -> None:
+    args = build_parser().parse_args(["--tensor-parallel-size", "2", "--device", "cuda"])
+    assert config_from_args(args).engine == {"tensor_parallel_size": 2}
+    assert "tensor_parallel_size" not in config_from_args(build_parser().parse_args([])).engine
 
 
 def test_head_layouts() -> None:
