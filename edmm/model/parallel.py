@@ -157,12 +157,18 @@ class TensorParallelCausalLM(CausalLM):
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab] (every rank gets all of them)."""
         weight = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
-        local = F.linear(hidden, weight)  # [N, vocab / world]
-        if self.shard.world_size > 1:
-            parts = [torch.empty_like(local) for _ in range(self.shard.world_size)]
-            dist.all_gather(parts, local.contiguous(), group=self.shard.group)
-            local = torch.cat(parts, dim=-1)  # [N, world * vocab / world]
-        return local[:, : self.full_cfg.vocab_size].float()
+        local = F.linear(hidden, weight)  # [N, rows]
+        world = self.shard.world_size
+        if world > 1:
+            n, rows = local.shape
+            out = local.new_empty(world * n, rows)  # [world * N, rows], rank-major
+            _all_gather_single(out, local.contiguous(), group=self.shard.group)
+            local = out.view(world, n, rows).transpose(0, 1).reshape(n, world * rows)
+        return local[:, : self.full_cfg.vocab_size].float()  # [N, vocab]
+
+
+# torch >= 2.13 renames all_gather_into_tensor (kept, deprecated) to all_gather_single.
+_all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
 
 
 @torch.no_grad()
