@@ -9,9 +9,9 @@ Who owns what (one owner per invariant):
 
 - **rank 0** runs the scheduler, the prefix cache and the agent layer: it alone decides which
   slots exist, which pages they map, what is branched, committed, truncated or freed. Its arena
-  is a `JournaledArena`: every top-level memory operation the scheduler / prefix cache performs
-  (``allocate``, ``grow``, ``branch``, ``commit``, ``truncate``, ``free``, ``reclaim``) is recorded
-  with its arguments and result;
+  is a `JournaledArena` (`edmm.memory.journal`): every top-level memory operation the scheduler
+  and the prefix cache perform (``allocate``, ``grow``, ``branch``, ``commit``, ``truncate``,
+  ``free``, ``reclaim``) is recorded with its arguments and result;
 - each step, `LeaderRunner` broadcasts a `StepPlan`: the operations recorded since the last plan
   and the batch as plain `PlannedSeq`s (slot, tokens, start, sample). The other ranks
   (`serve_rank`) replay the operations on their arena (checking that each returns the same slot
@@ -32,14 +32,12 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import enum
-import functools
 import multiprocessing as mp
 import socket
-from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
 from multiprocessing.process import BaseProcess
-from typing import Any, TypeVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -53,12 +51,11 @@ from edmm.engine.sampling import RequestRng, SamplingParams
 from edmm.engine.scheduler import ScheduledBatch, ScheduledSeq
 from edmm.memory import KVArena, KVMemoryError, KVSpec, PagePool
 from edmm.memory.arena import ArenaStats
+from edmm.memory.journal import ArenaOp, JournaledArena, replay
 from edmm.model import CausalLM
 from edmm.model.parallel import Shard, shard_model
 
 DEFAULT_TIMEOUT_S = 600.0  # a rank waiting longer on a collective raises (a peer died or hung)
-
-_T = TypeVar("_T")
 
 
 class TensorParallelError(EngineError):
@@ -71,15 +68,6 @@ class PlanKind(enum.Enum):
     STEP = "step"  # replay the memory operations, then run the batch
     CHECK = "check"  # replay, then report check_integrity() and occupancy
     STOP = "stop"  # close the engine and leave
-
-
-@dataclass(frozen=True)
-class ArenaOp:
-    """One top-level arena call made on rank 0: ``getattr(arena, name)(*args) == result``."""
-
-    name: str
-    args: tuple[int, ...]
-    result: int | None
 
 
 @dataclass(frozen=True)
@@ -110,89 +98,6 @@ class RankReport:
     error: str | None
     stats: ArenaStats
     layout: list[tuple[int, bool, int, tuple[int, ...]]]
-
-
-class JournaledArena(KVArena):
-    """A `KVArena` that records its top-level memory operations while journaling (rank 0).
-
-    Calls made from inside another operation (``branch`` allocating, ``reclaim`` freeing) are
-    not recorded: replaying the outer one repeats them. Failed operations leave the arena
-    unchanged and are not recorded.
-    """
-
-    def __init__(self, pool: PagePool, spec: KVSpec, num_slots: int, max_tokens: int) -> None:
-        super().__init__(pool, spec, num_slots, max_tokens)
-        self._ops: list[ArenaOp] | None = None  # None: not journaling
-        self._depth = 0
-
-    def start_journal(self) -> None:
-        """Record from now on (the other ranks' arenas must equal this one now)."""
-        self._ops = []
-
-    def stop_journal(self) -> None:
-        """Stop recording and drop what was not taken."""
-        self._ops = None
-
-    def take_ops(self) -> list[ArenaOp]:
-        """The operations recorded since the last call."""
-        ops, self._ops = (self._ops or []), ([] if self._ops is not None else None)
-        return ops
-
-    def _record(self, name: str, args: tuple[int, ...], call: Callable[[], _T]) -> _T:
-        self._depth += 1
-        try:
-            result = call()
-        finally:
-            self._depth -= 1
-        if self._ops is not None and self._depth == 0:
-            self._ops.append(ArenaOp(name, args, result if isinstance(result, int) else None))
-        return result
-
-    def allocate(self) -> int:
-        """See `KVArena.allocate` (recorded)."""
-        return self._record("allocate", (), super().allocate)
-
-    def grow(self, slot: int, num_tokens: int) -> None:
-        """See `KVArena.grow` (recorded)."""
-        self._record("grow", (slot, num_tokens), functools.partial(super().grow, slot, num_tokens))
-
-    def branch(self, src: int, num_tokens: int) -> int:
-        """See `KVArena.branch` (recorded)."""
-        return self._record("branch", (src, num_tokens),
-                            functools.partial(super().branch, src, num_tokens))
-
-    def commit(self, session: int, branch: int) -> int:
-        """See `KVArena.commit` (recorded)."""
-        return self._record("commit", (session, branch),
-                            functools.partial(super().commit, session, branch))
-
-    def truncate(self, slot: int, num_tokens: int) -> None:
-        """See `KVArena.truncate` (recorded)."""
-        self._record("truncate", (slot, num_tokens),
-                     functools.partial(super().truncate, slot, num_tokens))
-
-    def free(self, slot: int) -> None:
-        """See `KVArena.free` (recorded)."""
-        self._record("free", (slot,), functools.partial(super().free, slot))
-
-    def reclaim(self) -> int:
-        """See `KVArena.reclaim` (recorded)."""
-        return self._record("reclaim", (), super().reclaim)
-
-    def close(self) -> None:
-        """See `KVArena.close` (never recorded: every rank closes its own)."""
-        self.stop_journal()
-        super().close()
-
-
-def replay(arena: KVArena, ops: list[ArenaOp]) -> None:
-    """Apply rank 0's operations to this rank's arena; raise `TensorParallelError` when one
-    returns another slot or count than it did on rank 0."""
-    for op in ops:
-        result = getattr(arena, op.name)(*op.args)
-        if op.result is not None and result != op.result:
-            raise TensorParallelError(
-                f"arena desync: {op.name}{op.args} gave {result} here, {op.result} on rank 0")
 
 
 @dataclass

@@ -26,16 +26,7 @@ from edmm.agent import AgentEngine, ToolCall, ToolResult
 from edmm.agent.types import TokenLayout
 from edmm.engine import Engine, EngineConfig, SamplingParams
 from edmm.engine.errors import EngineConfigError
-from edmm.engine.tp import (
-    ArenaOp,
-    JournaledArena,
-    TensorParallelError,
-    build_engine,
-    leader_hooks,
-    replay,
-)
-from edmm.memory import KVArena, KVSpec, PagePool
-from edmm.memory.backends import open_backend
+from edmm.engine.tp import build_engine, leader_hooks
 from edmm.model.config import resolve_preset
 from edmm.model.errors import ShardingError
 from edmm.model.loader import build_empty, export_hf_state_dict
@@ -228,45 +219,3 @@ def test_head_layouts() -> None:
         head_layout(tiny, 0, 3)
     with pytest.raises(ShardingError, match="KV heads"):
         head_layout(q32, 0, 20)  # 40 heads split, but 8 KV heads neither split nor replicate
-
-
-SPEC = KVSpec(1, 1, 64, torch.float32)  # 256 B per token: 16 per page
-
-
-@pytest.fixture
-def arenas() -> Iterator[tuple[JournaledArena, KVArena]]:
-    """A journaled arena (rank 0's) and a plain one (another rank's), 16 pages each."""
-    made = []
-    for kind in (JournaledArena, KVArena):
-        backend = open_backend("host", host_page_size=HOST_PAGE)
-        made.append((backend, kind(PagePool(backend, 16), SPEC, 4, 64)))
-    leader, follower = (a for _, a in made)
-    assert isinstance(leader, JournaledArena)
-    yield leader, follower
-    for backend, arena in made:
-        arena.close()
-        arena.pool.close()
-        backend.close()
-
-
-def test_journal_records_top_level_ops_and_replays_them(
-        arenas: tuple[JournaledArena, KVArena]) -> None:
-    leader, follower = arenas
-    leader.allocate()  # before the journal starts: the follower does it itself
-    follower.allocate()
-    leader.start_journal()
-    s = leader.allocate()
-    leader.grow(s, 20)
-    b = leader.branch(s, 18)  # allocates inside: one op
-    leader.commit(s, b)
-    leader.truncate(b, 17)
-    leader.reclaim()  # frees inside: one op
-    ops = leader.take_ops()
-    assert [op.name for op in ops] == ["allocate", "grow", "branch", "commit", "truncate",
-                                       "reclaim"]
-    replay(follower, ops)
-    assert follower.stats() == leader.stats()
-    assert follower.slot_pages(b) == leader.slot_pages(b)
-    with pytest.raises(TensorParallelError, match="desync"):
-        replay(follower, [ArenaOp("allocate", (), 0)])  # rank 0 got slot 0, here slot 3
-    assert leader.take_ops() == []

@@ -123,7 +123,7 @@ def test_tp2_matches_tp1_in_bf16_within_tolerance(tmp_path: Path) -> None:
     for rid, tokens in want.items():
         for step, (w, g) in enumerate(zip(want_logits[rid], got_logits[rid], strict=False)):
             scale = w.abs().max().item()
-            assert (w - g).abs().max().item() <= 0.03 * scale, (rid, step)
+            assert (w - g).abs().max().item() <= 0.05 * scale, (rid, step)
             top2 = w.topk(2).values
             if got[rid][step] != tokens[step]:
                 assert (top2[0] - top2[1]).item() < NEAR_TIE, (rid, step)
