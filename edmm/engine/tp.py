@@ -30,11 +30,10 @@ owner of its decisions. KV offload (host copies of a rank's bytes) is not suppor
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import enum
 import multiprocessing as mp
 import socket
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from datetime import timedelta
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -86,7 +85,7 @@ class StepPlan:
 
     kind: PlanKind
     ops: list[ArenaOp]
-    seqs: list[PlannedSeq] = dataclasses.field(default_factory=list)
+    seqs: list[PlannedSeq] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -323,7 +322,7 @@ def rank_config(config: EngineConfig, rank: int) -> EngineConfig:
     device = torch.device(config.device)
     if device.type != "cuda":
         return config
-    return dataclasses.replace(config, device=f"cuda:{(device.index or 0) + rank}")
+    return replace(config, device=f"cuda:{(device.index or 0) + rank}")
 
 
 def build_engine(config: EngineConfig, timeout_s: float = DEFAULT_TIMEOUT_S) -> Engine:
@@ -332,14 +331,16 @@ def build_engine(config: EngineConfig, timeout_s: float = DEFAULT_TIMEOUT_S) -> 
     world = config.tensor_parallel_size
     if world == 1:
         return Engine(config)
-    if torch.device(config.device).type == "cuda" and torch.cuda.device_count() < world:
+    device = torch.device(config.device)
+    if device.type == "cuda" and (device.index or 0) + world > torch.cuda.device_count():
         raise TensorParallelError(
-            f"tensor_parallel_size={world} needs {world} GPUs, {torch.cuda.device_count()} seen")
+            f"tensor_parallel_size={world} from {device} needs cuda:{(device.index or 0)}.."
+            f"cuda:{(device.index or 0) + world - 1}; {torch.cuda.device_count()} GPU(s) seen")
     port = _free_port()
     ctx = mp.get_context("spawn")
     processes: list[BaseProcess] = [
-        ctx.Process(target=_rank_main, args=(config, rank, port, timeout_s), daemon=True,
-                    name=f"edmm-tp-rank{rank}")
+        ctx.Process(target=_rank_main, daemon=True, name=f"edmm-tp-rank{rank}",
+                    args=(config, rank, port, timeout_s, torch.get_num_threads()))
         for rank in range(1, world)]
     for p in processes:
         p.start()
@@ -364,9 +365,12 @@ def leader_hooks(engine: Engine) -> LeaderHooks:
     return engine.parallel
 
 
-def _rank_main(config: EngineConfig, rank: int, port: int, timeout_s: float) -> None:
-    """Entry point of a spawned rank."""
+def _rank_main(config: EngineConfig, rank: int, port: int, timeout_s: float,
+               threads: int) -> None:
+    """Entry point of a spawned rank (on the CPU with as many threads as rank 0)."""
     cfg = rank_config(config, rank)
+    if torch.device(cfg.device).type == "cpu":
+        torch.set_num_threads(threads)
     group = RankGroup.join(rank, config.tensor_parallel_size, port, torch.device(cfg.device),
                            timeout_s)
     try:
