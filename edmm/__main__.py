@@ -4,4 +4,5 @@ import sys
 
 from edmm.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # spawned tensor-parallel ranks import this module too
+    sys.exit(main())

@@ -117,6 +117,9 @@ def build_parser() -> argparse.ArgumentParser:
     ttft.add_argument("--full-prefill-chunk", type=_non_negative, default=0,
                       help="run the full prefill in passes of this many tokens, as the "
                            "engine's token budget does (both engines; default 0: one pass)")
+    ttft.add_argument("--tensor-parallel-size", type=int, default=None,
+                      help="split the model over this many GPUs; the model-level ops then run "
+                           "as engine requests (no transformers peer)")
     ttft.add_argument("--out", type=Path, default=None)
     live = bsub.add_parser("live", help="A/B/C resume groups at the client: the openai SDK over "
                            "HTTP against edmm serve (started on a free port, or --url)")
@@ -331,7 +334,8 @@ def _bench(args: argparse.Namespace) -> int:
         acfg = AgentBenchConfig(model=args.model, device=args.device, dtype=args.dtype,
                                 contexts=args.contexts, result_tokens=args.result_tokens,
                                 insert_fraction=args.insert_fraction, iterations=args.repeats,
-                                enforce_eager=args.eager, attention=args.attention[0])
+                                enforce_eager=args.eager, attention=args.attention[0],
+                                tensor_parallel_size=args.tensor_parallel_size or 1)
         print(Path(run_agent_bench(acfg, out)["md"]).read_text())
         from edmm.bench.agent_peer import plot_groups, run_peer_bench
 
@@ -348,7 +352,8 @@ def _bench(args: argparse.Namespace) -> int:
                                new_tokens=args.new_tokens, peer=not args.no_peer,
                                eager=args.eager, prefill_kernel=args.prefill_kernel,
                                full_prefill_chunk=args.full_prefill_chunk,
-                               attentions=args.attention, decode_routes=args.decode_routes)
+                               attentions=args.attention, decode_routes=args.decode_routes,
+                               tensor_parallel_size=args.tensor_parallel_size)
         print(Path(run_ttft_bench(tcfg, out)["md"]).read_text())
     print(f"wrote {out}")
     return 0

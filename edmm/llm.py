@@ -20,6 +20,7 @@ from edmm.engine.engine import Engine, Request
 from edmm.engine.errors import InvalidRequestError
 from edmm.engine.outputs import RequestOutput
 from edmm.engine.sampling import SamplingParams
+from edmm.engine.tp import build_engine
 
 # A prompt: text, or {"prompt_token_ids": [...]} (optionally with "prompt": its text), or
 # {"prompt": "..."}.
@@ -36,16 +37,20 @@ class LLM:
         device: ``"cpu"`` or ``"cuda"``.
         dtype: weights and KV dtype; None: the model config's.
         seed: seed of the shared sampling stream.
+        tensor_parallel_size: ranks to split the model over (one process each, spawned here;
+            on CUDA rank ``r`` runs on ``cuda:r``); 1: this process alone.
         **engine_kwargs: any other `EngineConfig` field (``num_pages``, ``max_model_len``,
             ``max_num_batched_tokens``, ``enable_prefix_caching``, ``backend``, ...).
     """
 
     def __init__(self, model: str | None = None, *, tokenizer: str | None = None,
                  device: str = "cpu", dtype: str | torch.dtype | None = None,
-                 seed: int | None = 0, **engine_kwargs: Any) -> None:
+                 seed: int | None = 0, tensor_parallel_size: int = 1,
+                 **engine_kwargs: Any) -> None:
         config = EngineConfig(model=model, tokenizer=tokenizer, device=device, dtype=dtype,
-                              seed=seed, **engine_kwargs)
-        self.llm_engine = Engine(config)
+                              seed=seed, tensor_parallel_size=tensor_parallel_size,
+                              **engine_kwargs)
+        self.llm_engine: Engine = build_engine(config)
         self._ids = itertools.count()
 
     def get_tokenizer(self) -> Any:

@@ -37,6 +37,7 @@ from edmm.agent import AgentConfig, AgentEngine, TokenLayout, ToolCall, ToolResu
 from edmm.bench.report import Progress, ResultWriter, collect_environment
 from edmm.bench.stats import ratio, summarize
 from edmm.engine import EngineConfig, EntryRank, SamplingParams, SlotHints
+from edmm.engine.tp import build_engine
 
 GROUPS = ("A", "B", "C")
 GROUP_NAMES = {"A": "cached prefix, result appended",
@@ -66,6 +67,7 @@ class AgentBenchConfig:
     enforce_eager: bool = False
     seed: int = 0
     attention: str = "auto"  # the engine's attention backend (`EngineConfig.attention`)
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         if self.result_tokens < 1 or self.iterations < 1 or self.warmup < 0:
@@ -90,7 +92,8 @@ class AgentBenchConfig:
                             max_model_len=longest, max_num_batched_tokens=budget,
                             num_pages=self.num_pages, host_page_size=self.host_page_size,
                             num_slots=16, max_num_seqs=4, enforce_eager=self.enforce_eager,
-                            attention=self.attention)
+                            attention=self.attention,
+                            tensor_parallel_size=self.tensor_parallel_size)
 
 
 @dataclass(frozen=True)
@@ -319,7 +322,8 @@ def _write_interference(rows: list[dict[str, Any]], cfg: AgentBenchConfig,
 def run_agent_bench(cfg: AgentBenchConfig, out_dir: Path) -> dict[str, Path]:
     """Run the A/B/C groups and the decode-interference check; write
     ``agent-ttft.{csv,json,md}`` and ``agent-interference.{csv,json,md}`` into ``out_dir``."""
-    agent = AgentEngine(cfg.engine_config(), AgentConfig(speculation=("predicted",)))
+    engine = build_engine(cfg.engine_config())
+    agent = AgentEngine(engine, AgentConfig(speculation=("predicted",)))
     try:
         rows = measure(agent, cfg)
         interference = measure_interference(agent, cfg, max(cfg.contexts) // 2)
@@ -327,6 +331,7 @@ def run_agent_bench(cfg: AgentBenchConfig, out_dir: Path) -> dict[str, Path]:
         stats = agent.engine.stats()
     finally:
         agent.close()
+        engine.close()
     summary = summarize_groups(rows)
     _write_interference(interference, cfg, out_dir)
     writer = ResultWriter(out_dir, "agent-ttft", collect_environment(cfg.device))

@@ -79,6 +79,9 @@ class TTFTBenchConfig:
     # rows are engine "edmm", the others' "edmm-<name>"
     attentions: tuple[str, ...] = ("auto",)
     decode_routes: str | None = None  # decode routing table file; None: the committed one
+    # None: the model driven directly on one device; N: through the engine, split over N GPUs
+    # (`edmm.bench.ttft_engine`)
+    tensor_parallel_size: int | None = None
 
 
 def _sync(device: torch.device) -> None:
@@ -238,14 +241,14 @@ def _measure(side: EdmmSide | HFSide, ids: torch.Tensor, ctx: int, cfg: TTFTBenc
     return rows
 
 
-def _summary(rows: list[dict[str, Any]], flops_of: Callable[[str, int], float]
-             ) -> list[dict[str, Any]]:
+def _summary(rows: list[dict[str, Any]], flops_of: Callable[[str, int], float],
+             gpus: int = 1) -> list[dict[str, Any]]:
     keys = list(dict.fromkeys((r["engine"], r["op"], r["context_tokens"]) for r in rows))
     out = []
     for engine, op, ctx in keys:
         s = summarize([r["ms"] for r in rows
                        if (r["engine"], r["op"], r["context_tokens"]) == (engine, op, ctx)])
-        floor = flops_of(op, ctx) / (MEASURED_BF16_TFLOPS * 1e12) * 1e3
+        floor = flops_of(op, ctx) / (gpus * MEASURED_BF16_TFLOPS * 1e12) * 1e3
         out.append({"engine": engine, "op": op, "context_tokens": ctx,
                     "trimmed_mean_ms": s.trimmed_mean, "median_ms": s.median,
                     "p10_ms": s.p10, "p90_ms": s.p90, "n": s.n,
@@ -276,6 +279,31 @@ def run_ttft_bench(cfg: TTFTBenchConfig, out_dir: Path) -> dict[str, Path]:
     torch.manual_seed(0)
     out_dir.mkdir(parents=True, exist_ok=True)
     max_ctx = max(cfg.contexts)
+    if cfg.tensor_parallel_size is not None:
+        rows, mcfg = _measure_through_engine(cfg, max_ctx)
+    else:
+        rows, mcfg = _measure_direct(cfg, max_ctx)
+    summary = _summary(rows, _flops(mcfg, cfg.new_tokens), cfg.tensor_parallel_size or 1)
+    env = collect_environment(cfg.device)
+    writer = ResultWriter(out_dir, "ttft-model", env)
+    writer.add_rows(rows)
+    notes = [f"model: {cfg.model} ({mcfg.architecture}, {mcfg.num_layers} layers), "
+             f"{cfg.dtype}, random weights",
+             f"repeats: {cfg.repeats} (full prefill: {cfg.full_prefill_repeats}), after one "
+             "warm-up; trimmed mean drops 10% each side",
+             f"compute floor: matmul FLOPs / ({cfg.tensor_parallel_size or 1} GPU(s) x "
+             f"{MEASURED_BF16_TFLOPS} TFLOP/s)",
+             *(_engine_notes(cfg) if cfg.tensor_parallel_size is not None else _direct_notes(cfg)),
+             *_plot(summary, out_dir)]
+    paths = writer.write(summary, title=f"edmm bench ttft (model level, {cfg.device})",
+                         notes=notes)
+    return paths
+
+
+def _measure_direct(cfg: TTFTBenchConfig, max_ctx: int
+                    ) -> tuple[list[dict[str, Any]], ModelConfig]:
+    """The three ops on the model driven directly, once per EDMM attention backend, then
+    (``peer``) on transformers."""
     sides = edmm_sides(cfg)
     rows: list[dict[str, Any]] = []
     per_ctx = cfg.full_prefill_repeats + 2 * cfg.repeats + 3  # + a warm-up of each op
@@ -296,27 +324,43 @@ def run_ttft_bench(cfg: TTFTBenchConfig, out_dir: Path) -> dict[str, Path]:
         for ctx in cfg.contexts:
             rows += _measure(hf, ids, ctx, cfg, "transformers", progress)
         hf.close()
-    summary = _summary(rows, _flops(mcfg, cfg.new_tokens))
-    env = collect_environment(cfg.device)
-    writer = ResultWriter(out_dir, "ttft-model", env)
-    writer.add_rows(rows)
-    notes = [f"model: {cfg.model} ({mcfg.architecture}, {mcfg.num_layers} layers), "
-             f"{cfg.dtype}, random weights",
-             f"repeats: {cfg.repeats} (full prefill: {cfg.full_prefill_repeats}), after one "
-             "warm-up; trimmed mean drops 10% each side",
-             f"compute floor: matmul FLOPs / {MEASURED_BF16_TFLOPS} TFLOP/s",
-             "attention (CUDA, not eager): " + ", ".join(
-                 f"{engine}: {attention}" for engine, attention in sides.items()),
-             "decode kernel launch: " + _routes_note(decode_routes_of(cfg)),
-             f"Triton prefill kernel (attention triton): {cfg.prefill_kernel} "
-             f"({PREFILL_KERNELS[cfg.prefill_kernel]})",
-             "full prefill: " + (f"chunks of {cfg.full_prefill_chunk} tokens (both engines), "
-                                 "each launched without waiting for the last"
-                                 if cfg.full_prefill_chunk else "one pass"),
-             *_plot(summary, out_dir)]
-    paths = writer.write(summary, title=f"edmm bench ttft (model level, {cfg.device})",
-                         notes=notes)
-    return paths
+    return rows, mcfg
+
+
+def _measure_through_engine(cfg: TTFTBenchConfig, max_ctx: int
+                            ) -> tuple[list[dict[str, Any]], ModelConfig]:
+    """The three ops as engine requests over ``tensor_parallel_size`` GPUs (no peer)."""
+    from edmm.bench.ttft_engine import EngineSide, measure_engine
+
+    tp = cfg.tensor_parallel_size or 1
+    side = EngineSide(cfg.model, cfg.device, cfg.dtype, max_ctx, cfg.new_tokens, tp,
+                      cfg.repeats)
+    progress = Progress("engine ops", len(cfg.contexts) * 3)
+    try:
+        rows: list[dict[str, Any]] = []
+        for ctx in cfg.contexts:
+            rows += measure_engine(side, ctx, cfg.repeats, cfg.full_prefill_repeats,
+                                   f"edmm-engine-tp{tp}", progress)
+        return rows, side.engine.model_config
+    finally:
+        side.close()
+
+
+def _direct_notes(cfg: TTFTBenchConfig) -> list[str]:
+    return ["attention (CUDA, not eager): " + ", ".join(
+                f"{engine}: {attention}" for engine, attention in edmm_sides(cfg).items()),
+            "decode kernel launch: " + _routes_note(decode_routes_of(cfg)),
+            f"Triton prefill kernel (attention triton): {cfg.prefill_kernel} "
+            f"({PREFILL_KERNELS[cfg.prefill_kernel]})",
+            "full prefill: " + (f"chunks of {cfg.full_prefill_chunk} tokens (both engines), "
+                                "each launched without waiting for the last"
+                                if cfg.full_prefill_chunk else "one pass")]
+
+
+def _engine_notes(cfg: TTFTBenchConfig) -> list[str]:
+    return [f"through the engine (requests, scheduling and page mapping included), tensor "
+            f"parallel over {cfg.tensor_parallel_size} GPU(s); decode step: one engine step "
+            "of one request at contexts n .. n + repeats; no transformers peer"]
 
 
 def decode_routes_of(cfg: TTFTBenchConfig) -> DecodeRoutes | None:

@@ -61,6 +61,9 @@ class EngineConfig:
         kv_offload_bytes: host memory (pinned on CUDA) for the KV of paused agent sessions
             that memory pressure evicts: copied there instead of dropped, copied back before
             or at resume. 0: off (evicted sessions are recomputed).
+        tensor_parallel_size: ranks (one process per GPU, or per CPU process with gloo) the
+            model's heads, KV heads and vocabulary are split over; build such an engine with
+            `edmm.engine.tp.build_engine`. Each rank's arena holds its KV heads only.
     """
 
     model: str | None = None
@@ -85,6 +88,7 @@ class EngineConfig:
     speculative_tokens_when_idle: int = 2048
     max_speculative_pages: int | None = None
     kv_offload_bytes: int = 0
+    tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
         device = torch.device(self.device)
@@ -101,6 +105,11 @@ class EngineConfig:
                 f"attention must be one of {ATTENTION_CHOICES}, got {self.attention!r}")
         if self.kv_offload_bytes < 0:
             raise EngineConfigError(f"kv_offload_bytes must be >= 0, got {self.kv_offload_bytes}")
+        if self.tensor_parallel_size < 1:
+            raise EngineConfigError(
+                f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.kv_offload_bytes > 0:
+            raise EngineConfigError("KV offload is not supported with tensor_parallel_size > 1")
         for name in ("num_slots", "max_num_batched_tokens", "max_num_seqs", "prefix_block_size"):
             if getattr(self, name) < 1:
                 raise EngineConfigError(f"{name} must be >= 1, got {getattr(self, name)}")

@@ -28,6 +28,7 @@ from edmm.engine.errors import (
     InvalidRequestError,
     SchedulerStallError,
 )
+from edmm.engine.hooks import ParallelHooks
 from edmm.engine.kv_manager import KVCacheManager, KVStats
 from edmm.engine.outputs import CompletionOutput, RequestOutput
 from edmm.engine.prefix_cache import PrefixCache
@@ -159,29 +160,40 @@ class _RequestState:
 
 
 class Engine:
-    """An LLM engine over a VMM-backed KV arena; see the module docstring."""
+    """An LLM engine over a VMM-backed KV arena; see the module docstring.
 
-    def __init__(self, config: EngineConfig | None = None) -> None:
+    ``parallel``: one tensor-parallel rank's hooks (`edmm.engine.tp.build_engine` passes them;
+    required when ``config.tensor_parallel_size > 1``).
+    """
+
+    def __init__(self, config: EngineConfig | None = None,
+                 parallel: ParallelHooks | None = None) -> None:
         self.config = config = config if config is not None else EngineConfig()
+        if config.tensor_parallel_size > 1 and parallel is None:
+            raise EngineConfigError(
+                "tensor_parallel_size > 1: build the engine with edmm.engine.tp.build_engine")
+        self.parallel = parallel
         folder = _model_folder(config.model)
         model_ref = folder if folder is not None else str(config.model)
         self.model, self.model_config = load_model(model_ref, config.device, config.dtype)
+        if parallel is not None:
+            self.model = parallel.shard(self.model)  # model.cfg: this rank's heads
         self.tokenizer = _load_tokenizer(config.tokenizer, folder)
         self.eos_token_ids = _eos_token_ids(self.model_config, self.tokenizer, folder)
         self.max_model_len = _max_model_len(config, self.model)
         dtype = next(self.model.parameters()).dtype
-        spec = KVSpec(self.model_config.num_layers, self.model_config.num_kv_heads,
-                      self.model_config.head_dim, dtype)
+        local = self.model.cfg  # with ``parallel``: this rank's heads
+        spec = KVSpec(local.num_layers, local.num_kv_heads, local.head_dim, dtype)
         self.attention = _attention_name(config)
         self._backend, pool, arena = _build_memory(config, spec, self.max_model_len,
-                                                   kv_read_align(self.attention))
+                                                   kv_read_align(self.attention), parallel)
         offload = (HostKVStore(arena, config.kv_offload_bytes)
                    if config.kv_offload_bytes > 0 and config.enable_prefix_caching else None)
         self.kv = KVCacheManager(arena, PrefixCache(arena, config.prefix_block_size,
                                                     config.enable_prefix_caching, offload))
         self.scheduler = Scheduler(self.kv, config.scheduler_config(pool.capacity))
-        self.runner = _build_runner(config, self.model, arena, self.max_model_len,
-                                    self.attention)
+        runner = _build_runner(config, self.model, arena, self.max_model_len, self.attention)
+        self.runner = parallel.wrap_runner(runner) if parallel is not None else runner
         self._counters = _Counters()
         self.validator = RequestValidator(self.model_config.vocab_size, self.max_model_len,
                                           self.tokenizer is not None)
@@ -333,12 +345,16 @@ class Engine:
         """Raise if the scheduler and the KV memory disagree, or the arena, the pool, the
         prefix index or the host tier breaks an invariant."""
         self.scheduler.check_integrity()
+        if self.parallel is not None:
+            self.parallel.check_integrity()
 
     def close(self) -> None:
         """Release the arena, the pool and the backend; the engine is unusable after."""
         if self._closed:
             return
         self._closed = True
+        if self.parallel is not None:
+            self.parallel.close()
         for request_id in list(self._states):
             self.abort(request_id)
         for seq in [*self.scheduler.spec_waiting, *self.scheduler.spec_running]:
@@ -433,15 +449,19 @@ def _attention_name(config: EngineConfig) -> str:
     return resolve_attention(config.attention, AttentionCapabilities.probe(config.device))
 
 
-def _build_memory(config: EngineConfig, spec: KVSpec, max_model_len: int,
-                  read_align: int = 1) -> tuple[VMMBackend, PagePool, KVArena]:
+def _build_memory(config: EngineConfig, spec: KVSpec, max_model_len: int, read_align: int = 1,
+                  parallel: ParallelHooks | None = None
+                  ) -> tuple[VMMBackend, PagePool, KVArena]:
     """The VMM backend, the page pool and the arena (slots mapped up to ``read_align``
-    tokens, the attention's); the pool must hold one longest sequence."""
+    tokens, the attention's); the pool must hold one longest sequence (with ``parallel``: the
+    same pool size on every rank, and the rank's own arena)."""
     backend = open_backend(config.backend_kind,
                            device_index=torch.device(config.device).index or 0,
                            host_page_size=config.host_page_size)
     per_seq = -(-max_model_len * spec.token_bytes // backend.page_size)
     num_pages = _num_pages(config, backend.page_size, per_seq)
+    if parallel is not None:
+        num_pages = parallel.agree_num_pages(num_pages)
     if num_pages < per_seq:
         backend.close()
         raise EngineConfigError(
@@ -449,6 +469,9 @@ def _build_memory(config: EngineConfig, spec: KVSpec, max_model_len: int,
             f"max_model_len={max_model_len} ({per_seq} pages); raise num_pages or lower "
             "max_model_len")
     pool = PagePool(backend, num_pages)
+    if parallel is not None:
+        return backend, pool, parallel.make_arena(pool, spec, config.num_slots, max_model_len,
+                                                  read_align)
     return backend, pool, KVArena(pool, spec, config.num_slots, max_model_len, read_align)
 
 

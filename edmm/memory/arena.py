@@ -162,6 +162,12 @@ class KVArena:
         holding its frontier (partially filled), or the next one (frontier on a boundary)."""
         return num_tokens * self.spec.token_bytes // self.page_size
 
+    def layout(self) -> list[tuple[int, bool, int, tuple[int, ...]]]:
+        """``(slot, retired, tokens, page ids)`` of every slot in use, by slot index: two arenas
+        with equal layouts hold the same sequences on the same pages."""
+        return [(i, s.retired, s.num_tokens, tuple(s.pages))
+                for i, s in enumerate(self._slots) if s.in_use]
+
     def free_slots(self) -> int:
         """Slots not in use."""
         return sum(not s.in_use for s in self._slots)

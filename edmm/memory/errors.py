@@ -49,3 +49,7 @@ class SlotOverflowError(KVMemoryError):
 
 class InvalidBranchError(KVMemoryError):
     """A branch or truncation that does not fit its source (e.g. longer than the source)."""
+
+
+class ArenaDesyncError(KVMemoryError):
+    """A replayed arena operation gave another result than it did on the arena it came from."""

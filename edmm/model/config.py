@@ -320,6 +320,24 @@ PRESETS: dict[str, ModelConfig] = {
         bos_token_id=151643,
         eos_token_ids=(151645, 151643),
     ),
+    # Qwen2.5-32B(-Instruct) shapes: 64 GB of bf16 weights, served with tensor parallelism.
+    "qwen2.5-32b": ModelConfig(
+        architecture="Qwen2ForCausalLM",
+        vocab_size=152064,
+        hidden_size=5120,
+        intermediate_size=27648,
+        num_layers=64,
+        num_heads=40,
+        num_kv_heads=8,
+        head_dim=128,
+        rms_norm_eps=1e-5,
+        rope_theta=1000000.0,
+        max_position_embeddings=32768,
+        tie_word_embeddings=False,
+        attention_bias=True,
+        bos_token_id=151643,
+        eos_token_ids=(151645, 151643),
+    ),
     "llama3-8b": _LLAMA3_8B,
     # Llama-3.1-8B(-Instruct): 128k context through llama3 RoPE scaling.
     "llama3.1-8b": _LLAMA3_8B.replace(

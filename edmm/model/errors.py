@@ -93,3 +93,7 @@ class PromptTooLongError(ModelError):
         self.limit = limit
         self.at_least = at_least
         super().__init__(f"the prompt has at least {at_least} tokens, over the limit of {limit}")
+
+
+class ShardingError(ModelError):
+    """A model shape cannot be split over the requested tensor-parallel ranks."""

@@ -31,6 +31,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--num-pages", type=int, default=None, help="physical KV pages")
     parser.add_argument("--max-num-seqs", type=int, default=None)
+    parser.add_argument("--tensor-parallel-size", type=int, default=None,
+                        help="GPUs (or CPU processes) to split the model over, one process "
+                             "each (default: 1)")
     parser.add_argument("--kv-offload-gib", type=float, default=None,
                         help="host memory for paused sessions' KV under pressure (default: off)")
     parser.add_argument("--no-execution-aware", action="store_true",
@@ -60,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     """The `ServerConfig` of parsed ``serve`` options."""
     engine: dict[str, Any] = {}
-    for name in ("tokenizer", "dtype", "max_model_len", "num_pages", "max_num_seqs"):
+    for name in ("tokenizer", "dtype", "max_model_len", "num_pages", "max_num_seqs",
+                 "tensor_parallel_size"):
         if getattr(args, name) is not None:
             engine[name] = getattr(args, name)
     if args.kv_offload_gib is not None:

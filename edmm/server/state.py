@@ -10,6 +10,7 @@ from typing import Any
 
 from edmm.agent import AgentConfig, AgentEngine
 from edmm.engine import Engine, EngineConfig
+from edmm.engine.tp import build_engine
 from edmm.server.engine_loop import EngineLoop
 from edmm.server.guided import GrammarBudget, GuidedDecoding
 from edmm.server.http_guard import DEFAULT_MAX_BODY_BYTES, default_allowed_hosts
@@ -82,7 +83,7 @@ class ServerState:
 
     def __init__(self, config: ServerConfig, engine: Engine | None = None) -> None:
         self.config = config
-        self.engine = engine if engine is not None else Engine(
+        self.engine = engine if engine is not None else build_engine(
             EngineConfig(model=config.model, device=config.device, **config.engine))
         tokenizer = copy.deepcopy(self.engine.tokenizer)  # the event loop's own instance
         agent_config = dataclasses.replace(

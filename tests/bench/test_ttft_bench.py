@@ -82,3 +82,20 @@ def test_engine_config_names_its_attention() -> None:
     assert EngineConfig().attention == "auto"
     with pytest.raises(EngineConfigError, match="attention must be one of"):
         EngineConfig(attention="flash")
+
+
+def test_bench_ttft_through_the_engine(tmp_path: Path) -> None:
+    """``--tensor-parallel-size 2``: the three ops as engine requests, with a spawned rank over
+    gloo; the cached-prefix op really hits the cache (the bench checks it)."""
+    tp = 2
+    rc = main(["bench", "ttft", "--only", "model", "--model", "tiny", "--device", "cpu",
+               "--dtype", "float32", "--contexts", "48,96", "--repeats", "2",
+               "--full-prefill-repeats", "1", "--new-tokens", "16",
+               "--tensor-parallel-size", str(tp), "--out", str(tmp_path)])
+    assert rc == 0
+    data = json.loads((tmp_path / "ttft-model.json").read_text())
+    keys = {(r["engine"], r["op"], r["context_tokens"]) for r in data["summary"]}
+    assert keys == {(f"edmm-engine-tp{tp}", op, ctx) for ctx in (48, 96)
+                    for op in ("decode step", "prefill on cached prefix", "full prefill")}
+    assert all(r["ms"] > 0 for r in data["rows"])
+    assert any(f"tensor parallel over {tp} GPU(s)" in n for n in data["notes"])

@@ -174,6 +174,7 @@ def test_presets() -> None:
 # Parameter counts of the real checkpoints, counted on the meta device.
 EXPECTED_PARAMS = {
     "qwen2.5-7b": 7_615_616_512,
+    "qwen2.5-32b": 32_763_876_352,
     "llama3-8b": 8_030_261_248,
     "llama3.1-8b": 8_030_261_248,
     "qwen3-8b": 8_190_735_360,
