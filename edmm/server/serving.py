@@ -95,6 +95,7 @@ class ChatTurn:
     last: RequestOutput | None = None
     content: str = ""  # content sent so far (streaming)
     calls: list[ParsedToolCall] = field(default_factory=list)
+    cut: bool = False  # the reply ended inside a tool-call block (see tool_parser)
 
 
 class OpenAIServing:
@@ -164,7 +165,7 @@ class OpenAIServing:
         async for out in self._outputs(turn.stream):
             turn.last = out
         reply = self._reply(turn)
-        turn.calls = reply.tool_calls
+        turn.calls, turn.cut = reply.tool_calls, reply.cut
         finish = await self._finish_chat(turn, reply.content)
         message = ResponseMessage(content=reply.content, tool_calls=_tool_calls(reply.tool_calls))
         return ChatCompletion(id=turn.id, model=self.model_name,
@@ -194,6 +195,7 @@ class OpenAIServing:
                 yield self._chunk(turn, delta)
         if parser is not None and turn.last is not None:
             rest = parser.finish(turn.last.outputs[0].text)  # an unclosed or invalid block
+            turn.calls, turn.cut = list(parser.calls), parser.cut
             if rest:
                 turn.content += rest
                 yield self._chunk(turn, ChatDelta(content=rest))
@@ -212,15 +214,14 @@ class OpenAIServing:
                 return None, sent
             turn.content += text[sent:]
             return ChatDelta(content=text[sent:]), len(text)
-        content, calls = parser.feed(text)
+        content, fragments = parser.feed(text)
         turn.content += content
-        first = len(turn.calls)
-        turn.calls.extend(calls)
-        if not content and not calls:
+        if not content and not fragments:
             return None, sent
-        deltas = [ToolCallDelta(index=first + i, id=c.id, type="function",
-                                function=FunctionCallDelta(name=c.name, arguments=c.arguments))
-                  for i, c in enumerate(calls)]
+        # "type" on every piece: the openai SDK's accumulation overwrites it with each one's.
+        deltas = [ToolCallDelta(index=f.index, id=f.id, type="function",
+                                function=FunctionCallDelta(name=f.name, arguments=f.arguments))
+                  for f in fragments]
         return ChatDelta(content=content or None, tool_calls=deltas or None), sent
 
     def _chunk(self, turn: ChatTurn, delta: ChatDelta,
@@ -238,11 +239,12 @@ class OpenAIServing:
         out = turn.last
         assert out is not None
         completion = out.outputs[0]
-        if turn.calls:
+        awaits = bool(turn.calls) and not turn.cut  # a cut call is not run: no tool window
+        if awaits:
             # Shielded: once the reply exists its session must await the calls, even if the
             # client leaves now.
             await asyncio.shield(self._end_turn(turn, content))
-        reason = "tool_calls" if turn.calls else _reason(completion.finish_reason)
+        reason = "tool_calls" if awaits else _reason(completion.finish_reason)
         self._count_finished(turn.engine_request, out, reason)
         return reason
 
