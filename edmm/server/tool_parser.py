@@ -239,6 +239,7 @@ class StreamingToolParser:
             assert self._open is not None
             if not self._step_open(text, out):
                 return out
+        return out
 
     def _open_block(self, text: str) -> bool:
         """Open the next block if it has started; False while waiting (or broken)."""
