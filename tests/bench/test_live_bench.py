@@ -86,7 +86,8 @@ def test_config_and_command() -> None:
     with pytest.raises(ValueError):
         LiveBenchConfig(groups=("D",))
     with pytest.raises(LiveBenchError, match="local HF folder"):
-        run_live_bench(LiveBenchConfig(model="qwen2.5-7b"), Path("/nonexistent"))
+        run_live_bench(LiveBenchConfig(model="qwen2.5-7b", tokenizer="/nonexistent"),
+                       Path("/nonexistent"))
 
 
 def test_summary_falls_back_to_the_non_streamed_latency_without_ttft() -> None:
