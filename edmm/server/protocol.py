@@ -335,7 +335,8 @@ class FunctionCallDelta(BaseModel):
 
 
 class ToolCallDelta(BaseModel):
-    """A tool call in a streamed chunk (this server sends each call whole, in one delta)."""
+    """A piece of a tool call in a streamed chunk: the first has ``id``, ``type`` and the
+    function's ``name`` (``arguments`` ""), the next ones pieces of ``arguments``."""
 
     index: int
     id: str | None = None

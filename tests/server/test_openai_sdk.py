@@ -7,6 +7,7 @@ from typing import Any
 
 import httpx
 import openai
+from openai.lib.streaming.chat import ChatCompletionStreamState
 from server_helpers import MODEL, QUESTION, TOOLS, LiveServer
 
 
@@ -60,8 +61,12 @@ def test_streamed_agent_loop(client: openai.OpenAI) -> None:
     chunks = list(stream)
     assert chunks[0].choices[0].delta.role == "assistant"
     deltas = [c.choices[0].delta for c in chunks if c.choices]
-    calls = [tc for d in deltas for tc in d.tool_calls or []]
-    assert calls and [tc.index for tc in calls] == list(range(len(calls)))
+    state = ChatCompletionStreamState()  # the SDK's accumulation of the argument deltas
+    for chunk in chunks:
+        state.handle_chunk(chunk)
+    calls = state.get_final_completion().choices[0].message.tool_calls or []
+    firsts = [tc.index for d in deltas for tc in d.tool_calls or [] if tc.id is not None]
+    assert calls and firsts == list(range(len(calls)))
     for tc in calls:
         _check_call(tc, {"get_weather", "calculator"})
     assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] == "tool_calls"

@@ -1,0 +1,180 @@
+"""Incremental chat rendering: render only the messages that are new since an earlier request.
+
+Rendering a conversation with a Jinja chat template costs per message (the sandbox checks
+every attribute read), so an agent's resume re-renders dozens of unchanged messages to append
+one tool result. `IncrementalChatRenderer` keeps the text of recent prompts and, for a new
+request sharing a prefix of messages with one of them, renders only a *window*: the leading
+system message (the template's header: system text and tools) and the messages from the last
+user query before the first changed message on; the new text is the earlier prompt's text up
+to that query plus the window's text after its header.
+
+This is exact for templates of the Hermes/Qwen family, whose text of a message depends only on
+the tools, the first message, the message's neighbours and the index of the last user query
+(``reasoning_content`` is shown only after it): the messages before a user query that both
+requests share render the same in both. The property test
+(``tests/server/test_incremental_render.py``) checks it against full renders of random
+conversations (tools, parallel calls, reasoning stripping, mid-prompt memory blocks). Every
+step that could go wrong for another template is checked on the texts (the window's header
+is the header alone rendered; the earlier prompt ends with its own window's text), and falls
+back to a full render if not; ``verify=True`` also compares with a full render every time.
+
+Not thread-safe: one thread (the server's tokenizing thread) owns it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+# (messages, tools, chat_template_kwargs, add_generation_prompt) -> prompt text
+RenderFn = Callable[[list[dict[str, Any]], list[dict[str, Any]] | None, dict[str, Any] | None,
+                     bool], str]
+
+
+class IncrementalRenderError(RuntimeError):
+    """``verify=True`` found an incremental render that differs from the full render."""
+
+
+@dataclass
+class _Rendered:
+    messages: list[dict[str, Any]]
+    tools: list[dict[str, Any]] | None
+    kwargs: dict[str, Any] | None
+    text: str
+    starts: dict[int, int] = field(default_factory=dict)  # user message index -> char offset
+
+
+@dataclass
+class RenderStats:
+    """Messages rendered (windows and full renders) and taken from earlier prompts' text."""
+
+    rendered_messages: int = 0
+    reused_messages: int = 0
+    full_renders: int = 0
+    window_renders: int = 0
+
+
+class IncrementalChatRenderer:
+    """Prompt text (and ids) of conversations, rendering only what is new; see the module
+    docstring.
+
+    Args:
+        render: the full render of a conversation (the chat template, tools, kwargs, whether
+            to add the generation prompt); its errors pass through.
+        encode: token ids of a prompt text (e.g. `PromptEncoder.encode`, which reuses the
+            ids of the shared text prefix); used by `render_ids`.
+        capacity: recent prompts kept (the oldest dropped first).
+        verify: also render in full and raise `IncrementalRenderError` on a difference.
+    """
+
+    def __init__(self, render: RenderFn, encode: Callable[[str], list[int]] | None = None,
+                 capacity: int = 16, verify: bool = False) -> None:
+        self._render = render
+        self._encode = encode
+        self._recent: deque[_Rendered] = deque(maxlen=capacity)
+        self._verify = verify
+        self.stats = RenderStats()
+
+    def render_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                   kwargs: dict[str, Any] | None = None) -> list[int]:
+        """Token ids of the prompt (generation prompt added)."""
+        if self._encode is None:
+            raise ValueError("render_ids needs an encode function")
+        return self._encode(self.render_text(messages, tools, kwargs))
+
+    def render_text(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                    kwargs: dict[str, Any] | None = None) -> str:
+        """The prompt text (generation prompt added), equal to ``render(messages, tools,
+        kwargs, True)``."""
+        entry = self._incremental(messages, tools, kwargs)
+        if entry is None:
+            entry = _Rendered(list(messages), tools, kwargs,
+                              self._render(messages, tools, kwargs, True))
+            self.stats.full_renders += 1
+            self.stats.rendered_messages += len(messages)
+        elif self._verify and entry.text != self._render(messages, tools, kwargs, True):
+            raise IncrementalRenderError("the incremental render differs from the full one")
+        self._recent.append(entry)
+        return entry.text
+
+    def _incremental(self, messages: list[dict[str, Any]],
+                     tools: list[dict[str, Any]] | None,
+                     kwargs: dict[str, Any] | None) -> _Rendered | None:
+        base, j = self._best_base(messages, tools, kwargs)
+        if base is None:
+            return None
+        start = self._start(base, j)
+        if start is None:
+            return None
+        body = self._window_body(messages, j, tools, kwargs)
+        if body is None:
+            return None
+        self.stats.reused_messages += j - self._header_len(messages)
+        return _Rendered(list(messages), tools, kwargs, base.text[:start] + body, {j: start})
+
+    def _best_base(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                   kwargs: dict[str, Any] | None) -> tuple[_Rendered | None, int]:
+        """The recent prompt whose shared messages reach the latest user query (its index)."""
+        best: tuple[_Rendered | None, int] = (None, 0)
+        for entry in reversed(self._recent):
+            if entry.tools != tools or entry.kwargs != kwargs:
+                continue
+            shared = _shared_prefix(entry.messages, messages)
+            j = _last_user_before(messages, shared)
+            if j is not None and j > best[1] and j > self._header_len(messages):
+                best = (entry, j)
+        return best
+
+    def _start(self, entry: _Rendered, j: int) -> int | None:
+        """Where user message ``j`` starts in ``entry``'s text, from a window render of the
+        entry (checked: its text ends with the window's)."""
+        if j in entry.starts:
+            return entry.starts[j]
+        body = self._window_body(entry.messages, j, entry.tools, entry.kwargs)
+        if body is None or not entry.text.endswith(body):
+            return None
+        entry.starts[j] = len(entry.text) - len(body)
+        return entry.starts[j]
+
+    def _window_body(self, messages: list[dict[str, Any]], j: int,
+                     tools: list[dict[str, Any]] | None,
+                     kwargs: dict[str, Any] | None) -> str | None:
+        """The text of messages ``j:`` (generation prompt added), after the header; None if
+        the window's render does not start with the header's."""
+        head = messages[:self._header_len(messages)]
+        # No system message: no header (a template that adds a default system prompt then
+        # fails the caller's check, and the request is rendered in full).
+        header = self._render(head, tools, kwargs, False) if head else ""
+        window = self._render([*head, *messages[j:]], tools, kwargs, True)
+        self.stats.window_renders += 1
+        self.stats.rendered_messages += len(head) + len(messages) - j
+        if not window.startswith(header):
+            return None
+        return window[len(header):]
+
+    @staticmethod
+    def _header_len(messages: Sequence[dict[str, Any]]) -> int:
+        return 1 if messages and messages[0].get("role") == "system" else 0
+
+
+def _shared_prefix(a: Sequence[dict[str, Any]], b: Sequence[dict[str, Any]]) -> int:
+    """How many leading messages ``a`` and ``b`` share."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x is not y and x != y:
+            break
+        n += 1
+    return n
+
+
+def _last_user_before(messages: Sequence[dict[str, Any]], end: int) -> int | None:
+    """Index of the last user query among ``messages[:end]`` (not a tool-response wrapper)."""
+    for i in range(min(end, len(messages)) - 1, -1, -1):
+        m = messages[i]
+        content = m.get("content")
+        if m.get("role") == "user" and isinstance(content, str) and not (
+                content.startswith("<tool_response>") and content.endswith("</tool_response>")):
+            return i
+    return None

