@@ -29,7 +29,14 @@ from typing import Any
 
 import torch
 
-from edmm.bench.report import Progress, ResultWriter, collect_environment, plot_bars
+from edmm.bench.report import (
+    Progress,
+    ResultWriter,
+    collect_environment,
+    device_label,
+    plot_bars,
+    tokens_label,
+)
 from edmm.bench.stats import summarize
 from edmm.engine.cuda_graph import CudaGraphRunner
 from edmm.engine.runner import ModelInputs, ModelRunner
@@ -276,34 +283,39 @@ def run_ttft_bench(cfg: TTFTBenchConfig, out_dir: Path) -> dict[str, Path]:
         hf.close()
     summary = _summary(rows, _flops(mcfg, cfg.new_tokens))
     env = collect_environment(cfg.device)
+    cuda = cfg.device.startswith("cuda")
     writer = ResultWriter(out_dir, "ttft-model", env)
     writer.add_rows(rows)
     notes = [f"model: {cfg.model} ({mcfg.architecture}, {mcfg.num_layers} layers), "
              f"{cfg.dtype}, random weights",
              f"repeats: {cfg.repeats} (full prefill: {cfg.full_prefill_repeats}), after one "
              "warm-up; trimmed mean drops 10% each side",
-             f"compute floor: matmul FLOPs / {MEASURED_BF16_TFLOPS} TFLOP/s",
-             f"prefill kernel (CUDA, not eager): {cfg.prefill_kernel} "
-             f"({PREFILL_KERNELS[cfg.prefill_kernel]})",
+             f"compute floor: matmul FLOPs / {MEASURED_BF16_TFLOPS} TFLOP/s (the H200's "
+             "measured bf16 rate" + ("" if cuda else "; a GPU figure, not this CPU's") + ")",
+             *([f"prefill kernel (CUDA, not eager): {cfg.prefill_kernel} "
+                f"({PREFILL_KERNELS[cfg.prefill_kernel]})"] if cuda else []),
              "full prefill: " + (f"chunks of {cfg.full_prefill_chunk} tokens (both engines), "
                                  "each launched without waiting for the last"
                                  if cfg.full_prefill_chunk else "one pass"),
-             *_plot(summary, out_dir)]
+             *_plot(summary, out_dir, device_label(cfg.device), cfg.model)]
     paths = writer.write(summary, title=f"edmm bench ttft (model level, {cfg.device})",
                          notes=notes)
     return paths
 
 
-def _plot(summary: list[dict[str, Any]], out_dir: Path) -> list[str]:
+def _plot(summary: list[dict[str, Any]], out_dir: Path, device: str, model: str) -> list[str]:
     notes = []
     for op in OPS:
-        rows = [dict(r, context=str(r["context_tokens"])) for r in summary if r["op"] == op]
+        rows = [dict(r, context=tokens_label(r["context_tokens"])) for r in summary
+                if r["op"] == op]
         if not rows:
             continue
         name = f"ttft-{op.split()[0]}.png"
         try:
             plot_bars(rows, "context", "trimmed_mean_ms", "engine", out_dir / name,
-                      f"{op} (ms, trimmed mean)")
+                      f"{op}: EDMM beside transformers ({device}, model {model})",
+                      x_label="context length (tokens)", y_label="time (ms, trimmed mean)",
+                      legend_title="engine")
             notes.append(f"plot: {name}")
         except RuntimeError as e:
             notes.append(f"plot skipped: {e}")
