@@ -5,8 +5,9 @@ the generated conversations of :mod:`edmm.model.tool_corpus`, rendered with the 
 template exactly as ``edmm serve`` renders a request; the loss covers only the assistant's
 tokens (its tool calls, answers and the closing ``<|im_end|>``). Seeded and deterministic on
 one machine (torch's CPU kernels may round differently elsewhere). The folder it writes is an
-ordinary HF model folder. The shipped ``edmm/model/assets/tool-tiny`` came from four runs on
-one shared CPU core (about 25, 10, 4 and 5 minutes), each starting from the last one's folder:
+ordinary HF model folder. The shipped ``edmm/model/assets/tool-tiny`` came from five runs on
+one shared CPU core (about 25, 10, 4, 5 and 8 minutes), each starting from the last one's
+folder:
 
     python -m edmm.model.train_tool_model --out /tmp/p1 --stop-after 401
     python -m edmm.model.train_tool_model --init /tmp/p1 --copy-phase 1 --steps 240 \\
@@ -14,12 +15,14 @@ one shared CPU core (about 25, 10, 4 and 5 minutes), each starting from the last
     python -m edmm.model.train_tool_model --init /tmp/p2 --copy-phase 2 --steps 300 \\
         --batch 16 --lr 3e-3 --warmup 20 --seed 2 --conversations 5000 --out /tmp/p3
     python -m edmm.model.train_tool_model --init /tmp/p3 --copy-phase 1 --steps 250 \\
-        --batch 12 --lr 2e-3 --warmup 10 --seed 3 --conversations 3000 \\
+        --batch 12 --lr 2e-3 --warmup 10 --seed 3 --conversations 3000 --out /tmp/p4
+    python -m edmm.model.train_tool_model --init /tmp/p4 --copy-phase 1 --steps 250 \\
+        --batch 12 --lr 1.5e-3 --warmup 10 --seed 4 --conversations 3000 \\
         --out edmm/model/assets/tool-tiny
 
 The first learns the format and which tool to call; the others, on shorter conversations where
-copying from the question is most of the reply, teach it to copy (the last mixes the full
-corpus back in: parallel calls, direct answers).
+copying from the question is most of the reply, teach it to copy (phases 2, 4 and 5 mix some
+of the full corpus back in: parallel calls, direct answers).
 """
 
 from __future__ import annotations
