@@ -26,7 +26,9 @@ def test_bench_ttft_smoke(tmp_path: Path) -> None:
                 assert (engine, op, ctx) in keys
     assert all(r["ms"] > 0 for r in data["rows"])
     assert (tmp_path / "ttft-decode.png").stat().st_size > 1000
-    assert any(n.startswith("prefill kernel (CUDA, not eager): default (") for n in data["notes"])
+    # On the CPU the CUDA-only kernel note is left out and the floor is said to be a GPU's.
+    assert not any(n.startswith("prefill kernel") for n in data["notes"])
+    assert any("a GPU figure, not this CPU's" in n for n in data["notes"])
     assert "full prefill: chunks of 40 tokens (both engines), each launched without waiting " \
            "for the last" in data["notes"]
 
