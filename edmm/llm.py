@@ -1,7 +1,7 @@
 """Offline inference, following vLLM: ``LLM(model).generate(prompts, SamplingParams(...))``.
 
     from edmm import LLM, SamplingParams
-    llm = LLM()  # the embedded tiny model on the CPU
+    llm = LLM()  # the embedded tool model on the CPU
     out = llm.generate(["Hello", "The capital of France is"], SamplingParams(temperature=0))
     print(out[0].outputs[0].text)
 """
@@ -32,7 +32,7 @@ class LLM:
     """An engine for offline batches: every prompt in, every completion out, in order.
 
     Args:
-        model: a local HF folder or a preset name; None: the embedded tiny model.
+        model: a local HF folder or a preset name; None: the embedded tool model.
         tokenizer: a tokenizer folder; None: the model folder's.
         device: ``"cpu"`` or ``"cuda"``.
         dtype: weights and KV dtype; None: the model config's.

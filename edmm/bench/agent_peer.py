@@ -23,7 +23,14 @@ from typing import Any
 import torch
 
 from edmm.bench.agent import GROUPS, AgentBenchConfig
-from edmm.bench.report import Progress, ResultWriter, collect_environment, plot_bars
+from edmm.bench.report import (
+    GROUPS_CAPTION,
+    Progress,
+    ResultWriter,
+    collect_environment,
+    plot_bars,
+    tokens_label,
+)
 from edmm.bench.stats import ratio, summarize
 from edmm.bench.ttft import HFSide, TTFTBenchConfig
 from edmm.model.config import ModelConfig
@@ -124,17 +131,26 @@ def run_peer_bench(cfg: AgentBenchConfig, out_dir: Path) -> dict[str, Path]:
                         f"({cfg.device})", notes=notes)
 
 
-def plot_groups(out_dir: Path) -> Path:
+def plot_groups(out_dir: Path, model: str | None = None) -> Path:
     """``agent-ttft.png``: TTFT of each group by context, EDMM beside transformers, from the
     ``agent-ttft.json`` (and, when there, ``agent-ttft-transformers.json``) in ``out_dir``
-    (the bench's own output, or committed results: the plot is rebuilt from them)."""
+    (the bench's own output, or committed results: the plot is rebuilt from them); ``model``
+    names the model in the title."""
     rows = []
+    device = ""
     for name, engine in (("agent-ttft", "edmm"), ("agent-ttft-transformers", "transformers")):
         path = out_dir / f"{name}.json"
         if path.exists():
-            for r in json.loads(path.read_text())["summary"]:
-                rows.append({"context": f"{r['context_tokens'] // 1024}K",
+            doc = json.loads(path.read_text())
+            env = doc.get("environment", {})
+            device = device or env.get("gpu_name") or f"CPU ({env.get('cpu_model') or '?'})"
+            for r in doc["summary"]:
+                rows.append({"context": tokens_label(r["context_tokens"]),
                              "bar": f"{engine} {r['group']}",
                              "ttft_ms": r["ttft_trimmed_mean_ms"]})
     return plot_bars(rows, "context", "ttft_ms", "bar", out_dir / "agent-ttft.png",
-                     "resume TTFT by group (ms, trimmed mean; log scale)", log_y=True)
+                     f"Time to first token of a resumed agent turn, by group ({device}"
+                     + (f", model {model})" if model else ")"), log_y=True,
+                     x_label="context length (tokens)",
+                     y_label="time to first token (ms, trimmed mean; log scale)",
+                     legend_title="engine and group", caption=GROUPS_CAPTION)

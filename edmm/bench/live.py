@@ -46,7 +46,15 @@ from pathlib import Path
 from typing import Any
 
 from edmm.bench.agent import ratio_notes
-from edmm.bench.report import Progress, ResultWriter, collect_environment, plot_bars
+from edmm.bench.report import (
+    GROUPS_CAPTION,
+    Progress,
+    ResultWriter,
+    collect_environment,
+    device_label,
+    plot_bars,
+    tokens_label,
+)
 from edmm.bench.stats import ratio, summarize
 
 NAME = "agent-ttft-live"
@@ -587,8 +595,12 @@ def _write_stages(stages: list[dict[str, Any]], env: Any, out_dir: Path) -> dict
 def plot_live(summary: list[dict[str, Any]], path: Path, device: str) -> Path:
     """Bars of ``client_ms`` by context and group (needs matplotlib)."""
     metrics = sorted({r["client_metric"] for r in summary})
-    return plot_bars(summary, "context_tokens", "client_ms", "group", path,
-                     f"resume latency at the client, {' / '.join(metrics)} (ms, {device})")
+    rows = [dict(r, context=tokens_label(r["context_tokens"])) for r in summary]
+    return plot_bars(rows, "context", "client_ms", "group", path,
+                     f"Resume latency at the client over HTTP ({device_label(device)}, "
+                     f"{' / '.join(metrics)})", x_label="context length (tokens)",
+                     y_label="latency at the client (ms, trimmed mean)",
+                     legend_title="group", caption=GROUPS_CAPTION)
 
 
 def _tokenizer_note(cfg: LiveBenchConfig, tokenizer: Any) -> str:

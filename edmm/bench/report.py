@@ -384,6 +384,26 @@ def _escape(text: str) -> str:
 # ---------------------------------------------------------------- plots
 
 
+GROUPS_CAPTION = (
+    "A: the tool result appended at the end, the prefix reused (prefix hit).  "
+    "B: the result inserted mid-prompt, everything after it recomputed.  "
+    "C: B's prompt prefilled speculatively while the tool ran, committed by a slot swap."
+)
+
+
+def device_label(device: str) -> str:
+    """What a plot title calls ``device``: the GPU's name, or ``CPU (model name)``."""
+    env = collect_environment(device)
+    if env.gpu_name:
+        return env.gpu_name
+    return f"CPU ({env.cpu_model})" if env.cpu_model else "CPU"
+
+
+def tokens_label(n: int) -> str:
+    """A token count for an axis: ``256``, ``4K`` (exact multiples of 1024 only), ``1500``."""
+    return f"{n // 1024}K" if n >= 1024 and n % 1024 == 0 else str(n)
+
+
 def plot_bars(
     summary_rows: Sequence[Mapping[str, Any]],
     x: str,
@@ -392,9 +412,18 @@ def plot_bars(
     path: Path | str,
     title: str,
     log_y: bool = False,
+    *,
+    x_label: str | None = None,
+    y_label: str | None = None,
+    legend_title: str | None = None,
+    caption: str | None = None,
 ) -> Path:
     """Grouped bar chart of ``y`` per ``x`` value, one bar colour per ``group`` value, as PNG
     (``log_y``: a logarithmic y axis, for values spanning decades).
+
+    ``x_label`` / ``y_label`` name the axes in words and units (default: the column names),
+    ``legend_title`` the groups; the legend sits outside the axes (it covers no bar) and
+    ``caption`` (wrapped) under the plot.
 
     Needs matplotlib (imported here, so the rest of the module does not).
     Raises :class:`RuntimeError` without it and :class:`ReportError` on rows
@@ -404,11 +433,13 @@ def plot_bars(
         from matplotlib.figure import Figure
     except ImportError as e:
         raise RuntimeError("plot_bars needs matplotlib: pip install matplotlib") from e
+    import textwrap
+
     bars = _bar_values(summary_rows, x, y, group)
     xs = list(dict.fromkeys(k[0] for k in bars))
     groups = list(dict.fromkeys(k[1] for k in bars))
     width = 0.8 / len(groups)
-    fig = Figure(figsize=(max(6.0, 0.9 * len(xs) * len(groups) + 2), 4.5), layout="constrained")
+    fig = Figure(figsize=(max(7.0, 0.7 * len(xs) * len(groups) + 4), 5.0), layout="constrained")
     ax = fig.add_subplot()
     for gi, g in enumerate(groups):
         pos = [
@@ -420,11 +451,14 @@ def plot_bars(
         ax.set_yscale("log")
     ax.set_xticks(range(len(xs)))
     ax.set_xticklabels([str(v) for v in xs])
-    ax.set_xlabel(x)
-    ax.set_ylabel(y)
-    ax.set_title(title)
+    ax.set_xlabel(x_label or x)
+    ax.set_ylabel(y_label or y)
+    ax.set_title("\n".join(textwrap.wrap(title, 90)), fontsize=10)
     if group is not None:
-        ax.legend(title=group)
+        fig.legend(title=legend_title or group, loc="outside right upper", fontsize=8,
+                   title_fontsize=8)
+    if caption:
+        fig.supxlabel("\n".join(textwrap.wrap(caption, 120)), fontsize=7, ha="left", x=0.01)
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(out, format="png", dpi=120)

@@ -30,7 +30,14 @@ from typing import Any
 
 import torch
 
-from edmm.bench.report import Progress, ResultWriter, collect_environment, plot_bars
+from edmm.bench.report import (
+    Progress,
+    ResultWriter,
+    collect_environment,
+    device_label,
+    plot_bars,
+    tokens_label,
+)
 from edmm.bench.stats import summarize
 from edmm.engine.cuda_graph import CudaGraphRunner
 from edmm.engine.runner import ModelInputs, ModelRunner
@@ -285,6 +292,7 @@ def run_ttft_bench(cfg: TTFTBenchConfig, out_dir: Path) -> dict[str, Path]:
         rows, mcfg = _measure_direct(cfg, max_ctx)
     summary = _summary(rows, _flops(mcfg, cfg.new_tokens), cfg.tensor_parallel_size or 1)
     env = collect_environment(cfg.device)
+    cuda = cfg.device.startswith("cuda")
     writer = ResultWriter(out_dir, "ttft-model", env)
     writer.add_rows(rows)
     notes = [f"model: {cfg.model} ({mcfg.architecture}, {mcfg.num_layers} layers), "
@@ -292,9 +300,11 @@ def run_ttft_bench(cfg: TTFTBenchConfig, out_dir: Path) -> dict[str, Path]:
              f"repeats: {cfg.repeats} (full prefill: {cfg.full_prefill_repeats}), after one "
              "warm-up; trimmed mean drops 10% each side",
              f"compute floor: matmul FLOPs / ({cfg.tensor_parallel_size or 1} GPU(s) x "
-             f"{MEASURED_BF16_TFLOPS} TFLOP/s)",
-             *(_engine_notes(cfg) if cfg.tensor_parallel_size is not None else _direct_notes(cfg)),
-             *_plot(summary, out_dir)]
+             f"{MEASURED_BF16_TFLOPS} TFLOP/s, the H200's measured bf16 rate"
+             + ("" if cuda else "; a GPU figure, not this CPU's") + ")",
+             *(_engine_notes(cfg) if cfg.tensor_parallel_size is not None
+               else _direct_notes(cfg)),
+             *_plot(summary, out_dir, device_label(cfg.device), cfg.model)]
     paths = writer.write(summary, title=f"edmm bench ttft (model level, {cfg.device})",
                          notes=notes)
     return paths
@@ -347,14 +357,15 @@ def _measure_through_engine(cfg: TTFTBenchConfig, max_ctx: int
 
 
 def _direct_notes(cfg: TTFTBenchConfig) -> list[str]:
-    return ["attention (CUDA, not eager): " + ", ".join(
-                f"{engine}: {attention}" for engine, attention in edmm_sides(cfg).items()),
-            "decode kernel launch: " + _routes_note(decode_routes_of(cfg)),
-            f"Triton prefill kernel (attention triton): {cfg.prefill_kernel} "
-            f"({PREFILL_KERNELS[cfg.prefill_kernel]})",
-            "full prefill: " + (f"chunks of {cfg.full_prefill_chunk} tokens (both engines), "
-                                "each launched without waiting for the last"
-                                if cfg.full_prefill_chunk else "one pass")]
+    gpu = [] if not cfg.device.startswith("cuda") else [
+        "attention (CUDA, not eager): " + ", ".join(
+            f"{engine}: {attention}" for engine, attention in edmm_sides(cfg).items()),
+        "decode kernel launch: " + _routes_note(decode_routes_of(cfg)),
+        f"Triton prefill kernel (attention triton): {cfg.prefill_kernel} "
+        f"({PREFILL_KERNELS[cfg.prefill_kernel]})"]
+    return [*gpu, "full prefill: " + (f"chunks of {cfg.full_prefill_chunk} tokens (both "
+                                      "engines), each launched without waiting for the last"
+                                      if cfg.full_prefill_chunk else "one pass")]
 
 
 def _engine_notes(cfg: TTFTBenchConfig) -> list[str]:
@@ -388,16 +399,19 @@ def _routes_note(routes: DecodeRoutes | None) -> str:
     return f"measured routing table ({routes.source}, {len(routes.routes)} shapes)"
 
 
-def _plot(summary: list[dict[str, Any]], out_dir: Path) -> list[str]:
+def _plot(summary: list[dict[str, Any]], out_dir: Path, device: str, model: str) -> list[str]:
     notes = []
     for op in OPS:
-        rows = [dict(r, context=str(r["context_tokens"])) for r in summary if r["op"] == op]
+        rows = [dict(r, context=tokens_label(r["context_tokens"])) for r in summary
+                if r["op"] == op]
         if not rows:
             continue
         name = f"ttft-{op.split()[0]}.png"
         try:
             plot_bars(rows, "context", "trimmed_mean_ms", "engine", out_dir / name,
-                      f"{op} (ms, trimmed mean)")
+                      f"{op}: EDMM beside transformers ({device}, model {model})",
+                      x_label="context length (tokens)", y_label="time (ms, trimmed mean)",
+                      legend_title="engine")
             notes.append(f"plot: {name}")
         except RuntimeError as e:
             notes.append(f"plot skipped: {e}")

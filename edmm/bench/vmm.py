@@ -22,7 +22,14 @@ from typing import Any
 
 import torch
 
-from edmm.bench.report import Progress, ResultWriter, collect_environment, plot_bars
+from edmm.bench.report import (
+    Progress,
+    ResultWriter,
+    collect_environment,
+    device_label,
+    plot_bars,
+    tokens_label,
+)
 from edmm.bench.stats import summarize
 from edmm.memory.arena import KVArena, KVSpec
 from edmm.memory.backends import open_backend
@@ -284,7 +291,9 @@ def run_vmm_bench(cfg: VMMBenchConfig, out_dir: Path) -> dict[str, Path]:
     notes = [f"backend: {', '.join(f'{k}={v}' for k, v in facts.items())}",
              f"KV spec: {cfg.spec}, {cfg.spec.token_bytes} bytes per token",
              f"repeats: {cfg.repeats}; per-page rows average over {cfg.pages} pages per repeat",
-             *_verdicts(rows)]
+             *_verdicts(rows),
+             *(["the targets are GPU targets (CUDA VMM on an H200); the host twin's mmap "
+                "calls only show the mechanism works"] if facts["backend"] != "cuda" else [])]
     paths = writer.write(rows, title=f"edmm bench vmm ({facts['backend']})", notes=notes)
     with contextlib.suppress(RuntimeError):  # no matplotlib: no plot
         paths["png"] = plot_vmm(rows, out_dir / f"vmm-{facts['backend']}.png")
@@ -296,10 +305,18 @@ def plot_vmm(rows: list[dict[str, Any]], path: Path) -> Path:
     resume stays flat while the others grow with the context."""
     ops = ("commit at resume (slot swap)", "branch (map shared prefix + copy boundary page)",
            "device copy of the prefix bytes")
-    picked = [{"context": r["context_tokens"], "op": r["op"], "median_us": r["median_us"]}
+    picked = [{"context": tokens_label(r["context_tokens"]), "op": r["op"],
+               "median_us": r["median_us"]}
               for r in rows if r["op"] in ops and r["context_tokens"] is not None]
+    backend = rows[0].get("backend", "?") if rows else "?"
+    device = device_label("cuda" if backend == "cuda" else "cpu")
     return plot_bars(picked, "context", "median_us", "op", path,
-                     "VMM at resume vs context (µs, median; log scale)", log_y=True)
+                     f"KV arena operations at resume vs context ({backend} backend, {device})",
+                     log_y=True, x_label="context length (tokens)",
+                     y_label="median time (µs, log scale)", legend_title="operation",
+                     caption="Commit adopts a speculated branch by swapping slot indices (no "
+                     "copy): it should stay flat. Branch maps the prefix's pages into a new slot. "
+                     "The copy is what a copying engine would move instead.")
 
 
 def _verdicts(rows: list[dict[str, Any]]) -> list[str]:

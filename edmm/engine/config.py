@@ -26,7 +26,7 @@ class EngineConfig:
 
     Attributes:
         model: a local HF folder or a preset name (random weights, no tokenizer); None: the
-            embedded tiny model (`edmm.model.tiny.ensure_tiny_model`).
+            embedded tool model (`edmm.model.tiny.default_model`).
         tokenizer: a local tokenizer folder; None: the model folder, if it holds one.
         device: ``"cpu"`` or ``"cuda"`` (``"cuda:N"``).
         dtype: weights and KV dtype; None: the model config's.

@@ -397,11 +397,12 @@ def _output(seq: Seq, state: _RequestState) -> RequestOutput:
 
 
 def _model_folder(model: str | None) -> Path | None:
-    """The model folder: ``model`` if it is a directory, the tiny model if None, else None."""
+    """The model folder: ``model`` if it is a directory, the embedded tool model if None, else
+    None."""
     if model is None:
-        from edmm.model.tiny import ensure_tiny_model
+        from edmm.model.tiny import default_model
 
-        return ensure_tiny_model()
+        return default_model()
     path = Path(model)
     return path if path.is_dir() else None
 

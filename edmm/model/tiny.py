@@ -1,8 +1,14 @@
-"""The embedded default model: a tiny random Qwen2 with a locally trained tokenizer.
+"""The embedded models: a tiny Qwen2 trained for the tool-call format, and its random twin.
 
-``ensure_tiny_model()`` builds it once (no downloads, ~1 s) under ``$EDMM_CACHE`` or
-``~/.cache/edmm`` and returns the HF-format folder, loadable with ``load_model`` /
-``load_tokenizer`` or with transformers itself.
+``default_model()`` is the folder of the shipped tool model (package data, a few MB: the
+``tiny`` preset's architecture and tokenizer trained by :mod:`edmm.model.train_tool_model`
+on generated tool-use conversations; it knows the format, not the world). It is the default
+model of ``LLM()``, ``AgentEngine()``, ``edmm serve`` and ``edmm demo``.
+
+``ensure_tiny_model()`` builds the random tiny model once (no downloads, ~1 s) under
+``$EDMM_CACHE`` or ``~/.cache/edmm`` and returns the HF-format folder, loadable with
+``load_model`` / ``load_tokenizer`` or with transformers itself; tests compare it against
+transformers.
 """
 
 from __future__ import annotations
@@ -18,6 +24,7 @@ from safetensors.torch import save_file
 from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
 
 from edmm.model.config import resolve_preset
+from edmm.model.errors import ModelNotFoundError
 from edmm.model.loader import export_hf_state_dict, load_model
 from edmm.model.tiny_assets import CHAT_TEMPLATE, SPECIAL_TOKENS, TOOL_TOKENS, corpus
 
@@ -30,6 +37,18 @@ _QWEN2_SPLIT = (
     r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
 )
 _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
+
+
+TOOL_MODEL_DIR = Path(__file__).parent / "assets" / "tool-tiny"
+
+
+def default_model() -> Path:
+    """The shipped tool model's folder (config, safetensors weights, tokenizer, template)."""
+    if not _is_complete(TOOL_MODEL_DIR):
+        raise ModelNotFoundError(f"the embedded tool model is missing from {TOOL_MODEL_DIR} "
+                                "(a broken install?); rebuild it with "
+                                "python -m edmm.model.train_tool_model --out FOLDER")
+    return TOOL_MODEL_DIR
 
 
 def cache_root(cache_dir: str | Path | None = None) -> Path:

@@ -1,7 +1,7 @@
 """OpenAI-compatible HTTP server with tool calling and execution-aware agent sessions.
 
     from edmm.server import ServerConfig, serve
-    serve(ServerConfig(port=8000))       # the embedded tiny model on 127.0.0.1:8000
+    serve(ServerConfig(port=8000))       # the embedded tool model on 127.0.0.1:8000
 
 or ``edmm serve --port 8000``; `main` is that command's entry point.
 """

@@ -8,33 +8,46 @@ from __future__ import annotations
 
 import argparse
 import logging
+import socket
+import threading
+import time
 from collections.abc import Sequence
 from typing import Any
 
+from edmm.argparsing import ArgumentParser, float_at_least, int_at_least
 from edmm.server.http_guard import DEFAULT_MAX_BODY_BYTES
 from edmm.server.state import ServerConfig, ServerState
+
+logger = logging.getLogger("edmm.serve")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add the ``serve`` options to ``parser``."""
     parser.add_argument("--model", default=None,
-                        help="local HF folder or preset name (default: the embedded tiny model)")
+                        help="local HF folder or preset name (default: the embedded tool model, "
+                             "a tiny model trained for the tool-call format)")
     parser.add_argument("--tokenizer", default=None,
                         help="local tokenizer folder (default: the model folder's; a preset with "
                              "random weights has none)")
     parser.add_argument("--device", default="cpu", help="cpu or cuda (cuda:N)")
-    parser.add_argument("--host", default="127.0.0.1", help="address to bind (default loopback)")
-    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--host", default="127.0.0.1", help="address to bind")
+    parser.add_argument("--port", type=int_at_least(1), default=8000, help="TCP port to bind")
     parser.add_argument("--served-model-name", default=None,
                         help="the model name clients send (default: edmm-tiny / folder name)")
-    parser.add_argument("--dtype", default=None, help="weights and KV dtype (default: model's)")
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--num-pages", type=int, default=None, help="physical KV pages")
-    parser.add_argument("--max-num-seqs", type=int, default=None)
-    parser.add_argument("--tensor-parallel-size", type=int, default=None,
+    parser.add_argument("--dtype", default=None,
+                        help="weights and KV dtype (default: the model config's)")
+    parser.add_argument("--max-model-len", type=int_at_least(1), default=None,
+                        help="most tokens of a sequence, prompt and output (default: the "
+                             "model's context)")
+    parser.add_argument("--num-pages", type=int_at_least(1), default=None,
+                        help="physical KV pages (default: sized from the GPU's free memory, "
+                             "or every slot at --max-model-len on the CPU)")
+    parser.add_argument("--max-num-seqs", type=int_at_least(1), default=None,
+                        help="most sequences running at once (default: the engine's)")
+    parser.add_argument("--tensor-parallel-size", type=int_at_least(1), default=None,
                         help="GPUs (or CPU processes) to split the model over, one process "
                              "each (default: 1)")
-    parser.add_argument("--kv-offload-gib", type=float, default=None,
+    parser.add_argument("--kv-offload-gib", type=float_at_least(0.0), default=None,
                         help="host memory for paused sessions' KV under pressure (default: off)")
     parser.add_argument("--no-execution-aware", action="store_true",
                         help="plain engine: prefix caching only, no agent sessions")
@@ -49,13 +62,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--api-docs", action="store_true",
                         help="serve /docs, /redoc and /openapi.json (default: off)")
     parser.add_argument("--log-level", default="info",
-                        choices=("critical", "error", "warning", "info", "debug"))
+                        choices=("critical", "error", "warning", "info", "debug"),
+                        help="server log level")
 
 
 def build_parser() -> argparse.ArgumentParser:
     """A standalone parser of the ``serve`` options."""
-    parser = argparse.ArgumentParser(prog="edmm serve",
-                                     description="OpenAI-compatible server with agent sessions")
+    parser = ArgumentParser(prog="edmm serve",
+                            description="OpenAI-compatible server with agent sessions "
+                                        "(binds 127.0.0.1 unless --host says otherwise)")
     add_arguments(parser)
     return parser
 
@@ -77,15 +92,59 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
                         allowed_hosts=args.allowed_hosts, api_docs=args.api_docs)
 
 
+class PortInUseError(OSError):
+    """The address ``edmm serve`` was asked to bind is taken."""
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raise :class:`PortInUseError` if ``host:port`` cannot be bound (checked before the model
+    loads, with the same ``SO_REUSEADDR`` as uvicorn's socket)."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as e:
+            raise PortInUseError(e.errno, f"cannot bind {host}:{port} ({e.strerror}); "
+                                          "is another server running? pick one with --port") from e
+
+
+def load_state(config: ServerConfig) -> ServerState:
+    """Build the server state (loads the model), logging what loads, progress while it takes
+    long, and how long it took."""
+    what = config.model or "the embedded tool model"
+    logger.info("loading model %s on %s ...", what, config.device)
+    t0 = time.perf_counter()
+    done = threading.Event()
+
+    def progress() -> None:
+        while not done.wait(5.0):
+            logger.info("... still loading %s (%.0f s)", what, time.perf_counter() - t0)
+
+    ticker = threading.Thread(target=progress, name="edmm-load-progress", daemon=True)
+    ticker.start()
+    try:
+        state = ServerState(config)
+    finally:
+        done.set()
+        ticker.join()
+    logger.info("model %s loaded in %.1f s", config.model_name, time.perf_counter() - t0)
+    return state
+
+
 def serve(config: ServerConfig, log_level: str = "info") -> None:
-    """Load the model and serve until interrupted (Ctrl-C), then release the engine."""
+    """Check the port, load the model and serve until interrupted (Ctrl-C), then release the
+    engine."""
     import uvicorn
 
     from edmm.server.app import build_app
 
     logging.basicConfig(level=log_level.upper(),
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    state = ServerState(config)
+    check_port_free(config.host, config.port)
+    state = load_state(config)
+    logger.info("serving %s at http://%s:%d/v1 (Ctrl-C stops)", config.model_name,
+                config.host, config.port)
     try:
         uvicorn.run(build_app(state), host=config.host, port=config.port, log_level=log_level,
                     timeout_graceful_shutdown=5)
@@ -93,12 +152,18 @@ def serve(config: ServerConfig, log_level: str = "info") -> None:
         state.close()
 
 
-def run(args: argparse.Namespace) -> int:
-    """Serve with parsed ``serve`` options; the exit status."""
-    serve(config_from_args(args), args.log_level)
+def run(args: argparse.Namespace, parser: argparse.ArgumentParser | None = None) -> int:
+    """Serve with parsed ``serve`` options; the exit status (2: the port is taken)."""
+    try:
+        serve(config_from_args(args), args.log_level)
+    except PortInUseError as e:
+        if parser is None:
+            raise
+        parser.error(f"--port {args.port}: {e.strerror}")
     return 0
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """``edmm serve [options]``: ``argv`` are the options after ``serve``."""
-    return run(build_parser().parse_args(argv))
+    parser = build_parser()
+    return run(parser.parse_args(argv), parser)

@@ -27,7 +27,7 @@ class ServerConfig:
     """How to serve.
 
     Attributes:
-        model: a local HF folder or a preset name; None: the embedded tiny model.
+        model: a local HF folder or a preset name; None: the embedded tool model.
         device: ``"cpu"`` or ``"cuda"``.
         host, port: where to listen (loopback by default).
         served_model_name: the ``model`` clients must send; default: ``edmm-tiny``, the

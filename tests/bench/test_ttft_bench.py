@@ -26,9 +26,10 @@ def test_bench_ttft_smoke(tmp_path: Path) -> None:
                 assert (engine, op, ctx) in keys
     assert all(r["ms"] > 0 for r in data["rows"])
     assert (tmp_path / "ttft-decode.png").stat().st_size > 1000
-    assert any(n.startswith("Triton prefill kernel (attention triton): default (")
-               for n in data["notes"])
-    assert "attention (CUDA, not eager): edmm: sdpa" in data["notes"]
+    # On the CPU the CUDA-only kernel notes are left out and the floor is said to be a GPU's.
+    gpu_notes = ("Triton prefill kernel", "attention (CUDA")
+    assert not any(n.startswith(gpu_notes) for n in data["notes"])
+    assert any("a GPU figure, not this CPU's" in n for n in data["notes"])
     assert "full prefill: chunks of 40 tokens (both engines), each launched without waiting " \
            "for the last" in data["notes"]
 
