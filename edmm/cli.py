@@ -241,46 +241,60 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def _agents_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    agents = bsub.add_parser("agents", help="many agent sessions replayed from a trace under KV "
-                             "policies (lru, ttl, offload, rewarm, edmm), in process")
+    agents = bsub.add_parser(
+        "agents", help="many agent sessions replayed from a trace under KV policies (lru, "
+        "ttl, offload, rewarm, edmm), in process",
+        description="Replay a trace of agent jobs (generated, or --trace) against the engine "
+        "under each KV policy on the same trace and seed; report job completion time, resume "
+        "TTFT, recomputed tokens, hit rates, offload traffic and KV pages over time.")
     agents.add_argument("--model", default=None,
                         help="preset or local HF folder (default: the embedded tiny model)")
-    agents.add_argument("--device", default="cpu")
-    agents.add_argument("--dtype", default=None)
+    agents.add_argument("--device", default="cpu", help="cpu, or cuda (cuda:N)")
+    agents.add_argument("--dtype", default=None,
+                        help="weights and KV dtype (default: float32 on the CPU, bfloat16 on "
+                             "CUDA)")
     agents.add_argument("--trace", type=Path, default=None,
                         help="your own JSONL trace (README: 'Replaying your own trace')")
-    agents.add_argument("--jobs", type=int, default=16, help="jobs of a generated trace")
-    agents.add_argument("--seed", type=int, default=0)
+    agents.add_argument("--jobs", type=int_at_least(1), default=16,
+                        help="jobs of a generated trace")
+    agents.add_argument("--seed", type=int, default=0, help="seed of the generated trace")
     agents.add_argument("--turns", type=int_list, default=(10, 40),
                         help="low,high turns per generated job")
-    agents.add_argument("--token-scale", type=float, default=1.0,
+    agents.add_argument("--token-scale", type=float_at_least(0.0), default=1.0,
                         help="multiply every token count (e.g. 0.02 for the tiny CPU model)")
-    agents.add_argument("--time-scale", type=float, default=1.0,
+    agents.add_argument("--time-scale", type=float_at_least(0.0), default=1.0,
                         help="multiply every tool time (a run that fits in minutes)")
     agents.add_argument("--policies", default="lru,ttl,offload,rewarm,edmm",
                         help="comma-separated; also edmm-no-<retention|offload|prefetch|"
                              "template|streamed|predicted>")
     agents.add_argument("--loads", type=_floats, default=(8, 32, 64),
                         help="concurrent sessions (closed loop) or jobs/s (open loop)")
-    agents.add_argument("--mode", choices=("closed", "open"), default="closed")
-    agents.add_argument("--oversub", type=float, default=2.0,
+    agents.add_argument("--mode", choices=("closed", "open"), default="closed",
+                        help="closed: --loads sessions at once; open: Poisson job arrivals")
+    agents.add_argument("--oversub", type=float_at_least(1.0), default=2.0,
                         help="working set / KV pool of the main matrix")
-    agents.add_argument("--check-oversub", type=float, default=1.0,
+    agents.add_argument("--check-oversub", type=float_at_least(0.0), default=1.0,
                         help="oversubscription of the edmm vs best-baseline check (0: none)")
     agents.add_argument("--no-short-mix", action="store_true",
                         help="skip the short-tool (< 1 s) check")
-    agents.add_argument("--working-set-sessions", type=int, default=None,
+    agents.add_argument("--working-set-sessions", type=int_at_least(1), default=None,
                         help="sessions the pool is sized for (default: the load; open loop: 16)")
     agents.add_argument("--clock", choices=("virtual", "wall"), default="virtual",
                         help="virtual: skip idle time (steps still timed for real)")
-    agents.add_argument("--threads", type=int, default=None, help="torch CPU threads")
-    agents.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    agents.add_argument("--max-num-seqs", type=int, default=64)
+    agents.add_argument("--threads", type=int_at_least(1), default=None,
+                        help="torch CPU threads (default: torch's)")
+    agents.add_argument("--max-num-batched-tokens", type=int_at_least(1), default=2048,
+                        help="the engine's token budget per step")
+    agents.add_argument("--max-num-seqs", type=int_at_least(1), default=64,
+                        help="most sequences running at once")
     agents.add_argument("--graph-sizes", type=int_list, default=None,
-                        help="token counts of the captured mixed-batch CUDA graphs")
-    agents.add_argument("--busy-spec-tokens", type=int, default=None,
-                        help="speculative tokens riding along busy steps (default: engine's)")
-    agents.add_argument("--host-page-size", type=int, default=1 << 16)
+                        help="token counts of the captured mixed-batch CUDA graphs "
+                             "(default: the engine's)")
+    agents.add_argument("--busy-spec-tokens", type=int_at_least(0), default=None,
+                        help="speculative tokens riding along busy steps (default: the "
+                             "engine's)")
+    agents.add_argument("--host-page-size", type=int_at_least(4096), default=1 << 16,
+                        help="page size of the host twin in bytes (CPU runs)")
     agents.add_argument("--http", action="store_true",
                         help="replay over HTTP instead (edmm serve + the openai SDK; lru and "
                              "edmm at the first load, wall clock; needs the server extras)")
@@ -288,7 +302,8 @@ def _agents_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[ty
                         help="extra edmm serve option with --http, repeatable")
     agents.add_argument("--write-trace", type=Path, default=None,
                         help="write the (scaled) trace here and exit")
-    agents.add_argument("--out", type=Path, default=None)
+    agents.add_argument("--out", type=Path, default=None,
+                        help="output folder (default: benchmarks/results/<date>-<device>)")
 
 
 def _demo(argv: list[str]) -> int:
@@ -416,8 +431,8 @@ def _bench_agents(args: argparse.Namespace) -> int:
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
-    if len(args.turns) != 2:
-        raise SystemExit("--turns takes low,high")
+    if len(args.turns) != 2 or args.turns[0] > args.turns[1]:
+        args.parser.error(f"--turns takes low,high with low <= high, got {args.turns}")
     cfg = AgentsBenchConfig(
         model=args.model, device=args.device, dtype=args.dtype, trace=args.trace,
         jobs=args.jobs, seed=args.seed,
