@@ -576,15 +576,17 @@ class AgentEngine:
     def _apply_retention(self, session: Session) -> None:
         window = session.window
         assert window is not None
-        remaining = None
-        if window.expected_s is not None:
-            remaining = window.expected_s - (self._clock() - window.started)
+        waited = self._clock() - window.started
+        remaining = None if window.expected_s is None else window.expected_s - waited
         rank, priority = self._retention.retention(
-            PausedSession(len(session.context), True, remaining))
+            PausedSession(len(session.context), True, remaining, waited))
         tag = _session_tag(session.id)
         self.engine.kv.set_retention(tag, rank, priority)
-        if (self.config.prefetch and remaining is not None
-                and remaining <= self.config.prefetch_lead_s
+        lead = self.config.prefetch_lead_s
+        # Prefetch in the window around the expected return only: a call well past it is
+        # not coming back any sooner for that, and restoring it whenever pages are free
+        # would copy it back and forth (the resume restores it anyway).
+        if (self.config.prefetch and remaining is not None and -lead < remaining <= lead
                 and self.engine.kv.offloaded_tokens(tag)):
             self.engine.kv.restore(tag)  # prefetch: back before the tool returns, if room
 
