@@ -182,6 +182,9 @@ class Engine:
         self.scheduler = Scheduler(self.kv, config.scheduler_config(pool.capacity))
         self.runner = _build_runner(config, self.model, arena, self.max_model_len,
                                     self.attention)
+        if isinstance(self.runner, CudaGraphRunner) and config.speculation_fills_padding:
+            self.update_scheduler_config(padded_token_sizes=self.runner.token_sizes,
+                                         padded_max_seqs=self.runner.max_seqs)
         self._counters = _Counters()
         self.validator = RequestValidator(self.model_config.vocab_size, self.max_model_len,
                                           self.tokenizer is not None)

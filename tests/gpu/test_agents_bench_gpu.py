@@ -29,3 +29,24 @@ def test_policies_on_cuda_agree_and_offload_moves_bytes() -> None:
     off = by["offload"]
     moved = off.counters_after.restored_bytes - off.counters_before.restored_bytes
     assert moved > 0 and off.counters_after.restore_s > off.counters_before.restore_s
+
+
+def test_speculation_runs_under_sustained_load_on_cuda() -> None:
+    """With CUDA graphs a decode step carries no speculation; it rides in the padding of the
+    prefill steps instead, so speculation hits even when a request runs in every step."""
+    gen = GeneratorConfig(turns=(3, 4), context_start=(2000, 3000), growth_per_turn=(300, 600),
+                          output_tokens=(3, 6))
+    cfg = AgentsBenchConfig(device="cuda", dtype="float32", jobs=8, generator=gen,
+                            time_scale=0.05, loads=(8,), oversubscription=1.0,
+                            check_oversubscription=None, short_mix=False,
+                            policies=("edmm",), max_num_seqs=8,
+                            cuda_graph_token_sizes=(64, 128, 256, 512, 1024, 2048))
+    matrix = Matrix(cfg)
+    try:
+        (record,) = matrix.run(matrix.plan_main())
+        engine = matrix._engine
+        assert engine is not None and engine.scheduler.config.padded_token_sizes
+    finally:
+        matrix.close()
+    s = record.result.sessions
+    assert s["spec_hits"] >= s["resumes"] // 2
