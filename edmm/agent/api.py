@@ -542,8 +542,11 @@ class AgentEngine:
         if not spec.token_ids or len(spec.token_ids) > self.engine.max_model_len:
             return
         tag = _branch_tag(session.id, spec.key)
+        # The branch extends the session's KV (all of its context but the last token, which
+        # has none): dropped if that KV is gone by the time it is admitted.
+        base = min(common_prefix_len(session.context, spec.token_ids), len(session.context) - 1)
         self.engine.speculate(_spec_id(tag), spec.token_ids,
-                              SlotHints(tag, EntryRank.SPECULATIVE))
+                              SlotHints(tag, EntryRank.SPECULATIVE, min_cached=max(base, 0)))
         session.window.branches.add(spec.key)
 
     def _stop_speculation(self, session: Session, window: ToolWindow) -> None:

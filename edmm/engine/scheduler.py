@@ -288,6 +288,10 @@ class Scheduler:
             budget -= n
         while self.spec_waiting and budget > 0 and seqs_left():
             seq = self.spec_waiting[0]
+            if seq.hints.min_cached and self.kv.cached_prefix(
+                    seq.token_ids, seq.num_tokens) < seq.hints.min_cached:
+                self.finish(seq, ABORTED)  # the KV it extends is gone (SlotHints.min_cached)
+                continue
             chunk = self._admit_speculation(seq, budget)
             if chunk is None:
                 if not idle:

@@ -264,3 +264,24 @@ def test_busy_speculation_fills_a_prefill_steps_padding_only(tiny_dir: Path) -> 
     for e in (engine, reference):
         e.check_integrity()
         e.close()
+
+
+def test_speculation_whose_base_kv_is_gone_is_dropped_not_recomputed(tiny_dir: Path) -> None:
+    """A speculation extending a session's KV (``min_cached``) is dropped at admission when
+    pressure took that KV away, instead of prefilling it again from token 0."""
+    engine = Engine(engine_config(tiny_dir))
+    context = list(range(50, 90))
+    engine.add_request("r", context, greedy(1))
+    run(engine)  # 40 tokens of KV left as an entry
+    hints = SlotHints("b", EntryRank.SPECULATIVE, min_cached=40)
+    engine.speculate("kept", [*context, 7, 8], hints)
+    engine.step()
+    assert engine.take_speculated_tokens("b") == 2  # extended the entry: 2 new tokens
+    engine.reset_prefix_cache()  # the base KV is gone
+    engine.speculate("gone", [*context, 7, 9], SlotHints("c", EntryRank.SPECULATIVE,
+                                                          min_cached=40))
+    engine.step()
+    assert not engine.has_speculation() and engine.take_speculated_tokens("c") == 0
+    assert engine.kv.tagged("c") == []
+    engine.check_integrity()
+    engine.close()
