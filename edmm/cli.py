@@ -293,6 +293,8 @@ def _agents_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     agents.add_argument("--busy-spec-tokens", type=int_at_least(0), default=None,
                         help="speculative tokens riding along busy steps (default: the "
                              "engine's)")
+    agents.add_argument("--no-spec-in-padding", action="store_true",
+                        help="CUDA: speculation never fills the padding of busy prefill steps")
     agents.add_argument("--host-page-size", type=int_at_least(4096), default=1 << 16,
                         help="page size of the host twin in bytes (CPU runs)")
     agents.add_argument("--http", action="store_true",
@@ -444,7 +446,8 @@ def _bench_agents(args: argparse.Namespace) -> int:
         working_set_sessions=args.working_set_sessions, clock=args.clock,
         host_page_size=args.host_page_size, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, cuda_graph_token_sizes=args.graph_sizes,
-        speculative_tokens_when_busy=args.busy_spec_tokens)
+        speculative_tokens_when_busy=args.busy_spec_tokens,
+        speculation_fills_padding=not args.no_spec_in_padding)
     if args.write_trace is not None:
         print(f"wrote {write_jsonl(load_trace(cfg)['long'], args.write_trace)}")
         return 0

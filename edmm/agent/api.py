@@ -542,8 +542,11 @@ class AgentEngine:
         if not spec.token_ids or len(spec.token_ids) > self.engine.max_model_len:
             return
         tag = _branch_tag(session.id, spec.key)
+        # The branch extends the session's KV (all of its context but the last token, which
+        # has none): dropped if that KV is gone by the time it is admitted.
+        base = min(common_prefix_len(session.context, spec.token_ids), len(session.context) - 1)
         self.engine.speculate(_spec_id(tag), spec.token_ids,
-                              SlotHints(tag, EntryRank.SPECULATIVE))
+                              SlotHints(tag, EntryRank.SPECULATIVE, min_cached=max(base, 0)))
         session.window.branches.add(spec.key)
 
     def _stop_speculation(self, session: Session, window: ToolWindow) -> None:
@@ -576,15 +579,17 @@ class AgentEngine:
     def _apply_retention(self, session: Session) -> None:
         window = session.window
         assert window is not None
-        remaining = None
-        if window.expected_s is not None:
-            remaining = window.expected_s - (self._clock() - window.started)
+        waited = self._clock() - window.started
+        remaining = None if window.expected_s is None else window.expected_s - waited
         rank, priority = self._retention.retention(
-            PausedSession(len(session.context), True, remaining))
+            PausedSession(len(session.context), True, remaining, waited))
         tag = _session_tag(session.id)
         self.engine.kv.set_retention(tag, rank, priority)
-        if (self.config.prefetch and remaining is not None
-                and remaining <= self.config.prefetch_lead_s
+        lead = self.config.prefetch_lead_s
+        # Prefetch in the window around the expected return only: a call well past it is
+        # not coming back any sooner for that, and restoring it whenever pages are free
+        # would copy it back and forth (the resume restores it anyway).
+        if (self.config.prefetch and remaining is not None and -lead < remaining <= lead
                 and self.engine.kv.offloaded_tokens(tag)):
             self.engine.kv.restore(tag)  # prefetch: back before the tool returns, if room
 

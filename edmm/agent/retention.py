@@ -25,6 +25,7 @@ class PausedSession:
     num_tokens: int  # context tokens (their KV is what retention saves)
     awaiting_tool: bool  # False: the last turn ended and no tool call was reported (yet)
     expected_remaining_s: float | None  # predicted seconds until the tool returns
+    waited_s: float = 0.0  # seconds the tool has run so far
 
 
 class RetentionPolicy(abc.ABC):
@@ -60,20 +61,28 @@ class KeepPolicy(RetentionPolicy):
         return (EntryRank.RETAINED if session.awaiting_tool else EntryRank.PLAIN), 0.0
 
 
+def remaining_estimate(session: PausedSession) -> float:
+    """Seconds until the session's tool is expected back, never below the time it has run
+    already: tool times are heavy-tailed (log-normal-like), so a call that has run ``t``
+    seconds is expected to run about as long again (and a call with no expected duration is
+    judged by its age alone, as LRU does). Without that floor a call past its expected
+    duration would look like it returns any moment and hold memory for as long as it runs."""
+    remaining = session.expected_remaining_s
+    floor = max(session.waited_s, MIN_REMAINING_S)
+    return floor if remaining is None else max(remaining, floor)
+
+
 @RETENTION_POLICIES.register("cost")
 class CostPolicy(RetentionPolicy):
     """Sessions awaiting a tool outrank plain entries; among them, keep the ones whose
-    recompute costs most per second of memory held: tokens / expected remaining seconds
-    (unknown duration: one second)."""
+    recompute costs most per second of memory held: tokens / `remaining_estimate`."""
 
     name = "cost"
 
     def retention(self, session: PausedSession) -> tuple[EntryRank, float]:
         if not session.awaiting_tool:
             return EntryRank.PLAIN, 0.0
-        remaining = session.expected_remaining_s
-        remaining = 1.0 if remaining is None else max(remaining, MIN_REMAINING_S)
-        return EntryRank.RETAINED, session.num_tokens / remaining
+        return EntryRank.RETAINED, session.num_tokens / remaining_estimate(session)
 
 
 @RETENTION_POLICIES.register("ttl")

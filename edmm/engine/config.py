@@ -55,6 +55,9 @@ class EngineConfig:
             batches run eagerly (decode batches still replay graphs).
         speculative_tokens_when_busy: most tokens of speculative prefill (agent sessions' tool
             windows) added to a step that runs requests; None: `busy_speculation_tokens`.
+        speculation_fills_padding: with CUDA graphs, speculative prefill may also fill the
+            padding of a busy step that prefills (up to its mixed graph's token count: tokens
+            computed anyway), so speculation runs under sustained load too.
         speculative_tokens_when_idle: most tokens of speculative prefill in a step with no
             requests: a resume that arrives meanwhile waits for that step on the device.
         max_speculative_pages: most KV pages speculation may hold; None: a quarter of the pool.
@@ -85,6 +88,7 @@ class EngineConfig:
     attention: str = "auto"
     cuda_graph_token_sizes: tuple[int, ...] = DEFAULT_GRAPH_TOKEN_SIZES
     speculative_tokens_when_busy: int | None = None
+    speculation_fills_padding: bool = True
     speculative_tokens_when_idle: int = 2048
     max_speculative_pages: int | None = None
     kv_offload_bytes: int = 0

@@ -193,6 +193,9 @@ class Engine:
                                                     config.enable_prefix_caching, offload))
         self.scheduler = Scheduler(self.kv, config.scheduler_config(pool.capacity))
         runner = _build_runner(config, self.model, arena, self.max_model_len, self.attention)
+        if isinstance(runner, CudaGraphRunner) and config.speculation_fills_padding:
+            self.update_scheduler_config(padded_token_sizes=runner.token_sizes,
+                                         padded_max_seqs=runner.max_seqs)
         self.runner = parallel.wrap_runner(runner) if parallel is not None else runner
         self._counters = _Counters()
         self.validator = RequestValidator(self.model_config.vocab_size, self.max_model_len,

@@ -82,6 +82,12 @@ class KVCacheManager:
         `PoolExhaustedError` (nothing changed): `make_room` and retry."""
         return self.index.acquire(tokens, max_tokens, claim, own_tag)
 
+    def cached_prefix(self, tokens: list[int], max_tokens: int) -> int:
+        """Tokens of the longest prefix of ``tokens`` (at most ``max_tokens``) with KV in the
+        pool now (host copies aside); nothing changes."""
+        found = self.index.lookup(tokens, max_tokens)
+        return found[1] if found is not None else 0
+
     def allocate(self) -> int:
         """A fresh empty slot (`NoFreeSlotError` when none is free)."""
         return self.arena.allocate()

@@ -11,9 +11,13 @@ Each step spends at most ``max_num_batched_tokens`` tokens:
 
 3. speculative prefills (`SequenceKind.SPECULATIVE`, an agent's branches in a tool window) get
    only what is left: the whole remaining budget when no request ran in the step, else at most
-   ``speculative_tokens_when_busy`` tokens (small enough not to slow a decode step), within a
-   cap on the pages speculation holds. They never sample; once every token has KV the sequence
-   finishes and its slot becomes a tagged `EntryRank.SPECULATIVE` cache entry.
+   ``speculative_tokens_when_busy`` tokens (small enough not to slow a decode step) or, in a
+   step that prefills and is padded to one of ``padded_token_sizes`` (a mixed CUDA graph),
+   the padding it would compute anyway, whichever is more; within a cap on the pages
+   speculation holds. So under sustained load, when decode steps leave speculation nothing,
+   it still runs in the padding of the resumes' and prompts' prefill steps. They never
+   sample; once every token has KV the sequence finishes and its slot becomes a tagged
+   `EntryRank.SPECULATIVE` cache entry.
 
 Admission stops at the first sequence whose tokens do not all fit, so a partially prefilled
 sequence is always the most recently admitted one: admission order puts decodes first.
@@ -56,6 +60,10 @@ class SchedulerConfig:
     speculative_tokens_when_busy: int = 64  # speculation tokens in a step that runs requests
     speculative_tokens_when_idle: int = 2048  # bounds how long a resume waits behind a step
     max_speculative_pages: int | None = None  # pages speculation may hold; None: no cap
+    # Token counts a step with a prefill is padded to (the mixed CUDA graphs), and the most
+    # sequences such a step takes: speculation may fill a busy step's padding. () : none.
+    padded_token_sizes: tuple[int, ...] = ()
+    padded_max_seqs: int = 0
 
     def __post_init__(self) -> None:
         if self.speculative_tokens_when_busy < 0 or self.speculative_tokens_when_idle < 0:
@@ -193,10 +201,22 @@ class Scheduler:
         if batch.preempted:
             return batch
         budget = self._schedule_waiting(batch, budget)
-        cap = (self.config.speculative_tokens_when_busy if batch.seqs
-               else self.config.speculative_tokens_when_idle)
-        self._schedule_speculation(batch, min(budget, cap))
+        if not batch.seqs:
+            self._schedule_speculation(batch, min(budget, self.config.speculative_tokens_when_idle))
+            return batch
+        busy, padding = self.config.speculative_tokens_when_busy, self._padding(batch)
+        max_seqs = self.config.padded_max_seqs if padding > busy else None
+        cap = max(busy, padding)
+        self._schedule_speculation(batch, min(budget, cap), max_seqs)
         return batch
+
+    def _padding(self, batch: ScheduledBatch) -> int:
+        """Tokens a busy step that prefills would pad with anyway (0: a decode-only step, which
+        replays a decode graph, or no padded size fits)."""
+        t = batch.num_tokens
+        if t == len(batch.seqs) or len(batch.seqs) >= self.config.padded_max_seqs:
+            return 0
+        return next((size - t for size in sorted(self.config.padded_token_sizes) if size >= t), 0)
 
     def update(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:
         """Account for a computed step: advance ``num_computed_tokens``, append the sampled
@@ -249,12 +269,16 @@ class Scheduler:
             budget -= n
         return budget
 
-    def _schedule_speculation(self, batch: ScheduledBatch, budget: int) -> None:
-        """Running speculative prefills, then admissions, in ``budget`` tokens; a speculation
-        that cannot get memory (or would pass the page cap) stops where it is."""
+    def _schedule_speculation(self, batch: ScheduledBatch, budget: int,
+                              max_seqs: int | None = None) -> None:
+        """Running speculative prefills, then admissions, in ``budget`` tokens (and while the
+        batch has fewer than ``max_seqs`` sequences); a speculation that cannot get memory (or
+        would pass the page cap) stops where it is."""
         idle = not batch.seqs
+        seqs_left = (lambda: True) if max_seqs is None else (
+            lambda: len(batch.seqs) < max_seqs)
         for seq in list(self.spec_running):
-            if budget <= 0:
+            if budget <= 0 or not seqs_left():
                 return
             n = self._map_speculation(seq, min(seq.num_uncomputed_tokens, budget))
             if not n:
@@ -262,8 +286,12 @@ class Scheduler:
                 continue
             batch.seqs.append(self._entry(seq, n))
             budget -= n
-        while self.spec_waiting and budget > 0:
+        while self.spec_waiting and budget > 0 and seqs_left():
             seq = self.spec_waiting[0]
+            if seq.hints.min_cached and self.kv.cached_prefix(
+                    seq.token_ids, seq.num_tokens) < seq.hints.min_cached:
+                self.finish(seq, ABORTED)  # the KV it extends is gone (SlotHints.min_cached)
+                continue
             chunk = self._admit_speculation(seq, budget)
             if chunk is None:
                 if not idle:

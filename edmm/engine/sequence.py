@@ -38,13 +38,18 @@ class SlotHints:
 
     ``tag``/``rank``/``priority``: what the slot becomes when the sequence releases it (see
     `PrefixCache.release`); ``claim``: tags of entries the sequence may adopt at admission
-    besides its own ``tag`` (the speculation branches of a resuming session).
+    besides its own ``tag`` (the speculation branches of a resuming session);
+    ``min_cached``: a speculative prefill is dropped at admission unless at least this many
+    of its first tokens have KV in the pool (it extends its session's KV; when memory
+    pressure took that away, recomputing it speculatively would only take pages and compute
+    from the requests, and the resume brings it back anyway).
     """
 
     tag: str | None = None
     rank: EntryRank = EntryRank.PLAIN
     priority: float = 0.0
     claim: tuple[str, ...] = ()
+    min_cached: int = 0
 
 
 ABORTED = "abort"  # finish reason of an aborted request (besides FinishReason's stop/length)

@@ -93,6 +93,19 @@ def test_cost_policy_keeps_sessions_that_return_soon_and_cost_most() -> None:
         EntryRank.PLAIN, 0.0)
 
 
+def test_cost_policy_does_not_favour_calls_past_their_expected_duration() -> None:
+    """Heavy-tailed tools: a call that ran 20 s past an expected 1 s is not 'back any
+    moment'; it ranks below a fresh call expected back in 2 s, and with no expected duration
+    the older call ranks lower (LRU)."""
+    cost = RETENTION_POLICIES.create("cost")
+    overdue = cost.retention(PausedSession(1000, True, -20.0, 21.0))
+    fresh = cost.retention(PausedSession(1000, True, 2.0, 0.0))
+    assert overdue[1] < fresh[1]
+    old = cost.retention(PausedSession(1000, True, None, 10.0))
+    young = cost.retention(PausedSession(1000, True, None, 1.0))
+    assert old[1] < young[1]
+
+
 # ---------------------------------------------------------------------- sources end to end
 def test_predicted_result_hit_prefills_only_the_last_token(make_agent: MakeAgent) -> None:
     agent = make_agent(AgentConfig(speculation=("predicted",)))

@@ -224,3 +224,64 @@ def test_busy_speculation_default_follows_cuda_graphs() -> None:
     assert EngineConfig(device="cpu").busy_speculation_tokens == 64
     assert EngineConfig(device="cuda", speculative_tokens_when_busy=16).busy_speculation_tokens \
         == 16
+
+
+def test_busy_speculation_fills_a_prefill_steps_padding_only(tiny_dir: Path) -> None:
+    """With no busy speculation budget (CUDA's default), speculation still fills the padding
+    of a step that prefills (to the next padded size: a mixed CUDA graph), never a decode
+    step, and the requests' greedy tokens do not change."""
+    engine = Engine(engine_config(tiny_dir, max_num_batched_tokens=128,
+                                  speculative_tokens_when_busy=0))
+    engine.update_scheduler_config(padded_token_sizes=(64, 128), padded_max_seqs=8)
+    engine.speculate("sp", list(range(300, 500)), spec_hints("b"))
+    engine.add_request("r", list(range(50, 90)), greedy(6))  # 40 tokens: padded to 64
+    rides = []
+
+    def step() -> list:  # type: ignore[type-arg]
+        before = engine.speculation_progress("sp")
+        outs = engine.step()
+        after = engine.speculation_progress("sp")
+        assert before is not None and after is not None
+        rides.append(after[0] - before[0])
+        return outs
+
+    done = {o.request_id: o for o in step() if o.finished}
+    assert rides == [24]
+    for _ in range(2):
+        step()  # decode steps: nothing rides
+    assert rides == [24, 0, 0]
+    engine.add_request("q", list(range(10, 110)), greedy(3))  # 1 decode + 100: padded to 128
+    step()
+    assert rides[-1] == 27
+    while engine.has_unfinished():
+        done.update({o.request_id: o for o in step() if o.finished})
+    reference = Engine(engine_config(tiny_dir, enable_prefix_caching=False))
+    reference.add_request("r", list(range(50, 90)), greedy(6))
+    reference.add_request("q", list(range(10, 110)), greedy(3))
+    ref = run(reference)
+    for rid in ("r", "q"):
+        assert ref[rid].outputs[0].token_ids == done[rid].outputs[0].token_ids
+    for e in (engine, reference):
+        e.check_integrity()
+        e.close()
+
+
+def test_speculation_whose_base_kv_is_gone_is_dropped_not_recomputed(tiny_dir: Path) -> None:
+    """A speculation extending a session's KV (``min_cached``) is dropped at admission when
+    pressure took that KV away, instead of prefilling it again from token 0."""
+    engine = Engine(engine_config(tiny_dir))
+    context = list(range(50, 90))
+    engine.add_request("r", context, greedy(1))
+    run(engine)  # 40 tokens of KV left as an entry
+    hints = SlotHints("b", EntryRank.SPECULATIVE, min_cached=40)
+    engine.speculate("kept", [*context, 7, 8], hints)
+    engine.step()
+    assert engine.take_speculated_tokens("b") == 2  # extended the entry: 2 new tokens
+    engine.reset_prefix_cache()  # the base KV is gone
+    engine.speculate("gone", [*context, 7, 9], SlotHints("c", EntryRank.SPECULATIVE,
+                                                          min_cached=40))
+    engine.step()
+    assert not engine.has_speculation() and engine.take_speculated_tokens("c") == 0
+    assert engine.kv.tagged("c") == []
+    engine.check_integrity()
+    engine.close()

@@ -66,6 +66,7 @@ class AgentsBenchConfig:
     max_num_seqs: int = 64
     cuda_graph_token_sizes: tuple[int, ...] | None = None
     speculative_tokens_when_busy: int | None = None
+    speculation_fills_padding: bool = True
     offload_cap_bytes: int = 32 << 30
     warmup: bool = True
 
@@ -295,6 +296,7 @@ class Matrix:
             max_num_batched_tokens=cfg.max_num_batched_tokens,
             max_num_seqs=min(cfg.max_num_seqs, slots),
             speculative_tokens_when_busy=cfg.speculative_tokens_when_busy,
+            speculation_fills_padding=cfg.speculation_fills_padding,
             kv_offload_bytes=min(ws_bytes, cfg.offload_cap_bytes) if offload else 0, **extra)
 
 
