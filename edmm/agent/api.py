@@ -417,7 +417,9 @@ class AgentEngine:
         if session.request_id is not None and (
                 self._by_request.get(session.request_id) != session.id):
             raise AgentError(f"session {session.id!r}: request map out of sync")
-        if session.state == S.ABANDONED and self.engine.kv.tagged(_session_tag(session.id)):
+        if session.state == S.ABANDONED and any(
+                self.engine.kv.tagged(t) for t in (_session_tag(session.id),
+                                                   _lost_tag(session.id))):
             raise AgentError(f"abandoned session {session.id!r} still holds KV")
         keys = session.window.branches if session.window is not None else set()
         owned = live_specs & self._spec_ids(session.id, keys)
@@ -426,9 +428,11 @@ class AgentEngine:
         return owned
 
     def _tags(self, session: Session) -> set[str]:
-        """The tags the session's KV may carry: its own, its open window's branches."""
+        """The tags the session's KV may carry: its own, its open window's branches, the
+        branches that lost at its resumes."""
         keys = session.window.branches if session.window is not None else set()
-        return {_session_tag(session.id), *(_branch_tag(session.id, k) for k in keys)}
+        return {_session_tag(session.id), _lost_tag(session.id),
+                *(_branch_tag(session.id, k) for k in keys)}
 
     def _get(self, session_id: str) -> Session:
         session = self._sessions.get(session_id)
@@ -509,10 +513,11 @@ class AgentEngine:
         if out.prefix_hit is not None:
             m.commit_s.append(out.prefix_hit.seconds)
         self._classify(session, out.prefix_hit, len(out.prompt_token_ids))
-        # The losing branches become plain speculation entries: no unmapping here, on the
-        # resume's critical path; they are reused or evicted first like any other.
+        # The losing branches become speculation entries under the session's "lost" tag: no
+        # unmapping here, on the resume's critical path; they are reused or evicted first
+        # like any other, and freed with the session.
         tags = [_branch_tag(session.id, k) for k in session.window.branches]
-        self.engine.kv.untag(tags, EntryRank.SPECULATIVE)
+        self.engine.kv.retag(tags, _lost_tag(session.id), EntryRank.SPECULATIVE)
         session.window = None
         session.resume_started = None
         session.transition(S.GENERATING)
@@ -560,7 +565,7 @@ class AgentEngine:
     def _drop_kv(self, session: Session) -> None:
         if session.window is not None:
             self._drop_branches(session, session.window)
-        self.engine.kv.discard([_session_tag(session.id)])
+        self.engine.kv.discard([_session_tag(session.id), _lost_tag(session.id)])
 
     def _expire_windows(self) -> None:
         """Abandon the sessions whose tool window passed its deadline; reclaim their KV."""
@@ -627,11 +632,16 @@ class AgentEngine:
         return {_spec_id(_branch_tag(session_id, k)) for k in keys}
 
 
-_TAG_PREFIXES = ('["session",', '["branch",')  # the agent's tags (JSON lists)
+_TAG_PREFIXES = ('["session",', '["branch",', '["lost",')  # the agent's tags (JSON lists)
 
 
 def _session_tag(session_id: str) -> str:
     return json.dumps(["session", session_id])
+
+
+def _lost_tag(session_id: str) -> str:
+    """The tag of the session's branches that lost at a resume (freed with the session)."""
+    return json.dumps(["lost", session_id])
 
 
 def _branch_tag(session_id: str, key: str) -> str:

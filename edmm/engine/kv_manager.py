@@ -13,7 +13,7 @@ The choice between truncating a claimed entry in place and branching from it is 
 named policy, `AdoptionCost`, which the index consults.
 
 The agent layer reaches the tagged entries through the same object (`tagged`, `set_retention`,
-`untag`, `discard`, `restore`, `offloaded_tokens`); `stats` returns a `KVStats` snapshot.
+`untag`, `retag`, `discard`, `restore`, `offloaded_tokens`); `stats` returns a `KVStats` snapshot.
 """
 
 from __future__ import annotations
@@ -161,6 +161,11 @@ class KVCacheManager:
         """Turn the entries tagged with any of ``tags`` into plain entries of ``rank`` (no
         memory touched: freed lazily, under pressure); return how many."""
         return self.index.untag(tags, rank)
+
+    def retag(self, tags: Iterable[str], new_tag: str, rank: EntryRank) -> int:
+        """Move the entries tagged with any of ``tags`` under ``new_tag``, of class ``rank``
+        (no memory touched; `discard` of ``new_tag`` frees them); return how many."""
+        return self.index.retag(tags, new_tag, rank)
 
     def discard(self, tags: Iterable[str]) -> int:
         """Free the cache entries tagged with any of ``tags`` (and host copies); how many."""

@@ -188,11 +188,16 @@ class PrefixCache:
     def untag(self, tags: Iterable[str], rank: EntryRank) -> int:
         """Make the entries tagged with any of ``tags`` plain untagged entries of ``rank`` (no
         memory is touched: stale but valid KV, reusable by lookups, evicted in turn)."""
+        return self.retag(tags, None, rank)
+
+    def retag(self, tags: Iterable[str], new_tag: str | None, rank: EntryRank) -> int:
+        """Give the entries tagged with any of ``tags`` the tag ``new_tag`` (None: untagged)
+        and eviction class ``rank``; their host copies are dropped. No memory is touched."""
         wanted = set(tags)
         self._drop_offloaded(wanted)
         slots = [slot for slot, e in self._lru.items() if e.tag in wanted]
         for slot in slots:
-            self._lru[slot] = _Entry(None, rank)
+            self._lru[slot] = _Entry(new_tag, rank)
         return len(slots)
 
     def discard(self, tags: Iterable[str]) -> int:

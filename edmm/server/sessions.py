@@ -78,6 +78,10 @@ class ServerSessions:
         """Stop a request; its session's turn ends without tool calls."""
         return self.agent.abort(request_id)
 
+    def reclaim(self) -> int:
+        """Release the slots retired by zero-copy commits (the loop calls it when idle)."""
+        return self.engine.kv.reclaim()
+
     # ------------------------------------------------------------------ turns
     def begin(self, turn: Turn) -> str:
         """Name the turn's session and queue its request there; return the session id.
