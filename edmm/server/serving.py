@@ -78,7 +78,7 @@ from edmm.server.protocol import (
     Usage,
     random_id,
 )
-from edmm.server.sessions import ServerSessions, Turn, TurnEnd
+from edmm.server.sessions import ANONYMOUS, ServerSessions, Turn, TurnEnd
 from edmm.server.templates import TemplateLimits
 from edmm.server.tool_parser import ParsedReply, ParsedToolCall, StreamingToolParser, parse_reply
 from edmm.server.validation import (
@@ -186,8 +186,8 @@ class OpenAIServing:
         return self.metrics.render(snap)
 
     # ------------------------------------------------------------------ chat
-    async def start_chat(self, req: ChatCompletionRequest,
-                         session_header: str | None) -> ChatTurn:
+    async def start_chat(self, req: ChatCompletionRequest, session_header: str | None,
+                         owner: str = ANONYMOUS) -> ChatTurn:
         """Validate, render and queue a chat request (any error is raised before queuing)."""
         self.check_model(req.model)
         check_text(req.model_dump(by_alias=True, exclude_defaults=True))
@@ -204,7 +204,7 @@ class OpenAIServing:
         request = self._make_request(ids, params)
         ext = req.edmm
         turn = Turn(request, session_header or (ext.session_id if ext else None),
-                    trailing_tool_results(req.messages))
+                    trailing_tool_results(req.messages), owner)
         session_id, stream = await self.loop.submit(request.request_id, lambda b: b.begin(turn))
         return ChatTurn(random_id("chatcmpl"), req, request, session_id, messages, tools,
                         parses_tools(req), stream)

@@ -19,6 +19,7 @@ from edmm.server.sessions import ServerSessions
 from edmm.server.templates import TemplateLimits
 
 TINY_MODEL_NAME = "edmm-tiny"
+DEFAULT_MAX_TOOL_OUTPUT_BYTES = 4 << 20
 
 
 @dataclass
@@ -42,6 +43,10 @@ class ServerConfig:
         template_limits: the time, size and loop budget of one client template render.
         grammar_budget: what one request's grammar may cost the engine thread per token.
         max_body_bytes: the largest request body (413 past it).
+        max_tool_output_bytes: the largest chunk of one ``tool_output`` call (UTF-8 bytes of
+            its content; 413 past it).
+        cache_salt_per_key: salt every request's prefix-cache key with its client (the API key
+            it sends), so clients share no cached prefixes and hit counts tell nothing across.
         allowed_hosts: the ``Host`` names accepted (``"*"``: any); None: the bound address
             (with ``localhost`` when it is loopback; any when bound to every interface).
         api_docs: serve ``/docs``, ``/redoc`` and ``/openapi.json``.
@@ -59,6 +64,8 @@ class ServerConfig:
     template_limits: TemplateLimits = field(default_factory=TemplateLimits)
     grammar_budget: GrammarBudget = field(default_factory=GrammarBudget)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_tool_output_bytes: int = DEFAULT_MAX_TOOL_OUTPUT_BYTES
+    cache_salt_per_key: bool = False
     allowed_hosts: list[str] | None = None
     api_docs: bool = False
 
