@@ -500,6 +500,7 @@ class AgentEngine:
         prompt = request.prompt_token_ids
         session.repeated = common_prefix_len(session.context, prompt)
         session.request_id = request.request_id
+        session.cache_salt = request.cache_salt
         session.context = list(prompt)
         session.prompt_len = len(prompt)
         self._by_request[request.request_id] = session.id
@@ -573,7 +574,8 @@ class AgentEngine:
             return
         tag = _branch_tag(session.id, spec.key)
         self.engine.speculate(_spec_id(tag), spec.token_ids,
-                              SlotHints(tag, EntryRank.SPECULATIVE))
+                              SlotHints(tag, EntryRank.SPECULATIVE,
+                                        cache_salt=session.cache_salt))
         session.window.branches.add(spec.key)
 
     def _stop_speculation(self, session: Session, window: ToolWindow) -> None:

@@ -38,13 +38,15 @@ class SlotHints:
 
     ``tag``/``rank``/``priority``: what the slot becomes when the sequence releases it (see
     `PrefixCache.release`); ``claim``: tags of entries the sequence may adopt at admission
-    besides its own ``tag`` (the speculation branches of a resuming session).
+    besides its own ``tag`` (the speculation branches of a resuming session);
+    ``cache_salt``: the slot's KV is shared only with sequences of the same salt (tenants).
     """
 
     tag: str | None = None
     rank: EntryRank = EntryRank.PLAIN
     priority: float = 0.0
     claim: tuple[str, ...] = ()
+    cache_salt: str | None = None
 
 
 ABORTED = "abort"  # finish reason of an aborted request (besides FinishReason's stop/length)

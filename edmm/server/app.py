@@ -147,7 +147,7 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        queued = await serving.start_completion(body)
+        queued = await serving.start_completion(body, owner_of(request.headers))
         if body.stream:
             return EventStreamResponse(serving.completion_stream(body, queued),
                                        [stream for _, stream in queued])

@@ -15,6 +15,7 @@ chat template (sandboxed, within its `TemplateLimits`) and grammar compilation (
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
 import uuid
@@ -120,13 +121,17 @@ class OpenAIServing:
     """Chat and text completions over an `EngineLoop` running a `ServerSessions`.
 
     ``client_templates``: the limits of client-supplied chat templates; None: they are refused.
+    ``salt_per_key``: every request's prefix-cache salt includes its owner (its API key), so
+    clients share no cached KV and ``usage.cached_tokens`` tells nothing across them.
     """
 
     def __init__(self, loop: EngineLoop[ServerSessions], engine: Engine, tokenizer: Any,
                  model_name: str, metrics: ServerMetrics,
                  guided: GuidedDecoding | None,
-                 client_templates: TemplateLimits | None = None) -> None:
+                 client_templates: TemplateLimits | None = None,
+                 salt_per_key: bool = False) -> None:
         self.loop = loop
+        self.salt_per_key = salt_per_key
         self.engine = engine
         # The server's own copy, used only on its one tokenizing thread (tokenizers are not
         # shared between threads): rendering a long conversation never blocks the event loop.
@@ -201,7 +206,7 @@ class OpenAIServing:
         processors = await self._isolate(self._chat_processors, req)
         params = sampling_params(req, req.completion_limit, len(ids), self.max_model_len,
                                  processors)
-        request = self._make_request(ids, params)
+        request = self._salted(self._make_request(ids, params), req.cache_salt, owner)
         ext = req.edmm
         turn = Turn(request, session_header or (ext.session_id if ext else None),
                     trailing_tool_results(req.messages), owner)
@@ -363,8 +368,8 @@ class OpenAIServing:
         return self.guided
 
     # ------------------------------------------------------------------ completions
-    async def start_completion(self, req: CompletionRequest) -> list[tuple[Request,
-                                                                            OutputStream]]:
+    async def start_completion(self, req: CompletionRequest, owner: str = ANONYMOUS,
+                               ) -> list[tuple[Request, OutputStream]]:
         """Validate and queue every prompt of a text-completion request."""
         self.check_model(req.model)
         check_text(req.model_dump(exclude_defaults=True))
@@ -372,8 +377,8 @@ class OpenAIServing:
             raise BadRequestError("echo, logprobs and suffix are not supported")
         if req.best_of not in (None, 1):
             raise BadRequestError("best_of is not supported", param="best_of")
-        requests = [await self._tokenize(self._completion_request, req, p)
-                    for p in self._prompts(req.prompt)]
+        requests = [self._salted(await self._tokenize(self._completion_request, req, p),
+                                 req.cache_salt, owner) for p in self._prompts(req.prompt)]
         queued: list[tuple[Request, OutputStream]] = []
         try:
             for request in requests:
@@ -476,6 +481,13 @@ class OpenAIServing:
         return stream
 
     # ------------------------------------------------------------------ shared
+    def _salted(self, request: Request, salt: str | None, owner: str) -> Request:
+        """``request`` with its prefix-cache salt: the client's ``cache_salt``, and its owner
+        when salting per key (joined by a NUL, which no owner contains: unambiguous)."""
+        if self.salt_per_key:
+            salt = f"{owner}\x00{salt or ''}"
+        return request if salt is None else dataclasses.replace(request, cache_salt=salt)
+
     def _make_request(self, ids: list[int], params: Any) -> Request:
         """Validate a tokenized request (token ids in the vocabulary, length); any thread."""
         try:

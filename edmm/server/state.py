@@ -101,7 +101,8 @@ class ServerState:
         self.serving = OpenAIServing(
             self.loop, self.engine, tokenizer, config.model_name, self.metrics,
             _guided(self.engine, tokenizer, config.grammar_budget),
-            config.template_limits if config.allow_client_chat_template else None)
+            config.template_limits if config.allow_client_chat_template else None,
+            config.cache_salt_per_key)
 
     @property
     def execution_aware(self) -> bool:

@@ -176,3 +176,38 @@ def test_a_client_named_session_is_bound_to_its_owner(server: LiveServer) -> Non
     assert _session(server, "my-own-name", KEY_A).status_code == 404
     assert _session(server, "my-own-name", KEY_B).status_code == 200
     assert _session(server, "my-own-name", KEY_B, method="DELETE").status_code == 200
+
+
+# ---------------------------------------------------------------------- item 7: cache salt
+LONG_PROMPT = " ".join(f"fact {i} of the shared system prompt." for i in range(60))
+
+
+def _cached(server: LiveServer, headers: dict[str, str] | None = None, **extra: Any) -> int:
+    resp = httpx.post(f"{server.url}/v1/completions", headers=headers, timeout=60, json={
+        "model": MODEL, "prompt": LONG_PROMPT, "max_tokens": 1, "temperature": 0, **extra})
+    assert resp.status_code == 200, resp.text
+    usage = resp.json()["usage"]
+    assert usage["prompt_tokens"] > 100
+    return int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
+
+
+def test_cache_salt_scopes_prefix_sharing(server: LiveServer) -> None:
+    salt = f"tenant-{time.monotonic_ns()}"  # fresh: nothing cached under it yet
+    assert _cached(server, cache_salt=salt) == 0
+    assert _cached(server, cache_salt=salt) > 0  # the same salt shares
+    assert _cached(server, cache_salt=salt + "-other") == 0
+    assert _cached(server) == 0  # unsalted requests see no salted KV
+
+
+@pytest.fixture(scope="module")
+def salted(tiny_dir: Path) -> Iterator[LiveServer]:
+    config = dataclasses.replace(server_config(tiny_dir), cache_salt_per_key=True)
+    yield from serve(ServerState(config))
+
+
+def test_cache_salt_per_key_hides_hits_across_clients(salted: LiveServer) -> None:
+    assert _cached(salted, KEY_A) == 0
+    assert _cached(salted, KEY_A) > 0  # the same client shares its own prefixes
+    assert _cached(salted, KEY_B) == 0  # another client learns nothing from cached_tokens
+    assert _cached(salted) == 0  # nor does an anonymous one
+    assert _cached(salted, KEY_A, cache_salt="x") == 0  # a client's salt scopes further
