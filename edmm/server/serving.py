@@ -18,9 +18,11 @@ import asyncio
 import dataclasses
 import json
 import logging
+import multiprocessing
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
@@ -42,9 +44,9 @@ from edmm.server.guided import GrammarLogitsProcessor, GuidedDecoding
 from edmm.server.metrics import EngineSnapshot, ServerMetrics
 from edmm.server.prompts import (
     assistant_message,
-    chat_text,
     check_chat_options,
     client_template,
+    client_template_variables,
     encode_prompt,
     parses_tools,
     predicted_messages,
@@ -80,7 +82,7 @@ from edmm.server.protocol import (
     random_id,
 )
 from edmm.server.sessions import ANONYMOUS, ServerSessions, Turn, TurnEnd
-from edmm.server.templates import TemplateLimits
+from edmm.server.templates import TemplateLimits, render_client_template
 from edmm.server.tool_parser import ParsedReply, ParsedToolCall, StreamingToolParser, parse_reply
 from edmm.server.validation import (
     check_conversation,
@@ -140,6 +142,9 @@ class OpenAIServing:
         self._tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edmm-tokenize")
         # Client templates and grammar compilation: never ahead of others' tokenizing.
         self._isolated = ThreadPoolExecutor(max_workers=2, thread_name_prefix="edmm-isolated")
+        # Client templates run pure Python for up to their time budget: in a thread they would
+        # hold the GIL against the engine thread, so they render in a process of their own.
+        self._templates: ProcessPoolExecutor | None = None
         self.client_templates = client_templates
         self.model_name = model_name
         self.metrics = metrics
@@ -151,6 +156,8 @@ class OpenAIServing:
         """Stop the tokenizing threads (after the work queued on them)."""
         self._tokenizing.shutdown(wait=True)
         self._isolated.shutdown(wait=True)
+        if self._templates is not None:
+            self._templates.shutdown(wait=True, cancel_futures=True)
 
     async def _tokenize(self, fn: Callable[..., T], *args: Any) -> T:
         """Run tokenizer work (chat rendering, encoding) on the tokenizing thread."""
@@ -170,9 +177,30 @@ class OpenAIServing:
         if client_template(kwargs, self.client_templates) is None:
             return await self._tokenize(render_chat, self.tokenizer, messages, tools, kwargs,
                                         self.encoder, limit)
-        text = await self._isolate(chat_text, self.tokenizer, messages, tools, kwargs,
-                                   self.client_templates)
+        text = await self._client_template(messages, tools, kwargs)
         return await self._tokenize(encode_prompt, self.tokenizer, self.encoder, text, limit)
+
+    async def _client_template(self, messages: list[dict[str, Any]],
+                               tools: list[dict[str, Any]] | None,
+                               kwargs: dict[str, Any] | None) -> str:
+        """Render a client's chat template in the template process (started on first use;
+        restarted if a render killed it, which is a 400 for that request)."""
+        source = client_template(kwargs, self.client_templates)
+        assert source is not None and self.client_templates is not None
+        variables = client_template_variables(self.tokenizer, messages, tools, kwargs)
+        if self._templates is None:
+            self._templates = ProcessPoolExecutor(
+                max_workers=1, mp_context=multiprocessing.get_context("spawn"))
+        pool = self._templates
+        try:
+            return await asyncio.get_running_loop().run_in_executor(
+                pool, render_client_template, source, variables, self.client_templates)
+        except BrokenProcessPool:
+            if self._templates is pool:
+                self._templates = None
+            raise BadRequestError("the chat template's render was killed",
+                                  param="chat_template_kwargs",
+                                  code="chat_template_budget_exceeded") from None
 
     # ------------------------------------------------------------------ models, metrics
     def models(self) -> ModelList:
