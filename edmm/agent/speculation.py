@@ -92,10 +92,11 @@ class StreamFold:
 
 
 def _last_boundary(text: str) -> int:
-    """Index of the last whitespace of ``text`` (a token boundary for word-level
-    pre-tokenizers: the space starts the next word); 0 if there is none."""
-    for i in range(len(text) - 1, 0, -1):
-        if text[i].isspace():
+    """Index of the last whitespace of ``text`` that a word follows (a token boundary for
+    word-level pre-tokenizers: that space starts the word; a trailing run of whitespace may
+    still join what comes next); 0 if there is none."""
+    for i in range(len(text) - 2, 0, -1):
+        if text[i].isspace() and not text[i + 1].isspace():
             return i
     return 0
 

@@ -19,6 +19,7 @@ import dataclasses
 import json
 import logging
 import multiprocessing
+import os
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
@@ -94,6 +95,7 @@ from edmm.server.validation import (
 SSE_DONE = "data: [DONE]\n\n"
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
+TEMPLATE_NICENESS = 10  # the client-template process yields the CPU to the server
 
 
 def sse(payload: BaseModel | dict[str, Any]) -> str:
@@ -140,7 +142,7 @@ class OpenAIServing:
         self.tokenizer = tokenizer
         self.encoder = PromptEncoder(tokenizer) if tokenizer is not None else None
         self._tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edmm-tokenize")
-        # Client templates and grammar compilation: never ahead of others' tokenizing.
+        # Grammar compilation: never ahead of others' tokenizing.
         self._isolated = ThreadPoolExecutor(max_workers=2, thread_name_prefix="edmm-isolated")
         # Client templates run pure Python for up to their time budget: in a thread they would
         # hold the GIL against the engine thread, so they render in a process of their own.
@@ -151,6 +153,21 @@ class OpenAIServing:
         self.guided = guided
         self.max_model_len = engine.max_model_len
         self.validator = engine.validator  # immutable: safe off the engine thread
+
+    def start(self) -> None:
+        """Start the client-template process when client templates are on, and wait until
+        it renders (its start-up, which imports the template code, is paid by no request and
+        never competes with live traffic)."""
+        if self.client_templates is not None:
+            self._template_pool().submit(render_client_template, "{{ 1 }}", {},
+                                         self.client_templates).result()
+
+    def _template_pool(self) -> ProcessPoolExecutor:
+        if self._templates is None:  # below the server's threads on a busy CPU
+            self._templates = ProcessPoolExecutor(
+                max_workers=1, mp_context=multiprocessing.get_context("spawn"),
+                initializer=os.nice, initargs=(TEMPLATE_NICENESS,))
+        return self._templates
 
     def close(self) -> None:
         """Stop the tokenizing threads (after the work queued on them)."""
@@ -188,10 +205,7 @@ class OpenAIServing:
         source = client_template(kwargs, self.client_templates)
         assert source is not None and self.client_templates is not None
         variables = client_template_variables(self.tokenizer, messages, tools, kwargs)
-        if self._templates is None:
-            self._templates = ProcessPoolExecutor(
-                max_workers=1, mp_context=multiprocessing.get_context("spawn"))
-        pool = self._templates
+        pool = self._template_pool()
         try:
             return await asyncio.get_running_loop().run_in_executor(
                 pool, render_client_template, source, variables, self.client_templates)

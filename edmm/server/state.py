@@ -110,8 +110,9 @@ class ServerState:
         return self.config.execution_aware
 
     def start(self) -> None:
-        """Start the engine thread."""
+        """Start the engine thread (and the client-template process, if they are on)."""
         self.loop.start()
+        self.serving.start()
 
     def stop(self) -> None:
         """Stop the engine thread (pending requests fail with 503)."""
