@@ -29,6 +29,7 @@ from typing import Any
 from edmm.agent.errors import (
     AgentError,
     InsertionPositionError,
+    ToolOutputClosedError,
     UnknownSessionError,
     UnknownToolCallError,
 )
@@ -40,6 +41,7 @@ from edmm.agent.speculation import (
     PromptSource,
     Speculation,
     SpeculationSource,
+    StreamFold,
     ToolWindow,
 )
 from edmm.agent.types import (
@@ -118,17 +120,19 @@ class AgentEngine:
         """Validate and queue a request (`Engine.make_request`, then `submit`)."""
         self.submit(self.engine.make_request(request_id, prompt, params), session_id)
 
-    def submit(self, request: Request, session_id: str | None = None) -> None:
+    def submit(self, request: Request, session_id: str | None = None, *,
+               owner: str | None = None) -> None:
         """Queue a validated request; with ``session_id``, a turn of that session (created if
-        new; a FINISHED session takes its next user turn). Raises `SessionStateError` if the
-        session is generating, awaiting a tool (use `resume`) or abandoned."""
+        new, belonging to ``owner``; a FINISHED session takes its next user turn). Raises
+        `SessionStateError` if the session is generating, awaiting a tool (use `resume`) or
+        abandoned."""
         if session_id is None:
             self.engine.submit(request)
             return
         session = self._sessions.get(session_id)
         if session is not None:
             session.require(S.FINISHED, "a new turn")
-        session = session if session is not None else Session(session_id)
+        session = session if session is not None else Session(session_id, owner=owner)
         self._submit_turn(session, request, claim=())
         session.transition(S.GENERATING)
         self._touch(session)
@@ -206,7 +210,8 @@ class AgentEngine:
         deadline = deadline_s if deadline_s is not None else self.config.tool_timeout_s
         expected = expected_duration_s if expected_duration_s is not None else \
             self._expected_duration(calls.values())
-        window = ToolWindow(calls, renderer, now, now + deadline, expected)
+        window = ToolWindow(calls, renderer, now, now + deadline, expected,
+                            max_tokens=self.engine.max_model_len)
         window.predictions.update(self._memoised(calls.values()))
         window.predictions.update(predictions or {})
         session.window = window
@@ -214,12 +219,25 @@ class AgentEngine:
         self._apply_retention(session)
         self._run_sources(session, lambda src: src.on_await(window))
 
-    def feed_tool_output(self, session_id: str, call_id: str, chunk: ToolContent) -> None:
-        """Append partial output of a running tool; it is prefilled incrementally.
-        Raises `UnknownToolCallError` / `SessionStateError`."""
+    def feed_tool_output(self, session_id: str, call_id: str, chunk: ToolContent, *,
+                         final: bool = False) -> None:
+        """Append partial output of a running tool; it is prefilled incrementally (only the
+        new chunk is tokenized, up to the context). ``final``: the output is complete, later
+        chunks are refused. Raises `UnknownToolCallError`, `SessionStateError`,
+        `ToolOutputClosedError`, `AgentError` (text and token ids mixed); on error nothing
+        changes."""
         window = self._window(session_id, call_id, "feed_tool_output")
-        window.streamed[call_id] = _concat(window.streamed.get(call_id), chunk)
-        self._run_sources(self._sessions[session_id], lambda src: src.on_output(window, call_id))
+        if call_id in window.closed:
+            raise ToolOutputClosedError(session_id, call_id)
+        fold = window.streamed.get(call_id)
+        if fold is not None and fold.is_text != isinstance(chunk, str):
+            raise AgentError("streamed output mixes text and token ids")
+        if fold is None:
+            fold = window.streamed[call_id] = StreamFold(isinstance(chunk, str))
+        if final:
+            window.closed.add(call_id)
+        self._run_sources(self._sessions[session_id],
+                          lambda src: src.on_output(window, call_id, chunk))
 
     def predict_tool_result(self, session_id: str, call_id: str, result: ToolContent, *,
                             position: int | None = None) -> None:
@@ -337,11 +355,15 @@ class AgentEngine:
             return []
         return list(session.window.calls)
 
-    def session_awaiting(self, call_id: str) -> str | None:
-        """The session awaiting the result of tool call ``call_id``, if any."""
+    def session_owner(self, session_id: str) -> str | None:
+        """The owner the session was created for (`UnknownSessionError` if there is none)."""
+        return self._get(session_id).owner
+
+    def session_awaiting(self, call_id: str, owner: str | None = None) -> str | None:
+        """The session of ``owner`` awaiting the result of tool call ``call_id``, if any."""
         for session in self._sessions.values():
             if session.state == S.AWAITING_TOOL and session.window is not None and (
-                    call_id in session.window.calls):
+                    call_id in session.window.calls) and session.owner == owner:
                 return session.id
         return None
 
@@ -349,16 +371,19 @@ class AgentEngine:
         """The request id of the session's last turn that finished (not aborted)."""
         return self._get(session_id).finished_request_id
 
-    def find_session(self, prompt_token_ids: Sequence[int]) -> str | None:
-        """The session not generating whose last turn's prompt is the longest prefix of
+    def find_session(self, prompt_token_ids: Sequence[int],
+                     owner: str | None = None) -> str | None:
+        """The FINISHED session of ``owner`` whose last turn's prompt is the longest prefix of
         ``prompt_token_ids`` (a server without a session id finds a conversation this way:
-        the next request repeats the last prompt, then the reply as re-rendered)."""
+        the next request repeats the last prompt, then the reply as re-rendered). A session
+        awaiting tools is never found this way: only its id or its call ids resume it."""
         prompt = list(prompt_token_ids)
         best: str | None = None
         best_len = 0
         for session in self._sessions.values():
             n = session.prompt_len
-            if (best_len < n <= len(prompt) and session.state not in _BUSY
+            if (best_len < n <= len(prompt) and session.state == S.FINISHED
+                    and session.owner == owner
                     and common_prefix_len(session.context, prompt, n) == n):
                 best, best_len = session.id, n
         return best
@@ -417,7 +442,9 @@ class AgentEngine:
         if session.request_id is not None and (
                 self._by_request.get(session.request_id) != session.id):
             raise AgentError(f"session {session.id!r}: request map out of sync")
-        if session.state == S.ABANDONED and self.engine.kv.tagged(_session_tag(session.id)):
+        if session.state == S.ABANDONED and any(
+                self.engine.kv.tagged(t) for t in (_session_tag(session.id),
+                                                   _lost_tag(session.id))):
             raise AgentError(f"abandoned session {session.id!r} still holds KV")
         keys = session.window.branches if session.window is not None else set()
         owned = live_specs & self._spec_ids(session.id, keys)
@@ -426,9 +453,11 @@ class AgentEngine:
         return owned
 
     def _tags(self, session: Session) -> set[str]:
-        """The tags the session's KV may carry: its own, its open window's branches."""
+        """The tags the session's KV may carry: its own, its open window's branches, the
+        branches that lost at its resumes."""
         keys = session.window.branches if session.window is not None else set()
-        return {_session_tag(session.id), *(_branch_tag(session.id, k) for k in keys)}
+        return {_session_tag(session.id), _lost_tag(session.id),
+                *(_branch_tag(session.id, k) for k in keys)}
 
     def _get(self, session_id: str) -> Session:
         session = self._sessions.get(session_id)
@@ -471,6 +500,7 @@ class AgentEngine:
         prompt = request.prompt_token_ids
         session.repeated = common_prefix_len(session.context, prompt)
         session.request_id = request.request_id
+        session.cache_salt = request.cache_salt
         session.context = list(prompt)
         session.prompt_len = len(prompt)
         self._by_request[request.request_id] = session.id
@@ -509,10 +539,11 @@ class AgentEngine:
         if out.prefix_hit is not None:
             m.commit_s.append(out.prefix_hit.seconds)
         self._classify(session, out.prefix_hit, len(out.prompt_token_ids))
-        # The losing branches become plain speculation entries: no unmapping here, on the
-        # resume's critical path; they are reused or evicted first like any other.
+        # The losing branches become speculation entries under the session's "lost" tag: no
+        # unmapping here, on the resume's critical path; they are reused or evicted first
+        # like any other, and freed with the session.
         tags = [_branch_tag(session.id, k) for k in session.window.branches]
-        self.engine.kv.untag(tags, EntryRank.SPECULATIVE)
+        self.engine.kv.retag(tags, _lost_tag(session.id), EntryRank.SPECULATIVE)
         session.window = None
         session.resume_started = None
         session.transition(S.GENERATING)
@@ -546,7 +577,8 @@ class AgentEngine:
         # has none): dropped if that KV is gone by the time it is admitted.
         base = min(common_prefix_len(session.context, spec.token_ids), len(session.context) - 1)
         self.engine.speculate(_spec_id(tag), spec.token_ids,
-                              SlotHints(tag, EntryRank.SPECULATIVE, min_cached=max(base, 0)))
+                              SlotHints(tag, EntryRank.SPECULATIVE, min_cached=max(base, 0),
+                                        cache_salt=session.cache_salt))
         session.window.branches.add(spec.key)
 
     def _stop_speculation(self, session: Session, window: ToolWindow) -> None:
@@ -563,7 +595,7 @@ class AgentEngine:
     def _drop_kv(self, session: Session) -> None:
         if session.window is not None:
             self._drop_branches(session, session.window)
-        self.engine.kv.discard([_session_tag(session.id)])
+        self.engine.kv.discard([_session_tag(session.id), _lost_tag(session.id)])
 
     def _expire_windows(self) -> None:
         """Abandon the sessions whose tool window passed its deadline; reclaim their KV."""
@@ -632,11 +664,16 @@ class AgentEngine:
         return {_spec_id(_branch_tag(session_id, k)) for k in keys}
 
 
-_TAG_PREFIXES = ('["session",', '["branch",')  # the agent's tags (JSON lists)
+_TAG_PREFIXES = ('["session",', '["branch",', '["lost",')  # the agent's tags (JSON lists)
 
 
 def _session_tag(session_id: str) -> str:
     return json.dumps(["session", session_id])
+
+
+def _lost_tag(session_id: str) -> str:
+    """The tag of the session's branches that lost at a resume (freed with the session)."""
+    return json.dumps(["lost", session_id])
 
 
 def _branch_tag(session_id: str, key: str) -> str:
@@ -662,15 +699,3 @@ def _check_calls(tool_calls: Sequence[ToolCall]) -> dict[str, ToolCall]:
     if len(calls) != len(tool_calls):
         raise AgentError("tool call ids must be unique")
     return calls
-
-
-def _concat(prev: ToolContent | None, chunk: ToolContent) -> ToolContent:
-    """Streamed output so far plus a chunk (text to text, ids to ids)."""
-    if prev is None:
-        return chunk if isinstance(chunk, str) else list(chunk)
-    if isinstance(prev, str) != isinstance(chunk, str):
-        raise AgentError("streamed output mixes text and token ids")
-    if isinstance(prev, str):
-        assert isinstance(chunk, str)
-        return prev + chunk
-    return [*prev, *chunk]

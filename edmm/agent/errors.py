@@ -39,6 +39,16 @@ class UnknownToolCallError(AgentError, KeyError):
         return str(self.args[0])
 
 
+class ToolOutputClosedError(AgentError):
+    """An output chunk for a call whose streamed output was marked final."""
+
+    def __init__(self, session_id: str, call_id: str) -> None:
+        self.session_id = session_id
+        self.call_id = call_id
+        super().__init__(f"session {session_id!r}: the output of tool call {call_id!r} is "
+                         "complete (a chunk marked final came)")
+
+
 class InsertionPositionError(AgentError, ValueError):
     """A result's insertion position lies outside the session's context ``[0, len]``."""
 

@@ -39,6 +39,10 @@ class PromptRenderer(abc.ABC):
         """The next prompt with ``results`` (call id -> content) filled in call order, up to
         the first call without a result, or up to the end of ``stop_after``'s content."""
 
+    def encode_content(self, text: str) -> list[int]:
+        """Token ids of a piece of a result's text, as the renderer would encode it."""
+        return content_ids(text, getattr(self, "tokenizer", None))
+
     def with_positions(self, positions: Mapping[str, int]) -> PromptRenderer:
         """A renderer that inserts the given calls' results at other token positions."""
         if positions:

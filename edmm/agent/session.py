@@ -37,6 +37,8 @@ class Session:
     prompt_len: int = 0  # the last turn's prompt: context[:prompt_len]
     finished_request_id: str | None = None  # the last turn that finished (not aborted)
     repeated: int = 0  # tokens of the previous context that the running turn's prompt repeats
+    owner: str | None = None  # the client it belongs to (opaque to the agent layer)
+    cache_salt: str | None = None  # its last turn's (`Request.cache_salt`): speculation's too
     metrics: SessionMetrics = field(init=False)
 
     def __post_init__(self) -> None:

@@ -13,7 +13,7 @@ agent layer.
 from __future__ import annotations
 
 import abc
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -33,9 +33,72 @@ class ToolWindow:
     expected_s: float | None = None  # predicted tool duration
     predictions: dict[str, ToolContent] = field(default_factory=dict)  # call id -> result
     predicted_positions: dict[str, int] = field(default_factory=dict)  # where they would go
-    streamed: dict[str, ToolContent] = field(default_factory=dict)  # call id -> output so far
+    streamed: dict[str, StreamFold] = field(default_factory=dict)  # call id -> output so far
+    closed: set[str] = field(default_factory=set)  # calls whose streamed output is complete
+    max_tokens: int | None = None  # the longest prompt worth speculating (the context)
     predicted_prompt: list[int] | None = None  # the whole next prompt, as the client predicts
     branches: set[str] = field(default_factory=set)  # keys of the speculations started
+
+
+MAX_CHARS_PER_TOKEN = 32  # a bound on text one token covers: past budget * this, stop folding
+
+
+@dataclass
+class StreamFold:
+    """A running tool's output so far, folded into token ids chunk by chunk.
+
+    Only new text is tokenized: the text up to the last whitespace of what arrived is encoded
+    once and kept (``ids``); the rest (``tail``, a word that may go on) is encoded again with
+    the next chunk. The work per call is bounded by the context: once the prompt would pass
+    ``max_tokens`` (or the text past it is cut), the fold is ``full`` and speculates no more.
+    Speculation only: the prompt of the resume is the client's, tokenized whole.
+    """
+
+    is_text: bool
+    head: list[int] | None = None  # the prompt up to where the content starts (source's)
+    ids: list[int] = field(default_factory=list)  # token ids of the content before ``tail``
+    tail: str = ""
+    full: bool = False
+
+    def extend(self, chunk: ToolContent, encode: Callable[[str], list[int]],
+               max_tokens: int | None) -> list[int] | None:
+        """Fold ``chunk`` in; the prompt up to the end of the output so far, or None once
+        ``full`` (``head`` must be set)."""
+        assert self.head is not None
+        if self.full:
+            return None
+        if isinstance(chunk, str):
+            self._extend_text(chunk, encode, max_tokens)
+        else:
+            self.ids += [int(t) for t in chunk]
+        ids = self.head + self.ids + (encode(self.tail) if self.tail else [])
+        if max_tokens is not None and len(ids) > max_tokens:
+            self.full = True
+            return None
+        return ids
+
+    def _extend_text(self, chunk: str, encode: Callable[[str], list[int]],
+                     max_tokens: int | None) -> None:
+        assert self.head is not None
+        text = self.tail + chunk
+        if max_tokens is not None:
+            limit = max(0, max_tokens - len(self.head) - len(self.ids)) * MAX_CHARS_PER_TOKEN
+            if len(text) > limit:
+                text, self.full = text[:limit], True
+        cut = _last_boundary(text)
+        if cut > 0:
+            self.ids += encode(text[:cut])
+        self.tail = text[cut:]
+
+
+def _last_boundary(text: str) -> int:
+    """Index of the last whitespace of ``text`` that a word follows (a token boundary for
+    word-level pre-tokenizers: that space starts the word; a trailing run of whitespace may
+    still join what comes next); 0 if there is none."""
+    for i in range(len(text) - 2, 0, -1):
+        if text[i].isspace() and not text[i + 1].isspace():
+            return i
+    return 0
 
 
 @dataclass(frozen=True)
@@ -55,8 +118,10 @@ class SpeculationSource(abc.ABC):
         """The window opened (tool calls known; predictions and memoised results too)."""
         return []
 
-    def on_output(self, window: ToolWindow, call_id: str) -> list[Speculation]:
-        """More partial output of ``call_id`` arrived (in ``window.streamed``)."""
+    def on_output(self, window: ToolWindow, call_id: str,
+                  chunk: ToolContent) -> list[Speculation]:
+        """More partial output of ``call_id`` arrived: ``chunk`` (what came before is folded
+        in ``window.streamed[call_id]``)."""
         return []
 
     def on_predict(self, window: ToolWindow, call_id: str) -> list[Speculation]:
@@ -89,13 +154,18 @@ class StreamedSource(SpeculationSource):
 
     name = "streamed"
 
-    def on_output(self, window: ToolWindow, call_id: str) -> list[Speculation]:
-        results = _known_before(window, call_id, window.predictions)
-        if results is None:
-            return []
-        results[call_id] = window.streamed[call_id]
-        ids = window.renderer.render(results, stop_after=call_id)
-        return [Speculation(f"{self.name}:{call_id}", ids)]
+    def on_output(self, window: ToolWindow, call_id: str,
+                  chunk: ToolContent) -> list[Speculation]:
+        fold = window.streamed[call_id]
+        if fold.head is None:  # the first chunk: render the prompt up to the content once
+            results = _known_before(window, call_id, window.predictions)
+            if results is None:
+                fold.full = True  # an earlier result is unknown: nothing to extend
+                return []
+            results[call_id] = []
+            fold.head = window.renderer.render(results, stop_after=call_id)
+        ids = fold.extend(chunk, window.renderer.encode_content, window.max_tokens)
+        return [] if ids is None else [Speculation(f"{self.name}:{call_id}", ids)]
 
 
 @SPECULATION_SOURCES.register("predicted")

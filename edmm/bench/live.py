@@ -342,8 +342,10 @@ class LiveClient:
 
         self.url = url.rstrip("/")
         self.cfg = cfg
-        self.http = httpx.Client(timeout=cfg.request_timeout_s)
-        self.openai = openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused",
+        api_key = "unused"  # sessions belong to the key: the SDK's calls and DELETE share it
+        self.http = httpx.Client(timeout=cfg.request_timeout_s,
+                                 headers={"Authorization": f"Bearer {api_key}"})
+        self.openai = openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key,
                                     max_retries=0, timeout=cfg.request_timeout_s)
         self.model = self.openai.models.list().data[0].id
 

@@ -60,6 +60,7 @@ class Request:
     prompt: str | None
     prompt_token_ids: list[int]
     params: SamplingParams
+    cache_salt: str | None = None  # KV shared only with requests of the same salt
 
 
 @dataclass(frozen=True)
@@ -219,6 +220,9 @@ class Engine:
                 or self.scheduler.get(request.request_id) is not None):
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
         self._states[request.request_id] = _RequestState(request, self.tokenizer)
+        hints = hints if hints is not None else SlotHints()
+        if request.cache_salt is not None:
+            hints = dataclasses.replace(hints, cache_salt=request.cache_salt)
         self.scheduler.add(Seq.new(request.request_id, request.prompt_token_ids, request.params,
                                    hints=hints))
 

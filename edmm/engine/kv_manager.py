@@ -13,7 +13,7 @@ The choice between truncating a claimed entry in place and branching from it is 
 named policy, `AdoptionCost`, which the index consults.
 
 The agent layer reaches the tagged entries through the same object (`tagged`, `set_retention`,
-`untag`, `discard`, `restore`, `offloaded_tokens`); `stats` returns a `KVStats` snapshot.
+`untag`, `retag`, `discard`, `restore`, `offloaded_tokens`); `stats` returns a `KVStats` snapshot.
 """
 
 from __future__ import annotations
@@ -76,11 +76,11 @@ class KVCacheManager:
 
     # ------------------------------------------------------------------ the scheduler's seam
     def match(self, tokens: list[int], max_tokens: int, claim: Collection[str] = (),
-              own_tag: str | None = None) -> PrefixHit | None:
+              own_tag: str | None = None, salt: str | None = None) -> PrefixHit | None:
         """A slot whose first ``hit.num_tokens`` tokens of ``tokens`` already have KV (at most
         ``max_tokens``), or None; see `PrefixCache.acquire`. Raises `NoFreeSlotError` /
         `PoolExhaustedError` (nothing changed): `make_room` and retry."""
-        return self.index.acquire(tokens, max_tokens, claim, own_tag)
+        return self.index.acquire(tokens, max_tokens, claim, own_tag, salt)
 
     def cached_prefix(self, tokens: list[int], max_tokens: int) -> int:
         """Tokens of the longest prefix of ``tokens`` (at most ``max_tokens``) with KV in the
@@ -96,15 +96,18 @@ class KVCacheManager:
         """Map ``slot`` for its first ``num_tokens`` tokens (`PoolExhaustedError`: unchanged)."""
         self.arena.grow(slot, num_tokens)
 
-    def track(self, slot: int, tokens: list[int], num_tokens: int) -> None:
-        """A live slot now holds KV of ``tokens[:num_tokens]`` (a source for prefix matches)."""
-        self.index.track(slot, tokens, num_tokens)
+    def track(self, slot: int, tokens: list[int], num_tokens: int,
+              salt: str | None = None) -> None:
+        """A live slot now holds KV of ``tokens[:num_tokens]`` (a source for prefix matches
+        of the same cache ``salt``)."""
+        self.index.track(slot, tokens, num_tokens, salt)
 
     def free(self, slot: int, tokens: list[int], num_tokens: int, tag: str | None = None,
-             rank: EntryRank = EntryRank.PLAIN, priority: float = 0.0) -> None:
+             rank: EntryRank = EntryRank.PLAIN, priority: float = 0.0,
+             salt: str | None = None) -> None:
         """The owner is done with ``slot`` (KV of ``tokens[:num_tokens]``): keep it as a cache
         entry with this tag and eviction class, or release it (caching off, or 0 tokens)."""
-        self.index.release(slot, tokens, num_tokens, tag, rank, priority)
+        self.index.release(slot, tokens, num_tokens, tag, rank, priority, salt)
 
     def drop(self, slot: int) -> None:
         """Release ``slot`` and its pages outright (never kept as an entry)."""
@@ -167,6 +170,11 @@ class KVCacheManager:
         """Turn the entries tagged with any of ``tags`` into plain entries of ``rank`` (no
         memory touched: freed lazily, under pressure); return how many."""
         return self.index.untag(tags, rank)
+
+    def retag(self, tags: Iterable[str], new_tag: str, rank: EntryRank) -> int:
+        """Move the entries tagged with any of ``tags`` under ``new_tag``, of class ``rank``
+        (no memory touched; `discard` of ``new_tag`` frees them); return how many."""
+        return self.index.retag(tags, new_tag, rank)
 
     def discard(self, tags: Iterable[str]) -> int:
         """Free the cache entries tagged with any of ``tags`` (and host copies); how many."""

@@ -48,6 +48,12 @@ from edmm.memory.offload import HostKV, HostKVStore
 _CHAIN_SEED = 0x45444D4D  # "EDMM": the hash chain's value before the first block
 
 
+def chain_seed(salt: str | None) -> int:
+    """The hash chain's first value for prompts of cache salt ``salt`` (None: unsalted).
+    Blocks of different salts never match: lookups also compare the sources' seeds."""
+    return _CHAIN_SEED if salt is None else hash((_CHAIN_SEED, salt))
+
+
 class EntryRank(enum.IntEnum):
     """Eviction class of a cache entry: lower ranks are evicted first."""
 
@@ -91,6 +97,7 @@ class _Offloaded:
     tokens: list[int]  # the KV's tokens
     kv: HostKV
     priority: float  # the entry's (its rank is RETAINED: only those are offloaded)
+    seed: int = _CHAIN_SEED  # its source's (`chain_seed`)
 
 
 @dataclass
@@ -98,6 +105,7 @@ class _Source:
     tokens: list[int]  # KV holds tokens[:num_tokens]; a live source's list may be longer
     num_tokens: int
     hashes: list[int] = field(default_factory=list)  # chained hash of each full block
+    seed: int = _CHAIN_SEED  # the chain's first value: `chain_seed` of the cache salt
 
 
 class PrefixCache:
@@ -148,21 +156,24 @@ class PrefixCache:
         return 0 if off is None else off.kv.num_tokens
 
     # ------------------------------------------------------------------ sources
-    def track(self, slot: int, tokens: list[int], num_tokens: int) -> None:
+    def track(self, slot: int, tokens: list[int], num_tokens: int,
+              salt: str | None = None) -> None:
         """Record that live ``slot`` holds KV of ``tokens[:num_tokens]`` (``tokens`` may grow
-        later, but its first ``num_tokens`` never change while the slot is live)."""
+        later, but its first ``num_tokens`` never change while the slot is live), found only
+        by lookups of the same cache ``salt``."""
         if not self.enabled:
             return
         src = self._sources.get(slot)
         if src is None:
-            src = self._sources[slot] = _Source(tokens, 0)
+            src = self._sources[slot] = _Source(tokens, 0, seed=chain_seed(salt))
         elif slot in self._lru:
             raise KVMemoryError(f"slot {slot} is a cache entry, not a live source")
         src.tokens = tokens
         self._extend(slot, src, num_tokens)
 
     def release(self, slot: int, tokens: list[int], num_tokens: int, tag: str | None = None,
-                rank: EntryRank = EntryRank.PLAIN, priority: float = 0.0) -> None:
+                rank: EntryRank = EntryRank.PLAIN, priority: float = 0.0,
+                salt: str | None = None) -> None:
         """The owner is done with ``slot``, whose KV holds ``tokens[:num_tokens]``: keep it as
         the most recently used entry (caching on, ``num_tokens > 0``), with its tag and
         eviction class, or free it."""
@@ -172,7 +183,7 @@ class PrefixCache:
             self._unindex(slot)
             self.arena.free(slot)
             return
-        src = self._sources.get(slot) or _Source([], 0)
+        src = self._sources.get(slot) or _Source([], 0, seed=chain_seed(salt))
         self._sources[slot] = src
         src.tokens = tokens[:num_tokens]  # a private copy: the sequence may go on growing
         self._extend(slot, src, num_tokens)
@@ -188,11 +199,16 @@ class PrefixCache:
     def untag(self, tags: Iterable[str], rank: EntryRank) -> int:
         """Make the entries tagged with any of ``tags`` plain untagged entries of ``rank`` (no
         memory is touched: stale but valid KV, reusable by lookups, evicted in turn)."""
+        return self.retag(tags, None, rank)
+
+    def retag(self, tags: Iterable[str], new_tag: str | None, rank: EntryRank) -> int:
+        """Give the entries tagged with any of ``tags`` the tag ``new_tag`` (None: untagged)
+        and eviction class ``rank``; their host copies are dropped. No memory is touched."""
         wanted = set(tags)
         self._drop_offloaded(wanted)
         slots = [slot for slot, e in self._lru.items() if e.tag in wanted]
         for slot in slots:
-            self._lru[slot] = _Entry(None, rank)
+            self._lru[slot] = _Entry(new_tag, rank)
         return len(slots)
 
     def discard(self, tags: Iterable[str]) -> int:
@@ -206,15 +222,17 @@ class PrefixCache:
         return len(slots)
 
     # ------------------------------------------------------------------ lookup
-    def lookup(self, tokens: list[int], max_tokens: int) -> tuple[int, int] | None:
+    def lookup(self, tokens: list[int], max_tokens: int,
+               salt: str | None = None) -> tuple[int, int] | None:
         """``(source slot, n)`` of the longest prefix ``tokens[:n]`` (``n <= max_tokens``)
-        whose KV some source holds, at least one full block long; None if there is none."""
+        whose KV some source of the same cache ``salt`` holds, at least one full block long;
+        None if there is none."""
         if not self.enabled:
             return None
         limit = min(len(tokens), max_tokens)
         candidates: dict[int, None] = {}
         matched = 0  # full blocks matched
-        prev = _CHAIN_SEED
+        seed = prev = chain_seed(salt)
         bs = self.block_size
         for i in range(limit // bs):
             h = _chain(prev, tokens[i * bs:(i + 1) * bs])
@@ -224,6 +242,8 @@ class PrefixCache:
             candidates, prev, matched = found, h, i + 1
         best: tuple[int, int] | None = None
         for slot in candidates:
+            if self._sources[slot].seed != seed:
+                continue  # another salt's (or a hash collision)
             n = self._extend_match(self._sources[slot], tokens, matched * bs, limit)
             if best is None or n > best[1]:
                 best = (slot, n)
@@ -232,7 +252,7 @@ class PrefixCache:
         return best
 
     def acquire(self, tokens: list[int], max_tokens: int, claim: Collection[str] = (),
-                own_tag: str | None = None) -> PrefixHit | None:
+                own_tag: str | None = None, salt: str | None = None) -> PrefixHit | None:
         """A slot for a new sequence whose first ``num_tokens`` tokens already have KV: the
         longest cached prefix of ``tokens`` (see `lookup`), or None.
 
@@ -248,10 +268,10 @@ class PrefixCache:
         (nothing changed); the caller may `evict_one` and retry.
         """
         tags = set(claim) | ({own_tag} if own_tag is not None else set())
-        claimed = self._best_claimed(tokens, max_tokens, tags, own_tag)
+        claimed = self._best_claimed(tokens, max_tokens, tags, own_tag, chain_seed(salt))
         if claimed is not None and claimed[1] >= min(len(tokens), max_tokens):
             return self._adopt(claimed[0], claimed[1], own_tag)  # nothing can match more
-        found = self.lookup(tokens, max_tokens)
+        found = self.lookup(tokens, max_tokens, salt)
         if claimed is not None and claimed[1] > 0 and (found is None or claimed[1] >= found[1]):
             return self._adopt(claimed[0], claimed[1], own_tag)
         if found is None:
@@ -296,7 +316,7 @@ class PrefixCache:
         self.offload.load(off.kv, slot)
         del self._offloaded[tag]
         self.offload.release(off.kv)
-        src = self._sources[slot] = _Source(off.tokens, 0)
+        src = self._sources[slot] = _Source(off.tokens, 0, seed=off.seed)
         self._extend(slot, src, off.kv.num_tokens)
         self._lru[slot] = _Entry(tag, EntryRank.RETAINED, off.priority)
         self.restored_total += 1
@@ -363,7 +383,8 @@ class PrefixCache:
         kv = self.offload.save(slot, src.num_tokens, replacing=older.kv if older else None)
         if kv is None:
             return  # over budget: dropped (an older copy stays), recomputed at resume
-        self._offloaded[entry.tag] = _Offloaded(src.tokens[: src.num_tokens], kv, entry.priority)
+        self._offloaded[entry.tag] = _Offloaded(src.tokens[: src.num_tokens], kv, entry.priority,
+                                                src.seed)
         self.offloaded_total += 1
 
     def _drop_offloaded(self, tags: set[str]) -> None:
@@ -378,16 +399,16 @@ class PrefixCache:
         self.arena.free(slot)
 
     def _best_claimed(self, tokens: list[int], max_tokens: int, tags: set[str],
-                      own_tag: str | None) -> tuple[int, int] | None:
+                      own_tag: str | None, seed: int) -> tuple[int, int] | None:
         """``(slot, n)`` of the claimed entry sharing the longest prefix with ``tokens``; on a
         tie the own-tagged entry wins (nothing to retire), then the most recent one."""
         best: tuple[int, int] | None = None
         best_key = (-1, False)
         limit = min(len(tokens), max_tokens)
         for slot, entry in self._lru.items():
-            if entry.tag not in tags:
-                continue
             src = self._sources[slot]
+            if entry.tag not in tags or src.seed != seed:
+                continue
             n = common_prefix_len(src.tokens, tokens, min(limit, src.num_tokens))
             key = (n, entry.tag == own_tag)
             if key >= best_key:
@@ -440,7 +461,7 @@ class PrefixCache:
         if num_tokens < src.num_tokens:
             raise KVMemoryError(f"slot {slot}: source shrank from {src.num_tokens} to {num_tokens}")
         bs = self.block_size
-        prev = src.hashes[-1] if src.hashes else _CHAIN_SEED
+        prev = src.hashes[-1] if src.hashes else src.seed
         for i in range(len(src.hashes), num_tokens // bs):
             prev = _chain(prev, src.tokens[i * bs:(i + 1) * bs])
             src.hashes.append(prev)

@@ -239,7 +239,7 @@ class Scheduler:
                 seq.append_token(token)
                 out.append(seq)
             assert seq.slot is not None
-            self.kv.track(seq.slot, seq.token_ids, seq.num_computed_tokens)
+            self.kv.track(seq.slot, seq.token_ids, seq.num_computed_tokens, seq.hints.cache_salt)
         for seq in done:
             self.finish(seq, SPECULATED)
         return out
@@ -448,7 +448,8 @@ class Scheduler:
         # A request must compute its last token to get logits: reuse at most num_tokens - 1.
         limit = seq.num_tokens if seq.is_speculative else seq.num_tokens - 1
         t0 = time.perf_counter()
-        hit = self.kv.match(seq.token_ids, limit, seq.hints.claim, seq.hints.tag)
+        hit = self.kv.match(seq.token_ids, limit, seq.hints.claim, seq.hints.tag,
+                            seq.hints.cache_salt)
         if hit is None:
             seq.slot, seq.num_computed_tokens = self.kv.allocate(), 0
             return None
@@ -487,7 +488,8 @@ class Scheduler:
         assert seq.slot is not None
         h = seq.hints
         rank = EntryRank.SPECULATIVE if seq.is_speculative else h.rank
-        self.kv.free(seq.slot, seq.token_ids, seq.num_computed_tokens, h.tag, rank, h.priority)
+        self.kv.free(seq.slot, seq.token_ids, seq.num_computed_tokens, h.tag, rank, h.priority,
+                     h.cache_salt)
         seq.slot, seq.num_computed_tokens = None, 0
 
     def _queue(self, seq: Sequence) -> deque[Sequence]:

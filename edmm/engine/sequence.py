@@ -43,6 +43,7 @@ class SlotHints:
     of its first tokens have KV in the pool (it extends its session's KV; when memory
     pressure took that away, recomputing it speculatively would only take pages and compute
     from the requests, and the resume brings it back anyway).
+    ``cache_salt``: the slot's KV is shared only with sequences of the same salt (tenants).
     """
 
     tag: str | None = None
@@ -50,6 +51,7 @@ class SlotHints:
     priority: float = 0.0
     claim: tuple[str, ...] = ()
     min_cached: int = 0
+    cache_salt: str | None = None
 
 
 ABORTED = "abort"  # finish reason of an aborted request (besides FinishReason's stop/length)

@@ -23,7 +23,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from edmm.openai_errors import error_body
 from edmm.server.engine_loop import OutputStream
-from edmm.server.errors import APIError
+from edmm.server.errors import APIError, PayloadTooLargeError
 from edmm.server.http_guard import RequestGuard
 from edmm.server.protocol import (
     ChatCompletion,
@@ -33,6 +33,7 @@ from edmm.server.protocol import (
     ModelList,
     ToolOutputRequest,
 )
+from edmm.server.sessions import owner_of
 from edmm.server.state import ServerState
 from edmm.server.validation import check_text
 
@@ -136,7 +137,7 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
     async def chat(body: ChatCompletionRequest, request: Request,
                    x_session_id: str | None = Header(default=None, min_length=1,
                                                      max_length=MAX_SESSION_ID)) -> Response:
-        turn = await serving.start_chat(body, x_session_id)
+        turn = await serving.start_chat(body, x_session_id, owner_of(request.headers))
         headers = {SESSION_HEADER: turn.session_id}
         if body.stream:
             return EventStreamResponse(serving.chat_stream(turn), [turn.stream],
@@ -146,7 +147,7 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        queued = await serving.start_completion(body)
+        queued = await serving.start_completion(body, owner_of(request.headers))
         if body.stream:
             return EventStreamResponse(serving.completion_stream(body, queued),
                                        [stream for _, stream in queued])
@@ -154,24 +155,36 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
 
 
 def _add_edmm_routes(app: FastAPI, state: ServerState) -> None:
+    max_chunk = state.config.max_tool_output_bytes
+
     @app.get("/v1/edmm/sessions/{session_id}")
-    async def session(session_id: str) -> JSONResponse:
-        found = await state.loop.run(lambda b: b.session_state(session_id))
+    async def session(session_id: str, request: Request) -> JSONResponse:
+        owner = owner_of(request.headers)
+        found = await state.loop.run(lambda b: b.session_state(session_id, owner))
         return JSONResponse({"id": session_id, "object": "edmm.session",
                              "state": found.name.lower()})
 
     @app.delete("/v1/edmm/sessions/{session_id}")
-    async def close_session(session_id: str) -> JSONResponse:
-        await state.loop.run(lambda b: b.close(session_id))
+    async def close_session(session_id: str, request: Request) -> JSONResponse:
+        owner = owner_of(request.headers)
+        await state.loop.run(lambda b: b.close(session_id, owner))
         return JSONResponse({"id": session_id, "object": "edmm.session", "deleted": True})
 
     @app.post("/v1/edmm/sessions/{session_id}/tool_output")
-    async def tool_output(session_id: str, body: ToolOutputRequest) -> JSONResponse:
+    async def tool_output(session_id: str, body: ToolOutputRequest,
+                          request: Request) -> JSONResponse:
+        size = len(body.content.encode("utf-8", "surrogatepass"))
+        if size > max_chunk:
+            raise PayloadTooLargeError(f"the chunk is {size} bytes, over the limit of "
+                                       f"{max_chunk}: send the output in smaller chunks",
+                                       param="content", code="tool_output_too_large")
         check_text(body.model_dump())
-        await state.loop.run(
-            lambda b: b.feed_tool_output(session_id, body.tool_call_id, body.content))
+        owner = owner_of(request.headers)
+        await state.loop.run(lambda b: b.feed_tool_output(
+            session_id, owner, body.tool_call_id, body.content, body.final))
         return JSONResponse({"id": session_id, "object": "edmm.tool_output",
-                             "tool_call_id": body.tool_call_id, "accepted": len(body.content)})
+                             "tool_call_id": body.tool_call_id, "accepted": len(body.content),
+                             "final": body.final})
 
 
 class EventStreamResponse(StreamingResponse):

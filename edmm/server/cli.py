@@ -16,7 +16,7 @@ from typing import Any
 
 from edmm.argparsing import ArgumentParser, float_at_least, int_at_least
 from edmm.server.http_guard import DEFAULT_MAX_BODY_BYTES
-from edmm.server.state import ServerConfig, ServerState
+from edmm.server.state import DEFAULT_MAX_TOOL_OUTPUT_BYTES, ServerConfig, ServerState
 
 logger = logging.getLogger("edmm.serve")
 
@@ -56,6 +56,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "sandbox with a time and size limit; default: refused, 400)")
     parser.add_argument("--max-body-mib", type=float, default=DEFAULT_MAX_BODY_BYTES / 2**20,
                         help="largest request body in MiB (413 past it; default %(default)g)")
+    parser.add_argument("--max-tool-output-mib", type=float,
+                        default=DEFAULT_MAX_TOOL_OUTPUT_BYTES / 2**20,
+                        help="largest chunk of one tool_output call in MiB (413 past it; "
+                             "default %(default)g)")
+    parser.add_argument("--cache-salt-per-key", action="store_true",
+                        help="share cached prefixes only among requests of one API key "
+                             "(usage.cached_tokens then tells nothing across clients)")
     parser.add_argument("--allowed-hosts", nargs="+", default=None, metavar="HOST",
                         help="Host header names to answer ('*': any; default: the --host "
                              "address, with localhost when it is loopback)")
@@ -89,6 +96,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
                         execution_aware=not args.no_execution_aware, engine=engine,
                         allow_client_chat_template=args.allow_client_chat_template,
                         max_body_bytes=int(args.max_body_mib * 2**20),
+                        max_tool_output_bytes=int(args.max_tool_output_mib * 2**20),
+                        cache_salt_per_key=args.cache_salt_per_key,
                         allowed_hosts=args.allowed_hosts, api_docs=args.api_docs)
 
 

@@ -2,8 +2,11 @@
 
 The engine is not thread-safe, so exactly one thread touches it: `EngineLoop` runs that thread.
 It executes commands (submit, abort, any call into the engine) between steps, steps while any
-request is unfinished, and sleeps on its command queue when idle. Each request's outputs go to
-an `asyncio.Queue` on the event loop that asked for them (``call_soon_threadsafe``).
+request is unfinished, and sleeps on its command queue when idle. Before it sleeps it lets the
+engine reclaim memory (`SteppableEngine.reclaim`: slots retired by zero-copy commits), so an
+idle server holds no more pages than its cache entries, within one pass of the loop after the
+last request finishes or the last command (e.g. a session's DELETE) runs. Each request's
+outputs go to an `asyncio.Queue` on the event loop that asked for them (``call_soon_threadsafe``).
 
 An exception out of `step` fails the requests in flight (each gets an `EngineStepError` and is
 aborted) and the loop carries on serving; it never takes the server down.
@@ -36,6 +39,10 @@ class SteppableEngine(Protocol):
     def has_unfinished(self) -> bool: ...
 
     def abort(self, request_id: str) -> bool: ...
+
+    def reclaim(self) -> int:
+        """Release memory held for no request (called when idle); return how much."""
+        ...
 
 
 E = TypeVar("E", bound=SteppableEngine)
@@ -180,7 +187,10 @@ class EngineLoop(Generic[E]):
     def _run(self) -> None:
         try:
             while not self._stopping:
-                self._run_commands(block=not self.engine.has_unfinished())
+                idle = not self.engine.has_unfinished()
+                if idle:
+                    self._reclaim()
+                self._run_commands(block=idle)
                 if not self._stopping and self.engine.has_unfinished():
                     self._step()
         except BaseException as e:  # a bug: report it on /health, fail every request
@@ -189,6 +199,12 @@ class EngineLoop(Generic[E]):
         finally:
             self._stopping = True
             self._fail_all(ServiceUnavailableError("the engine stopped"))
+
+    def _reclaim(self) -> None:
+        try:
+            self.engine.reclaim()
+        except Exception:  # memory stays held until the next try; serving carries on
+            logger.exception("reclaiming idle memory failed")
 
     def _run_commands(self, block: bool) -> None:
         try:

@@ -69,6 +69,13 @@ class ConflictError(APIError):
     type = "invalid_request_error"
 
 
+class PayloadTooLargeError(APIError):
+    """A part of the request is over its size limit (413)."""
+
+    status = HTTPStatus.REQUEST_ENTITY_TOO_LARGE
+    type = "invalid_request_error"
+
+
 class ServiceUnavailableError(APIError):
     """The engine is shutting down or failed (503)."""
 

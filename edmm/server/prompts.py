@@ -122,6 +122,15 @@ def client_template(kwargs: dict[str, Any] | None,
     return source
 
 
+def client_template_variables(tokenizer: Any, messages: list[dict[str, Any]],
+                              tools: list[dict[str, Any]] | None,
+                              kwargs: dict[str, Any] | None) -> dict[str, Any]:
+    """What a client's chat template sees (plain data: it can be sent to another process)."""
+    rest = {k: v for k, v in (kwargs or {}).items() if k != CLIENT_TEMPLATE_KEY}
+    return {**dict(tokenizer.special_tokens_map), **rest, "messages": messages,
+            "tools": tools, "add_generation_prompt": True}
+
+
 def chat_text(tokenizer: Any, messages: list[dict[str, Any]],
               tools: list[dict[str, Any]] | None, kwargs: dict[str, Any] | None,
               limits: TemplateLimits | None = None) -> str:
@@ -138,10 +147,8 @@ def chat_text(tokenizer: Any, messages: list[dict[str, Any]],
     source = client_template(kwargs, limits)
     if source is not None:
         assert limits is not None
-        rest = {k: v for k, v in (kwargs or {}).items() if k != CLIENT_TEMPLATE_KEY}
-        variables = {**dict(tokenizer.special_tokens_map), **rest, "messages": messages,
-                     "tools": tools, "add_generation_prompt": True}
-        return render_client_template(source, variables, limits)
+        return render_client_template(
+            source, client_template_variables(tokenizer, messages, tools, kwargs), limits)
     try:
         text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
                                              add_generation_prompt=True, **(kwargs or {}))

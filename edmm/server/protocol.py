@@ -224,6 +224,7 @@ class SamplingFields(_Lenient):
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
     user: str | None = None
     # vLLM extras
+    cache_salt: str | None = Field(default=None, min_length=1, max_length=256)  # KV scope
     top_k: int | None = Field(default=None, ge=-1)
     min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False

@@ -15,11 +15,15 @@ chat template (sandboxed, within its `TemplateLimits`) and grammar compilation (
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import logging
+import multiprocessing
+import os
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
 from typing import Any, TypeVar, cast
 
@@ -41,9 +45,9 @@ from edmm.server.guided import GrammarLogitsProcessor, GuidedDecoding
 from edmm.server.metrics import EngineSnapshot, ServerMetrics
 from edmm.server.prompts import (
     assistant_message,
-    chat_text,
     check_chat_options,
     client_template,
+    client_template_variables,
     encode_prompt,
     parses_tools,
     predicted_messages,
@@ -78,9 +82,9 @@ from edmm.server.protocol import (
     Usage,
     random_id,
 )
-from edmm.server.sessions import ServerSessions, Turn, TurnEnd
+from edmm.server.sessions import ANONYMOUS, ServerSessions, Turn, TurnEnd
 from edmm.server.stages import StageLog, StageTimer, TimedEncoder
-from edmm.server.templates import TemplateLimits
+from edmm.server.templates import TemplateLimits, render_client_template
 from edmm.server.tool_parser import ParsedReply, ParsedToolCall, StreamingToolParser, parse_reply
 from edmm.server.validation import (
     check_conversation,
@@ -92,6 +96,7 @@ from edmm.server.validation import (
 SSE_DONE = "data: [DONE]\n\n"
 T = TypeVar("T")
 logger = logging.getLogger(__name__)
+TEMPLATE_NICENESS = 10  # the client-template process yields the CPU to the server
 
 
 def sse(payload: BaseModel | dict[str, Any]) -> str:
@@ -123,21 +128,28 @@ class OpenAIServing:
     """Chat and text completions over an `EngineLoop` running a `ServerSessions`.
 
     ``client_templates``: the limits of client-supplied chat templates; None: they are refused.
+    ``salt_per_key``: every request's prefix-cache salt includes its owner (its API key), so
+    clients share no cached KV and ``usage.cached_tokens`` tells nothing across them.
     """
 
     def __init__(self, loop: EngineLoop[ServerSessions], engine: Engine, tokenizer: Any,
                  model_name: str, metrics: ServerMetrics,
                  guided: GuidedDecoding | None,
-                 client_templates: TemplateLimits | None = None) -> None:
+                 client_templates: TemplateLimits | None = None,
+                 salt_per_key: bool = False) -> None:
         self.loop = loop
+        self.salt_per_key = salt_per_key
         self.engine = engine
         # The server's own copy, used only on its one tokenizing thread (tokenizers are not
         # shared between threads): rendering a long conversation never blocks the event loop.
         self.tokenizer = tokenizer
         self.encoder = PromptEncoder(tokenizer) if tokenizer is not None else None
         self._tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edmm-tokenize")
-        # Client templates and grammar compilation: never ahead of others' tokenizing.
+        # Grammar compilation: never ahead of others' tokenizing.
         self._isolated = ThreadPoolExecutor(max_workers=2, thread_name_prefix="edmm-isolated")
+        # Client templates run pure Python for up to their time budget: in a thread they would
+        # hold the GIL against the engine thread, so they render in a process of their own.
+        self._templates: ProcessPoolExecutor | None = None
         self.client_templates = client_templates
         self.model_name = model_name
         self.metrics = metrics
@@ -146,10 +158,27 @@ class OpenAIServing:
         self.validator = engine.validator  # immutable: safe off the engine thread
         self.stages = StageLog.from_env()
 
+    def start(self) -> None:
+        """Start the client-template process when client templates are on, and wait until
+        it renders (its start-up, which imports the template code, is paid by no request and
+        never competes with live traffic)."""
+        if self.client_templates is not None:
+            self._template_pool().submit(render_client_template, "{{ 1 }}", {},
+                                         self.client_templates).result()
+
+    def _template_pool(self) -> ProcessPoolExecutor:
+        if self._templates is None:  # below the server's threads on a busy CPU
+            self._templates = ProcessPoolExecutor(
+                max_workers=1, mp_context=multiprocessing.get_context("spawn"),
+                initializer=os.nice, initargs=(TEMPLATE_NICENESS,))
+        return self._templates
+
     def close(self) -> None:
         """Stop the tokenizing threads (after the work queued on them)."""
         self._tokenizing.shutdown(wait=True)
         self._isolated.shutdown(wait=True)
+        if self._templates is not None:
+            self._templates.shutdown(wait=True, cancel_futures=True)
 
     async def _tokenize(self, fn: Callable[..., T], *args: Any) -> T:
         """Run tokenizer work (chat rendering, encoding) on the tokenizing thread."""
@@ -169,9 +198,27 @@ class OpenAIServing:
         if client_template(kwargs, self.client_templates) is None:
             return await self._tokenize(self._render_chat, timer, messages, tools, kwargs,
                                         limit)
-        text = await self._isolate(chat_text, self.tokenizer, messages, tools, kwargs,
-                                   self.client_templates)
+        text = await self._client_template(messages, tools, kwargs)
         return await self._tokenize(encode_prompt, self.tokenizer, self.encoder, text, limit)
+
+    async def _client_template(self, messages: list[dict[str, Any]],
+                               tools: list[dict[str, Any]] | None,
+                               kwargs: dict[str, Any] | None) -> str:
+        """Render a client's chat template in the template process (started on first use;
+        restarted if a render killed it, which is a 400 for that request)."""
+        source = client_template(kwargs, self.client_templates)
+        assert source is not None and self.client_templates is not None
+        variables = client_template_variables(self.tokenizer, messages, tools, kwargs)
+        pool = self._template_pool()
+        try:
+            return await asyncio.get_running_loop().run_in_executor(
+                pool, render_client_template, source, variables, self.client_templates)
+        except BrokenProcessPool:
+            if self._templates is pool:
+                self._templates = None
+            raise BadRequestError("the chat template's render was killed",
+                                  param="chat_template_kwargs",
+                                  code="chat_template_budget_exceeded") from None
 
     # ------------------------------------------------------------------ models, metrics
     def models(self) -> ModelList:
@@ -190,8 +237,8 @@ class OpenAIServing:
         return self.metrics.render(snap)
 
     # ------------------------------------------------------------------ chat
-    async def start_chat(self, req: ChatCompletionRequest,
-                         session_header: str | None) -> ChatTurn:
+    async def start_chat(self, req: ChatCompletionRequest, session_header: str | None,
+                         owner: str = ANONYMOUS) -> ChatTurn:
         """Validate, render and queue a chat request (any error is raised before queuing)."""
         timer = self.stages.timer()
         self.check_model(req.model)
@@ -208,11 +255,11 @@ class OpenAIServing:
         processors = await self._isolate(self._chat_processors, req)
         params = sampling_params(req, req.completion_limit, len(ids), self.max_model_len,
                                  processors)
-        request = self._make_request(ids, params)
+        request = self._salted(self._make_request(ids, params), req.cache_salt, owner)
         _mark(timer, "request_made")
         ext = req.edmm
         turn = Turn(request, session_header or (ext.session_id if ext else None),
-                    trailing_tool_results(req.messages))
+                    trailing_tool_results(req.messages), owner)
         session_id, stream = await self.loop.submit(request.request_id,
                                                     lambda b: _begin(b, turn, timer))
         _mark(timer, "submitted")
@@ -394,8 +441,8 @@ class OpenAIServing:
         return self.guided
 
     # ------------------------------------------------------------------ completions
-    async def start_completion(self, req: CompletionRequest) -> list[tuple[Request,
-                                                                            OutputStream]]:
+    async def start_completion(self, req: CompletionRequest, owner: str = ANONYMOUS,
+                               ) -> list[tuple[Request, OutputStream]]:
         """Validate and queue every prompt of a text-completion request."""
         self.check_model(req.model)
         check_text(req.model_dump(exclude_defaults=True))
@@ -403,8 +450,8 @@ class OpenAIServing:
             raise BadRequestError("echo, logprobs and suffix are not supported")
         if req.best_of not in (None, 1):
             raise BadRequestError("best_of is not supported", param="best_of")
-        requests = [await self._tokenize(self._completion_request, req, p)
-                    for p in self._prompts(req.prompt)]
+        requests = [self._salted(await self._tokenize(self._completion_request, req, p),
+                                 req.cache_salt, owner) for p in self._prompts(req.prompt)]
         queued: list[tuple[Request, OutputStream]] = []
         try:
             for request in requests:
@@ -507,6 +554,13 @@ class OpenAIServing:
         return stream
 
     # ------------------------------------------------------------------ shared
+    def _salted(self, request: Request, salt: str | None, owner: str) -> Request:
+        """``request`` with its prefix-cache salt: the client's ``cache_salt``, and its owner
+        when salting per key (joined by a NUL, which no owner contains: unambiguous)."""
+        if self.salt_per_key:
+            salt = f"{owner}\x00{salt or ''}"
+        return request if salt is None else dataclasses.replace(request, cache_salt=salt)
+
     def _make_request(self, ids: list[int], params: Any) -> Request:
         """Validate a tokenized request (token ids in the vocabulary, length); any thread."""
         try:

@@ -20,6 +20,7 @@ from edmm.server.sessions import ServerSessions
 from edmm.server.templates import TemplateLimits
 
 TINY_MODEL_NAME = "edmm-tiny"
+DEFAULT_MAX_TOOL_OUTPUT_BYTES = 4 << 20
 
 
 @dataclass
@@ -43,6 +44,10 @@ class ServerConfig:
         template_limits: the time, size and loop budget of one client template render.
         grammar_budget: what one request's grammar may cost the engine thread per token.
         max_body_bytes: the largest request body (413 past it).
+        max_tool_output_bytes: the largest chunk of one ``tool_output`` call (UTF-8 bytes of
+            its content; 413 past it).
+        cache_salt_per_key: salt every request's prefix-cache key with its client (the API key
+            it sends), so clients share no cached prefixes and hit counts tell nothing across.
         allowed_hosts: the ``Host`` names accepted (``"*"``: any); None: the bound address
             (with ``localhost`` when it is loopback; any when bound to every interface).
         api_docs: serve ``/docs``, ``/redoc`` and ``/openapi.json``.
@@ -60,6 +65,8 @@ class ServerConfig:
     template_limits: TemplateLimits = field(default_factory=TemplateLimits)
     grammar_budget: GrammarBudget = field(default_factory=GrammarBudget)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_tool_output_bytes: int = DEFAULT_MAX_TOOL_OUTPUT_BYTES
+    cache_salt_per_key: bool = False
     allowed_hosts: list[str] | None = None
     api_docs: bool = False
 
@@ -95,7 +102,8 @@ class ServerState:
         self.serving = OpenAIServing(
             self.loop, self.engine, tokenizer, config.model_name, self.metrics,
             _guided(self.engine, tokenizer, config.grammar_budget),
-            config.template_limits if config.allow_client_chat_template else None)
+            config.template_limits if config.allow_client_chat_template else None,
+            config.cache_salt_per_key)
 
     @property
     def execution_aware(self) -> bool:
@@ -103,8 +111,9 @@ class ServerState:
         return self.config.execution_aware
 
     def start(self) -> None:
-        """Start the engine thread."""
+        """Start the engine thread (and the client-template process, if they are on)."""
         self.loop.start()
+        self.serving.start()
 
     def stop(self) -> None:
         """Stop the engine thread (pending requests fail with 503)."""

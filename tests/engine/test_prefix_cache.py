@@ -126,3 +126,23 @@ def test_hash_collisions_never_reuse_wrong_kv(arena: KVArena,
             src = a if slot == sa else b
             assert src[:n] == query[:n]
     assert cache.lookup(list(range(200, 220)), 100) is None
+
+
+@pytest.mark.parametrize("collide", [False, True], ids=["hashes", "colliding-hashes"])
+def test_entries_of_another_cache_salt_never_match(arena: KVArena, collide: bool,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same tokens under different salts (tenants) share nothing, even when every block
+    hash collides; the same salt shares as before."""
+    if collide:
+        monkeypatch.setattr(prefix_cache_module, "_chain", lambda prev, block: 7)
+    cache = PrefixCache(arena, block_size=BLOCK)
+    a = list(range(1, 17))
+    sa, sb = filled(arena, a), filled(arena, a)
+    cache.release(sa, a, 16, salt="tenant-a")
+    cache.release(sb, a, 16)  # unsalted
+    assert cache.lookup([*a, 0], 100, salt="tenant-a") == (sa, 16)
+    assert cache.lookup([*a, 0], 100) == (sb, 16)
+    assert cache.lookup([*a, 0], 100, salt="tenant-b") is None
+    hit = cache.acquire([*a, 0], 100, salt="tenant-b")
+    assert hit is None
+    cache.check_integrity()

@@ -15,6 +15,8 @@ from loopback import serve_app
 from edmm.server import ServerConfig, ServerState, build_app
 
 MODEL = "edmm-tiny"
+API_KEY = "unused"  # what `LiveServer.client` sends: its sessions belong to this key
+AUTH = {"Authorization": f"Bearer {API_KEY}"}  # the same owner, for plain HTTP calls
 MAX_MODEL_LEN = 2048
 
 
@@ -32,7 +34,7 @@ class LiveServer:
 
     def client(self, **kwargs: object) -> openai.OpenAI:
         """An `openai.OpenAI` client of this server (no retries: errors must surface)."""
-        return openai.OpenAI(base_url=self.base_url, api_key="unused", max_retries=0,
+        return openai.OpenAI(base_url=self.base_url, api_key=API_KEY, max_retries=0,
                              timeout=60.0, **kwargs)  # type: ignore[arg-type]
 
     def metric(self, name: str, **labels: str) -> float:

@@ -23,6 +23,7 @@ class FakeEngine:
         self.requests: dict[str, int] = {}
         self.aborted: list[str] = []
         self.fail_next = False
+        self.reclaims = 0
         self.gate = threading.Event()
         self.gate.set()
 
@@ -55,6 +56,10 @@ class FakeEngine:
     def abort(self, request_id: str) -> bool:
         self.aborted.append(request_id)
         return self.requests.pop(request_id, None) is not None
+
+    def reclaim(self) -> int:
+        self.reclaims += 1
+        return 0
 
 
 @pytest.fixture
@@ -135,3 +140,10 @@ def test_stop_fails_pending_and_refuses_new_work() -> None:
 
     asyncio.run(main())
     assert not lp.is_alive
+
+
+def test_idle_loop_reclaims_after_the_last_request(loop: EngineLoop[FakeEngine]) -> None:
+    before = loop.call(lambda e: e.reclaims).result(5)
+    assert asyncio.run(_collect(loop, "a")) == ["x", "xx", "xxx"]
+    # the loop reclaimed once the request finished, before it slept on its queue
+    assert loop.call(lambda e: e.reclaims).result(5) > before

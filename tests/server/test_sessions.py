@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from server_helpers import MODEL, QUESTION, TOOLS, WEATHER, LiveServer
+from server_helpers import AUTH, MODEL, QUESTION, TOOLS, WEATHER, LiveServer
 
 RESULT = json.dumps({"temp": 21, "sky": "sunny"})
 
@@ -28,7 +28,7 @@ def client(server: LiveServer) -> openai.OpenAI:
 
 
 def _state(server: LiveServer, session_id: str) -> str:
-    resp = httpx.get(f"{server.url}/v1/edmm/sessions/{session_id}")
+    resp = httpx.get(f"{server.url}/v1/edmm/sessions/{session_id}", headers=AUTH)
     assert resp.status_code == 200, resp.text
     return str(resp.json()["state"])
 
@@ -103,21 +103,21 @@ def test_partial_tool_output(server: LiveServer, client: openai.OpenAI) -> None:
     call_id = message.tool_calls[0].id
     url = f"{server.url}/v1/edmm/sessions/{session_id}/tool_output"
     for chunk in (result[:10], result[10:]):
-        resp = httpx.post(url, json={"tool_call_id": call_id, "content": chunk})
+        resp = httpx.post(url, headers=AUTH, json={"tool_call_id": call_id, "content": chunk})
         assert resp.status_code == 200, resp.text
-    unknown = httpx.post(url, json={"tool_call_id": "call_nope", "content": "x"})
+    unknown = httpx.post(url, headers=AUTH, json={"tool_call_id": "call_nope", "content": "x"})
     assert unknown.status_code == 404 and unknown.json()["error"]["param"] == "tool_call_id"
-    nobody = httpx.post(f"{server.url}/v1/edmm/sessions/nobody/tool_output",
+    nobody = httpx.post(f"{server.url}/v1/edmm/sessions/nobody/tool_output", headers=AUTH,
                         json={"tool_call_id": call_id, "content": "x"})
     assert nobody.status_code == 404
-    bad = httpx.post(url, json={"content": "x"})
+    bad = httpx.post(url, headers=AUTH, json={"content": "x"})
     assert bad.status_code == 400
     _wait_speculation(server)
     resumed_id, usage = _resume(client, message, result)
     assert resumed_id == session_id
     if server.state.execution_aware:  # the streamed output was prefilled during the window
         assert usage.prompt_tokens_details.cached_tokens >= usage.prompt_tokens - 16
-    late = httpx.post(url, json={"tool_call_id": call_id, "content": "x"})
+    late = httpx.post(url, headers=AUTH, json={"tool_call_id": call_id, "content": "x"})
     assert late.status_code == 404  # the call is no longer pending
 
 
@@ -138,7 +138,7 @@ def test_explicit_session_and_prefix_lookup(server: LiveServer, client: openai.O
         extra_body={"edmm": {"session_id": "body-session"}})
     assert by_body.headers["x-session-id"] == "body-session"
     assert _state(server, "body-session") == "finished"
-    assert httpx.get(f"{server.url}/v1/edmm/sessions/unknown").status_code == 404
+    assert httpx.get(f"{server.url}/v1/edmm/sessions/unknown", headers=AUTH).status_code == 404
 
 
 def test_sessions_by_state_metric(server: LiveServer, client: openai.OpenAI) -> None:
@@ -152,19 +152,20 @@ def test_sessions_by_state_metric(server: LiveServer, client: openai.OpenAI) -> 
 def test_bad_extension_is_400(server: LiveServer) -> None:
     body = {"model": MODEL, "messages": QUESTION, "tools": TOOLS,
             "edmm": {"expected_tool_duration_s": -1}}
-    resp = httpx.post(f"{server.url}/v1/chat/completions", json=body)
+    resp = httpx.post(f"{server.url}/v1/chat/completions", headers=AUTH, json=body)
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "edmm"
     body["edmm"] = {"unknown_hint": 1}
-    assert httpx.post(f"{server.url}/v1/chat/completions", json=body).status_code == 400
+    resp = httpx.post(f"{server.url}/v1/chat/completions", headers=AUTH, json=body)
+    assert resp.status_code == 400
 
 
 def test_close_session_releases_it(server: LiveServer, client: openai.OpenAI) -> None:
     session_id, message, _ = _call(client)
     url = f"{server.url}/v1/edmm/sessions/{session_id}"
-    assert httpx.delete(url).json() == {"id": session_id, "object": "edmm.session",
+    assert httpx.delete(url, headers=AUTH).json() == {"id": session_id, "object": "edmm.session",
                                         "deleted": True}
-    assert httpx.get(url).status_code == 404
-    assert httpx.delete(url).status_code == 404
+    assert httpx.get(url, headers=AUTH).status_code == 404
+    assert httpx.delete(url, headers=AUTH).status_code == 404
     resumed_id, _ = _resume(client, message)  # the conversation goes on in a new session
     assert resumed_id != session_id
     server.state.loop.call(lambda b: b.engine.check_integrity()).result(10)
@@ -257,7 +258,7 @@ def test_malformed_predicted_next_messages_is_400(server: LiveServer, client: op
     body = {"model": MODEL, "messages": QUESTION, "tools": TOOLS,
             "edmm": {"predicted_next_messages": predicted}}
     resp = httpx.post(f"{server.url}/v1/chat/completions", json=body,
-                      headers={"X-Session-Id": session_id})
+                      headers={**AUTH, "X-Session-Id": session_id})
     assert resp.status_code == 400, resp.text
     error = resp.json()["error"]
     assert error["type"] == "invalid_request_error" and error["param"] == "edmm"
