@@ -64,6 +64,9 @@ class EngineConfig:
         kv_offload_bytes: host memory (pinned on CUDA) for the KV of paused agent sessions
             that memory pressure evicts: copied there instead of dropped, copied back before
             or at resume. 0: off (evicted sessions are recomputed).
+        kv_copy_stream: on CUDA, offload and restore copies run on a side stream beside the
+            steps (ordered by CUDA events; paused sessions near eviction are written behind);
+            False: synchronous copies. No effect on the CPU.
         tensor_parallel_size: ranks (one process per GPU, or per CPU process with gloo) the
             model's heads, KV heads and vocabulary are split over; build such an engine with
             `edmm.engine.tp.build_engine`. Each rank's arena holds its KV heads only.
@@ -92,6 +95,7 @@ class EngineConfig:
     speculative_tokens_when_idle: int = 2048
     max_speculative_pages: int | None = None
     kv_offload_bytes: int = 0
+    kv_copy_stream: bool = True
     tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:

@@ -39,6 +39,7 @@ from edmm.engine.sequence import SPECULATED, SequenceKind, SlotHints
 from edmm.engine.sequence import Sequence as Seq
 from edmm.kernels.decode_routes import default_decode_routes
 from edmm.memory import KVArena, KVSpec, PagePool, open_backend
+from edmm.memory.copies import make_copier
 from edmm.memory.offload import HostKVStore
 from edmm.memory.vmm import VMMBackend
 from edmm.model import CausalLM, ModelConfig, load_model, load_tokenizer
@@ -188,7 +189,8 @@ class Engine:
         self.attention = _attention_name(config)
         self._backend, pool, arena = _build_memory(config, spec, self.max_model_len,
                                                    kv_read_align(self.attention), parallel)
-        offload = (HostKVStore(arena, config.kv_offload_bytes)
+        offload = (HostKVStore(arena, config.kv_offload_bytes,
+                               make_copier(arena.kv.device, config.kv_copy_stream))
                    if config.kv_offload_bytes > 0 and config.enable_prefix_caching else None)
         self.kv = KVCacheManager(arena, PrefixCache(arena, config.prefix_block_size,
                                                     config.enable_prefix_caching, offload))

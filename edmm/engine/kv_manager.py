@@ -41,8 +41,11 @@ class KVStats:
     restores: int  # host copies brought back, since start
     offloaded_bytes_total: int  # bytes copied to the host, since start
     restored_bytes_total: int  # bytes copied back, since start
-    offload_s: float  # seconds the copies to the host took, since start
-    restore_s: float  # seconds the copies back took, since start
+    offload_s: float  # seconds the copies to the host took, since start (those seen done)
+    restore_s: float  # seconds the copies back took, since start (those seen done)
+    copies_in_flight: int = 0  # side-stream copies not yet seen done
+    write_behind: int = 0  # paused sessions copied to the host ahead of their eviction
+    write_behind_hits: int = 0  # evictions that found that copy made (no copy then)
 
 
 class KVCacheManager:
@@ -192,8 +195,19 @@ class KVCacheManager:
     # ------------------------------------------------------------------ lifetime
     def reclaim(self) -> int:
         """Release the slots retired by zero-copy commits (driver unmaps: off the critical
-        path); return how many."""
+        path) and count the host copies found done; return how many slots."""
+        if self.index.offload is not None:
+            self.index.offload.poll()
         return self.arena.reclaim()
+
+    def pending_copies(self, slot: int) -> int:
+        """Host copies that may still run on ``slot`` (side stream; 0 on the CPU)."""
+        return self.index.pending_copies(slot)
+
+    def drain_copies(self) -> None:
+        """Wait (host) for every host copy issued and count it (benches, shutdown)."""
+        if self.index.offload is not None:
+            self.index.offload.drain()
 
     def reset(self) -> int:
         """Free every cache entry and host copy (and retired slots); return how many entries."""
@@ -203,6 +217,7 @@ class KVCacheManager:
     def stats(self) -> KVStats:
         """A snapshot of the pool, the prefix index and the host tier."""
         pool, index, store = self.arena.pool, self.index, self.index.offload
+        in_flight = store.poll() if store is not None else 0
         copies = store.counters if store is not None else CopyCounters()
         cached = {p for slot in index.entry_slots() for p in self.arena.slot_pages(slot)}
         return KVStats(
@@ -212,7 +227,8 @@ class KVCacheManager:
             offload_capacity_bytes=store.capacity_bytes if store is not None else 0,
             offloads=index.offloaded_total, restores=index.restored_total,
             offloaded_bytes_total=copies.saved_bytes, restored_bytes_total=copies.loaded_bytes,
-            offload_s=copies.save_s, restore_s=copies.load_s)
+            offload_s=copies.save_s, restore_s=copies.load_s, copies_in_flight=in_flight,
+            write_behind=index.shadowed_total, write_behind_hits=index.shadow_hits)
 
     def check_integrity(self) -> None:
         """Raise if the arena, the pool, the prefix index or the host tier breaks an
@@ -222,6 +238,7 @@ class KVCacheManager:
 
     def close(self) -> None:
         """Free every entry, then the arena and the pool (the manager is unusable after)."""
+        self.drain_copies()
         self.index.clear()
         self.arena.close()
         self.arena.pool.close()

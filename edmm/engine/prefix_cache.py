@@ -22,6 +22,17 @@ request claims before admitting it, evicting plain entries for it if needed; wit
 the request recomputes). At most one offloaded copy per tag; discarding or untagging the tag
 drops it.
 
+With an asynchronous copier (a CUDA side stream, `edmm.memory.copies`) copies return before
+the bytes have moved. The cache keeps, per slot, the copies still running on it, and a slot is
+never unmapped, branched from or adopted before the compute stream waits for them (`_await`):
+so a restored session's first step waits on the GPU for its restore, never the host, and
+other sessions' steps run beside the copy. Such a cache also **writes behind**: when a paused
+session's entry becomes ``RETAINED`` while the pool has fewer free pages than the entry maps
+(its eviction is near), its KV is copied to the host at once, beside the steps that follow
+(a *shadow* copy, within the store's budget); evicting it later frees its pages without a
+copy. A shadow is dropped when its entry is adopted, retagged or freed, and shadows give
+their budget to real offloads.
+
 A new sequence looks up the source with the longest common token prefix and gets
 `KVArena.branch` of it: the same physical pages for the full pages of that prefix, one copied
 boundary page, no recompute. When the sequence extends an entry entirely (the next turn of an
@@ -43,6 +54,7 @@ from dataclasses import dataclass, field
 
 from edmm.engine.kv_policy import AdoptionCost
 from edmm.memory import KVArena, KVMemoryError, NoFreeSlotError, PoolExhaustedError
+from edmm.memory.copies import CopyTicket
 from edmm.memory.offload import HostKV, HostKVStore
 
 _CHAIN_SEED = 0x45444D4D  # "EDMM": the hash chain's value before the first block
@@ -132,6 +144,10 @@ class PrefixCache:
         self._sources: dict[int, _Source] = {}
         self._lru: OrderedDict[int, _Entry] = OrderedDict()  # entries, least recently used first
         self._index: dict[int, dict[int, None]] = {}  # block hash -> slots holding that chain
+        self._pending: dict[int, list[CopyTicket]] = {}  # slot -> copies maybe running on it
+        self._shadows: dict[int, HostKV] = {}  # entry slot -> its written-behind host copy
+        self.shadowed_total = 0  # write-behind copies made
+        self.shadow_hits = 0  # evictions that found their copy already made
 
     @property
     def num_entries(self) -> int:
@@ -188,12 +204,14 @@ class PrefixCache:
         src.tokens = tokens[:num_tokens]  # a private copy: the sequence may go on growing
         self._extend(slot, src, num_tokens)
         self._lru[slot] = _Entry(tag, rank, priority)
+        self._write_behind(slot)
 
     def set_retention(self, tag: str, rank: EntryRank, priority: float = 0.0) -> int:
         """Set the eviction class and priority of every entry tagged ``tag``; return how many."""
         slots = self.tagged(tag)
         for slot in slots:
             self._lru[slot].rank, self._lru[slot].priority = rank, priority
+            self._write_behind(slot)
         return len(slots)
 
     def untag(self, tags: Iterable[str], rank: EntryRank) -> int:
@@ -209,6 +227,7 @@ class PrefixCache:
         slots = [slot for slot, e in self._lru.items() if e.tag in wanted]
         for slot in slots:
             self._lru[slot] = _Entry(new_tag, rank)
+            self._drop_shadow(slot)
         return len(slots)
 
     def discard(self, tags: Iterable[str]) -> int:
@@ -278,8 +297,10 @@ class PrefixCache:
             return None
         source, n = found
         entry = self._lru.get(source)
+        self._await(source)
         if entry is not None and entry.tag is None and n == self._sources[source].num_tokens:
             del self._lru[source]
+            self._drop_shadow(source)
             return PrefixHit(source, n, source, source_tokens=n)
         slot = self.arena.branch(source, n)
         if entry is not None:
@@ -313,7 +334,7 @@ class PrefixCache:
         slot = self._mapped_slot(off.kv.num_tokens, make_room)
         if slot is None:
             return False
-        self.offload.load(off.kv, slot)
+        self._pend(slot, self.offload.load(off.kv, slot))
         del self._offloaded[tag]
         self.offload.release(off.kv)
         src = self._sources[slot] = _Source(off.tokens, 0, seed=off.seed)
@@ -342,6 +363,8 @@ class PrefixCache:
         """Free every entry (host copies dropped, nothing offloaded); return how many. Live
         sources stay tracked."""
         self._drop_offloaded(set(self._offloaded))
+        for slot in list(self._shadows):
+            self._drop_shadow(slot)
         n = 0
         while self._lru:
             self._free_entry(next(iter(self._lru)))
@@ -365,27 +388,102 @@ class PrefixCache:
             raise KVMemoryError("prefix index out of sync with its sources")
         if not set(self._lru) <= set(self._sources):
             raise KVMemoryError("an entry is not indexed")
-        held = sum(off.kv.nbytes for off in self._offloaded.values())
+        if not set(self._shadows) <= set(self._lru):
+            raise KVMemoryError("a write-behind copy outlived its entry")
+        copies = [off.kv for off in self._offloaded.values()] + list(self._shadows.values())
+        held = sum(kv.nbytes for kv in copies)
         if self.offload is not None and (self.offload.used_bytes != held
-                                         or self.offload.num_held != len(self._offloaded)):
+                                         or self.offload.num_held != len(copies)):
             raise KVMemoryError(f"host store holds {self.offload.used_bytes} bytes in "
                                 f"{self.offload.num_held} copies, the cache knows {held} in "
-                                f"{len(self._offloaded)}")
+                                f"{len(copies)}")
 
     # ------------------------------------------------------------------ internals
     def _offload(self, slot: int) -> None:
-        """Copy a paused session's entry to the host before it is freed (budget allowing)."""
+        """Copy a paused session's entry to the host before it is freed (budget allowing),
+        or adopt its write-behind copy."""
         entry = self._lru[slot]
+        shadow = self._shadows.pop(slot, None)
         if self.offload is None or entry.tag is None or entry.rank != EntryRank.RETAINED:
+            if shadow is not None:
+                self.offload_store().release(shadow)
             return
         src = self._sources[slot]
         older = self._offloaded.get(entry.tag)  # superseded: its bytes count as free
-        kv = self.offload.save(slot, src.num_tokens, replacing=older.kv if older else None)
-        if kv is None:
-            return  # over budget: dropped (an older copy stays), recomputed at resume
+        if shadow is not None:
+            if older is not None:
+                self.offload.release(older.kv)
+            kv = shadow
+            self.shadow_hits += 1
+        else:
+            nbytes = src.num_tokens * self.arena.spec.token_bytes
+            self._make_budget(nbytes, older.kv.nbytes if older else 0)
+            saved = self.offload.save(slot, src.num_tokens,
+                                      replacing=older.kv if older else None)
+            if saved is None:
+                return  # over budget: dropped (an older copy stays), recomputed at resume
+            kv = saved
+            self._pend(slot, kv.ticket)
         self._offloaded[entry.tag] = _Offloaded(src.tokens[: src.num_tokens], kv, entry.priority,
                                                 src.seed)
         self.offloaded_total += 1
+
+    def offload_store(self) -> HostKVStore:
+        """The host store (`KVMemoryError` when offload is off)."""
+        if self.offload is None:
+            raise KVMemoryError("no host store attached")
+        return self.offload
+
+    def _write_behind(self, slot: int) -> None:
+        """Start a shadow host copy of a ``RETAINED`` tagged entry whose eviction is near
+        (the pool has fewer free pages than it maps), with an asynchronous copier only."""
+        entry = self._lru[slot]
+        store = self.offload
+        if (store is None or not store.copier.asynchronous or slot in self._shadows
+                or entry.tag is None or entry.rank != EntryRank.RETAINED
+                or self.arena.pool.num_free >= len(self.arena.slot_pages(slot))):
+            return
+        kv = store.save(slot, self._sources[slot].num_tokens)
+        if kv is None:
+            return  # no budget: the eviction copies it, if the budget allows then
+        self._pend(slot, kv.ticket)
+        self._shadows[slot] = kv
+        self.shadowed_total += 1
+
+    def _make_budget(self, nbytes: int, freed: int) -> None:
+        """Drop write-behind copies (oldest first) until a copy of ``nbytes`` fits."""
+        assert self.offload is not None
+        for slot in list(self._shadows):
+            if self.offload.fits(nbytes, freed):
+                return
+            self._drop_shadow(slot)
+
+    def _drop_shadow(self, slot: int) -> None:
+        """Forget ``slot``'s write-behind copy (its bytes back to the budget; a copy still
+        running stays pending on the slot)."""
+        shadow = self._shadows.pop(slot, None)
+        if shadow is not None:
+            self.offload_store().release(shadow)
+
+    def _pend(self, slot: int, ticket: CopyTicket) -> None:
+        """Remember a copy that may still run on ``slot``."""
+        if not ticket.done:
+            self._pending.setdefault(slot, []).append(ticket)
+
+    def _await(self, slot: int) -> None:
+        """Order the compute stream (and so the unmap fence) after the copies on ``slot``."""
+        tickets = self._pending.pop(slot, None)
+        if not tickets:
+            return
+        assert self.offload is not None
+        copier = self.offload.copier
+        for ticket in tickets:
+            if not copier.poll(ticket):
+                copier.compute_wait(ticket)
+
+    def pending_copies(self, slot: int) -> int:
+        """Copies that may still run on ``slot`` (not yet awaited)."""
+        return len(self._pending.get(slot, ()))
 
     def _drop_offloaded(self, tags: set[str]) -> None:
         for tag in tags & self._offloaded.keys():
@@ -395,7 +493,9 @@ class PrefixCache:
 
     def _free_entry(self, slot: int) -> None:
         del self._lru[slot]
+        self._drop_shadow(slot)
         self._unindex(slot)
+        self._await(slot)
         self.arena.free(slot)
 
     def _best_claimed(self, tokens: list[int], max_tokens: int, tags: set[str],
@@ -420,15 +520,19 @@ class PrefixCache:
         entries it supersedes (`KVArena.commit`: an index swap, no copy, no driver call).
         When its tail is long, branch from it instead (the entry stays)."""
         held = self._sources[slot].num_tokens
+        self._await(slot)
         if self._branch_is_cheaper(slot, n):
             new = self.arena.branch(slot, n)
             self._lru.move_to_end(slot)
             return PrefixHit(new, n, slot, self._lru[slot].tag, held)
         entry = self._lru.pop(slot)
+        self._drop_shadow(slot)
         committed: list[int] = []
         if own_tag is not None and entry.tag != own_tag:
             for old in self.tagged(own_tag):
                 del self._lru[old]
+                self._drop_shadow(old)
+                self._await(old)
                 self._unindex(old)
                 self.arena.commit(old, slot)  # retired: reclaimed after the step
                 committed.append(old)

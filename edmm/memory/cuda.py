@@ -109,8 +109,10 @@ class CudaVMM:
         self._check("cuMemUnmap", self._cu.cuMemUnmap(self._ptr(va), self.page_size))
 
     def fence(self) -> None:
-        """Wait for queued device work before an unmap (the driver does not order it)."""
-        torch.cuda.synchronize(self.device)
+        """Wait for the compute stream's queued work before an unmap (the driver does not
+        order it). Copies on a side stream (`edmm.memory.copies`) are not waited for here:
+        the compute stream is made to wait for those touching a slot before it is unmapped."""
+        torch.cuda.current_stream(self.device).synchronize()
 
     def byte_view(self, va: int, size: int) -> torch.Tensor:
         """Zero-copy uint8 CUDA tensor over ``[va, va + size)``."""

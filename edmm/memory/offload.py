@@ -3,19 +3,20 @@
 A paused session whose KV must leave the GPU under memory pressure can be copied to host memory
 (pinned on CUDA) instead of being dropped, and copied back into a fresh slot before it resumes.
 At the 51 GiB/s pinned copy bandwidth measured on an H200 (docs/design.md), the 0.94 GB of a
-7B model's 16K-token context would take ~18 ms each way against ~0.5 s of recompute (an
-estimate: these copies have not been timed here). `HostKVStore` owns the host copies and their
-byte budget; the prefix cache decides what to offload and restore.
+7B model's 16K-token context takes ~18 ms each way against ~0.5 s of recompute (44-47 GiB/s
+measured in the agent runs, `benchmarks/results/2026-12-01-h200-agents-2/`). `HostKVStore`
+owns the host copies and their byte budget; the prefix cache decides what to offload and
+restore and orders the slots' use after the copies (`edmm.memory.copies`).
 """
 
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 
 import torch
 
 from edmm.memory.arena import KVArena
+from edmm.memory.copies import Copier, CopyTicket, SyncCopier
 from edmm.memory.errors import KVMemoryError
 
 
@@ -26,6 +27,7 @@ class HostKV:
     data: torch.Tensor  # [num_tokens * token_bytes] uint8, host (pinned with a CUDA arena)
     num_tokens: int
     key: int  # the store's handle
+    ticket: CopyTicket  # the copy that filled ``data`` (may still run: asynchronous copier)
 
     @property
     def nbytes(self) -> int:
@@ -36,7 +38,9 @@ class HostKV:
 @dataclass
 class CopyCounters:
     """Bytes copied to and from the host over the store's life, and the seconds those copies
-    took (synchronous copies, timed from the device's idle point to their end)."""
+    took (synchronous copies: from the device's idle point to their end; side-stream copies:
+    between CUDA events around each copy on its stream). A side-stream copy is counted once
+    it is seen done (`HostKVStore.poll`)."""
 
     saves: int = 0
     saved_bytes: int = 0
@@ -61,24 +65,35 @@ class CopyCounters:
 class HostKVStore:
     """Host copies of arena slots' KV within ``capacity_bytes``.
 
+    Copies go through ``copier`` (`edmm.memory.copies`): synchronous by default; on a CUDA
+    side stream with `StreamCopier`, in which case `save` and `load` return before the bytes
+    have moved and the caller orders later work after ``HostKV.ticket`` / the returned ticket.
     Raises `KVMemoryError` for a copy it does not hold or one that does not fit the slot.
     """
 
-    def __init__(self, arena: KVArena, capacity_bytes: int) -> None:
+    def __init__(self, arena: KVArena, capacity_bytes: int,
+                 copier: Copier | None = None) -> None:
         if capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
         self.arena = arena
         self.capacity_bytes = capacity_bytes
         self.used_bytes = 0
+        self.copier: Copier = copier if copier is not None else SyncCopier()
         self._pin = arena.kv.device.type == "cuda" and torch.cuda.is_available()
         self._held: set[int] = set()  # keys of the copies this store holds
         self._next_key = 0
+        self._untimed: list[CopyTicket] = []  # issued, not yet counted
         self.counters = CopyCounters()
+
+    def fits(self, nbytes: int, freed: int = 0) -> bool:
+        """True if a copy of ``nbytes`` fits the budget once ``freed`` bytes are released."""
+        return self.used_bytes - freed + nbytes <= self.capacity_bytes
 
     def save(self, slot: int, num_tokens: int, replacing: HostKV | None = None
              ) -> HostKV | None:
         """Copy the KV of ``slot``'s first ``num_tokens`` tokens to the host; None when it
-        would exceed the budget (nothing is copied, ``replacing`` is kept).
+        would exceed the budget (nothing is copied, ``replacing`` is kept). With an
+        asynchronous copier the copy may still be running: see ``HostKV.ticket``.
 
         ``replacing``: a held copy the new one supersedes (an older, shorter copy of the same
         session); its bytes count as free, and it is released before the new copy is made.
@@ -88,28 +103,30 @@ class HostKVStore:
         if replacing is not None:
             self._check(replacing)
             freed = replacing.nbytes
-        if self.used_bytes - freed + nbytes > self.capacity_bytes:
+        if not self.fits(nbytes, freed):
             return None
         if replacing is not None:
             self.release(replacing)
         data = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pin)
-        t0 = self._start()
-        data.copy_(self.arena.token_bytes_view(slot, 0, num_tokens))
-        self.counters.saved(nbytes, self._stop(t0))
+        ticket = self.copier.copy(data, self.arena.token_bytes_view(slot, 0, num_tokens), True)
+        self._issued(ticket)
         self.used_bytes += nbytes
         self._next_key += 1
         self._held.add(self._next_key)
-        return HostKV(data, num_tokens, self._next_key)
+        return HostKV(data, num_tokens, self._next_key, ticket)
 
-    def load(self, host: HostKV, slot: int) -> None:
-        """Copy ``host`` back into ``slot``'s first tokens (the slot maps at least as many)."""
-        self._check(host)
-        t0 = self._start()
-        self.arena.token_bytes_view(slot, 0, host.num_tokens).copy_(host.data)
-        self.counters.loaded(host.nbytes, self._stop(t0))
+    def load(self, host: HostKV, slot: int) -> CopyTicket:
+        """Copy ``host`` back into ``slot``'s first tokens (the slot maps at least as many);
+        the returned ticket says when the slot's KV is there (an asynchronous copier)."""
+        self._check(host)  # after its save on the same in-order stream, if that still runs
+        ticket = self.copier.copy(self.arena.token_bytes_view(slot, 0, host.num_tokens),
+                                  host.data, False)
+        self._issued(ticket)
+        return ticket
 
     def release(self, host: HostKV) -> None:
-        """Give ``host``'s bytes back to the budget."""
+        """Give ``host``'s bytes back to the budget (a copy still running keeps its buffer
+        alive through its ticket)."""
         self._check(host)
         self._held.discard(host.key)
         self.used_bytes -= host.nbytes
@@ -119,16 +136,36 @@ class HostKVStore:
         """Copies held."""
         return len(self._held)
 
-    def _start(self) -> float:
-        """Start timing a copy (after the device's queued work: the copies are synchronous)."""
-        if self._pin:
-            torch.cuda.synchronize(self.arena.kv.device)
-        return time.perf_counter()
+    def poll(self) -> int:
+        """Count the copies found done since the last call (bytes and seconds into
+        ``counters``); return how many are still running."""
+        running = []
+        for ticket in self._untimed:
+            if self.copier.poll(ticket):
+                self._count(ticket)
+            else:
+                running.append(ticket)
+        self._untimed = running
+        return len(running)
 
-    def _stop(self, t0: float) -> float:
-        if self._pin:
-            torch.cuda.synchronize(self.arena.kv.device)
-        return time.perf_counter() - t0
+    def drain(self) -> None:
+        """Wait for every copy issued (host wait) and count them."""
+        for ticket in self._untimed:
+            self.copier.wait(ticket)
+        self.poll()
+
+    def _issued(self, ticket: CopyTicket) -> None:
+        if ticket.done:
+            self._count(ticket)
+        else:
+            self._untimed.append(ticket)
+
+    def _count(self, ticket: CopyTicket) -> None:
+        assert ticket.seconds is not None
+        if ticket.to_host:
+            self.counters.saved(ticket.nbytes, ticket.seconds)
+        else:
+            self.counters.loaded(ticket.nbytes, ticket.seconds)
 
     def _check(self, host: HostKV) -> None:
         if host.key not in self._held:
