@@ -237,6 +237,17 @@ def build_parser() -> argparse.ArgumentParser:
     _add_ttft(bsub)
     _add_live(bsub)
     _agents_parser(bsub)
+    merge = bsub.add_parser(
+        "agents-merge", help="one report from several `edmm bench agents` folders (subset runs)",
+        description="Merge the folders of `edmm bench agents` subset runs (same trace, seed, "
+        "settings and source tree) into one report: tables, knees, the issue's targets with "
+        "PASS/MISS and the margin, plots. A folder may hold restore-overlap.json instead.")
+    merge.add_argument("folders", type=Path, nargs="+", help="folders to merge")
+    merge.add_argument("--out", type=Path, required=True, help="folder of the merged report")
+    merge.add_argument("--oversub", type=float_at_least(1.0), default=None,
+                       help="main oversubscription (default: the first run's)")
+    merge.add_argument("--check-oversub", type=float_at_least(1.0), default=None,
+                       help="check oversubscription (default: the first run's)")
     return parser
 
 
@@ -266,7 +277,7 @@ def _agents_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[ty
                         help="multiply every tool time (a run that fits in minutes)")
     agents.add_argument("--policies", default="lru,ttl,offload,rewarm,edmm",
                         help="comma-separated; also edmm-no-<retention|offload|prefetch|"
-                             "template|streamed|predicted>")
+                             "template|streamed|predicted|gate>")
     agents.add_argument("--loads", type=_floats, default=(8, 32, 64),
                         help="concurrent sessions (closed loop) or jobs/s (open loop)")
     agents.add_argument("--mode", choices=("closed", "open"), default="closed",
@@ -277,6 +288,14 @@ def _agents_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[ty
                         help="oversubscription of the edmm vs best-baseline check (0: none)")
     agents.add_argument("--no-short-mix", action="store_true",
                         help="skip the short-tool (< 1 s) check")
+    agents.add_argument("--mix", choices=("long", "short"), default="long",
+                        help="tool mix of the main matrix (short: every tool under a second)")
+    agents.add_argument("--no-checks", action="store_true",
+                        help="run the main matrix only (no 1x / short-mix checks): a subset "
+                             "for `edmm bench agents-merge`")
+    agents.add_argument("--lean", action="store_true",
+                        help="write agents.json, agents.md and the timeline only (the merge "
+                             "writes the rest)")
     agents.add_argument("--working-set-sessions", type=int_at_least(1), default=None,
                         help="sessions the pool is sized for (default: the load; open loop: 16)")
     agents.add_argument("--clock", choices=("virtual", "wall"), default="virtual",
@@ -447,7 +466,8 @@ def _bench_agents(args: argparse.Namespace) -> int:
         host_page_size=args.host_page_size, max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, cuda_graph_token_sizes=args.graph_sizes,
         speculative_tokens_when_busy=args.busy_spec_tokens,
-        speculation_fills_padding=not args.no_spec_in_padding)
+        speculation_fills_padding=not args.no_spec_in_padding, mix=args.mix,
+        checks=not args.no_checks, lean=args.lean)
     if args.write_trace is not None:
         print(f"wrote {write_jsonl(load_trace(cfg)['long'], args.write_trace)}")
         return 0
@@ -475,6 +495,17 @@ def _bench(args: argparse.Namespace) -> int:
     parser = args.parser
     if args.bench == "agents":
         return _bench_agents(args)
+    if args.bench == "agents-merge":
+        from edmm.bench.agents.merge import MergeError, merge
+
+        try:
+            paths = merge(args.folders, args.out, args.oversub, args.check_oversub)
+        except (MergeError, OSError) as e:
+            print(f"edmm bench agents-merge: {e}", file=sys.stderr)
+            return 2
+        print(Path(paths["md"]).read_text())
+        print("wrote " + ", ".join(str(p) for p in paths.values()))
+        return 0
     if args.bench == "vmm":
         from edmm.bench.vmm import VMMBenchConfig, run_vmm_bench
 

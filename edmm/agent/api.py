@@ -33,6 +33,7 @@ from edmm.agent.errors import (
     UnknownSessionError,
     UnknownToolCallError,
 )
+from edmm.agent.gate import BranchPlan
 from edmm.agent.render import PromptRenderer, TemplateRenderer, TokenRenderer
 from edmm.agent.retention import RETENTION_POLICIES, PausedSession
 from edmm.agent.session import Session
@@ -576,10 +577,28 @@ class AgentEngine:
         # The branch extends the session's KV (all of its context but the last token, which
         # has none): dropped if that KV is gone by the time it is admitted.
         base = min(common_prefix_len(session.context, spec.token_ids), len(session.context) - 1)
+        if not self._branch_pays(session, len(spec.token_ids) - max(base, 0), max(base, 0)):
+            session.metrics.spec_gated += 1
+            return
         self.engine.speculate(_spec_id(tag), spec.token_ids,
                               SlotHints(tag, EntryRank.SPECULATIVE, min_cached=max(base, 0),
                                         cache_salt=session.cache_salt))
         session.window.branches.add(spec.key)
+
+    def _branch_pays(self, session: Session, new_tokens: int, base: int) -> bool:
+        """The config's gate on a branch of ``new_tokens`` over ``base`` tokens of the
+        session's KV (no gate: always)."""
+        gate = self.config.speculation_gate
+        if gate is None:
+            return True
+        m = session.metrics
+        arena = self.engine.kv.arena
+        plan = BranchPlan(
+            new_tokens=new_tokens, shared_pages=base * arena.spec.token_bytes // arena.page_size,
+            hits=m.spec_hits, partials=m.spec_partial, misses=m.spec_misses,
+            engine_idle=not self.engine.has_unfinished(),
+            padding_free=bool(self.engine.scheduler.config.padded_token_sizes))
+        return gate.pays(plan)
 
     def _stop_speculation(self, session: Session, window: ToolWindow) -> None:
         """Stop the window's prefills where they are (their KV stays claimable)."""
@@ -689,7 +708,7 @@ def _counters(m: SessionMetrics) -> dict[str, int]:
     return {"turns": m.turns, "resumes": m.resumes, "spec_hits": m.spec_hits,
             "spec_partial": m.spec_partial, "spec_misses": m.spec_misses,
             "tokens_speculated": m.tokens_speculated,
-            "context_tokens_recomputed": m.context_tokens_recomputed}
+            "context_tokens_recomputed": m.context_tokens_recomputed, "spec_gated": m.spec_gated}
 
 
 def _check_calls(tool_calls: Sequence[ToolCall]) -> dict[str, ToolCall]:

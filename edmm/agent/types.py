@@ -8,6 +8,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from edmm.agent.gate import SpeculationGate
 from edmm.engine.errors import EngineConfigError
 
 ToolContent = str | Sequence[int]  # text (tokenized with the model's tokenizer) or token ids
@@ -118,6 +119,7 @@ class SessionMetrics:
     spec_hits: int = 0
     spec_partial: int = 0
     spec_misses: int = 0
+    spec_gated: int = 0  # branches not started: the gate found them not paying
     resume_ttft_s: list[float] = field(default_factory=list)  # resume() to first token
     commit_s: list[float] = field(default_factory=list)  # slot lookup + commit + truncate
     abandoned: bool = False
@@ -144,6 +146,7 @@ class AgentStats:
     spec_misses: int = 0
     tokens_speculated: int = 0
     context_tokens_recomputed: int = 0
+    spec_gated: int = 0
 
 
 @dataclass(frozen=True)
@@ -166,6 +169,8 @@ class AgentConfig:
             generating are closed (their KV released).
         prefetch: copy offloaded sessions back ahead of their predicted return (False: only at
             resume, as an offloading cache without predictions does).
+        speculation_gate: start a speculation branch only where its expected saving exceeds
+            its cost (`edmm.agent.gate.SpeculationGate`); None: every branch a source offers.
 
     ``AgentConfig.off()`` is EDMM off: no speculation, paused sessions' KV a plain LRU entry.
     """
@@ -177,6 +182,7 @@ class AgentConfig:
     prefetch_lead_s: float = 0.5
     max_sessions: int = 4096
     prefetch: bool = True
+    speculation_gate: SpeculationGate | None = None
 
     @classmethod
     def off(cls) -> AgentConfig:

@@ -211,8 +211,10 @@ class ResultWriter:
         summary_rows: Sequence[Mapping[str, Any]],
         title: str,
         notes: Sequence[str] = (),
+        meta: Mapping[str, Any] | None = None,
     ) -> dict[str, Path]:
-        """Write the three files into ``out_dir`` (created if needed).
+        """Write the three files into ``out_dir`` (created if needed); ``meta``: facts about
+        the run that a later step checks (kept under ``meta`` in the JSON).
 
         Returns:
             ``{"csv": ..., "json": ..., "md": ...}`` paths.
@@ -228,6 +230,8 @@ class ResultWriter:
             "rows": self.rows,
             "notes": list(notes),
         }
+        if meta is not None:
+            doc["meta"] = dict(meta)
         text = json.dumps(_jsonable(doc), indent=2, allow_nan=False)
         paths["json"].write_text(text + "\n", encoding="utf-8")
         paths["md"].write_text(

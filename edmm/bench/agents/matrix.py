@@ -36,6 +36,7 @@ from edmm.memory import KVSpec
 from edmm.model.config import PRESETS, ModelConfig, parse_dtype, resolve_preset
 
 SUSTAIN_TTFT_S = 1.0  # p90 resume TTFT a sustained load must stay under
+MIXES = ("long", "short")
 TOKENS_PER_TURN_WRAP = 6  # BEFORE + AFTER + SUFFIX tokens a tool result adds
 
 
@@ -69,6 +70,13 @@ class AgentsBenchConfig:
     speculation_fills_padding: bool = True
     offload_cap_bytes: int = 32 << 30
     warmup: bool = True
+    mix: str = "long"  # the tool mix of the main matrix: "long" or "short"
+    checks: bool = True  # after the main matrix, edmm and the best baseline at 1x and short
+    lean: bool = False  # write agents.json, agents.md and the timeline only (for a merge)
+
+    def __post_init__(self) -> None:
+        if self.mix not in MIXES:
+            raise ValueError(f"mix must be one of {MIXES}, got {self.mix!r}")
 
 
 @dataclass(frozen=True)
@@ -103,7 +111,7 @@ def load_trace(cfg: AgentsBenchConfig) -> dict[str, list[Job]]:
         jobs = generate(dataclasses.replace(cfg.generator, num_jobs=cfg.jobs), cfg.seed)
     jobs = scale(jobs, tokens=cfg.token_scale, time=cfg.time_scale)
     mixes = {"long": jobs}
-    if cfg.short_mix:
+    if cfg.short_mix or cfg.mix == "short":
         mixes["short"] = short_tools(jobs, cfg.seed, cfg.time_scale)
     return mixes
 
@@ -179,8 +187,9 @@ class Matrix:
 
     # ------------------------------------------------------------------ plan
     def plan_main(self) -> list[Condition]:
-        """Every policy at every load, long tools, the main oversubscription."""
-        return [Condition("long", self.cfg.oversubscription, load, p)
+        """Every policy at every load, in the main mix (long tools unless ``cfg.mix``), at
+        the main oversubscription."""
+        return [Condition(self.cfg.mix, self.cfg.oversubscription, load, p)
                 for p in self.cfg.policies for load in self.cfg.loads]
 
     def plan_checks(self, best_baseline: str | None, check_load: float) -> list[Condition]:

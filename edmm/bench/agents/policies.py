@@ -14,10 +14,12 @@ users run today:
 - ``rewarm``: shortly before the tool is expected back the known history is prefilled again as
   an ordinary 1-token request (Dynamo's speculative prefill); nothing more.
 - ``edmm``: cost-based retention + offload + prefetch + template, streamed and predicted
-  speculation (+ the zero-copy commit the engine always does).
+  speculation, each branch gated on its expected saving (`edmm.agent.gate`) (+ the zero-copy
+  commit the engine always does).
 
 ``edmm-no-<mechanism>`` is ``edmm`` with one mechanism off (``retention``: LRU instead of the
-cost policy; ``offload``, ``prefetch``, ``template``, ``streamed``, ``predicted``).
+cost policy; ``offload``, ``prefetch``, ``template``, ``streamed``, ``predicted``, ``gate``:
+every branch a source offers).
 """
 
 from __future__ import annotations
@@ -26,10 +28,11 @@ import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from edmm.agent.gate import SpeculationGate
 from edmm.agent.registry import Registry
 from edmm.agent.types import AgentConfig
 
-MECHANISMS = ("retention", "offload", "prefetch", "template", "streamed", "predicted")
+MECHANISMS = ("retention", "offload", "prefetch", "template", "streamed", "predicted", "gate")
 
 
 @dataclass(frozen=True)
@@ -45,6 +48,7 @@ class Policy:
     streamed: bool = False  # streamed tool output is prefilled as it arrives
     predicted: bool = False  # predicted and memoised results are speculated
     rewarm: bool = False  # the client re-sends the known history ahead of the resume
+    gate: bool = False  # a branch only where its expected saving exceeds its cost
 
     @property
     def speculation(self) -> tuple[str, ...]:
@@ -65,7 +69,8 @@ class Policy:
         """The agent-layer config of this policy."""
         return AgentConfig(speculation=self.speculation, retention=self.retention,
                            tool_timeout_s=tool_timeout_s, prefetch_lead_s=prefetch_lead_s,
-                           prefetch=self.prefetch)
+                           prefetch=self.prefetch,
+                           speculation_gate=SpeculationGate() if self.gate else None)
 
 
 POLICIES: Registry[Policy] = Registry("bench policy")
@@ -80,7 +85,7 @@ _BASE = {
                      rewarm=True),
     "edmm": Policy("edmm", "cost retention + offload + prefetch + speculation",
                    retention="cost", offload=True, prefetch=True, template=True,
-                   streamed=True, predicted=True),
+                   streamed=True, predicted=True, gate=True),
 }
 
 

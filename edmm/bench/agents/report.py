@@ -4,7 +4,9 @@ Files written (at most 8): ``agents.csv`` (one row per job and per turn of every
 ``agents.json`` (environment, summary, those rows, notes), ``agents.md`` (the summary table),
 ``agents-timeline.csv`` (KV pages in use over time, every run), ``agents-trace.jsonl`` (the
 long-tool trace replayed), and three PNGs: the resume-TTFT CDF per policy, engine-wait per job
-against memory oversubscription, and pages in use over time.
+against memory oversubscription, and pages in use over time. With ``lean`` (a subset run that
+`edmm.bench.agents.merge` combines with others) only ``agents.json``, ``agents.md`` and the
+timeline. ``agents.json`` keeps under ``meta`` what merged runs must share (`run_meta`).
 """
 
 from __future__ import annotations
@@ -16,7 +18,8 @@ from typing import Any
 
 from edmm.bench.agents.matrix import SUSTAIN_TTFT_S, AgentsBenchConfig, Matrix, RunRecord
 from edmm.bench.agents.policies import BASELINES
-from edmm.bench.agents.trace import write_jsonl
+from edmm.bench.agents.targets import check_targets
+from edmm.bench.agents.trace import Job, trace_digest, write_jsonl
 from edmm.bench.report import Environment, ResultWriter, collect_environment
 from edmm.bench.stats import mean, percentile
 
@@ -113,27 +116,6 @@ def check_load(rows: Sequence[dict[str, Any]], oversub: float, loads: Sequence[f
     return got if got is not None else min(loads)
 
 
-def target_notes(rows: Sequence[dict[str, Any]], cfg: AgentsBenchConfig,
-                 load: float) -> list[str]:
-    """The issue's targets, as measured (ratios; nothing is judged that was not run)."""
-    sus = sustainable(rows, "long", cfg.oversubscription)
-    notes = [f"sustainable load (p90 resume TTFT <= {SUSTAIN_TTFT_S:g} s, {cfg.mode} loop, "
-             f"x{cfg.oversubscription:g}): " + ", ".join(
-                 f"{p} {v if v is not None else 'none'}" for p, v in sus.items())]
-    by = {(r["policy"], r["tools"], r["oversub"], r["load"]): r for r in rows}
-    edmm, lru = (by.get((p, "long", cfg.oversubscription, load)) for p in ("edmm", "lru"))
-    if edmm and lru and edmm["wait_mean_s"] > 0:
-        notes.append(f"at load {load:g}: mean engine-wait per job lru / edmm = "
-                     f"{lru['wait_mean_s'] / edmm['wait_mean_s']:.2f}x (target >= 1.5x)")
-    one = by.get(("edmm", "long", cfg.check_oversubscription, load))
-    if edmm and one and one["resume_ttft_p90_ms"] and edmm["resume_ttft_p90_ms"]:
-        notes.append(f"edmm p90 resume TTFT x{cfg.oversubscription:g} / "
-                     f"x{cfg.check_oversubscription:g} = "
-                     f"{edmm['resume_ttft_p90_ms'] / one['resume_ttft_p90_ms']:.2f} "
-                     "(target <= 1.3)")
-    return notes
-
-
 # ---------------------------------------------------------------- files
 
 def write_timeline(records: Sequence[RunRecord], path: Path) -> Path:
@@ -169,7 +151,7 @@ def plot_all(records: Sequence[RunRecord], rows: Sequence[dict[str, Any]],
     except ImportError:
         return []
     top = max(cfg.loads)
-    main = [r for r in records if r.condition.mix == "long"
+    main = [r for r in records if r.condition.mix == cfg.mix
             and r.condition.oversubscription == cfg.oversubscription and r.condition.load == top]
     paths = [_plot_cdf(Figure, main, out / "agents-resume-ttft-cdf.png", device, cfg, top),
              _plot_pages(Figure, main, out / "agents-pages.png", device, cfg, top)]
@@ -248,39 +230,56 @@ def run_agents_bench(cfg: AgentsBenchConfig, out_dir: Path,
     interrupted matrix leaves what it measured."""
     matrix = Matrix(cfg, log=log)
     env = collect_environment(cfg.device)
-    load = min(cfg.loads)
 
     def write(_: object = None) -> dict[str, Path]:
-        return write_results(matrix, cfg, env, out_dir, load)
+        return write_results(matrix, cfg, env, out_dir)
 
     paths: dict[str, Path] = {}
     try:
         main = matrix.run(matrix.plan_main(), on_record=write)
-        rows = summary_rows(main)
-        load = check_load(rows, cfg.oversubscription, cfg.loads)
-        matrix.run(matrix.plan_checks(best_baseline(rows, cfg.oversubscription), load),
-                   on_record=write)
+        if cfg.checks and cfg.mix == "long":
+            rows = summary_rows(main)
+            load = check_load(rows, cfg.oversubscription, cfg.loads)
+            matrix.run(matrix.plan_checks(best_baseline(rows, cfg.oversubscription), load),
+                       on_record=write)
     finally:  # interrupted too (e.g. SIGTERM from a time limit): keep what was measured
         matrix.close()
         if matrix.records:
             paths = write()
             rows = summary_rows(matrix.records)
+        if matrix.records and not cfg.lean:
             for p in plot_all(matrix.records, rows, cfg, out_dir, env.gpu_name or env.device):
                 paths[p.stem] = p
     return paths
 
 
-def write_results(matrix: Matrix, cfg: AgentsBenchConfig, env: Environment, out_dir: Path,
-                  load: float) -> dict[str, Path]:
+def write_results(matrix: Matrix, cfg: AgentsBenchConfig, env: Environment,
+                  out_dir: Path) -> dict[str, Path]:
     """The tables, the timeline and the trace of the runs so far."""
     rows = summary_rows(matrix.records)
     writer = ResultWriter(out_dir, NAME, env)
     writer.add_rows(detail_rows(matrix.records))
-    notes = [*target_notes(rows, cfg, load), *_method_notes(cfg)]
-    paths = writer.write(rows, "Agent workloads: policies on one trace", notes)
+    checks = check_targets(rows, cfg.oversubscription, cfg.check_oversubscription)
+    notes = [*(c.line() for c in checks), *_method_notes(cfg)]
+    paths = writer.write(rows, "Agent workloads: policies on one trace", notes,
+                         meta=run_meta(cfg, matrix.mixes["long"]))
     paths["timeline"] = write_timeline(matrix.records, out_dir / f"{NAME}-timeline.csv")
-    paths["trace"] = write_jsonl(matrix.mixes["long"], out_dir / f"{NAME}-trace.jsonl")
+    if cfg.lean:  # the merge step writes the rest
+        paths.pop("csv").unlink()
+    else:
+        paths["trace"] = write_jsonl(matrix.mixes["long"], out_dir / f"{NAME}-trace.jsonl")
     return paths
+
+
+def run_meta(cfg: AgentsBenchConfig, jobs: Sequence[Job]) -> dict[str, Any]:
+    """What runs merged into one report must share (`edmm.bench.agents.merge`)."""
+    return {"trace_sha256": trace_digest(jobs), "seed": cfg.seed, "jobs": len(jobs),
+            "token_scale": cfg.token_scale, "time_scale": cfg.time_scale, "mode": cfg.mode,
+            "model": cfg.model, "device": cfg.device, "dtype": cfg.dtype, "clock": cfg.clock,
+            "max_num_seqs": cfg.max_num_seqs,
+            "max_num_batched_tokens": cfg.max_num_batched_tokens,
+            "graph_sizes": list(cfg.cuda_graph_token_sizes or ()),
+            "oversub": cfg.oversubscription, "check_oversub": cfg.check_oversubscription}
 
 
 def _method_notes(cfg: AgentsBenchConfig) -> list[str]:
@@ -293,7 +292,8 @@ def _method_notes(cfg: AgentsBenchConfig) -> list[str]:
         "engine-wait = JCT minus the tool time the job waited; resume TTFT = resume() to the "
         "first token; prefix hit rate = reused / (reused + recomputed) prompt tokens of resumes",
         "spec_only_steps_s: engine time of steps that ran speculation alone (speculation riding "
-        "along in busy steps is in busy_steps_s); offload/restore GiB/s: synchronous copies",
+        "along in busy steps is in busy_steps_s); offload/restore GiB/s: bytes over the copies' "
+        "own time (CUDA: side-stream copies timed by events; CPU: synchronous)",
         "oversub_reached: working set / pool pages (a pool never holds less than one longest "
         "sequence); outputs_as_lru: greedy tokens of every turn identical to lru's",
     ]

@@ -28,6 +28,7 @@ minutes).
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import math
 import random
@@ -293,11 +294,21 @@ def _int(v: Any, name: str) -> int:
     return v
 
 
+def to_jsonl(jobs: Sequence[Job]) -> str:
+    """A trace as JSONL text, one job per line."""
+    return "".join(json.dumps(job_to_dict(j)) + "\n" for j in jobs)
+
+
+def trace_digest(jobs: Sequence[Job]) -> str:
+    """SHA-256 of the trace's JSONL text: two runs replayed the same trace iff equal."""
+    return hashlib.sha256(to_jsonl(jobs).encode()).hexdigest()
+
+
 def write_jsonl(jobs: Sequence[Job], path: Path | str) -> Path:
     """Write a trace, one job per line."""
     out = Path(path)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text("".join(json.dumps(job_to_dict(j)) + "\n" for j in jobs), encoding="utf-8")
+    out.write_text(to_jsonl(jobs), encoding="utf-8")
     return out
 
 

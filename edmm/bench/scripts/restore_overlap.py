@@ -48,16 +48,21 @@ TARGET_GIB_S = 40.0
 def _engine(args: argparse.Namespace, restore_tokens: int) -> Engine:
     return Engine(EngineConfig(
         model=args.model, device="cuda", dtype="bfloat16",
-        max_model_len=max(args.context, restore_tokens) + args.steps * 8 + 64,
+        max_model_len=max(args.context + _decode_tokens(args) + 16, restore_tokens),
         num_slots=args.batch + 4, max_num_seqs=args.batch, max_num_batched_tokens=8192,
         cuda_graph_token_sizes=()))
+
+
+def _decode_tokens(args: argparse.Namespace) -> int:
+    """Tokens each sequence may decode: warm-up, alone, beside, the sync step, and spare."""
+    return 4 * args.steps + 32
 
 
 def _decoding(engine: Engine, args: argparse.Namespace) -> None:
     """``batch`` sequences of ``context`` random tokens, prefilled, each decoding."""
     g = torch.Generator().manual_seed(0)
     vocab = engine.model_config.vocab_size
-    params = SamplingParams(temperature=0.0, max_tokens=100_000, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=_decode_tokens(args), ignore_eos=True)
     for i in range(args.batch):
         ids = torch.randint(0, vocab, (args.context,), generator=g).tolist()
         engine.add_request(f"r{i}", ids, params)

@@ -1,0 +1,72 @@
+"""`SpeculationGate`: speculate a branch only where its expected saving exceeds its cost.
+
+A speculation branch of a paused session saves, if the resume adopts it, the prefill of the
+tokens it computed beyond the session's KV; it costs engine time whether or not it is used:
+
+- the driver calls of the branch itself: mapping the session's full prefix pages into the
+  branch's slot (`KVArena.branch`) and unmapping them when the branch is freed or committed
+  away (per page: `AdoptionCost`'s measured map and unmap times);
+- the prefill of its tokens, unless they ride in the padding of CUDA-graph steps that compute
+  that many tokens anyway (``padding_free``) or the engine has nothing else to run.
+
+Expected saving = P(used) x new tokens x ``prefill_token_s``; P(used) is the session's own
+history of hits (partials count half) with a prior of one hit in two resumes. The gate is the
+one owner of this decision; the agent layer asks it before each branch (`AgentEngine`).
+
+Measured inputs: ``prefill_token_s`` = 31 us, from the H200 table of docs/design.md (qwen2.5-7b
+shapes, 16K cached prefix: 512 new tokens 39 ms, 1 new token 23 ms: 16 ms / 511 tokens); the
+driver times are `AdoptionCost`'s (``edmm bench vmm`` on the same H200). The compute of a
+speculative token in a graph's padding is counted as free: its attention over the session's
+context is not (not measured separately: the ``edmm-no-gate`` policy measures the gate whole).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from edmm.engine.kv_policy import AdoptionCost
+
+PREFILL_TOKEN_S = 16e-3 / 511  # docs/design.md, H200: (39 ms - 23 ms) / 511 tokens
+
+
+@dataclass(frozen=True)
+class BranchPlan:
+    """What a speculation branch would do: ``new_tokens`` computed beyond the session's KV,
+    on a branch mapping ``shared_pages`` pages of the session's prefix."""
+
+    new_tokens: int
+    shared_pages: int
+    hits: int  # the session's past resumes that adopted a branch entirely
+    partials: int  # that adopted part of one
+    misses: int  # that had branches and used none
+    engine_idle: bool  # no request waits or runs now: the prefill costs nothing else
+    padding_free: bool  # the engine fills CUDA-graph padding with speculation
+
+
+@dataclass(frozen=True)
+class SpeculationGate:
+    """Expected saving against cost of a branch (module docstring); seconds of engine time."""
+
+    prefill_token_s: float = PREFILL_TOKEN_S
+    driver: AdoptionCost = field(default_factory=AdoptionCost)
+    prior_hits: float = 1.0
+    prior_resumes: float = 2.0
+
+    def p_used(self, plan: BranchPlan) -> float:
+        """The session's estimated probability that its next branch is adopted."""
+        used = plan.hits + 0.5 * plan.partials + self.prior_hits
+        return used / (plan.hits + plan.partials + plan.misses + self.prior_resumes)
+
+    def saving_s(self, plan: BranchPlan) -> float:
+        """Expected prefill time saved at the resume."""
+        return self.p_used(plan) * plan.new_tokens * self.prefill_token_s
+
+    def cost_s(self, plan: BranchPlan) -> float:
+        """Engine time the branch costs, used or not."""
+        driver = plan.shared_pages * (self.driver.map_page_us + self.driver.unmap_page_us) * 1e-6
+        free = plan.engine_idle or plan.padding_free
+        return driver + (0.0 if free else plan.new_tokens * self.prefill_token_s)
+
+    def pays(self, plan: BranchPlan) -> bool:
+        """True when the expected saving exceeds the cost."""
+        return plan.new_tokens > 0 and self.saving_s(plan) > self.cost_s(plan)

@@ -1,0 +1,238 @@
+"""`edmm bench agents-merge`: one report from several `edmm bench agents` folders.
+
+A full-size matrix does not fit one device call, so it runs as subsets (``--policies``,
+``--loads``, ``--oversub``, ``--mix``, ``--lean``), each into its own folder. The merge reads
+each folder's ``agents.json`` (and ``agents-timeline.csv``; a ``restore-overlap.json`` of the
+micro-bench, if a folder holds one), refuses folders that did not replay the same trace with
+the same seed, scales, engine settings and source tree (`MergeError` names what differs), and
+refuses a condition measured twice. It writes the same files as one run (``agents.json``,
+``agents.md``, ``agents.csv``, ``agents-timeline.csv``) plus the knee plot, the resume-TTFT CDF
+at the highest load every policy ran, and engine-wait against oversubscription; ``agents.md``
+lists the knees, the issue's targets with PASS / MISS and the margin
+(`edmm.bench.agents.targets`), and where every row came from.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from edmm.bench.agents.targets import SUSTAIN_TTFT_MS, check_targets, knees
+from edmm.bench.report import Environment, ResultWriter
+
+NAME = "agents"
+# meta keys that must agree (the runs' own oversubscriptions and loads may differ).
+SHARED = ("trace_sha256", "seed", "jobs", "token_scale", "time_scale", "mode", "model",
+          "device", "dtype", "clock", "max_num_seqs", "max_num_batched_tokens", "graph_sizes")
+KEY = ("policy", "tools", "oversub", "load")
+
+
+class MergeError(ValueError):
+    """The folders cannot be merged into one report (the message says why)."""
+
+
+@dataclass
+class Part:
+    """One folder's results."""
+
+    folder: Path
+    doc: dict[str, Any]
+    timeline: list[dict[str, str]]
+    restore: dict[str, Any] | None
+
+    @property
+    def meta(self) -> dict[str, Any]:
+        return dict(self.doc.get("meta") or {})
+
+    @property
+    def tree(self) -> tuple[Any, Any]:
+        env = self.doc.get("environment") or {}
+        return env.get("git_commit"), env.get("git_dirty")
+
+
+def read_part(folder: Path) -> Part:
+    """A folder written by `edmm bench agents` (or holding the restore micro-bench only)."""
+    doc_path = folder / f"{NAME}.json"
+    restore_path = folder / "restore-overlap.json"
+    restore = json.loads(restore_path.read_text())["result"] if restore_path.exists() else None
+    if not doc_path.exists():
+        if restore is None:
+            raise MergeError(f"{folder}: no {NAME}.json nor restore-overlap.json")
+        return Part(folder, {}, [], restore)
+    doc = json.loads(doc_path.read_text())
+    if "meta" not in doc:
+        raise MergeError(f"{doc_path}: no 'meta' (written before merges were possible)")
+    tl_path = folder / f"{NAME}-timeline.csv"
+    timeline = list(csv.DictReader(tl_path.open())) if tl_path.exists() else []
+    return Part(folder, doc, timeline, restore)
+
+
+def check_compatible(parts: Sequence[Part]) -> None:
+    """Raise `MergeError` unless the bench folders share trace, seed, settings and tree."""
+    bench = [p for p in parts if p.doc]
+    if not bench:
+        raise MergeError("no agents.json among the folders")
+    first = bench[0]
+    for p in bench[1:]:
+        diff = [k for k in SHARED if p.meta.get(k) != first.meta.get(k)]
+        if p.tree != first.tree:
+            diff.append(f"source tree {p.tree} vs {first.tree}")
+        if diff:
+            raise MergeError(f"{p.folder} differs from {first.folder}: {', '.join(map(str, diff))}")
+    seen: dict[tuple[Any, ...], Path] = {}
+    for p in bench:
+        for row in p.doc["summary"]:
+            key = tuple(row[k] for k in KEY)
+            if key in seen:
+                raise MergeError(f"{key} measured twice: {seen[key]} and {p.folder}")
+            seen[key] = p.folder
+
+
+def _sort_key(row: dict[str, Any]) -> tuple[Any, ...]:
+    return (row["tools"], -float(row["oversub"]), row["policy"], float(row["load"]))
+
+
+def merge(folders: Sequence[Path], out: Path, oversub: float | None = None,
+          check_oversub: float | None = None) -> dict[str, Path]:
+    """Merge ``folders`` into ``out``; return the files written. ``oversub`` / ``check_oversub``
+    default to the first run's main and check oversubscriptions."""
+    parts = [read_part(f) for f in folders]
+    check_compatible(parts)
+    bench = [p for p in parts if p.doc]
+    meta = bench[0].meta
+    oversub = oversub if oversub is not None else float(meta["oversub"])
+    check_oversub = check_oversub if check_oversub is not None else meta.get("check_oversub")
+    rows = sorted((dict(r, source=p.folder.name) for p in bench for r in p.doc["summary"]),
+                  key=_sort_key)
+    restore = next((p.restore for p in parts if p.restore is not None), None)
+    checks = check_targets(rows, oversub, check_oversub, restore)
+    kn = knees(rows, oversub)
+    env_doc = dict(bench[0].doc["environment"])
+    env_doc["command"] = "edmm bench agents-merge " + " ".join(str(f) for f in folders)
+    fields: dict[str, Any] = {k: env_doc.get(k) for k in Environment.__dataclass_fields__}
+    env = Environment(**fields)
+    writer = ResultWriter(out, NAME, env)
+    for p in bench:
+        writer.add_rows(p.doc.get("rows", []))
+    notes = [f"sustainable load (p90 resume TTFT <= {SUSTAIN_TTFT_MS / 1e3:g} s, long tools, "
+             f"x{oversub:g}): " + "; ".join(k.describe() for k in kn.values()),
+             *(c.line() for c in checks),
+             "merged from: " + "; ".join(
+                 f"{p.folder.name} ({(p.doc.get('environment') or {}).get('command', '')})"
+                 for p in bench),
+             *(bench[0].doc.get("notes") or [])[-5:]]  # the method notes of one run
+    paths = writer.write(rows, "Agent workloads: policies on one trace (merged runs)", notes,
+                         meta={**meta, "oversub": oversub, "check_oversub": check_oversub,
+                               "targets": [c.__dict__ for c in checks], "restore": restore})
+    paths["timeline"] = _write_timeline([r for p in bench for r in p.timeline],
+                                        out / f"{NAME}-timeline.csv")
+    device = env_doc.get("gpu_name") or env_doc.get("device") or ""
+    for path in plot_merged(rows, writer.rows, oversub, out, str(device)):
+        paths[path.stem] = path
+    return paths
+
+
+def _write_timeline(rows: list[dict[str, str]], path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="", encoding="utf-8") as f:
+        if rows:
+            w = csv.DictWriter(f, fieldnames=list(rows[0]))
+            w.writeheader()
+            w.writerows(rows)
+    return path
+
+
+def plot_merged(rows: Sequence[dict[str, Any]], detail: Sequence[dict[str, Any]],
+                oversub: float, out: Path, device: str) -> list[Path]:
+    """The knee plot, the resume-TTFT CDF and engine-wait vs oversubscription (none without
+    matplotlib)."""
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        return []
+    paths = [_plot_knees(Figure, rows, oversub, out / f"{NAME}-knees.png", device)]
+    cdf = _plot_cdf(Figure, rows, detail, oversub, out / f"{NAME}-resume-ttft-cdf.png", device)
+    wait = _plot_wait(Figure, rows, out / f"{NAME}-wait-vs-oversub.png", device)
+    return paths + [p for p in (cdf, wait) if p is not None]
+
+
+def _plot_knees(figure: Any, rows: Sequence[dict[str, Any]], oversub: float, path: Path,
+                device: str) -> Path:
+    fig = figure(figsize=(7, 4.5), layout="constrained")
+    ax = fig.add_subplot()
+    curves: dict[str, list[tuple[float, float]]] = {}
+    for r in rows:
+        if r["tools"] == "long" and r["oversub"] == oversub and r["resume_ttft_p90_ms"]:
+            curves.setdefault(r["policy"], []).append((float(r["load"]), r["resume_ttft_p90_ms"]))
+    for policy, xy in sorted(curves.items()):
+        xy.sort()
+        ax.plot([x for x, _ in xy], [y for _, y in xy], marker="o", label=policy)
+    ax.axhline(SUSTAIN_TTFT_MS, color="grey", linestyle=":", label="1 s")
+    ax.set_yscale("log")
+    ax.set_xlabel("load (concurrent sessions, or jobs/s in an open loop)")
+    ax.set_ylabel("p90 resume TTFT (ms, log scale)")
+    ax.set_title(f"Where each policy stops sustaining 1 s ({device}, x{oversub:g})")
+    ax.legend(loc="upper left")
+    fig.savefig(path, format="png", dpi=120)
+    return path
+
+
+def _plot_cdf(figure: Any, rows: Sequence[dict[str, Any]], detail: Sequence[dict[str, Any]],
+              oversub: float, path: Path, device: str) -> Path | None:
+    by_load: dict[float, set[str]] = {}
+    for r in rows:
+        if r["tools"] == "long" and r["oversub"] == oversub:
+            by_load.setdefault(float(r["load"]), set()).add(r["policy"])
+    policies = {r["policy"] for r in rows if r["tools"] == "long" and r["oversub"] == oversub}
+    common = [ld for ld, ps in by_load.items() if ps == policies]
+    if not common:
+        return None
+    load = max(common)
+    fig = figure(figsize=(7, 4.5), layout="constrained")
+    ax = fig.add_subplot()
+    for policy in sorted(policies):
+        xs = sorted(d["ttft_s"] * 1e3 for d in detail
+                    if d.get("kind") == "turn" and d.get("resume") and d["policy"] == policy
+                    and d["tools"] == "long" and d["oversub"] == oversub
+                    and float(d["load"]) == load)
+        if xs:
+            ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=policy)
+    ax.axvline(SUSTAIN_TTFT_MS, color="grey", linestyle=":", label="1 s")
+    ax.set_xscale("log")
+    ax.set_xlabel("resume TTFT (ms, log scale)")
+    ax.set_ylabel("fraction of resumes")
+    ax.set_title(f"Resume TTFT per policy ({device}, load {load:g}, x{oversub:g})")
+    ax.legend(loc="lower right")
+    fig.savefig(path, format="png", dpi=120)
+    return path
+
+
+def _plot_wait(figure: Any, rows: Sequence[dict[str, Any]], path: Path,
+               device: str) -> Path | None:
+    per_load: dict[float, set[float]] = {}
+    for r in rows:
+        if r["tools"] == "long":
+            per_load.setdefault(float(r["load"]), set()).add(float(r["oversub"]))
+    multi = [ld for ld, o in per_load.items() if len(o) > 1]
+    if not multi:
+        return None
+    load = max(multi)
+    pts: dict[str, list[tuple[float, float]]] = {}
+    for r in rows:
+        if r["tools"] == "long" and float(r["load"]) == load:
+            pts.setdefault(r["policy"], []).append((float(r["oversub"]), r["wait_mean_s"]))
+    fig = figure(figsize=(7, 4.5), layout="constrained")
+    ax = fig.add_subplot()
+    for policy, xy in sorted(pts.items()):
+        xy.sort()
+        ax.plot([x for x, _ in xy], [y for _, y in xy], marker="o", label=policy)
+    ax.set_xlabel("KV memory oversubscription (working set / pool)")
+    ax.set_ylabel("mean engine-wait per job (s)")
+    ax.set_title(f"Engine-wait per job vs memory oversubscription ({device}, load {load:g})")
+    ax.legend(loc="upper left")
+    fig.savefig(path, format="png", dpi=120)
+    return path
