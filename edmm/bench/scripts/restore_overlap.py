@@ -107,6 +107,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         side.wait(ticket)
         assert ticket.seconds is not None
         restores.append(ticket.seconds)
+    view = arena.token_bytes_view(session, 0, restore_tokens)  # [bytes] uint8
+    view.zero_()  # on the compute stream: the side stream's copy is ordered after it
+    check = store.load(saved, session)
+    side.wait(check)
+    restored_equal = bool(torch.equal(view.cpu(), saved.data))
     sync = SyncCopier().copy(arena.token_bytes_view(session, 0, restore_tokens), saved.data,
                              False)
     sync_step = _timed_step(engine)
@@ -124,8 +129,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "ratio": b / a, "steps_alone": len(alone), "steps_beside": len(beside),
         "restores_beside": len(restores),
         "sync_restore_then_step_ms": (sync.seconds + sync_step) * 1e3,
-        "restored_equal": bool(torch.equal(
-            arena.token_bytes_view(session, 0, restore_tokens).cpu(), saved.data)),
+        "restored_equal": restored_equal,
     }
     store.release(saved)
     arena.free(session)
