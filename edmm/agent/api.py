@@ -597,7 +597,8 @@ class AgentEngine:
             new_tokens=new_tokens, shared_pages=base * arena.spec.token_bytes // arena.page_size,
             hits=m.spec_hits, partials=m.spec_partial, misses=m.spec_misses,
             engine_idle=not self.engine.has_unfinished(),
-            padding_free=bool(self.engine.scheduler.config.padded_token_sizes))
+            padding_free=bool(self.engine.scheduler.config.padded_token_sizes),
+            token_s=self.engine.step_cost.per_token_s(), page_s=arena.driver.per_page_s())
         return gate.pays(plan)
 
     def _stop_speculation(self, session: Session, window: ToolWindow) -> None:

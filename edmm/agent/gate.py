@@ -9,15 +9,17 @@ tokens it computed beyond the session's KV; it costs engine time whether or not 
 - the prefill of its tokens, unless they ride in the padding of CUDA-graph steps that compute
   that many tokens anyway (``padding_free``) or the engine has nothing else to run.
 
-Expected saving = P(used) x new tokens x ``prefill_token_s``; P(used) is the session's own
-history of hits (partials count half) with a prior of one hit in two resumes. The gate is the
-one owner of this decision; the agent layer asks it before each branch (`AgentEngine`).
-
-Measured inputs: ``prefill_token_s`` = 31 us, from the H200 table of docs/design.md (qwen2.5-7b
-shapes, 16K cached prefix: 512 new tokens 39 ms, 1 new token 23 ms: 16 ms / 511 tokens); the
-driver times are `AdoptionCost`'s (``edmm bench vmm`` on the same H200). The compute of a
-speculative token in a graph's padding is counted as free: its attention over the session's
-context is not (not measured separately: the ``edmm-no-gate`` policy measures the gate whole).
+Expected saving = P(used) x new tokens x the cost of a token in a step; P(used) is the
+session's own history of hits (partials count half) with a prior of one hit in two resumes.
+The gate is the one owner of this decision; the agent layer asks it before each branch
+(`AgentEngine`), with the costs measured on this engine (`BranchPlan`): the seconds per token
+of its steps (`edmm.engine.step_cost.StepCostModel`) and per page of its arena's maps and
+unmaps (`KVArena.driver`). Until the engine has measured them the gate falls back to numbers
+measured on an H200: ``PREFILL_TOKEN_S`` = 31 us (docs/design.md, qwen2.5-7b shapes, 16K cached
+prefix: 512 new tokens 39 ms, 1 new token 23 ms: 16 ms / 511 tokens) and `AdoptionCost`'s
+driver times (``edmm bench vmm``). The compute of a speculative token in a graph's padding is
+counted as free: its attention over the session's context is not (not measured separately:
+the ``edmm-no-gate`` policy measures the gate whole).
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ class BranchPlan:
     misses: int  # that had branches and used none
     engine_idle: bool  # no request waits or runs now: the prefill costs nothing else
     padding_free: bool  # the engine fills CUDA-graph padding with speculation
+    token_s: float | None = None  # measured seconds per token of a step (None: not yet)
+    page_s: tuple[float, float] | None = None  # measured map, unmap seconds per page
 
 
 @dataclass(frozen=True)
@@ -59,13 +63,18 @@ class SpeculationGate:
 
     def saving_s(self, plan: BranchPlan) -> float:
         """Expected prefill time saved at the resume."""
-        return self.p_used(plan) * plan.new_tokens * self.prefill_token_s
+        return self.p_used(plan) * plan.new_tokens * self._token_s(plan)
 
     def cost_s(self, plan: BranchPlan) -> float:
         """Engine time the branch costs, used or not."""
-        driver = plan.shared_pages * (self.driver.map_page_us + self.driver.unmap_page_us) * 1e-6
+        map_s, unmap_s = plan.page_s if plan.page_s is not None else (
+            self.driver.map_page_us * 1e-6, self.driver.unmap_page_us * 1e-6)
+        driver = plan.shared_pages * (map_s + unmap_s)
         free = plan.engine_idle or plan.padding_free
-        return driver + (0.0 if free else plan.new_tokens * self.prefill_token_s)
+        return driver + (0.0 if free else plan.new_tokens * self._token_s(plan))
+
+    def _token_s(self, plan: BranchPlan) -> float:
+        return plan.token_s if plan.token_s is not None else self.prefill_token_s
 
     def pays(self, plan: BranchPlan) -> bool:
         """True when the expected saving exceeds the cost."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import operator
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -37,6 +38,7 @@ from edmm.engine.sampling import FinishReason, Sampler, SamplingParams, is_stop
 from edmm.engine.scheduler import Scheduler, SchedulerConfig
 from edmm.engine.sequence import SPECULATED, SequenceKind, SlotHints
 from edmm.engine.sequence import Sequence as Seq
+from edmm.engine.step_cost import StepCostModel
 from edmm.kernels.decode_routes import default_decode_routes
 from edmm.memory import KVArena, KVSpec, PagePool, open_backend
 from edmm.memory.copies import make_copier
@@ -201,6 +203,7 @@ class Engine:
                                          padded_max_seqs=runner.max_seqs)
         self.runner = parallel.wrap_runner(runner) if parallel is not None else runner
         self._counters = _Counters()
+        self.step_cost = StepCostModel()  # seconds per token of a step, fitted online
         self.validator = RequestValidator(self.model_config.vocab_size, self.max_model_len,
                                           self.tokenizer is not None)
         self._states: dict[str, _RequestState] = {}
@@ -300,7 +303,9 @@ class Engine:
                     f"{len(self.scheduler.waiting)} waiting request(s) cannot be admitted")
             self.kv.reclaim()  # idle: release slots retired by zero-copy commits
             return []
+        t0 = time.perf_counter()
         sampled = self.runner.execute(batch)
+        self.step_cost.observe(batch.num_tokens, time.perf_counter() - t0)
         return [self._process(seq) for seq in self.scheduler.update(batch, sampled)]
 
     def _process(self, seq: Seq) -> RequestOutput:

@@ -32,6 +32,7 @@ slot, so appending never writes a shared page.
 
 from __future__ import annotations
 
+import time
 from collections import Counter
 from dataclasses import dataclass, field
 
@@ -75,6 +76,33 @@ class _Slot:
     pages: list[int] = field(default_factory=list)  # page id mapped at each page index
 
 
+@dataclass
+class DriverTime:
+    """Host seconds of the arena's page maps (map + set access) and unmaps (the fence before
+    them excluded), and the pages they moved: the driver cost per page on this machine."""
+
+    map_pages: int = 0
+    map_s: float = 0.0
+    unmap_pages: int = 0
+    unmap_s: float = 0.0
+
+    def mapped(self, pages: int, seconds: float) -> None:
+        """Count one mapping call of ``pages`` pages."""
+        self.map_pages += pages
+        self.map_s += seconds
+
+    def unmapped(self, pages: int, seconds: float) -> None:
+        """Count one unmapping of ``pages`` pages."""
+        self.unmap_pages += pages
+        self.unmap_s += seconds
+
+    def per_page_s(self) -> tuple[float, float] | None:
+        """Mean seconds to map and to unmap one page; None until both were seen."""
+        if not self.map_pages or not self.unmap_pages:
+            return None
+        return self.map_s / self.map_pages, self.unmap_s / self.unmap_pages
+
+
 @dataclass(frozen=True)
 class ArenaStats:
     """A snapshot of arena and pool occupancy."""
@@ -110,6 +138,7 @@ class KVArena:
         self._retired: list[int] = []
         self._bytes = self.backend.byte_view(self._va, total)  # [total] uint8, zero-copy
         self.kv = self._make_kv_view()
+        self.driver = DriverTime()
 
     # ------------------------------------------------------------------ views
     def _make_kv_view(self) -> torch.Tensor:
@@ -345,12 +374,14 @@ class KVArena:
         fresh = pages if fresh is None else fresh
         base = self.slot_address(slot) + first * self.page_size
         done = 0
+        t0 = time.perf_counter()
         try:
             for i, p in enumerate(pages):
                 self.backend.map(base + i * self.page_size, self.pool.handle(p))
                 done += 1
             if pages:
                 self.backend.set_access(base, len(pages) * self.page_size)
+            self.driver.mapped(len(pages), time.perf_counter() - t0)
         except BaseException:
             for i in range(done):
                 self.backend.unmap(base + i * self.page_size)
@@ -365,9 +396,12 @@ class KVArena:
             return
         self.backend.fence()
         base = self.slot_address(slot)
+        t0 = time.perf_counter()
+        n = len(s.pages) - keep
         for i in range(len(s.pages) - 1, keep - 1, -1):
             self.backend.unmap(base + i * self.page_size)
             self.pool.decref(s.pages.pop())
+        self.driver.unmapped(n, time.perf_counter() - t0)
 
     def _make_private(self, slot: int, index: int, nbytes: int) -> None:
         """Copy-on-write: replace page ``index`` of a slot by a private copy of its first bytes."""

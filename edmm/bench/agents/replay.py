@@ -346,7 +346,7 @@ class Replayer:
         now = self.clock()
         m = self.agent.session_metrics(jr.sid)
         for key in ("resumes", "tokens_reused", "tokens_recomputed", "tokens_speculated",
-                    "spec_hits", "spec_partial", "spec_misses"):
+                    "spec_hits", "spec_partial", "spec_misses", "spec_gated"):
             self.sessions[key] = self.sessions.get(key, 0) + int(getattr(m, key))
         self.agent.close_session(jr.sid)
         jct = now - jr.admitted
