@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import json
-import platform
 import shlex
 import statistics
 import sys
@@ -36,6 +35,7 @@ from typing import Any
 
 import torch
 
+from edmm.bench.report import collect_environment
 from edmm.engine import Engine, EngineConfig, SamplingParams
 from edmm.memory.copies import StreamCopier, SyncCopier
 from edmm.memory.offload import HostKVStore
@@ -178,13 +178,16 @@ def main(argv: list[str] | None = None) -> int:
         result = measure(args)
     date = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
     command = "python3 -m edmm.bench.scripts.restore_overlap " + shlex.join(sys.argv[1:])
-    device = {"gpu": torch.cuda.get_device_name(0), "torch": torch.__version__,
-              "cuda": str(torch.version.cuda), "python": platform.python_version()}
+    env = collect_environment("cuda")
+    device = {"gpu": env.gpu_name, "driver": env.driver_version, "cuda": env.cuda_runtime,
+              "torch": env.torch, "python": env.python, "git_commit": env.git_commit,
+              "git_dirty": env.git_dirty}
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "restore-overlap.json").write_text(json.dumps(
         {"device": device, "date": date, "command": command, "args": vars(args) | {
             "out": str(args.out)}, "result": result}, indent=2))
-    md = markdown(result, f"# Restore beside decode steps\n\n- device: {device}\n"
+    facts = ", ".join(f"{k} {v}" for k, v in device.items())
+    md = markdown(result, f"# Restore beside decode steps\n\n- device: {facts}\n"
                           f"- date (UTC): {date}\n- command: `{command}`")
     (args.out / "restore-overlap.md").write_text(md + "\n")
     print(md)
