@@ -57,7 +57,7 @@ def test_wait_target_passes_on_a_big_enough_ratio() -> None:
     rows.append(_row("edmm", 32, 250, oversub=1.0))
     ttft = next(c for c in check_targets(rows, 2.0, 1.0) if "resume TTFT x2" in c.name)
     assert ttft.status == "PASS" and "1.20 (300 / 250 ms)" in ttft.measured
-    assert "at load 32.0 (lru sustains 32)" in ttft.name
+    assert "at load 32 (lru sustains 32)" in ttft.name
 
 
 def test_worst_metric_is_relative_to_the_best_baseline() -> None:

@@ -119,7 +119,7 @@ def merge(folders: Sequence[Path], out: Path, oversub: float | None = None,
     for p in bench:
         writer.add_rows(p.doc.get("rows", []))
     notes = [f"sustainable load (p90 resume TTFT <= {SUSTAIN_TTFT_MS / 1e3:g} s, long tools, "
-             f"x{oversub:g}): " + "; ".join(k.describe() for k in kn.values()),
+             f"x{oversub:g}): " + ("; ".join(k.describe() for k in kn.values()) or "none run"),
              *(c.line() for c in checks),
              "merged from: " + "; ".join(
                  f"{p.folder.name} ({(p.doc.get('environment') or {}).get('command', '')})"

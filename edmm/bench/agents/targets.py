@@ -157,8 +157,9 @@ def _load_checks(by: Mapping[tuple[Any, ...], Row], sustained: float | None, ove
     """At the highest load ``lru`` sustains (``sustained``; the highest measured load at or
     under it where the rows exist): engine-wait lru / edmm, and edmm's p90 TTFT x2 / x1."""
     where = f"lru sustains {sustained:g}" if sustained is not None else "lru sustains none"
+    check = f"x{check_oversub:g}" if check_oversub is not None else "no check oversubscription"
     load = _at_or_below(by, sustained, [("lru", oversub), ("edmm", oversub)])
-    name = f"mean engine-wait lru / edmm at load {load} ({where}, x{oversub:g})"
+    name = f"mean engine-wait lru / edmm at load {_load(load)} ({where}, x{oversub:g})"
     if load is None:
         out = [TargetCheck(name, ">= 1.5x", "edmm and lru not both run there", "NOT MEASURED")]
     else:
@@ -167,7 +168,7 @@ def _load_checks(by: Mapping[tuple[Any, ...], Row], sustained: float | None, ove
         out = [_verdict(name, ">= 1.5x", f"{ratio:.2f}x ({lru['wait_mean_s']:.3g} / "
                         f"{edmm['wait_mean_s']:.3g} s)", ratio >= 1.5, ratio / 1.5 - 1)]
     load = _at_or_below(by, sustained, [("edmm", oversub), ("edmm", check_oversub)])
-    name = f"edmm p90 resume TTFT x{oversub:g} / x{check_oversub} at load {load} ({where})"
+    name = f"edmm p90 resume TTFT x{oversub:g} / {check} at load {_load(load)} ({where})"
     if load is None:
         out.append(TargetCheck(name, "<= 1.3", "edmm not run at both oversubscriptions",
                                "NOT MEASURED"))
@@ -178,6 +179,10 @@ def _load_checks(by: Mapping[tuple[Any, ...], Row], sustained: float | None, ove
                             f"{one['resume_ttft_p90_ms']:.0f} ms)", ratio <= 1.3,
                             1 - ratio / 1.3))
     return out
+
+
+def _load(load: float | None) -> str:
+    return "(none)" if load is None else f"{load:g}"
 
 
 def worst_metric(edmm: Row, baselines: Sequence[Row]) -> tuple[str, float] | None:
@@ -220,7 +225,8 @@ def _no_worse_checks(rows: Sequence[Row], check_oversub: float | None,
             col, rel = found
             done = True
             out.append(_verdict(f"{name}, load {load:g}", "<= 3% worse on every metric",
-                                f"worst: {col} {rel:+.1%} vs the best of "
+                                f"edmm's worst metric: {col}, {abs(rel):.1%} "
+                                f"{'worse' if rel > 0 else 'better'} than the best of "
                                 f"{', '.join(sorted(r['policy'] for r in bases))}",
                                 rel <= 0.03, 0.03 - rel))
         if not done:
