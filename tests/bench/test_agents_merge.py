@@ -91,6 +91,7 @@ def test_merge_builds_one_report_and_refuses_mismatches(tmp_path: Path) -> None:
         ("edmm", 32), ("edmm", 64), ("lru", 32), ("lru", 64)]
     md = paths["md"].read_text()
     assert "lru: 48.0 (under 1 s at 32, over at 64)" in md and "merged from: a" in md
+    assert "| lru | long | 2 | 32 | 1 | 2 |" in paths["readme"].read_text()
     other = _folder(tmp_path, "c", [_row("ttl", 32, 400)], trace_sha256="t2")
     with pytest.raises(MergeError, match="trace_sha256"):
         merge([a, other], tmp_path / "out2")

@@ -7,7 +7,8 @@ micro-bench, if a folder holds one), refuses folders that did not replay the sam
 the same seed, scales, engine settings and source tree (`MergeError` names what differs), and
 refuses a condition measured twice. It writes the same files as one run (``agents.json``,
 ``agents.md``, ``agents.csv``, ``agents-timeline.csv``) plus the knee plot, the resume-TTFT CDF
-at the highest load every policy ran, and engine-wait against oversubscription; ``agents.md``
+at the highest load every policy ran, engine-wait against oversubscription, and
+``agents-readme-table.md`` (the README's policy table of these rows); ``agents.md``
 lists the knees, the issue's targets with PASS / MISS and the margin
 (`edmm.bench.agents.targets`), and where every row came from.
 """
@@ -130,10 +131,37 @@ def merge(folders: Sequence[Path], out: Path, oversub: float | None = None,
                                "targets": [c.__dict__ for c in checks], "restore": restore})
     paths["timeline"] = _write_timeline([r for p in bench for r in p.timeline],
                                         out / f"{NAME}-timeline.csv")
+    paths["readme"] = out / f"{NAME}-readme-table.md"
+    paths["readme"].write_text(readme_table(rows) + "\n", encoding="utf-8")
     device = env_doc.get("gpu_name") or env_doc.get("device") or ""
     for path in plot_merged(rows, writer.rows, oversub, out, str(device)):
         paths[path.stem] = path
     return paths
+
+
+# The README's policy table: (header, column, format).
+README_COLUMNS = (("policy", "policy", "{}"), ("tools", "tools", "{}"),
+                  ("KV oversub.", "oversub", "{:g}"), ("sessions", "load", "{:g}"),
+                  ("engine-wait / job, mean s", "wait_mean_s", "{:.3g}"),
+                  ("JCT mean s", "jct_mean_s", "{:.3g}"),
+                  ("resume TTFT p50 ms", "resume_ttft_p50_ms", "{:.3g}"),
+                  ("p90 ms", "resume_ttft_p90_ms", "{:.3g}"),
+                  ("recomputed tokens", "recomputed_tokens", "{}"),
+                  ("prefix hit rate", "prefix_hit_rate", "{:.3g}"),
+                  ("spec. hits", "spec_hit", "{}"), ("spec. misses", "spec_miss", "{}"),
+                  ("spec. gated", "spec_gated", "{}"), ("offloaded MiB", "offloaded_MiB", "{:.0f}"))
+
+
+def readme_table(rows: Sequence[dict[str, Any]]) -> str:
+    """The merged rows as the README's policy table (Markdown)."""
+    def cell(row: dict[str, Any], col: str, fmt: str) -> str:
+        value = row.get(col)
+        return "" if value is None else fmt.format(value)
+
+    head = "| " + " | ".join(h for h, _, _ in README_COLUMNS) + " |"
+    rule = "|" + "|".join("---" if i < 2 else "---:" for i in range(len(README_COLUMNS))) + "|"
+    body = ["| " + " | ".join(cell(r, c, f) for _, c, f in README_COLUMNS) + " |" for r in rows]
+    return "\n".join([head, rule, *body])
 
 
 def _write_timeline(rows: list[dict[str, str]], path: Path) -> Path:
