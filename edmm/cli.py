@@ -500,8 +500,8 @@ def _bench(args: argparse.Namespace) -> int:
 
         try:
             paths = merge(args.folders, args.out, args.oversub, args.check_oversub)
-        except (MergeError, OSError) as e:
-            print(f"edmm bench agents-merge: {e}", file=sys.stderr)
+        except (MergeError, OSError, ValueError, KeyError) as e:  # ValueError: bad JSON
+            print(f"edmm bench agents-merge: {type(e).__name__}: {e}", file=sys.stderr)
             return 2
         print(Path(paths["md"]).read_text())
         print("wrote " + ", ".join(str(p) for p in paths.values()))

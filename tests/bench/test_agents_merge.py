@@ -130,4 +130,4 @@ def test_cli_subsets_merge_into_one_report(tmp_path: Path) -> None:
     assert got.returncode == 0, got.stderr[-2000:]
     got = run("agents-merge", str(tmp_path / "p1"), str(tmp_path / "p3"), "--out",
               str(tmp_path / "bad"))
-    assert got.returncode == 2 and "trace_sha256" in got.stderr
+    assert got.returncode == 2 and "MergeError" in got.stderr and "trace_sha256" in got.stderr
