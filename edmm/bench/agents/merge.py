@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from edmm.bench.agents.targets import SUSTAIN_TTFT_MS, check_targets, knees
+from edmm.bench.agents.targets import MARGIN_NOTE, SUSTAIN_TTFT_MS, check_targets, knees
 from edmm.bench.report import Environment, ResultWriter
 
 NAME = "agents"
@@ -121,7 +121,7 @@ def merge(folders: Sequence[Path], out: Path, oversub: float | None = None,
         writer.add_rows(p.doc.get("rows", []))
     notes = [f"sustainable load (p90 resume TTFT <= {SUSTAIN_TTFT_MS / 1e3:g} s, long tools, "
              f"x{oversub:g}): " + ("; ".join(k.describe() for k in kn.values()) or "none run"),
-             *(c.line() for c in checks),
+             *(c.line() for c in checks), MARGIN_NOTE,
              "merged from: " + "; ".join(
                  f"{p.folder.name} ({(p.doc.get('environment') or {}).get('command', '')})"
                  for p in bench),

@@ -18,7 +18,7 @@ from typing import Any
 
 from edmm.bench.agents.matrix import SUSTAIN_TTFT_S, AgentsBenchConfig, Matrix, RunRecord
 from edmm.bench.agents.policies import BASELINES
-from edmm.bench.agents.targets import check_targets
+from edmm.bench.agents.targets import MARGIN_NOTE, check_targets
 from edmm.bench.agents.trace import Job, trace_digest, write_jsonl
 from edmm.bench.report import Environment, ResultWriter, collect_environment
 from edmm.bench.stats import mean, percentile
@@ -261,7 +261,7 @@ def write_results(matrix: Matrix, cfg: AgentsBenchConfig, env: Environment,
     writer = ResultWriter(out_dir, NAME, env)
     writer.add_rows(detail_rows(matrix.records))
     checks = check_targets(rows, cfg.oversubscription, cfg.check_oversubscription)
-    notes = [*(c.line() for c in checks), *_method_notes(cfg)]
+    notes = [*(c.line() for c in checks), MARGIN_NOTE, *_method_notes(cfg)]
     paths = writer.write(rows, "Agent workloads: policies on one trace", notes,
                          meta=run_meta(cfg, matrix.mixes["long"]))
     paths["timeline"] = write_timeline(matrix.records, out_dir / f"{NAME}-timeline.csv")

@@ -32,6 +32,8 @@ COMPARED = (("jct_mean_s", False), ("jct_p50_s", False), ("jct_p90_s", False),
             ("jobs_per_min", True), ("out_tok_per_s", True))
 
 Row = Mapping[str, Any]
+MARGIN_NOTE = ("target margins are relative to the target: positive = room to spare, "
+               "negative = short of it (e.g. -12%: the ratio is 12% under what the target asks)")
 
 
 @dataclass(frozen=True)
