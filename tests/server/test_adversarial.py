@@ -270,6 +270,19 @@ def test_costly_grammar_does_not_stall_others(hardened: LiveServer) -> None:
     _still_serves(hardened)
 
 
+def test_grammar_over_the_fuel_mid_reply_does_not_stall_others(hardened: LiveServer) -> None:
+    """A grammar that passes its first mask but whose mask of "a"'s value builds costly lexer
+    states: that mask goes over the parser's step fuel, so the request stops with a 400."""
+    schema = {"type": "object", "required": ["x", "a"], "properties": {
+        "x": {"type": "string", "maxLength": 2},
+        "a": {"type": "string", "pattern": COSTLY_PATTERN}}}
+    body = _chat(max_tokens=48, response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": schema}})
+    resp = _bystander_while(hardened, lambda: _post(hardened, "/v1/chat/completions", body))
+    _assert_error(resp, 400, "response_format", "grammar_too_costly")
+    _still_serves(hardened)
+
+
 # ---------------------------------------------------------------------------- HTTP
 
 
