@@ -109,9 +109,9 @@ class TokenizerSpec:
 
 
 def check_grammar(tokenizer: llguidance.LLTokenizer, vocab_size: int, grammar: str,
-                  enforced: bool, budget: GrammarBudget, limits: GrammarLimits) -> Verdict:
-    """Validate ``grammar`` (llguidance's, from ``grammar_from_lark``); when it is to be
-    ``enforced``, also compile it and compute its first mask within ``budget`` (CPU time)."""
+                  costed: bool, budget: GrammarBudget, limits: GrammarLimits) -> Verdict:
+    """Validate ``grammar`` (llguidance's, from ``grammar_from_lark``); when ``costed``, also
+    compile it and compute its first mask within ``budget`` (CPU time)."""
     t0 = time.process_time()
     try:
         lim = limits.llguidance()
@@ -119,7 +119,7 @@ def check_grammar(tokenizer: llguidance.LLTokenizer, vocab_size: int, grammar: s
             grammar, tokenizer, limits=lim)
         if is_error:
             return Verdict("invalid", clean_message(messages[0]))
-        if not enforced:
+        if not costed:
             return OK
         matcher = llguidance.LLMatcher(tokenizer, grammar, log_level=0, limits=lim)
         if matcher.is_error():
@@ -172,7 +172,8 @@ class GrammarProbe:
         self.submit([("start: \"x\"", True)]).result()
 
     def submit(self, grammars: list[tuple[str, bool]]) -> Future[list[Verdict]]:
-        """Verdicts of ``(grammar, enforced)`` pairs, checked in the probe process."""
+        """Verdicts of ``(grammar, costed)`` pairs (see `check_grammar`), checked in the
+        probe process."""
         if self._pool is None:
             self._pool = ProcessPoolExecutor(
                 max_workers=1, mp_context=multiprocessing.get_context("spawn"),
@@ -209,5 +210,5 @@ def _check_in_worker(grammars: list[tuple[str, bool]], budget: GrammarBudget,
                      limits: GrammarLimits) -> list[Verdict]:
     tokenizer = _Worker.tokenizer
     assert tokenizer is not None, "the probe process was not initialised"
-    return [check_grammar(tokenizer, _Worker.vocab_size, g, enforced, budget, limits)
-            for g, enforced in grammars]
+    return [check_grammar(tokenizer, _Worker.vocab_size, g, costed, budget, limits)
+            for g, costed in grammars]

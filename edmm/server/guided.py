@@ -7,7 +7,10 @@
   "arguments": <JSON matching that tool's parameters schema>}``;
 - ``response_format`` ``json_schema`` / ``json_object``: a JSON value of the schema,
 
-and one per tool's parameter schema, only checked (it must compile, whatever the tool choice).
+one per tool's parameter schema, only checked (it must compile, whatever the tool choice), and
+one per regex ``pattern`` of an enforced schema, costed on its own: a pattern whose lexer is
+costly to build is refused even where the enforced grammar would reach it only after a few
+cheap masks.
 JSON is emitted with the separators Jinja's ``tojson`` uses (``", "`` and ``": "``) and no
 other whitespace, so the arguments read exactly as the template would print them, and a
 random-weight model cannot pad them with whitespace forever.
@@ -30,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -77,12 +81,20 @@ class Grammar:
     Attributes:
         text: llguidance's grammar (from ``grammar_from_lark``).
         param: the request parameter it comes from (named in errors).
-        enforced: constrains the output; False: a tool's schema, only checked.
+        enforced: constrains the output (a processor is built for it).
+        costed: its compilation and first mask are checked against the budget (else it is
+            only validated: a tool's schema that no choice forces).
     """
 
     text: str
     param: str
     enforced: bool
+    costed: bool
+
+    @property
+    def key(self) -> tuple[str, bool]:
+        """What its verdict is remembered by."""
+        return self.text, self.costed
 
 
 class GrammarLogitsProcessor:
@@ -182,6 +194,7 @@ class GuidedDecoding:
         self.limits = limits or GrammarLimits()
         self._probe = GrammarProbe(self.spec, self.budget, self.limits) if isolated else None
         self._verdicts: OrderedDict[tuple[str, bool], Verdict] = OrderedDict()
+        self._lock = threading.Lock()  # verdicts are read and written from several threads
         self._vocab_size = vocab_size
         self._eos = eos_token_id
         self._start_id = _single_token(tokenizer, TOOL_CALL_START)
@@ -208,8 +221,9 @@ class GuidedDecoding:
             tools = [t.function for t in req.tools or []]
             if isinstance(choice, NamedToolChoice):
                 tools = [f for f in tools if f.name == choice.function.name]
-            return [*grammars, self.tool_calls_grammar(tools, req.parallel_tool_calls
-                                                       and choice == "required")]
+            parts = [g for f in tools for g in self.pattern_grammars(f.parameters, "tools")]
+            return [*grammars, *parts, self.tool_calls_grammar(
+                tools, req.parallel_tool_calls and choice == "required")]
         fmt = req.response_format
         if fmt is None or fmt.type == "text":
             return grammars
@@ -218,7 +232,9 @@ class GuidedDecoding:
         if fmt.json_schema is None:
             raise BadRequestError("response_format json_schema needs a json_schema",
                                   param="response_format")
-        return [*grammars, self.json_schema_grammar(fmt.json_schema.schema_)]
+        schema = fmt.json_schema.schema_
+        return [*grammars, *self.pattern_grammars(schema, "response_format"),
+                self.json_schema_grammar(schema)]
 
     def tool_calls_grammar(self, functions: Sequence[FunctionDefinition],
                            parallel: bool) -> Grammar:
@@ -234,18 +250,26 @@ class GuidedDecoding:
             f'block: {self._open} "\\n" ({alternatives}) "\\n" {self._close}',
             *rules,
         ])
-        return Grammar(llguidance.LLMatcher.grammar_from_lark(lark), "tools", True)
+        return Grammar(llguidance.LLMatcher.grammar_from_lark(lark), "tools", True, True)
 
     def json_schema_grammar(self, schema: dict[str, Any] | None) -> Grammar:
         """The grammar forcing a JSON value of ``schema`` (any object if None)."""
         lark = f"start: {_lark_json(schema or _ANY_OBJECT, 'response_format')}"
-        return Grammar(llguidance.LLMatcher.grammar_from_lark(lark), "response_format", True)
+        return Grammar(llguidance.LLMatcher.grammar_from_lark(lark), "response_format", True,
+                       True)
 
     def schema_grammar(self, schema: Any, param: str) -> Grammar:
         """The grammar of a tool's parameter ``schema``, to be checked only."""
         _check_bounds(schema, param)
         lark = f"start: {_lark_json(schema, param)}"
-        return Grammar(llguidance.LLMatcher.grammar_from_lark(lark), param, False)
+        return Grammar(llguidance.LLMatcher.grammar_from_lark(lark), param, False, False)
+
+    def pattern_grammars(self, schema: Any, param: str) -> list[Grammar]:
+        """One costed grammar per distinct regex ``pattern`` in ``schema``: a JSON string of
+        that pattern alone, so its first mask builds that regex's lexer states."""
+        return [Grammar(llguidance.LLMatcher.grammar_from_lark(
+                    f"start: {_lark_json({'type': 'string', 'pattern': p}, param)}"),
+                        param, False, True) for p in _patterns(schema)]
 
     # ------------------------------------------------------------------ checks
     def check(self, grammars: Sequence[Grammar]) -> None:
@@ -254,9 +278,9 @@ class GuidedDecoding:
         for g in grammars:
             verdict = self._known(g)
             if verdict is None:
-                verdict = check_grammar(self._llt, self._vocab_size, g.text, g.enforced,
+                verdict = check_grammar(self._llt, self._vocab_size, g.text, g.costed,
                                         self.budget, self.limits)
-                self._remember((g.text, g.enforced), verdict)
+                self._remember(g.key, verdict)
             _raise_for(g, verdict)
 
     async def check_isolated(self, grammars: Sequence[Grammar]) -> None:
@@ -265,7 +289,7 @@ class GuidedDecoding:
         if self._probe is None:
             await asyncio.to_thread(self.check, grammars)
             return
-        found = {(g.text, g.enforced): self._known(g) for g in grammars}
+        found = {g.key: self._known(g) for g in grammars}
         unknown = [key for key, verdict in found.items() if verdict is None]
         if unknown:
             try:
@@ -278,7 +302,7 @@ class GuidedDecoding:
                 found[key] = verdict
                 self._remember(key, verdict)
         for g in grammars:
-            _raise_for(g, found[(g.text, g.enforced)] or OK)
+            _raise_for(g, found[g.key] or OK)
 
     def processor(self, grammar: Grammar) -> GrammarLogitsProcessor:
         """A processor enforcing ``grammar`` (checked before), with its first mask computed."""
@@ -292,7 +316,7 @@ class GuidedDecoding:
         try:
             processor.prepare()
         except BadRequestError:
-            self._remember((grammar.text, True),
+            self._remember(grammar.key,
                            Verdict("costly", "its first token mask went over the parser's limits"))
             raise
         return processor
@@ -302,32 +326,37 @@ class GuidedDecoding:
                    parallel: bool) -> GrammarLogitsProcessor:
         """A processor forcing one call (several if ``parallel``) of one of ``functions``
         (checked in the calling thread)."""
-        return self._checked_processor(self.tool_calls_grammar(functions, parallel))
+        parts = [g for f in functions for g in self.pattern_grammars(f.parameters, "tools")]
+        return self._checked_processor(self.tool_calls_grammar(functions, parallel), parts)
 
     def json_schema(self, schema: dict[str, Any] | None) -> GrammarLogitsProcessor:
         """A processor forcing a JSON value of ``schema`` (any object if None; checked in the
         calling thread)."""
-        return self._checked_processor(self.json_schema_grammar(schema))
+        return self._checked_processor(self.json_schema_grammar(schema),
+                                       self.pattern_grammars(schema, "response_format"))
 
     def check_schema(self, schema: Any, param: str) -> None:
         """400 unless ``schema`` compiles as a JSON schema (checked in the calling thread)."""
         self.check([self.schema_grammar(schema, param)])
 
-    def _checked_processor(self, grammar: Grammar) -> GrammarLogitsProcessor:
-        self.check([grammar])
+    def _checked_processor(self, grammar: Grammar,
+                           parts: Sequence[Grammar]) -> GrammarLogitsProcessor:
+        self.check([*parts, grammar])
         return self.processor(grammar)
 
     def _known(self, grammar: Grammar) -> Verdict | None:
-        key = (grammar.text, grammar.enforced)
-        verdict = self._verdicts.get(key)
-        if verdict is not None:
-            self._verdicts.move_to_end(key)
+        key = grammar.key
+        with self._lock:
+            verdict = self._verdicts.get(key)
+            if verdict is not None:
+                self._verdicts.move_to_end(key)
         return verdict
 
     def _remember(self, key: tuple[str, bool], verdict: Verdict) -> None:
-        self._verdicts[key] = verdict
-        if len(self._verdicts) > _VERDICTS:
-            self._verdicts.popitem(last=False)
+        with self._lock:
+            self._verdicts[key] = verdict
+            if len(self._verdicts) > _VERDICTS:
+                self._verdicts.popitem(last=False)
 
     @property
     def _open(self) -> str:
@@ -355,6 +384,21 @@ def _tokenizer_json(tokenizer: Any) -> str:
     backend.no_padding()
     backend.no_truncation()
     return str(backend.to_str())
+
+
+def _patterns(schema: Any) -> list[str]:
+    """The distinct regexes under a ``pattern`` key anywhere in ``schema``."""
+    found: dict[str, None] = {}
+    stack = [schema]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            if isinstance(item.get("pattern"), str):
+                found[item["pattern"]] = None
+            stack.extend(item.values())
+    return list(found)
 
 
 def _check_bounds(schema: Any, param: str) -> None:

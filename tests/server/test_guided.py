@@ -206,7 +206,7 @@ def test_a_mask_over_the_fuel_stops_the_request_within_the_step_bound(
     processor says why (with llguidance's default fuel the same mask takes ~0.2 s)."""
     tok = engine.tokenizer
     g = GuidedDecoding(tok, engine.model_config.vocab_size, tok.eos_token_id, limits=limits)
-    processor = g.json_schema(COSTLY_LATER)
+    processor = g.processor(g.json_schema_grammar(COSTLY_LATER))  # unchecked: its pattern
     spent: list[float] = []
 
     def timed(ids: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
@@ -235,3 +235,9 @@ def test_check_grammar_verdicts(engine: Engine) -> None:
     assert verdict(COSTLY) == "costly"
     assert verdict(COSTLY, enforced=False) is None  # a tool's schema: only validated
     assert verdict({"type": "nope"}) == "invalid"
+    assert verdict(COSTLY_LATER) is None  # its first mask is cheap...
+    with pytest.raises(BadRequestError) as info:  # ...but its pattern alone is not
+        g.json_schema(COSTLY_LATER)
+    assert info.value.code == "grammar_too_costly" and info.value.param == "response_format"
+    with pytest.raises(BadRequestError):
+        g.tool_calls([FunctionDefinition(name="f", parameters=COSTLY_LATER)], parallel=False)
