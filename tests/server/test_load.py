@@ -13,7 +13,7 @@ the neighbours as much as the server: the test runs `ROUNDS` rounds, each a run 
 beside the abusive clients back to back (in alternating order), and compares the median over
 rounds of the per-round ratio of p99s with `P99_RATIO`. A failing measurement is repeated once
 (both are reported); a server that lets abusive clients slow the others fails both. About
-15-25 s per test.
+30 s per test on a shared 2-core CPU (twice that when the measurement is repeated).
 """
 
 from __future__ import annotations
