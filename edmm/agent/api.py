@@ -497,7 +497,8 @@ class AgentEngine:
         """Queue a turn whose slot is the session's (tagged) and may adopt ``claim``."""
         rank, priority = self._retention.retention(
             PausedSession(len(request.prompt_token_ids), False, None))
-        self.engine.submit(request, SlotHints(_session_tag(session.id), rank, priority, claim))
+        self.engine.submit(request, SlotHints(_session_tag(session.id), rank, priority, claim,
+                                              stale_tag=_lost_tag(session.id)))
         prompt = request.prompt_token_ids
         session.repeated = common_prefix_len(session.context, prompt)
         session.request_id = request.request_id
@@ -582,7 +583,8 @@ class AgentEngine:
             return
         self.engine.speculate(_spec_id(tag), spec.token_ids,
                               SlotHints(tag, EntryRank.SPECULATIVE, min_cached=max(base, 0),
-                                        cache_salt=session.cache_salt))
+                                        cache_salt=session.cache_salt,
+                                        stale_tag=_lost_tag(session.id)))
         session.window.branches.add(spec.key)
 
     def _branch_pays(self, session: Session, new_tokens: int, base: int) -> bool:

@@ -130,10 +130,11 @@ class KVCacheManager:
             if self.index.offloaded_tokens(tag):
                 self.index.restore(tag, make_room=True)
 
-    def mark_stale(self, tag: str, rank: EntryRank) -> None:
-        """Entries still tagged ``tag`` once its sequence holds a slot: plain entries of
-        ``rank`` (valid KV, reused by lookups, evicted in turn)."""
-        self.index.untag([tag], rank)
+    def mark_stale(self, tag: str, rank: EntryRank, stale_tag: str | None = None) -> None:
+        """Entries still tagged ``tag`` once its sequence holds a slot: entries of ``rank``
+        tagged ``stale_tag`` (None: untagged; valid KV, reused by lookups, evicted in turn,
+        freed with ``stale_tag``)."""
+        self.index.retag([tag], stale_tag, rank)
 
     def entry_slots(self, max_rank: EntryRank = EntryRank.RETAINED) -> list[int]:
         """Slots of cache entries of rank <= ``max_rank``, least recently used first."""

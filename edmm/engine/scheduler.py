@@ -469,10 +469,11 @@ class Scheduler:
 
     def _record_admission(self, seq: Sequence, hit: PrefixHit | None) -> None:
         """The sequence holds its slot: entries still tagged like it are stale (earlier KV it
-        did not adopt) and become plain entries; the first admission's hit is kept."""
-        if seq.hints.tag is not None:
+        did not adopt) and go under its ``stale_tag``; the first admission's hit is kept."""
+        hints = seq.hints
+        if hints.tag is not None:
             stale = EntryRank.SPECULATIVE if seq.is_speculative else EntryRank.PLAIN
-            self.kv.mark_stale(seq.hints.tag, stale)
+            self.kv.mark_stale(hints.tag, stale, hints.stale_tag)
         if seq.num_preemptions == 0:
             seq.num_cached_tokens = seq.num_computed_tokens
             seq.prefix_hit = hit

@@ -44,6 +44,9 @@ class SlotHints:
     pressure took that away, recomputing it speculatively would only take pages and compute
     from the requests, and the resume brings it back anyway).
     ``cache_salt``: the slot's KV is shared only with sequences of the same salt (tenants).
+    ``stale_tag``: the tag that entries still tagged ``tag`` take once the sequence holds its
+    slot (earlier KV it did not adopt: still valid, evicted in turn); None: untagged. An agent
+    session gives a tag it frees with the session, so closing it frees them too.
     """
 
     tag: str | None = None
@@ -52,6 +55,7 @@ class SlotHints:
     claim: tuple[str, ...] = ()
     min_cached: int = 0
     cache_salt: str | None = None
+    stale_tag: str | None = None
 
 
 ABORTED = "abort"  # finish reason of an aborted request (besides FinishReason's stop/length)

@@ -1,50 +1,73 @@
 """Grammar-constrained decoding with llguidance: forced tool calls and JSON-schema responses.
 
-`GuidedDecoding` compiles, per request, a grammar for
+`GuidedDecoding` turns a request into grammars (`Grammar`): one that is enforced, for
 
 - ``tool_choice="required"`` or a named function: one (or, with ``parallel_tool_calls``, several)
   ``<tool_call>`` blocks in the chat template's own format, each ``{"name": "<tool>",
   "arguments": <JSON matching that tool's parameters schema>}``;
 - ``response_format`` ``json_schema`` / ``json_object``: a JSON value of the schema,
 
-and turns it into a `GrammarLogitsProcessor` for the engine's per-request logits hook. JSON is
-emitted with the separators Jinja's ``tojson`` uses (``", "`` and ``": "``) and no other
-whitespace, so the arguments read exactly as the template would print them, and a random-weight
-model cannot pad them with whitespace forever.
+one per tool's parameter schema, only checked (it must compile, whatever the tool choice), and
+one per regex ``pattern`` of an enforced schema, costed on its own: a pattern whose lexer is
+costly to build is refused even where the enforced grammar would reach it only after a few
+cheap masks.
+JSON is emitted with the separators Jinja's ``tojson`` uses (``", "`` and ``": "``) and no
+other whitespace, so the arguments read exactly as the template would print them, and a
+random-weight model cannot pad them with whitespace forever.
 
-Token masks are computed on the engine thread, between everyone's steps, so a grammar's cost is
-budgeted (`GrammarBudget`): a grammar whose first mask takes too long is refused when compiled
-(400), and a processor whose masks cost too much on average stops (`GrammarLogitsProcessor.
-failure`; the server ends that request with an error). llguidance's messages reach clients
-without Rust backtraces or grammar listings (`clean_message`).
+What a grammar costs is the client's choice, so it is budgeted (`GrammarBudget`) and bounded:
+the server checks new grammars in the probe process (`check_isolated`, see
+`edmm.server.grammar_probe`: validation, compilation and the first mask, in CPU time), then
+compiles the enforced one again in-process (`processor`, on a server thread, at most the
+budget) into a `GrammarLogitsProcessor` for the engine's per-request logits hook. Token masks
+are computed on the engine thread, between everyone's steps: each is bounded by the parser's
+fuel (`GrammarLimits`; a mask over it stops that request), and a processor whose masks cost too
+much on average stops too (`GrammarLogitsProcessor.failure`; the server ends that request with
+an error). Verdicts are remembered (agents send the same tools each turn; a refused grammar is
+refused again at once). llguidance's messages reach clients without Rust backtraces or grammar
+listings (`clean_message`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import copy
 import json
-import re
+import threading
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass
 from typing import Any
 
 import llguidance
-import llguidance.hf
 import numpy as np
 import torch
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
 from edmm.server.errors import BadRequestError
-from edmm.server.protocol import FunctionDefinition
+from edmm.server.grammar_probe import (
+    OK,
+    GrammarBudget,
+    GrammarLimits,
+    GrammarProbe,
+    TokenizerSpec,
+    Verdict,
+    check_grammar,
+    clean_message,
+)
+from edmm.server.protocol import ChatCompletionRequest, FunctionDefinition, NamedToolChoice
 from edmm.server.tool_parser import TOOL_CALL_END, TOOL_CALL_START
+
+__all__ = ["Grammar", "GrammarBudget", "GrammarLimits", "GrammarLogitsProcessor",
+           "GuidedDecoding", "clean_message"]
 
 # Applied to every schema (a schema's own "x-guidance" may override them).
 _JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False,
                  "lenient": True}
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
-_CHECKED_SCHEMAS = 256  # tool schemas remembered as valid (agents send the same tools each turn)
-_MAX_MESSAGE_CHARS = 500
+_VERDICTS = 1024  # grammars whose verdict is remembered
 # Bounds that no value meets when the first is over the second (llguidance drops such an
 # optional property silently instead of refusing the schema).
 _BOUND_PAIRS = (("minimum", "maximum"), ("minLength", "maxLength"), ("minItems", "maxItems"),
@@ -52,20 +75,26 @@ _BOUND_PAIRS = (("minimum", "maximum"), ("minLength", "maxLength"), ("minItems",
 
 
 @dataclass(frozen=True)
-class GrammarBudget:
-    """What computing one request's token masks may cost the shared engine thread.
+class Grammar:
+    """One grammar of a request.
 
     Attributes:
-        first_mask_s: the first mask, computed when the grammar is compiled; over it the
-            request is refused (400).
-        mask_s: the mean time per mask while generating, counted after ``grace_masks``; over
-            it the processor stops (`GrammarLogitsProcessor.failure`).
-        grace_masks: masks granted before the mean counts (a lexer's states are built lazily).
+        text: llguidance's grammar (from ``grammar_from_lark``).
+        param: the request parameter it comes from (named in errors).
+        enforced: constrains the output (a processor is built for it).
+        costed: its compilation and first mask are checked against the budget (else it is
+            only validated: a tool's schema that no choice forces).
     """
 
-    first_mask_s: float = 0.05
-    mask_s: float = 0.01
-    grace_masks: int = 8
+    text: str
+    param: str
+    enforced: bool
+    costed: bool
+
+    @property
+    def key(self) -> tuple[str, bool]:
+        """What its verdict is remembered by."""
+        return self.text, self.costed
 
 
 class GrammarLogitsProcessor:
@@ -99,22 +128,28 @@ class GrammarLogitsProcessor:
             self._matcher.consume_token(token)
         self._consumed = len(output_token_ids)
         t0 = time.perf_counter()
-        allowed = self._allowed()  # [V] bool
+        allowed = self._allowed()  # [V] bool, None: no mask
         self._spend(time.perf_counter() - t0)
+        if allowed is None:  # the matcher went over the parser's limits
+            return self._only_eos(logits)
         return logits.masked_fill_(~allowed.to(logits.device), float("-inf"))
 
-    def first_mask_time(self) -> float:
-        """Compute the mask of the grammar's start (lexer states are built) and return how
-        long it took."""
-        t0 = time.perf_counter()
+    def prepare(self) -> None:
+        """Compute the mask of the grammar's start (its lexer states are built here, not on
+        the engine thread); 400 if it goes over the parser's limits."""
         fill_next_token_bitmask(self._matcher, self._bitmask)
-        return time.perf_counter() - t0
+        if self._matcher.is_error():
+            raise BadRequestError(
+                f"the grammar is too costly to enforce: "
+                f"{clean_message(self._matcher.get_error())}",
+                param=self.param, code="grammar_too_costly")
 
     def _spend(self, seconds: float) -> None:
         self._masks += 1
         self._mask_time_s += seconds
         budget = self._budget
-        if self._mask_time_s > budget.mask_s * (self._masks + budget.grace_masks):
+        if self.failure is None and (
+                self._mask_time_s > budget.mask_s * (self._masks + budget.grace_masks)):
             self.failure = (f"the grammar is too costly to enforce: its token masks took "
                             f"{self._mask_time_s / self._masks * 1e3:.1f} ms each on average, "
                             f"over the budget of {budget.mask_s * 1e3:g} ms")
@@ -130,12 +165,12 @@ class GrammarLogitsProcessor:
         """Why the matcher rejected a token ("" while all is well)."""
         return str(self._matcher.get_error())
 
-    def _allowed(self) -> torch.Tensor:
-        allowed = torch.zeros(self._vocab_size, dtype=torch.bool)
-        if self._matcher.is_error():
-            allowed[self._eos] = True  # cannot happen when every token was masked; stop safely
-            return allowed
+    def _allowed(self) -> torch.Tensor | None:
         fill_next_token_bitmask(self._matcher, self._bitmask)
+        if self._matcher.is_error():  # masks never allow a wrong token: over the limits
+            self.failure = (f"the grammar is too costly to enforce: "
+                            f"{clean_message(self._matcher.get_error())}")
+            return None
         bits = np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")
         allowed = torch.from_numpy(bits[:self._vocab_size].astype(np.bool_))
         if not allowed.any():
@@ -144,22 +179,66 @@ class GrammarLogitsProcessor:
 
 
 class GuidedDecoding:
-    """Compiles grammars for one tokenizer; build once per server (it wraps the tokenizer)."""
+    """Grammars of one tokenizer; build once per server (it wraps the tokenizer).
+
+    With ``isolated`` (the server), `start` starts the probe process that `check_isolated`
+    uses; without, grammars are checked in the calling thread (`check`).
+    """
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_id: int,
-                 budget: GrammarBudget | None = None) -> None:
-        self._llt = llguidance.hf.from_tokenizer(tokenizer, n_vocab=vocab_size,
-                                                 eos_token=eos_token_id)
+                 budget: GrammarBudget | None = None, limits: GrammarLimits | None = None,
+                 isolated: bool = False) -> None:
+        self.spec = TokenizerSpec(_tokenizer_json(tokenizer), vocab_size, eos_token_id)
+        self._llt = self.spec.build()
         self.budget = budget or GrammarBudget()
-        self._checked: OrderedDict[str, None] = OrderedDict()
+        self.limits = limits or GrammarLimits()
+        self._probe = GrammarProbe(self.spec, self.budget, self.limits) if isolated else None
+        self._verdicts: OrderedDict[tuple[str, bool], Verdict] = OrderedDict()
+        self._lock = threading.Lock()  # verdicts are read and written from several threads
         self._vocab_size = vocab_size
         self._eos = eos_token_id
         self._start_id = _single_token(tokenizer, TOOL_CALL_START)
         self._end_id = _single_token(tokenizer, TOOL_CALL_END)
 
-    def tool_calls(self, functions: Sequence[FunctionDefinition],
-                   parallel: bool) -> GrammarLogitsProcessor:
-        """A processor forcing one call (several if ``parallel``) of one of ``functions``."""
+    def start(self) -> None:
+        """Start the probe process (when isolated) and wait until it checks grammars."""
+        if self._probe is not None:
+            self._probe.start()
+
+    def close(self) -> None:
+        """Stop the probe process."""
+        if self._probe is not None:
+            self._probe.close()
+
+    # ------------------------------------------------------------------ grammars
+    def chat_grammars(self, req: ChatCompletionRequest) -> list[Grammar]:
+        """The grammars of a chat request: every tool's schema (checked), then the one the
+        tool choice or response format enforces, if any."""
+        grammars = [self.schema_grammar(t.function.parameters, f"tools.{i}")
+                    for i, t in enumerate(req.tools or []) if t.function.parameters is not None]
+        choice = req.tool_choice
+        if choice == "required" or isinstance(choice, NamedToolChoice):
+            tools = [t.function for t in req.tools or []]
+            if isinstance(choice, NamedToolChoice):
+                tools = [f for f in tools if f.name == choice.function.name]
+            parts = [g for f in tools for g in self.pattern_grammars(f.parameters, "tools")]
+            return [*grammars, *parts, self.tool_calls_grammar(
+                tools, req.parallel_tool_calls and choice == "required")]
+        fmt = req.response_format
+        if fmt is None or fmt.type == "text":
+            return grammars
+        if fmt.type == "json_object":
+            return [*grammars, self.json_schema_grammar(None)]
+        if fmt.json_schema is None:
+            raise BadRequestError("response_format json_schema needs a json_schema",
+                                  param="response_format")
+        schema = fmt.json_schema.schema_
+        return [*grammars, *self.pattern_grammars(schema, "response_format"),
+                self.json_schema_grammar(schema)]
+
+    def tool_calls_grammar(self, functions: Sequence[FunctionDefinition],
+                           parallel: bool) -> Grammar:
+        """The grammar forcing one call (several if ``parallel``) of one of ``functions``."""
         if not functions:
             raise BadRequestError("a forced tool choice needs at least one tool", param="tools")
         rules = [f"call_{i}: {_lark_string(_call_prefix(f.name))} "
@@ -171,26 +250,113 @@ class GuidedDecoding:
             f'block: {self._open} "\\n" ({alternatives}) "\\n" {self._close}',
             *rules,
         ])
-        return self._processor(lark, "tools")
+        return Grammar(llguidance.LLMatcher.grammar_from_lark(lark), "tools", True, True)
+
+    def json_schema_grammar(self, schema: dict[str, Any] | None) -> Grammar:
+        """The grammar forcing a JSON value of ``schema`` (any object if None)."""
+        lark = f"start: {_lark_json(schema or _ANY_OBJECT, 'response_format')}"
+        return Grammar(llguidance.LLMatcher.grammar_from_lark(lark), "response_format", True,
+                       True)
+
+    def schema_grammar(self, schema: Any, param: str) -> Grammar:
+        """The grammar of a tool's parameter ``schema``, to be checked only."""
+        _check_bounds(schema, param)
+        lark = f"start: {_lark_json(schema, param)}"
+        return Grammar(llguidance.LLMatcher.grammar_from_lark(lark), param, False, False)
+
+    def pattern_grammars(self, schema: Any, param: str) -> list[Grammar]:
+        """One costed grammar per distinct regex ``pattern`` in ``schema``: a JSON string of
+        that pattern alone, so its first mask builds that regex's lexer states."""
+        return [Grammar(llguidance.LLMatcher.grammar_from_lark(
+                    f"start: {_lark_json({'type': 'string', 'pattern': p}, param)}"),
+                        param, False, True) for p in _patterns(schema)]
+
+    # ------------------------------------------------------------------ checks
+    def check(self, grammars: Sequence[Grammar]) -> None:
+        """400 for the first of ``grammars`` that is invalid or over the budget, checked in
+        the calling thread (verdicts remembered)."""
+        for g in grammars:
+            verdict = self._known(g)
+            if verdict is None:
+                verdict = check_grammar(self._llt, self._vocab_size, g.text, g.costed,
+                                        self.budget, self.limits)
+                self._remember(g.key, verdict)
+            _raise_for(g, verdict)
+
+    async def check_isolated(self, grammars: Sequence[Grammar]) -> None:
+        """`check`, with the grammars not checked before sent to the probe process (the
+        caller waits; nothing runs in this process). Without a probe: `check` on a thread."""
+        if self._probe is None:
+            await asyncio.to_thread(self.check, grammars)
+            return
+        found = {g.key: self._known(g) for g in grammars}
+        unknown = [key for key, verdict in found.items() if verdict is None]
+        if unknown:
+            try:
+                verdicts = await asyncio.wrap_future(self._probe.submit(unknown))
+            except BrokenProcessPool:
+                self._probe.restart()
+                raise BadRequestError("the grammar check was killed", param=grammars[0].param,
+                                      code="grammar_too_costly") from None
+            for key, verdict in zip(unknown, verdicts, strict=True):
+                found[key] = verdict
+                self._remember(key, verdict)
+        for g in grammars:
+            _raise_for(g, found[g.key] or OK)
+
+    def processor(self, grammar: Grammar) -> GrammarLogitsProcessor:
+        """A processor enforcing ``grammar`` (checked before), with its first mask computed."""
+        matcher = llguidance.LLMatcher(self._llt, grammar.text, log_level=0,
+                                       limits=self.limits.llguidance())
+        if matcher.is_error():
+            raise BadRequestError(f"invalid JSON schema: {clean_message(matcher.get_error())}",
+                                  param=grammar.param)
+        processor = GrammarLogitsProcessor(matcher, self._vocab_size, self._eos, self.budget,
+                                           grammar.param)
+        try:
+            processor.prepare()
+        except BadRequestError:
+            self._remember(grammar.key,
+                           Verdict("costly", "its first token mask went over the parser's limits"))
+            raise
+        return processor
+
+    # ------------------------------------------------------------------ in-process use
+    def tool_calls(self, functions: Sequence[FunctionDefinition],
+                   parallel: bool) -> GrammarLogitsProcessor:
+        """A processor forcing one call (several if ``parallel``) of one of ``functions``
+        (checked in the calling thread)."""
+        parts = [g for f in functions for g in self.pattern_grammars(f.parameters, "tools")]
+        return self._checked_processor(self.tool_calls_grammar(functions, parallel), parts)
 
     def json_schema(self, schema: dict[str, Any] | None) -> GrammarLogitsProcessor:
-        """A processor forcing a JSON value of ``schema`` (any object if None)."""
-        return self._processor(f"start: {_lark_json(schema or _ANY_OBJECT, 'response_format')}",
-                               "response_format")
+        """A processor forcing a JSON value of ``schema`` (any object if None; checked in the
+        calling thread)."""
+        return self._checked_processor(self.json_schema_grammar(schema),
+                                       self.pattern_grammars(schema, "response_format"))
 
     def check_schema(self, schema: Any, param: str) -> None:
-        """400 unless ``schema`` compiles as a JSON schema (what a forced call would use);
-        schemas found valid are remembered."""
-        key = json.dumps(schema, sort_keys=True)
-        if key in self._checked:
-            self._checked.move_to_end(key)
-            return
-        _check_bounds(schema, param)
-        grammar = llguidance.LLMatcher.grammar_from_lark(f"start: {_lark_json(schema, param)}")
-        self._validate(grammar, param)
-        self._checked[key] = None
-        if len(self._checked) > _CHECKED_SCHEMAS:
-            self._checked.popitem(last=False)
+        """400 unless ``schema`` compiles as a JSON schema (checked in the calling thread)."""
+        self.check([self.schema_grammar(schema, param)])
+
+    def _checked_processor(self, grammar: Grammar,
+                           parts: Sequence[Grammar]) -> GrammarLogitsProcessor:
+        self.check([*parts, grammar])
+        return self.processor(grammar)
+
+    def _known(self, grammar: Grammar) -> Verdict | None:
+        key = grammar.key
+        with self._lock:
+            verdict = self._verdicts.get(key)
+            if verdict is not None:
+                self._verdicts.move_to_end(key)
+        return verdict
+
+    def _remember(self, key: tuple[str, bool], verdict: Verdict) -> None:
+        with self._lock:
+            self._verdicts[key] = verdict
+            if len(self._verdicts) > _VERDICTS:
+                self._verdicts.popitem(last=False)
 
     @property
     def _open(self) -> str:
@@ -202,32 +368,37 @@ class GuidedDecoding:
         return f"<[{self._end_id}]>" if self._end_id is not None else _lark_string(
             TOOL_CALL_END)
 
-    def _validate(self, grammar: str, param: str) -> None:
-        is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(
-            grammar, self._llt)
-        if is_error:
-            raise BadRequestError(f"invalid JSON schema: {clean_message(messages[0])}",
-                                  param=param)
 
-    def _processor(self, lark: str, param: str) -> GrammarLogitsProcessor:
-        grammar = llguidance.LLMatcher.grammar_from_lark(lark)
-        self._validate(grammar, param)
-        matcher = llguidance.LLMatcher(self._llt, grammar, log_level=0)
-        if matcher.is_error():
-            raise BadRequestError(f"invalid JSON schema: {clean_message(matcher.get_error())}",
-                                  param=param)
-        processor = GrammarLogitsProcessor(matcher, self._vocab_size, self._eos, self.budget,
-                                           param)
-        took = processor.first_mask_time()
-        if matcher.is_error():
-            raise BadRequestError(f"invalid JSON schema: {clean_message(matcher.get_error())}",
-                                  param=param)
-        if took > self.budget.first_mask_s:
-            raise BadRequestError(
-                f"the grammar is too costly to enforce: its first token mask took "
-                f"{took * 1e3:.0f} ms, over the budget of {self.budget.first_mask_s * 1e3:g} ms",
-                param=param, code="grammar_too_costly")
-        return processor
+def _raise_for(grammar: Grammar, verdict: Verdict) -> None:
+    if verdict.problem == "invalid":
+        raise BadRequestError(f"invalid JSON schema: {verdict.message}", param=grammar.param)
+    if verdict.problem == "costly":
+        raise BadRequestError(f"the grammar is too costly to enforce: {verdict.message}",
+                              param=grammar.param, code="grammar_too_costly")
+
+
+def _tokenizer_json(tokenizer: Any) -> str:
+    """The Rust tokenizer of a fast Hugging Face tokenizer as JSON (what llguidance builds its
+    own from), without padding or truncation."""
+    backend = copy.copy(tokenizer.backend_tokenizer)
+    backend.no_padding()
+    backend.no_truncation()
+    return str(backend.to_str())
+
+
+def _patterns(schema: Any) -> list[str]:
+    """The distinct regexes under a ``pattern`` key anywhere in ``schema``."""
+    found: dict[str, None] = {}
+    stack = [schema]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            if isinstance(item.get("pattern"), str):
+                found[item["pattern"]] = None
+            stack.extend(item.values())
+    return list(found)
 
 
 def _check_bounds(schema: Any, param: str) -> None:
@@ -245,16 +416,6 @@ def _check_bounds(schema: Any, param: str) -> None:
                     raise BadRequestError(f"invalid JSON schema: {low} ({lo}) is greater than "
                                           f"{high} ({hi})", param=param)
             stack.extend(item.values())
-
-
-def clean_message(message: str) -> str:
-    """An llguidance error as a client may read it: no Rust backtrace, no grammar listing,
-    at most a few hundred characters."""
-    text = re.split(r"\n?<backtrace>|\nstack backtrace:", str(message), maxsplit=1)[0]
-    lines = [line for line in text.splitlines()
-             if not re.match(r"\s*\d+ \|", line) and line.strip() != "^"]  # grammar listing
-    text = re.sub(r"^at \d+\(\d+\): ", "", " ".join(line.strip() for line in lines if line.strip()))
-    return text if len(text) <= _MAX_MESSAGE_CHARS else text[:_MAX_MESSAGE_CHARS] + "..."
 
 
 def _call_prefix(name: str) -> str:

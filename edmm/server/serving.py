@@ -8,8 +8,9 @@ OpenAI responses or server-sent-event chunks.
 Work whose cost the client controls runs where it cannot hold anyone else up: the model's own
 chat template and the tokenizer on the one tokenizing thread, with the context check made while
 tokenizing (a prompt far over the context is refused before all of it is encoded); a client's
-chat template (sandboxed, within its `TemplateLimits`) and grammar compilation (within its
-`GrammarBudget`) on a separate pool.
+chat template (sandboxed, within its `TemplateLimits`) in a process of its own; a new grammar is
+checked in the grammar probe's process (within its `GrammarBudget`), then compiled on a
+separate pool.
 """
 
 from __future__ import annotations
@@ -86,12 +87,7 @@ from edmm.server.sessions import ANONYMOUS, ServerSessions, Turn, TurnEnd
 from edmm.server.stages import StageLog, StageTimer, TimedEncoder
 from edmm.server.templates import TemplateLimits, render_client_template
 from edmm.server.tool_parser import ParsedReply, ParsedToolCall, StreamingToolParser, parse_reply
-from edmm.server.validation import (
-    check_conversation,
-    check_text,
-    check_tool_names,
-    check_tool_schemas,
-)
+from edmm.server.validation import check_conversation, check_text, check_tool_names
 
 SSE_DONE = "data: [DONE]\n\n"
 T = TypeVar("T")
@@ -252,7 +248,7 @@ class OpenAIServing:
         ids = await self._chat_ids(timer, messages, tools, req.chat_template_kwargs,
                                    prompt_limit(self.max_model_len, req.completion_limit))
         _mark(timer, "back")
-        processors = await self._isolate(self._chat_processors, req)
+        processors = await self._chat_processors(req)
         params = sampling_params(req, req.completion_limit, len(ids), self.max_model_len,
                                  processors)
         request = self._salted(self._make_request(ids, params), req.cache_salt, owner)
@@ -413,26 +409,22 @@ class OpenAIServing:
                         getattr(e, "message", None) or type(e).__name__)
             return []
 
-    def _chat_processors(self, req: ChatCompletionRequest) -> list[LogitsProcessor]:
+    async def _chat_processors(self, req: ChatCompletionRequest) -> list[LogitsProcessor]:
         """Grammar constraints: forced tool calls, or a JSON response format (every tool's
-        schema is checked, whatever the choice)."""
-        check_tool_schemas(req.tools, self.guided)
-        choice = req.tool_choice
-        if choice == "required" or isinstance(choice, NamedToolChoice):
-            tools = [t.function for t in req.tools or []]
-            if isinstance(choice, NamedToolChoice):
-                tools = [f for f in tools if f.name == choice.function.name]
-            return [self._guided().tool_calls(tools, req.parallel_tool_calls
-                                              and choice == "required")]
-        fmt = req.response_format
-        if fmt is None or fmt.type == "text":
+        schema is checked, whatever the choice). New grammars are checked in the probe
+        process; the enforced one is then compiled on the isolated pool."""
+        if self.guided is None:
+            if req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice) or (
+                    req.response_format is not None and req.response_format.type != "text"):
+                self._guided()  # the 400
             return []
-        if fmt.type == "json_object":
-            return [self._guided().json_schema(None)]
-        if fmt.json_schema is None:
-            raise BadRequestError("response_format json_schema needs a json_schema",
-                                  param="response_format")
-        return [self._guided().json_schema(fmt.json_schema.schema_)]
+        guided = self.guided
+        grammars = guided.chat_grammars(req)
+        await guided.check_isolated(grammars)
+        enforced = [g for g in grammars if g.enforced]
+        if not enforced:
+            return []
+        return [await self._isolate(guided.processor, g) for g in enforced]
 
     def _guided(self) -> GuidedDecoding:
         if self.guided is None:

@@ -99,9 +99,9 @@ class ServerState:
         self.sessions = ServerSessions(AgentEngine(self.engine, agent_config))
         self.loop: EngineLoop[ServerSessions] = EngineLoop(self.sessions)
         self.metrics = ServerMetrics(config.model_name)
+        self.guided = _guided(self.engine, tokenizer, config.grammar_budget)
         self.serving = OpenAIServing(
-            self.loop, self.engine, tokenizer, config.model_name, self.metrics,
-            _guided(self.engine, tokenizer, config.grammar_budget),
+            self.loop, self.engine, tokenizer, config.model_name, self.metrics, self.guided,
             config.template_limits if config.allow_client_chat_template else None,
             config.cache_salt_per_key)
 
@@ -113,6 +113,8 @@ class ServerState:
     def start(self) -> None:
         """Start the engine thread (and the client-template process, if they are on)."""
         self.loop.start()
+        if self.guided is not None:
+            self.guided.start()
         self.serving.start()
 
     def stop(self) -> None:
@@ -123,6 +125,8 @@ class ServerState:
         """Stop, then release the tokenizing thread and the engine's memory."""
         self.stop()
         self.serving.close()
+        if self.guided is not None:
+            self.guided.close()
         self.engine.close()
 
 
@@ -133,4 +137,5 @@ def _guided(engine: Engine, tokenizer: Any, budget: GrammarBudget) -> GuidedDeco
     eos = tokenizer.eos_token_id
     if eos is None:
         eos = min(engine.eos_token_ids, default=0)
-    return GuidedDecoding(tokenizer, engine.model_config.vocab_size, int(eos), budget)
+    return GuidedDecoding(tokenizer, engine.model_config.vocab_size, int(eos), budget,
+                          isolated=True)

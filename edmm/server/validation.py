@@ -6,9 +6,10 @@ Each check raises a `BadRequestError` (400) naming the offending parameter:
   surrogate (``"\\ud800"`` is a valid JSON escape, but no UTF-8 text: the tokenizer would fail);
 - `check_conversation`: every tool message answers a call of an earlier assistant message,
   and every call's arguments are a JSON object;
-- `check_tool_names`: at most `MAX_TOOLS` tools, with unique names;
-- `check_tool_schemas`: parameter schemas that compile (whatever the tool choice: a schema that
-  cannot constrain a call is a client bug).
+- `check_tool_names`: at most `MAX_TOOLS` tools, with unique names.
+
+Tools' parameter schemas must compile too, whatever the tool choice (a schema that cannot
+constrain a call is a client bug): `edmm.server.guided` checks them with the other grammars.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from collections.abc import Sequence
 from typing import Any
 
 from edmm.server.errors import BadRequestError
-from edmm.server.guided import GuidedDecoding
 from edmm.server.protocol import AssistantMessage, ChatMessage, ChatTool, ToolMessage
 
 MAX_TOOLS = 128  # OpenAI's documented limit of functions per request
@@ -83,14 +83,6 @@ def check_tool_names(tools: Sequence[ChatTool] | None) -> None:
             raise BadRequestError(f"tools.{i}: the function name {name!r} is used twice",
                                   param=f"tools.{i}")
         seen.add(name)
-
-
-def check_tool_schemas(tools: Sequence[ChatTool] | None, guided: GuidedDecoding | None) -> None:
-    """400 for a parameter schema that does not compile (with ``guided``, when the model has
-    one)."""
-    for i, tool in enumerate(tools or []):
-        if tool.function.parameters is not None and guided is not None:
-            guided.check_schema(tool.function.parameters, f"tools.{i}")
 
 
 def _check_arguments(arguments: str, param: str) -> None:

@@ -13,6 +13,7 @@ script every page is back in the pool.
 from __future__ import annotations
 
 import itertools
+import json
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -239,6 +240,8 @@ def _chunk(result: list[int], step: ToolStep, j: int) -> list[int]:
 
 def run_agent(agent: AgentEngine, clock: FakeClock, script: Script, plans: list[Plan],
               tag: str) -> list[list[list[int]]]:
+    """Run the script's sessions interleaved, then close them one by one; after every tick
+    and every close, every cache entry belongs to a session still open (`check_owners`)."""
     drivers = [Driver(f"{tag}-s{k}", s, p) for k, (s, p) in
                enumerate(zip(script.sessions, plans, strict=True))]
     for d in drivers:
@@ -249,13 +252,28 @@ def run_agent(agent: AgentEngine, clock: FakeClock, script: Script, plans: list[
         agent.step()
         clock.advance(1.0)
         agent.check_integrity()
+        check_owners(agent)
         for d in drivers:
             d.tick(agent)
     else:
         raise AssertionError("script did not finish")
     for d in drivers:
         agent.close_session(d.sid)
+        check_owners(agent)
     return [d.turns for d in drivers]
+
+
+def check_owners(agent: AgentEngine) -> None:
+    """Every prefix-cache entry of an agent-only engine is owned by an open session: it
+    carries a tag, and the tag names the session (the agent's tags are JSON lists ``[kind,
+    session id, ...]``). An untagged entry is one no close would free."""
+    open_sessions = set(agent.session_ids())
+    kv = agent.engine.kv
+    tagged = {slot: tag for tag in kv.tags() for slot in kv.tagged(tag)}
+    untagged = set(kv.entry_slots()) - set(tagged)
+    assert not untagged, f"entries {sorted(untagged)} are owned by no session"
+    for slot, tag in tagged.items():
+        assert json.loads(tag)[1] in open_sessions, f"entry {slot} ({tag}) outlived its session"
 
 
 # ---------------------------------------------------------------------- the test
@@ -341,7 +359,25 @@ def test_greedy_outputs_identical_with_edmm_on_and_off(
     reserved = agent.engine.runner.reserved_slots  # a CUDA-graph runner's pad slot: one page
     cached = arena.stats().slots_in_use - reserved
     assert cached == agent.engine.kv.index.num_entries + arena.stats().slots_retired
-    agent.engine.reset_prefix_cache()  # what is left is plain cache, and frees completely
+    assert agent.engine.kv.index.num_entries == 0  # each session's entries went with it
+    agent.engine.reset_prefix_cache()  # frees the retired slots
     assert agent.engine.kv.pool.num_used == reserved
     assert arena.stats().slots_in_use == reserved
     agent.check_integrity()
+
+
+@settings(max_examples=60, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(script=script_st)
+@example(script=Script((SessionScript(6, 4, (ToolStep((CallScript(1, 0.5, "none"),), 0, 0, 0,
+                                                      False, 1),)),), 34, 16, 0))
+def test_closing_a_session_frees_every_entry_it_made(
+        engines: Callable[[int, int], tuple[AgentEngine, FakeClock]], script: Script) -> None:
+    """The ownership half of the test above, without the reference run (so it covers more
+    scripts in less time): entries a session's sequences left unadopted stay the session's,
+    so closing it frees them. The example: a result inserted mid-prompt, so the resume
+    branches from the session's KV instead of adopting it; its old entry was left untagged."""
+    rng = random.Random(script.seed)
+    agent, clock = engines(script.num_pages, script.budget)
+    run_agent(agent, clock, script, [plan(s, rng) for s in script.sessions], f"o{next(_ids)}")
+    assert agent.engine.kv.index.num_entries == 0

@@ -270,6 +270,20 @@ def test_costly_grammar_does_not_stall_others(hardened: LiveServer) -> None:
     _still_serves(hardened)
 
 
+def test_costly_pattern_after_cheap_masks_does_not_stall_others(hardened: LiveServer) -> None:
+    """A grammar that passes its first mask but whose mask of "a"'s value would build costly
+    lexer states: refused for that pattern alone (and past that check, its mask would go over
+    the parser's step fuel: `test_guided`)."""
+    schema = {"type": "object", "required": ["x", "a"], "properties": {
+        "x": {"type": "string", "maxLength": 2},
+        "a": {"type": "string", "pattern": COSTLY_PATTERN}}}
+    body = _chat(max_tokens=48, response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": schema}})
+    resp = _bystander_while(hardened, lambda: _post(hardened, "/v1/chat/completions", body))
+    _assert_error(resp, 400, "response_format", "grammar_too_costly")
+    _still_serves(hardened)
+
+
 # ---------------------------------------------------------------------------- HTTP
 
 

@@ -2,15 +2,21 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import os
+import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from edmm.engine import Engine, EngineConfig, SamplingParams
 from edmm.server.errors import BadRequestError
-from edmm.server.guided import GrammarBudget, GuidedDecoding, clean_message
+from edmm.server.grammar_probe import PROBE_NICENESS, GrammarProbe, check_grammar
+from edmm.server.guided import GrammarBudget, GrammarLimits, GuidedDecoding, clean_message
 from edmm.server.protocol import FunctionDefinition
 from edmm.server.tool_parser import parse_reply
 
@@ -132,3 +138,106 @@ def test_check_schema_refuses_invalid_schemas(guided: GuidedDecoding, schema: An
 def test_check_schema_accepts_valid_ones(guided: GuidedDecoding) -> None:
     for function in FUNCTIONS:
         guided.check_schema(function.parameters or {"type": "object"}, "tools.0")
+
+
+COSTLY_PATTERN = "^((a{100}){100}){10}$"
+COSTLY = {"type": "object", "required": ["a"], "properties": {
+    "a": {"type": "string", "pattern": COSTLY_PATTERN}}}
+# Cheap at the start; the mask of "a"'s value builds the costly pattern's lexer states.
+COSTLY_LATER = {"type": "object", "required": ["x", "a"], "properties": {
+    "x": {"type": "string", "maxLength": 2}, "a": {"type": "string", "pattern": COSTLY_PATTERN}}}
+
+
+@pytest.fixture(scope="module")
+def isolated(engine: Engine) -> Iterator[GuidedDecoding]:
+    """Grammars checked in the probe process (as the server does)."""
+    tok = engine.tokenizer
+    g = GuidedDecoding(tok, engine.model_config.vocab_size, tok.eos_token_id, isolated=True)
+    g.start()
+    yield g
+    g.close()
+
+
+def test_the_probe_refuses_a_costly_grammar_and_remembers(isolated: GuidedDecoding,
+                                                          monkeypatch: pytest.MonkeyPatch,
+                                                          ) -> None:
+    grammar = isolated.json_schema_grammar(COSTLY)
+    t0 = time.process_time()
+    with pytest.raises(BadRequestError) as info:
+        asyncio.run(isolated.check_isolated([grammar]))
+    assert info.value.code == "grammar_too_costly" and info.value.param == "response_format"
+    assert time.process_time() - t0 < 0.05  # the lexer states were built in the probe
+    assert "<state>" not in info.value.message and "Tokens:" not in info.value.message
+
+    def no_probe(_: object) -> None:
+        raise AssertionError("the verdict was not remembered")
+    monkeypatch.setattr(GrammarProbe, "submit", no_probe)
+    with pytest.raises(BadRequestError):
+        asyncio.run(isolated.check_isolated([grammar]))
+
+
+def test_the_probe_checks_tool_schemas_and_passes_good_grammars(
+        isolated: GuidedDecoding) -> None:
+    bad = isolated.schema_grammar({"type": "nope"}, "tools.1")
+    good = [isolated.schema_grammar(FUNCTIONS[0].parameters, "tools.0"),
+            isolated.tool_calls_grammar(FUNCTIONS, parallel=True)]
+    asyncio.run(isolated.check_isolated(good))
+    with pytest.raises(BadRequestError) as info:
+        asyncio.run(isolated.check_isolated([*good, bad]))
+    assert info.value.param == "tools.1" and "invalid JSON schema" in info.value.message
+
+
+def test_the_probe_process_runs_at_a_lower_priority(isolated: GuidedDecoding) -> None:
+    pool = isolated._probe._pool  # type: ignore[union-attr]
+    assert pool is not None
+    pids = [p.pid for p in pool._processes.values() if p.pid is not None]  # type: ignore[union-attr]
+    assert pids and all(os.getpriority(os.PRIO_PROCESS, pid) >= os.getpriority(
+        os.PRIO_PROCESS, 0) + PROBE_NICENESS for pid in pids)
+
+
+@pytest.mark.parametrize(("limits", "stops"), [
+    pytest.param(GrammarLimits(), True, id="serving-limits"),
+    pytest.param(GrammarLimits(step_lexer_fuel=None), False, id="llguidance-defaults"),
+])
+def test_a_mask_over_the_fuel_stops_the_request_within_the_step_bound(
+        engine: Engine, limits: GrammarLimits, stops: bool) -> None:
+    """A grammar that passes its first mask but whose later mask builds costly lexer states
+    stops there: the matcher goes over the parser's step fuel, so that mask is cheap, and the
+    processor says why (with llguidance's default fuel the same mask takes ~0.2 s)."""
+    tok = engine.tokenizer
+    g = GuidedDecoding(tok, engine.model_config.vocab_size, tok.eos_token_id, limits=limits)
+    processor = g.processor(g.json_schema_grammar(COSTLY_LATER))  # unchecked: its pattern
+    spent: list[float] = []
+
+    def timed(ids: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
+        t0 = time.thread_time()
+        out = processor(ids, logits)
+        spent.append(time.thread_time() - t0)
+        return out
+    _run(engine, timed, seed=0, max_tokens=48)
+    if stops:
+        assert processor.failure is not None and "too costly" in processor.failure
+        assert max(spent) < 0.05
+    else:
+        assert max(spent) > 0.05  # the mutation: what the serving limits bound
+
+
+def test_check_grammar_verdicts(engine: Engine) -> None:
+    tok = engine.tokenizer
+    g = GuidedDecoding(tok, engine.model_config.vocab_size, tok.eos_token_id)
+    llt, vocab = g.spec.build(), engine.model_config.vocab_size
+
+    def verdict(schema: Any, enforced: bool = True) -> str | None:
+        text = g.json_schema_grammar(schema).text
+        return check_grammar(llt, vocab, text, enforced, GrammarBudget(),
+                             GrammarLimits()).problem
+    assert verdict({"type": "object"}) is None
+    assert verdict(COSTLY) == "costly"
+    assert verdict(COSTLY, enforced=False) is None  # a tool's schema: only validated
+    assert verdict({"type": "nope"}) == "invalid"
+    assert verdict(COSTLY_LATER) is None  # its first mask is cheap...
+    with pytest.raises(BadRequestError) as info:  # ...but its pattern alone is not
+        g.json_schema(COSTLY_LATER)
+    assert info.value.code == "grammar_too_costly" and info.value.param == "response_format"
+    with pytest.raises(BadRequestError):
+        g.tool_calls([FunctionDefinition(name="f", parameters=COSTLY_LATER)], parallel=False)
