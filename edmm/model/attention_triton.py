@@ -20,6 +20,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from edmm.kernels import PrefillConfig
+from edmm.kernels.decode_attention import DecodeWorkspace
 from edmm.kernels.decode_routes import DecodeRoutes
 from edmm.model.attention import (
     AttentionBackend,
@@ -60,6 +61,7 @@ class TritonAttentionBackend(AttentionBackend):
         self.max_context = max_context
         self.prefill = prefill
         self.decode_routes = decode_routes
+        self.decode_workspace = DecodeWorkspace()  # counters of fused decode launches
         self._fallback = TorchSDPABackend()
 
     def forward(
@@ -101,7 +103,8 @@ class TritonAttentionBackend(AttentionBackend):
                 return decode_attention(q, kv_cache, layer, meta.slot_ids_t,
                                         meta.context_lens_t, scale, max_context=self.max_context)
             return decode_attention(q, kv_cache, layer, meta.slot_ids_t, meta.context_lens_t,
-                                    scale, num_splits=route.num_splits, config=route.config)
+                                    scale, num_splits=route.num_splits, config=route.config,
+                                    workspace=self.decode_workspace)
         # Mixed: multi-query sequences in query tiles, single-query ones split-K, in place.
         out = prefill_attention_varlen(q, kv_cache, layer, meta.query_start_loc,
                                        meta.slot_ids_t, meta.context_lens_t, scale,
