@@ -212,7 +212,10 @@ def main(argv: list[str] | None = None) -> int:
     batches = [int(x) for x in args.batches.split(",")]
     contexts = [int(x) for x in args.contexts.split(",")]
     mem = make_kv(max(batches), max(contexts))
+    env = environment(mem.kind)
+    command = "python3 -m edmm.bench.scripts.decode_sweep " + shlex.join(sys.argv[1:])
     rows: list[Row] = []
+    md = ""
     try:
         with torch.inference_mode():
             for context in contexts:
@@ -220,22 +223,26 @@ def main(argv: list[str] | None = None) -> int:
                     rows += sweep_shape(mem.kv, batch, context, args.reps,
                                         candidates(modes, configs, splits, context))
                     print(f"swept batch {batch} at {context}", file=sys.stderr)
-        env = environment(mem.kind)
+                    md = write(args.out, rows, env, command)  # a cut-off run keeps its shapes
     finally:
         mem.close()
-    date = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-    command = "python3 -m edmm.bench.scripts.decode_sweep " + shlex.join(sys.argv[1:])
-    table = routes(rows)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "decode-sweep.json").write_text(json.dumps(
-        {"environment": env, "date": date, "command": command,
-         "rows": [asdict(r) for r in rows]}, indent=2))
-    (args.out / "decode_routes.json").write_text(json.dumps(
-        {"device": env["gpu"], "date": date, "command": command, "routes": table}, indent=2))
-    md = markdown(rows, table, f"# Decode attention sweep\n\n{env}\n\n{date}: `{command}`")
-    (args.out / "decode-sweep.md").write_text(md + "\n")
     print(md)
     return 0
+
+
+def write(out: Path, rows: list[Row], env: dict[str, Any], command: str) -> str:
+    """Write the three files from the rows so far; returns the markdown."""
+    date = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    table = routes(rows)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "decode-sweep.json").write_text(json.dumps(
+        {"environment": env, "date": date, "command": command,
+         "rows": [asdict(r) for r in rows]}, indent=2))
+    (out / "decode_routes.json").write_text(json.dumps(
+        {"device": env["gpu"], "date": date, "command": command, "routes": table}, indent=2))
+    md = markdown(rows, table, f"# Decode attention sweep\n\n{env}\n\n{date}: `{command}`")
+    (out / "decode-sweep.md").write_text(md + "\n")
+    return md
 
 
 if __name__ == "__main__":
