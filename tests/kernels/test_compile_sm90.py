@@ -33,7 +33,7 @@ SCRIPT = textwrap.dedent("""
 
     PTRS = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "out_ptr": "*bf16", "slot_ids_ptr": "*i32",
             "ctx_lens_ptr": "*i32", "cu_q_ptr": "*i32", "part_o_ptr": "*fp32",
-            "part_lse_ptr": "*fp32", "qk_scale": "fp32"}
+            "part_lse_ptr": "*fp32", "count_ptr": "*i32", "qk_scale": "fp32"}
     CUOBJDUMP = os.path.join(os.path.dirname(nv.__file__), "bin", "cuobjdump")
 
     def compile_sm90(fn, constexprs, **options):
@@ -51,15 +51,26 @@ SCRIPT = textwrap.dedent("""
         ptx = k.asm["ptx"]
         return {"cp_async": "cp.async" in ptx, "usage": usage, "shared": k.metadata.shared,
                 "wgmma": "wgmma.mma_async" in ptx, "setmaxnreg": "setmaxnreg" in ptx,
+                "atomic": "atom." in ptx, "griddepcontrol": "griddepcontrol.wait" in ptx,
                 "warps": k.metadata.num_warps}
 
     d, p, ws = DecodeConfig(), PrefillConfig(), PREFILL
+    split = dict(GROUP=7, GROUP_PAD=16, HEAD_DIM=128, SINGLE_SPLIT=False, DOT_PRECISION="tf32",
+                 VARLEN=False, MERGE_G=8)
     out = {
         "decode": compile_sm90(
             td.decode_split_kernel,
-            dict(GROUP=7, GROUP_PAD=16, HEAD_DIM=128, BLOCK_N=d.block_n, SINGLE_SPLIT=False,
-                 DOT_PRECISION="tf32"),
+            dict(split, BLOCK_N=d.block_n, FUSED=False, MERGE_S=1, PDL=False),
             num_warps=d.num_warps, num_stages=d.num_stages),
+        **{name: compile_sm90(  # the fused merge and programmatic dependent launch
+            td.decode_split_kernel,
+            dict(split, BLOCK_N=block_n, FUSED=True, MERGE_S=merge_s, PDL=True),
+            num_warps=warps, num_stages=3, launch_pdl=True)
+           for name, block_n, warps, merge_s in (("decode_fused", 32, 2, 4),
+                                                 ("decode_fused_w8", 128, 8, 16))},
+        "decode_reduce_pdl": compile_sm90(
+            td.decode_reduce_kernel, dict(SPLITS_PAD=64, HEAD_DIM=128, VARLEN=True, PDL=True),
+            num_warps=4, launch_pdl=True),
         "prefill": compile_sm90(
             tp.prefill_kernel,
             dict(GROUP=7, HEAD_DIM=128, BLOCK_M=p.block_m, BLOCK_N=p.block_n, VARLEN=True,
@@ -82,8 +93,14 @@ def test_default_configs_compile_for_sm90_without_spills() -> None:
                          timeout=300, check=False)
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(run.stdout.strip().splitlines()[-1])
+    for name in ("decode_fused", "decode_fused_w8"):
+        assert report[name]["atomic"] and report[name]["griddepcontrol"], report[name]
+    assert report["decode_reduce_pdl"]["griddepcontrol"]
+    assert not report["decode"]["atomic"] and not report["decode"]["griddepcontrol"]
     for name, r in report.items():
-        if not name.startswith("prefill_ws"):  # its loads are the copy engine's (TMA)
+        if name == "decode_reduce_pdl":
+            pass  # no loop: nothing to pipeline
+        elif not name.startswith("prefill_ws"):  # its loads are the copy engine's (TMA)
             assert r["cp_async"], f"{name}: loads are not pipelined (no cp.async)"
         assert "STACK:0 " in r["usage"] and "LOCAL:0 " in r["usage"], f"{name}: {r['usage']}"
         assert r["shared"] <= 227 * 1024, f"{name}: {r['shared']} B of shared memory"
