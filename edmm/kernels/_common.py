@@ -35,7 +35,9 @@ class DecodeConfig:
     split kernel merges its splits itself (the last split of a sequence and KV head to finish,
     through a counter workspace) instead of a second, reduce, launch. pdl: launch with
     programmatic dependent launch (Hopper and later; ignored elsewhere and in the
-    interpreter), so each launch starts while the kernel before it drains.
+    interpreter), so each launch starts while the kernel before it drains. prefetch: each
+    program first asks L2 for every line of its chunk's K and V (same conditions), all its
+    bytes in flight at once (with pdl, while the kernel before it still runs).
     """
 
     block_n: int = 64
@@ -43,6 +45,7 @@ class DecodeConfig:
     num_stages: int = 3
     fused: bool = False
     pdl: bool = False
+    prefetch: bool = False
 
 
 @dataclass(frozen=True)
@@ -110,8 +113,9 @@ def hopper_or_interpreted(device: torch.device) -> bool:
 
 
 def pdl_usable(device: torch.device) -> bool:
-    """Whether kernels on ``device`` can be launched with programmatic dependent launch:
-    a CUDA GPU of compute capability 9.0 or later (not the interpreter: no inline asm)."""
+    """Whether kernels on ``device`` can be launched with programmatic dependent launch (and
+    take the inline PTX of `DecodeConfig.prefetch`): a CUDA GPU of compute capability 9.0 or
+    later (not the interpreter: no inline asm)."""
     return device.type == "cuda" and _capability_major(device) >= 9
 
 

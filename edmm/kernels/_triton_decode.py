@@ -20,6 +20,13 @@ launched with programmatic dependent launch, so a kernel's programs start while 
 before it drains. Before ``gdc_wait`` a program reads only the batch metadata (cu_q,
 slot_ids, context_lens), which the engine writes before the step, never a kernel just before;
 q, the KV cache and every write come after it.
+
+PREFETCH (same conditions): before anything else reads the cache, a program asks L2 for every
+128-byte line of its chunk's K and V (``prefetch.global.L2``: no registers, no wait), so all of
+its bytes are requested at once rather than a few tiles ahead, and with PDL while the kernel
+before it still runs. It never prefetches a sequence's last token, the one the kernel just
+before (RoPE + KV store) writes; the tiles themselves are loaded after ``gdc_wait``. The
+invariant it needs: the kernel launched just before writes no other KV of these sequences.
 """
 
 from __future__ import annotations
@@ -27,6 +34,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+LINE_BYTES = tl.constexpr(128)  # L2 line one prefetch asks for
 
 NEG_INIT = tl.constexpr(-1.0e30)  # running-max start: finite, so never inf - inf
 
@@ -56,7 +65,7 @@ def decode_split_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, SINGLE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     VARLEN: tl.constexpr, FUSED: tl.constexpr, MERGE_G: tl.constexpr, MERGE_S: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH: tl.constexpr, ELEM_BYTES: tl.constexpr,
 ):
     """One (sequence, KV head, split): attention of the group's queries over its token chunk;
     with FUSED, the last split of a (sequence, KV head) to finish merges them all."""
@@ -66,15 +75,20 @@ def decode_split_kernel(
     row_q = _query_row(cu_q_ptr, b, VARLEN)
     slot = tl.load(slot_ids_ptr + b).to(tl.int64)
     ctx = tl.load(ctx_lens_ptr + b).to(tl.int32)
+    # Per-sequence chunking: every split of this sequence gets a multiple of BLOCK_N tokens.
+    chunk = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
+    start = split * chunk
+    end = tl.minimum(start + chunk, ctx)  # never past the context: beyond it is unmapped
+    k_base = kv_ptr + slot * stride_ks + kvh * stride_kh
+    v_base = k_base + stride_kkv
+    if PREFETCH:  # all but the last token (the kernel before writes it); none if skipped
+        last = tl.where(row_q >= 0, tl.minimum(end, ctx - 1), start)
+        _prefetch_l2(k_base, v_base, start, last, stride_kt, HEAD_DIM, ELEM_BYTES)
     if PDL:  # every program waits, so the launch never ends before the kernel before it
         gdc_wait()  # q and the KV cache are written by the kernels before this one
         gdc_launch_dependents()
     if row_q < 0:
         return
-    # Per-sequence chunking: every split of this sequence gets a multiple of BLOCK_N tokens.
-    chunk = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
-    start = split * chunk
-    end = tl.minimum(start + chunk, ctx)  # never past the context: beyond it is unmapped
 
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -84,8 +98,6 @@ def decode_split_kernel(
     q_ptrs = q_ptr + row_q.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=g_mask[:, None], other=0.0)  # [GROUP_PAD, D]
 
-    k_base = kv_ptr + slot * stride_ks + kvh * stride_kh
-    v_base = k_base + stride_kkv
     m_i = tl.full([GROUP_PAD], NEG_INIT, tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
@@ -125,6 +137,26 @@ def decode_split_kernel(
                 _merge(part_o_ptr, part_lse_ptr, out_ptr, b, row_q, kvh * GROUP, num_splits,
                        stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob,
                        stride_oh, GROUP, MERGE_G, MERGE_S, HEAD_DIM)
+
+
+@triton.jit
+def _prefetch_l2(k_base, v_base, lo, hi, stride_kt, HEAD_DIM: tl.constexpr,
+                 ELEM_BYTES: tl.constexpr):
+    """Ask L2 for the K and V lines of tokens lo .. hi - 1 (one head's row each). Lanes past
+    ``hi`` repeat token ``lo``'s lines (the instruction has no masked form)."""
+    LINE_ELEMS: tl.constexpr = LINE_BYTES // ELEM_BYTES
+    LINES: tl.constexpr = (HEAD_DIM + LINE_ELEMS - 1) // LINE_ELEMS
+    TOKENS: tl.constexpr = 64
+    offs_t = tl.arange(0, TOKENS)
+    first = (tl.arange(0, LINES) * LINE_ELEMS).to(tl.int64)  # [LINES] first element of a line
+    for t0 in range(lo, hi, TOKENS):
+        tok = t0 + offs_t
+        tok = tl.where(tok < hi, tok, lo).to(tl.int64)  # [TOKENS]
+        at = tok[:, None] * stride_kt + first[None, :]  # [TOKENS, LINES]
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [k_base + at],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [v_base + at],
+                                  dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit

@@ -188,8 +188,9 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, cu_q: torch.Ten
     counters = ((workspace or DecodeWorkspace()).counters(batch * num_kv_heads, q.device)
                 if fused else part_lse)  # [>= B * Hkv] int32; unused unless fused
     pdl = cfg.pdl and pdl_usable(q.device)
+    prefetch = cfg.prefetch and pdl_usable(q.device)
     _launch_split(q, kv, slot_ids, context_lens, out, part_o, part_lse, cu_q, counters, scale,
-                  num_splits, cfg, fused, pdl)
+                  num_splits, cfg, fused, pdl, prefetch)
     if num_splits > 1 and not fused:
         _launch_reduce(part_o, part_lse, out, cu_q, pdl)
     return out
@@ -211,7 +212,7 @@ def _launch_split(q: torch.Tensor, kv: torch.Tensor, slot_ids: torch.Tensor,
                   context_lens: torch.Tensor, out: torch.Tensor, part_o: torch.Tensor,
                   part_lse: torch.Tensor, cu_q: torch.Tensor | None, counters: torch.Tensor,
                   scale: float, num_splits: int, cfg: DecodeConfig, fused: bool,
-                  pdl: bool) -> None:
+                  pdl: bool, prefetch: bool) -> None:
     """Launch the split kernel over (B, Hkv, num_splits)."""
     from edmm.kernels import _triton_decode as tk
 
@@ -235,6 +236,7 @@ def _launch_split(q: torch.Tensor, kv: torch.Tensor, slot_ids: torch.Tensor,
         GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim,
         BLOCK_N=cfg.block_n, SINGLE_SPLIT=num_splits == 1, DOT_PRECISION=dot_precision(q.dtype),
         VARLEN=cu_q is not None, FUSED=fused, MERGE_G=merge_g, MERGE_S=merge_s, PDL=pdl,
+        PREFETCH=prefetch, ELEM_BYTES=q.element_size(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_pdl_launch(pdl),
     )
 

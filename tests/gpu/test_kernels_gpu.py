@@ -136,11 +136,14 @@ def test_decode_cuda_graph_replays_with_new_lengths(arena: KVArena) -> None:
 
 
 # The split kernel merging its splits itself (over 256 splits too), with and without
-# programmatic dependent launch, and the two-launch kernel with it.
+# programmatic dependent launch and the L2 prefetch, and the two-launch kernel with them.
 FUSED_DECODE = [(96, DecodeConfig(64, 2, 3, fused=True, pdl=True)),
                 (300, DecodeConfig(32, 2, 3, fused=True)),
                 (64, DecodeConfig(32, 2, 3, pdl=True)),
-                (16, DecodeConfig(128, 8, 3, fused=True, pdl=True))]
+                (16, DecodeConfig(128, 8, 3, fused=True, pdl=True)),
+                (64, DecodeConfig(64, 2, 3, pdl=True, prefetch=True)),
+                (7, DecodeConfig(64, 4, 3, prefetch=True)),
+                (16, DecodeConfig(128, 8, 3, fused=True, pdl=True, prefetch=True))]
 
 
 @pytest.mark.parametrize(("num_splits", "config"), FUSED_DECODE)

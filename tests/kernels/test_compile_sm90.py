@@ -55,6 +55,7 @@ SCRIPT = textwrap.dedent("""
                 "wgmma": "wgmma.mma_async" in ptx, "setmaxnreg": "setmaxnreg" in ptx,
                 "atomic": "atom." in ptx, "griddepcontrol": "griddepcontrol.wait" in ptx,
                 "trigger": "griddepcontrol.launch_dependents" in ptx,
+                "prefetch": "prefetch.global.L2" in ptx,
                 "warps": k.metadata.num_warps}
 
     d, p, ws = DecodeConfig(), PrefillConfig(), PREFILL
@@ -63,14 +64,17 @@ SCRIPT = textwrap.dedent("""
     out = {
         "decode": compile_sm90(
             td.decode_split_kernel,
-            dict(split, BLOCK_N=d.block_n, FUSED=False, MERGE_S=1, PDL=False),
+            dict(split, BLOCK_N=d.block_n, FUSED=False, MERGE_S=1, PDL=False, PREFETCH=False,
+                 ELEM_BYTES=2),
             num_warps=d.num_warps, num_stages=d.num_stages),
-        **{name: compile_sm90(  # the fused merge and programmatic dependent launch
+        **{name: compile_sm90(  # the fused merge, programmatic dependent launch, L2 prefetch
             td.decode_split_kernel,
-            dict(split, BLOCK_N=block_n, FUSED=True, MERGE_S=merge_s, PDL=True),
+            dict(split, BLOCK_N=block_n, FUSED=fused, MERGE_S=merge_s, PDL=True,
+                 PREFETCH=True, ELEM_BYTES=2),
             num_warps=warps, num_stages=3, launch_pdl=True)
-           for name, block_n, warps, merge_s in (("decode_fused", 32, 2, 4),
-                                                 ("decode_fused_w8", 128, 8, 16))},
+           for name, block_n, warps, merge_s, fused in (
+               ("decode_fused", 32, 2, 4, True), ("decode_fused_w8", 128, 8, 16, True),
+               ("decode_pdl_prefetch", 64, 2, 1, False))},
         "rope_trigger": compile_sm90(
             tr.rope_store_kernel, dict(HQ_PAD=32, HKV_PAD=4, HALF=64, TRIGGER=True),
             num_warps=4),
@@ -101,6 +105,9 @@ def test_default_configs_compile_for_sm90_without_spills() -> None:
     report = json.loads(run.stdout.strip().splitlines()[-1])
     for name in ("decode_fused", "decode_fused_w8"):
         assert report[name]["atomic"] and report[name]["griddepcontrol"], report[name]
+    for name in ("decode_fused", "decode_fused_w8", "decode_pdl_prefetch"):
+        assert report[name]["prefetch"], report[name]
+    assert not report["decode_pdl_prefetch"]["atomic"] and not report["decode"]["prefetch"]
     assert report["decode_reduce_pdl"]["griddepcontrol"] and report["rope_trigger"]["trigger"]
     assert not report["decode"]["atomic"] and not report["decode"]["griddepcontrol"]
     for name, r in report.items():

@@ -244,10 +244,12 @@ def test_fused_split_limit_and_workspace_growth(make_cache: MakeCache,
 
 
 def test_pdl_is_ignored_off_hopper(make_cache: MakeCache, check_close: CheckClose) -> None:
-    """``pdl`` is a launch option of Hopper GPUs; in the interpreter the kernels run without."""
+    """``pdl`` and ``prefetch`` are Hopper forms (PTX); in the interpreter the kernels run
+    without them."""
     cache = make_cache(LENS, dtype=torch.float32, num_slots=5, max_tokens=MAX_TOKENS)
     q = torch.randn(2, 4, 32)
-    for cfg in (DecodeConfig(16, 2, 2, pdl=True), DecodeConfig(16, 2, 2, fused=True, pdl=True)):
+    for cfg in (DecodeConfig(16, 2, 2, pdl=True, prefetch=True),
+                DecodeConfig(16, 2, 2, fused=True, pdl=True, prefetch=True)):
         out, ref = _run(cache, q, [1, 2], num_splits=4, config=cfg)
         check_close(out, ref, torch.float32)
 

@@ -11,7 +11,7 @@ replays, CUDA events, a GPU sleep before each so launch latency stays out):
   ``CONFIGS``; ``--modes``, ``--configs``): the reduce as a second launch or fused into the
   split kernel (its last split per sequence and KV head merges; up to 1024 splits), each with
   and without programmatic dependent launch (``pdl``: each launch starts while the one before
-  drains);
+  drains) and an L2 prefetch of each program's whole chunk (``prefetch``);
 - SDPA on the strided view (equal lengths only: the engine cannot route a CUDA-graph batch of
   unequal lengths to it without reading past each context, so it is a yardstick).
 Every candidate's output is checked against SDPA's (relative error in the table).
@@ -56,16 +56,19 @@ SPLITS = (8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 CONFIGS = (DecodeConfig(32, 4, 4), DecodeConfig(32, 2, 3), DecodeConfig(64, 4, 2),
            DecodeConfig(64, 4, 3), DecodeConfig(64, 8, 3), DecodeConfig(64, 2, 3),
            DecodeConfig(128, 4, 2), DecodeConfig(128, 8, 3))
-MODES = {"reduce": {}, "reduce-pdl": {"pdl": True}, "fused": {"fused": True},
-         "fused-pdl": {"fused": True, "pdl": True}}  # launch mode -> DecodeConfig flags
+FLAGS = ("fused", "pdl", "prefetch")  # DecodeConfig's launch-mode flags
+MODES = {  # launch mode -> DecodeConfig flags
+    "-".join(["fused" if fused else "reduce"] + [f for f, on in (("pdl", pdl),
+                                                                  ("prefetch", pre)) if on]):
+    {"fused": fused, "pdl": pdl, "prefetch": pre}
+    for fused in (False, True) for pdl in (False, True) for pre in (False, True)}
 TARGET_TBS = 3.0  # issue 20: decode attention >= 3 TB/s at batch 1 and 8, 16K
 
 
 def mode_of(config: DecodeConfig) -> str:
     """The launch mode name of a config (a key of `MODES`)."""
     return next(m for m, flags in MODES.items()
-                if (config.fused, config.pdl) == (flags.get("fused", False),
-                                                  flags.get("pdl", False)))
+                if all(getattr(config, f) == flags[f] for f in FLAGS))
 
 
 def candidates(modes: list[str], configs: tuple[DecodeConfig, ...], splits: tuple[int, ...],
@@ -159,7 +162,8 @@ def _mode_table(rows: list[Row]) -> list[str]:
     shapes = sorted({(b, c) for b, c, _ in best})
     modes = [m for m in MODES if any((b, c, m) in best for b, c in shapes)]
     lines = ["Best launch of each mode (reduce: a second launch merges the splits; fused: the "
-             "split kernel's last split merges them; pdl: programmatic dependent launch):", "",
+             "split kernel's last split merges them; pdl: programmatic dependent launch; "
+             "prefetch: each program's chunk asked of L2 first):", "",
              "| batch | context | " + " | ".join(modes) + " |",
              "|---|---|" + "---|" * len(modes)]
     for b, c in shapes:
