@@ -51,19 +51,19 @@ class DecodeWorkspace:
     Zero when allocated; every fused launch leaves them zero again (the last split of each
     (sequence, KV head) resets its counter), so one workspace serves every later launch,
     eager or in a CUDA graph, on one stream. Launches that run concurrently on several
-    streams need one workspace each. Grows (a new zeroed tensor) when a launch needs more.
+    streams need one workspace each. Grows (a new zeroed tensor) when a launch needs more;
+    the outgrown tensors stay allocated, since graphs captured with them still use them.
     """
 
     def __init__(self) -> None:
-        self._counters: dict[torch.device, torch.Tensor] = {}
+        self._counters: dict[torch.device, list[torch.Tensor]] = {}  # newest last
 
     def counters(self, n: int, device: torch.device) -> torch.Tensor:
         """At least ``n`` zeroed int32 counters on ``device`` ([>= n])."""
-        have = self._counters.get(device)
-        if have is None or have.numel() < n:
-            have = torch.zeros(max(n, 1024), dtype=torch.int32, device=device)
-            self._counters[device] = have
-        return have
+        held = self._counters.setdefault(device, [])
+        if not held or held[-1].numel() < n:
+            held.append(torch.zeros(max(n, 1024), dtype=torch.int32, device=device))
+        return held[-1]
 
 
 def default_num_splits(batch: int, num_kv_heads: int, max_context: int,

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -241,6 +243,10 @@ def test_fused_split_limit_and_workspace_growth(make_cache: MakeCache,
     assert ws.counters(4, CPU) is small and not small.any()
     big = ws.counters(small.numel() + 1, CPU)
     assert big.numel() > small.numel() and not big.any()
+    outgrown = weakref.ref(small)
+    del small
+    gc.collect()
+    assert outgrown() is not None  # kept alive: a graph captured with it still uses it
 
 
 def test_pdl_is_ignored_off_hopper(make_cache: MakeCache, check_close: CheckClose) -> None:
