@@ -9,7 +9,8 @@ values), in one process:
 - prefill of ``new_tokens`` (default 512) new tokens on a cached (n - 512)-token prefix;
 - full prefill of n tokens into an empty slot: in one pass, or (``full_prefill_chunk``) in
   chunks as the engine's token budget splits a long prompt, each chunk's pages mapped and its
-  pass launched while the previous chunk still computes, sampling after the last.
+  pass launched while the previous chunk still computes, sampling after the last (on the GPU
+  EDMM's chunks replay a CUDA graph of that many tokens, as the engine's mixed graphs do).
 EDMM runs them on its KV arena (mapping pages as it grows, as the engine does), with its GPU
 attention (``attentions``: FlashAttention-4 prefill where it runs, else Triton; several names
 time each in the same process), fused pointwise ops and CUDA-graph decode on the GPU
@@ -131,8 +132,10 @@ class EdmmSide:
                                                  PREFILL_KERNELS[cfg.prefill_kernel],
                                                  decode_routes_of(cfg)))
             self.model.enable_fusion()
+            # As the engine's mixed graphs: the chunks of a full prefill replay one too.
+            chunks = (cfg.full_prefill_chunk,) if cfg.full_prefill_chunk > 1 else ()
             self.runner = CudaGraphRunner(self.model, self.arena, self.device, sizes=(1,),
-                                          token_sizes=(cfg.new_tokens,), max_seqs=1)
+                                          token_sizes=(cfg.new_tokens, *chunks), max_seqs=1)
         else:
             self.runner = ModelRunner(self.model, self.arena, self.device)
         self.slot = self.arena.allocate()
@@ -363,9 +366,11 @@ def _direct_notes(cfg: TTFTBenchConfig) -> list[str]:
         "decode kernel launch: " + _routes_note(decode_routes_of(cfg)),
         f"Triton prefill kernel (attention triton): {cfg.prefill_kernel} "
         f"({PREFILL_KERNELS[cfg.prefill_kernel]})"]
+    graphs = ("; EDMM's replay a CUDA graph of that size, as the engine's mixed graphs do"
+              if gpu and not cfg.eager and cfg.full_prefill_chunk > 1 else "")
     return [*gpu, "full prefill: " + (f"chunks of {cfg.full_prefill_chunk} tokens (both "
-                                      "engines), each launched without waiting for the last"
-                                      if cfg.full_prefill_chunk else "one pass")]
+                                      f"engines{graphs}), each launched without waiting for "
+                                      "the last" if cfg.full_prefill_chunk else "one pass")]
 
 
 def _engine_notes(cfg: TTFTBenchConfig) -> list[str]:

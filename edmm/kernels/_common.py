@@ -29,11 +29,23 @@ class KernelUnavailableError(RuntimeError):
 
 @dataclass(frozen=True)
 class DecodeConfig:
-    """Launch parameters of the split-K decode kernel (tokens per tile, warps, stages)."""
+    """Launch parameters of the split-K decode kernel.
+
+    block_n, num_warps, num_stages: tokens per tile, Triton's warps and stages. fused: the
+    split kernel merges its splits itself (the last split of a sequence and KV head to finish,
+    through a counter workspace) instead of a second, reduce, launch. pdl: launch with
+    programmatic dependent launch (Hopper and later; ignored elsewhere and in the
+    interpreter), so each launch starts while the kernel before it drains. prefetch: each
+    program first asks L2 for every line of its chunk's K and V (same conditions), all its
+    bytes in flight at once (with pdl, while the kernel before it still runs).
+    """
 
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 3
+    fused: bool = False
+    pdl: bool = False
+    prefetch: bool = False
 
 
 @dataclass(frozen=True)
@@ -98,6 +110,13 @@ def hopper_or_interpreted(device: torch.device) -> bool:
     if device.type == "cpu":
         return os.environ.get("TRITON_INTERPRET") == "1"
     return device.type == "cuda" and _capability_major(device) == 9
+
+
+def pdl_usable(device: torch.device) -> bool:
+    """Whether kernels on ``device`` can be launched with programmatic dependent launch (and
+    take the inline PTX of `DecodeConfig.prefetch`): a CUDA GPU of compute capability 9.0 or
+    later (not the interpreter: no inline asm)."""
+    return device.type == "cuda" and _capability_major(device) >= 9
 
 
 @functools.cache

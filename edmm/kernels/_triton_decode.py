@@ -5,16 +5,37 @@ Imported only when a kernel runs: this module imports triton at the top.
 Grid of the split kernel: (batch, kv_heads, splits). A program reads one chunk of one
 sequence's tokens for one KV head, once, for all query heads of that head's GQA group (rows of
 a [GROUP_PAD, D] query tile), and writes the normalised partial output and its log-sum-exp
-(base 2). The reduce kernel, grid (batch, q_heads), merges the splits. With one split the split
-kernel writes the final output itself and no reduce runs. With VARLEN, q and out are a packed
-[T, Hq, D] batch: sequence b's query is row cu_q[b], and sequences with other than exactly one
-query are skipped (the prefill kernel computes those).
+(base 2). Then the splits are merged, in one of two ways:
+- the reduce kernel, grid (batch, q_heads), a second launch;
+- FUSED: the split kernel merges them itself. Each program counts itself done on an int32
+  counter of its (sequence, KV head) in a workspace; the program that counts last merges the
+  partials of the group's heads and sets the counter back to 0, so the workspace is zero again
+  when the kernel ends (one zeroing at allocation; capturable in a CUDA graph, replayable).
+With one split the split kernel writes the final output itself and nothing merges. With
+VARLEN, q and out are a packed [T, Hq, D] batch: sequence b's query is row cu_q[b], and
+sequences with other than exactly one query are skipped (the prefill kernel computes those).
+
+PDL (Hopper and later; not in the interpreter, which has no inline assembly): the kernels are
+launched with programmatic dependent launch, so a kernel's programs start while the kernel
+before it drains. Before ``gdc_wait`` a program reads only the batch metadata (cu_q,
+slot_ids, context_lens), which the engine writes before the step, never a kernel just before;
+q, the KV cache and every write come after it.
+
+PREFETCH (same conditions): before anything else reads the cache, a program asks L2 for every
+128-byte line of its chunk's K and V (``prefetch.global.L2``: no registers, no wait), so all of
+its bytes are requested at once rather than a few tiles ahead, and with PDL while the kernel
+before it still runs. It never prefetches a sequence's last token, the one the kernel just
+before (RoPE + KV store) writes; the tiles themselves are loaded after ``gdc_wait``. The
+invariant it needs: the kernel launched just before writes no other KV of these sequences.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+LINE_BYTES = tl.constexpr(128)  # L2 line one prefetch asks for
 
 NEG_INIT = tl.constexpr(-1.0e30)  # running-max start: finite, so never inf - inf
 
@@ -33,6 +54,7 @@ def _query_row(cu_q_ptr, b, VARLEN: tl.constexpr):
 @triton.jit(do_not_specialize=["num_splits", "qk_scale"])
 def decode_split_kernel(
     q_ptr, kv_ptr, slot_ids_ptr, ctx_lens_ptr, out_ptr, part_o_ptr, part_lse_ptr, cu_q_ptr,
+    count_ptr,  # FUSED: int32 [B * Hkv] counters, zero on entry and on exit
     num_splits,  # a runtime value: no recompile per batch size
     qk_scale,  # softmax scale * log2(e)
     stride_qb, stride_qh,  # q [B, Hq, D]
@@ -42,21 +64,31 @@ def decode_split_kernel(
     stride_lb, stride_lh,  # part_lse [B, Hq, num_splits]
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, SINGLE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    VARLEN: tl.constexpr,
+    VARLEN: tl.constexpr, FUSED: tl.constexpr, MERGE_G: tl.constexpr, MERGE_S: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH: tl.constexpr, ELEM_BYTES: tl.constexpr,
 ):
-    """One (sequence, KV head, split): attention of the group's queries over its token chunk."""
+    """One (sequence, KV head, split): attention of the group's queries over its token chunk;
+    with FUSED, the last split of a (sequence, KV head) to finish merges them all."""
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
     row_q = _query_row(cu_q_ptr, b, VARLEN)
-    if row_q < 0:
-        return
     slot = tl.load(slot_ids_ptr + b).to(tl.int64)
     ctx = tl.load(ctx_lens_ptr + b).to(tl.int32)
     # Per-sequence chunking: every split of this sequence gets a multiple of BLOCK_N tokens.
     chunk = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
     start = split * chunk
     end = tl.minimum(start + chunk, ctx)  # never past the context: beyond it is unmapped
+    k_base = kv_ptr + slot * stride_ks + kvh * stride_kh
+    v_base = k_base + stride_kkv
+    if PREFETCH:  # all but the last token (the kernel before writes it); none if skipped
+        last = tl.where(row_q >= 0, tl.minimum(end, ctx - 1), start)
+        _prefetch_l2(k_base, v_base, start, last, stride_kt, HEAD_DIM, ELEM_BYTES)
+    if PDL:  # every program waits, so the launch never ends before the kernel before it
+        gdc_wait()  # q and the KV cache are written by the kernels before this one
+        gdc_launch_dependents()
+    if row_q < 0:
+        return
 
     offs_g = tl.arange(0, GROUP_PAD)
     offs_d = tl.arange(0, HEAD_DIM)
@@ -66,8 +98,6 @@ def decode_split_kernel(
     q_ptrs = q_ptr + row_q.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=g_mask[:, None], other=0.0)  # [GROUP_PAD, D]
 
-    k_base = kv_ptr + slot * stride_ks + kvh * stride_kh
-    v_base = k_base + stride_kkv
     m_i = tl.full([GROUP_PAD], NEG_INIT, tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
@@ -98,6 +128,72 @@ def decode_split_kernel(
         lse = tl.where(has, m_i + tl.log2(tl.where(has, l_i, 1.0)), float("-inf"))
         lse_ptrs = part_lse_ptr + b * stride_lb + heads * stride_lh + split
         tl.store(lse_ptrs, lse, mask=g_mask)
+        if FUSED:
+            count = count_ptr + b * tl.num_programs(1) + kvh
+            tl.debug_barrier()  # every thread's partial stores before the release below
+            if tl.atomic_add(count, 1, sem="acq_rel") == num_splits - 1:
+                tl.debug_barrier()  # the acquire above before any thread's partial loads
+                tl.store(count, 0)  # zero again for the next launch
+                _merge(part_o_ptr, part_lse_ptr, out_ptr, b, row_q, kvh * GROUP, num_splits,
+                       stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob,
+                       stride_oh, GROUP, MERGE_G, MERGE_S, HEAD_DIM)
+
+
+@triton.jit
+def _prefetch_l2(k_base, v_base, lo, hi, stride_kt, HEAD_DIM: tl.constexpr,
+                 ELEM_BYTES: tl.constexpr):
+    """Ask L2 for the K and V lines of tokens lo .. hi - 1 (one head's row each). Lanes past
+    ``hi`` repeat token ``lo``'s lines (the instruction has no masked form)."""
+    LINE_ELEMS: tl.constexpr = LINE_BYTES // ELEM_BYTES
+    LINES: tl.constexpr = (HEAD_DIM + LINE_ELEMS - 1) // LINE_ELEMS
+    TOKENS: tl.constexpr = 64
+    offs_t = tl.arange(0, TOKENS)
+    first = (tl.arange(0, LINES) * LINE_ELEMS).to(tl.int64)  # [LINES] first element of a line
+    for t0 in range(lo, hi, TOKENS):
+        tok = t0 + offs_t
+        tok = tl.where(tok < hi, tok, lo).to(tl.int64)  # [TOKENS]
+        at = tok[:, None] * stride_kt + first[None, :]  # [TOKENS, LINES]
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [k_base + at],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [v_base + at],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+
+
+@triton.jit
+def _merge(part_o_ptr, part_lse_ptr, out_ptr, b, row_q, head0, num_splits,
+           stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
+           GROUP: tl.constexpr, MERGE_G: tl.constexpr, MERGE_S: tl.constexpr,
+           HEAD_DIM: tl.constexpr):
+    """Merge the splits of query heads head0 .. head0 + GROUP - 1 of sequence ``b`` into
+    out row ``row_q``: MERGE_S splits at a time, rescaled online by their log-sum-exps.
+    Partials are read from L2 (``.cg``): other programs wrote them."""
+    offs_g = tl.arange(0, MERGE_G)
+    offs_s = tl.arange(0, MERGE_S)
+    offs_d = tl.arange(0, HEAD_DIM)
+    g_mask = offs_g < GROUP
+    heads = head0 + offs_g  # [MERGE_G]
+    lse_base = part_lse_ptr + b.to(tl.int64) * stride_lb + heads[:, None] * stride_lh
+    o_base = (part_o_ptr + b.to(tl.int64) * stride_pb + heads[:, None, None] * stride_ph
+              + offs_d[None, None, :])
+    m = tl.full([MERGE_G], NEG_INIT, tl.float32)
+    den = tl.zeros([MERGE_G], tl.float32)
+    acc = tl.zeros([MERGE_G, HEAD_DIM], tl.float32)
+    for s0 in range(0, num_splits, MERGE_S):
+        s = s0 + offs_s  # [MERGE_S]
+        mask = g_mask[:, None] & (s < num_splits)[None, :]  # [MERGE_G, MERGE_S]
+        lse = tl.load(lse_base + s[None, :], mask=mask, other=float("-inf"),
+                      cache_modifier=".cg")  # [MERGE_G, MERGE_S]
+        o = tl.load(o_base + s[None, :, None] * stride_ps, mask=mask[:, :, None], other=0.0,
+                    cache_modifier=".cg")  # [MERGE_G, MERGE_S, D]
+        m_new = tl.maximum(m, tl.max(lse, 1))  # finite: m starts at NEG_INIT
+        alpha = tl.exp2(m - m_new)
+        w = tl.exp2(lse - m_new[:, None])  # 0 for empty splits (lse -inf)
+        den = den * alpha + tl.sum(w, 1)
+        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, 1)
+        m = m_new
+    res = acc / tl.where(den > 0.0, den, 1.0)[:, None]  # all splits empty: zeros
+    o_ptrs = out_ptr + row_q.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
+    tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
 
 
 @triton.jit(do_not_specialize=["num_splits"])
@@ -107,12 +203,15 @@ def decode_reduce_kernel(
     stride_pb, stride_ph, stride_ps,  # part_o [B, Hq, num_splits, D]
     stride_lb, stride_lh,  # part_lse [B, Hq, num_splits]
     stride_ob, stride_oh,  # out [B, Hq, D]
-    SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, VARLEN: tl.constexpr,
+    SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, VARLEN: tl.constexpr, PDL: tl.constexpr,
 ):
     """One (sequence, query head): merge the splits' partial outputs by their log-sum-exp."""
     row_q = _query_row(cu_q_ptr, tl.program_id(0), VARLEN)  # int32
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
+    if PDL:  # every program waits, so the launch never ends before the split kernel
+        gdc_wait()  # the split kernel's partials
+        gdc_launch_dependents()
     if row_q < 0:
         return
     offs_s = tl.arange(0, SPLITS_PAD)

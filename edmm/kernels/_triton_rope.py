@@ -7,12 +7,18 @@ into the cache (HF's rotate-half convention: (x1, x2) -> (x1 cos1 - x2 sin1, x2 
 over the two halves of the head dim, in float32, rounded once), and copies its value heads into
 the cache, at the token's (slot, index). One launch replaces the rotary kernels, the stack of k
 and v and the scatter into the cache.
+
+TRIGGER (Hopper and later; not in the interpreter): each program first lets a kernel launched
+after it with programmatic dependent launch (the split-K decode kernel) start, so that
+kernel's programs are resident and waiting (``gdc_wait``, until this kernel has completed) by
+the time it ends.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents
 
 
 @triton.jit
@@ -41,9 +47,11 @@ def rope_store_kernel(
     stride_ct, stride_st,  # cos/sin [T, D]
     stride_ot, stride_oh,  # q_out [T, Hq, D]
     stride_ks, stride_kk, stride_kkv, stride_khh,  # kv layer view [S, M, 2, Hkv, D]
-    HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr, HALF: tl.constexpr,
+    HQ_PAD: tl.constexpr, HKV_PAD: tl.constexpr, HALF: tl.constexpr, TRIGGER: tl.constexpr,
 ):
     """One token: q rotated into q_out; k rotated and v copied into the cache."""
+    if TRIGGER:
+        gdc_launch_dependents()
     t = tl.program_id(0).to(tl.int64)
     offs_d = tl.arange(0, HALF)
     c1 = tl.load(cos_ptr + t * stride_ct + offs_d).to(tl.float32)

@@ -2,9 +2,10 @@
 
 Flash-decoding: the context of each sequence is split into ``num_splits`` chunks processed by
 separate programs, so a single long sequence still fills the GPU; a second small kernel merges
-the chunks. The launch shape depends only on static arguments (``num_splits``, or the
-``max_context`` it is derived from), never on tensor values: no host sync, capturable in a
-CUDA graph.
+the chunks, or (``DecodeConfig(fused=True)``) the split kernel merges them itself, through a
+`DecodeWorkspace` of counters. The launch shape depends only on static arguments
+(``num_splits``, or the ``max_context`` it is derived from), never on tensor values: no host
+sync, capturable in a CUDA graph.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from edmm.kernels._common import (
     dot_precision,
     kv_layer_view,
     next_pow2,
+    pdl_usable,
     require_triton,
     unit_last_stride,
 )
@@ -29,6 +31,8 @@ from edmm.kernels._common import (
 MIN_SPLIT_TOKENS = 256  # fewer tokens per split: more merge traffic than parallelism gained
 DEFAULT_MAX_SPLITS = 128
 MAX_SPLITS = 256  # the merge kernel holds one head's splits in registers
+MAX_FUSED_SPLITS = 1024  # the fused merge walks the splits in chunks
+MERGE_VALUES_PER_THREAD = 64  # fp32 partial values one thread holds per fused-merge chunk
 PROGRAMS_PER_SM = 2
 VARLEN_DECODES = 4  # single-query sequences a mixed batch is assumed to hold (split count)
 DEFAULT_SMS = 132  # H200; used when the device has no SM count (CPU interpreter)
@@ -39,6 +43,27 @@ def _num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return DEFAULT_SMS
     return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+class DecodeWorkspace:
+    """Counters of the fused decode kernel: int32, one per (sequence, KV head), per device.
+
+    Zero when allocated; every fused launch leaves them zero again (the last split of each
+    (sequence, KV head) resets its counter), so one workspace serves every later launch,
+    eager or in a CUDA graph, on one stream. Launches that run concurrently on several
+    streams need one workspace each. Grows (a new zeroed tensor) when a launch needs more;
+    the outgrown tensors stay allocated, since graphs captured with them still use them.
+    """
+
+    def __init__(self) -> None:
+        self._counters: dict[torch.device, list[torch.Tensor]] = {}  # newest last
+
+    def counters(self, n: int, device: torch.device) -> torch.Tensor:
+        """At least ``n`` zeroed int32 counters on ``device`` ([>= n])."""
+        held = self._counters.setdefault(device, [])
+        if not held or held[-1].numel() < n:
+            held.append(torch.zeros(max(n, 1024), dtype=torch.int32, device=device))
+        return held[-1]
 
 
 def default_num_splits(batch: int, num_kv_heads: int, max_context: int,
@@ -63,6 +88,7 @@ def decode_attention(
     num_splits: int | None = None,
     max_context: int | None = None,
     config: DecodeConfig | None = None,
+    workspace: DecodeWorkspace | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its slot's first ``context_lens`` tokens.
 
@@ -80,6 +106,9 @@ def decode_attention(
         max_context: the largest context this call (or graph) is meant to serve, for the
             default split count; default max_tokens.
         config: launch parameters; default `DecodeConfig()`.
+        workspace: the counters of a fused launch (``config.fused``); default a fresh
+            zeroed one per call (one more small launch: callers that launch often, or
+            capture graphs, keep one `DecodeWorkspace`).
 
     Returns:
         [B, Hq, D] in q's dtype.
@@ -90,7 +119,7 @@ def decode_attention(
     q = unit_last_stride(q)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [B, Hq, D]
     return _decode(q, kv_cache, layer, None, slot_ids, context_lens, out, scale, num_splits,
-                   max_context, config, split_batch=q.shape[0])
+                   max_context, config, workspace, split_batch=q.shape[0])
 
 
 def decode_attention_varlen(
@@ -105,6 +134,7 @@ def decode_attention_varlen(
     num_splits: int | None = None,
     max_context: int | None = None,
     config: DecodeConfig | None = None,
+    workspace: DecodeWorkspace | None = None,
 ) -> torch.Tensor:
     """`decode_attention` for the sequences with exactly one query of a packed batch, in place.
 
@@ -116,8 +146,8 @@ def decode_attention_varlen(
         cu_seqlens_q: [B + 1]; slot_ids, context_lens: [B] (int32/int64, q's device).
         out: [T, Hq, D] in q's dtype, unit stride on D: row cu_seqlens_q[b] of each
             single-query sequence b is written, no other row.
-        num_splits, max_context, config: as in `decode_attention` (the default split count
-            assumes a few of the B sequences are single-query).
+        num_splits, max_context, config, workspace: as in `decode_attention` (the default
+            split count assumes a few of the B sequences are single-query).
 
     Returns ``out``. The launch depends on B and the static arguments only (capturable).
     """
@@ -128,16 +158,16 @@ def decode_attention_varlen(
     batch = slot_ids.shape[0]
     check_index(cu_seqlens_q, "cu_seqlens_q", batch + 1, q.device)
     return _decode(unit_last_stride(q), kv_cache, layer, cu_seqlens_q, slot_ids, context_lens,
-                   out, scale, num_splits, max_context, config,
+                   out, scale, num_splits, max_context, config, workspace,
                    split_batch=min(batch, VARLEN_DECODES))
 
 
 def _decode(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, cu_q: torch.Tensor | None,
             slot_ids: torch.Tensor, context_lens: torch.Tensor, out: torch.Tensor, scale: float,
             num_splits: int | None, max_context: int | None, config: DecodeConfig | None,
-            split_batch: int) -> torch.Tensor:
+            workspace: DecodeWorkspace | None, split_batch: int) -> torch.Tensor:
     """Checks, split count (by default for ``split_batch`` active sequences), partial
-    buffers and the two launches of both entry points."""
+    buffers and the launches of both entry points."""
     kv = kv_layer_view(kv_cache, layer, q)  # [S, M, 2, Hkv, D]
     batch = slot_ids.shape[0] if cu_q is not None else q.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[2]
@@ -147,16 +177,22 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, cu_q: torch.Ten
     if num_splits is None:
         num_splits = default_num_splits(split_batch, num_kv_heads, max_context or kv.shape[1],
                                         q.device)
-    if not 1 <= num_splits <= MAX_SPLITS:
-        raise KernelInputError(f"num_splits must be in [1, {MAX_SPLITS}], got {num_splits}")
+    cfg = config or DecodeConfig()
+    limit = MAX_FUSED_SPLITS if cfg.fused else MAX_SPLITS
+    if not 1 <= num_splits <= limit:
+        raise KernelInputError(f"num_splits must be in [1, {limit}], got {num_splits}")
     if batch == 0:
         return out
     part_o, part_lse = _partials(batch, num_heads, num_splits, head_dim, q.device)
-    group = num_heads // num_kv_heads
-    _launch_split(q, kv, slot_ids, context_lens, out, part_o, part_lse, cu_q, scale, group,
-                  num_splits, config or DecodeConfig())
-    if num_splits > 1:
-        _launch_reduce(part_o, part_lse, out, cu_q)
+    fused = cfg.fused and num_splits > 1
+    counters = ((workspace or DecodeWorkspace()).counters(batch * num_kv_heads, q.device)
+                if fused else part_lse)  # [>= B * Hkv] int32; unused unless fused
+    pdl = cfg.pdl and pdl_usable(q.device)
+    prefetch = cfg.prefetch and pdl_usable(q.device)
+    _launch_split(q, kv, slot_ids, context_lens, out, part_o, part_lse, cu_q, counters, scale,
+                  num_splits, cfg, fused, pdl, prefetch)
+    if num_splits > 1 and not fused:
+        _launch_reduce(part_o, part_lse, out, cu_q, pdl)
     return out
 
 
@@ -174,18 +210,23 @@ def _partials(batch: int, num_heads: int, num_splits: int, head_dim: int,
 
 def _launch_split(q: torch.Tensor, kv: torch.Tensor, slot_ids: torch.Tensor,
                   context_lens: torch.Tensor, out: torch.Tensor, part_o: torch.Tensor,
-                  part_lse: torch.Tensor, cu_q: torch.Tensor | None, scale: float, group: int,
-                  num_splits: int, cfg: DecodeConfig) -> None:
+                  part_lse: torch.Tensor, cu_q: torch.Tensor | None, counters: torch.Tensor,
+                  scale: float, num_splits: int, cfg: DecodeConfig, fused: bool,
+                  pdl: bool, prefetch: bool) -> None:
     """Launch the split kernel over (B, Hkv, num_splits)."""
     from edmm.kernels import _triton_decode as tk
 
     head_dim = q.shape[2]
     num_kv_heads = kv.shape[3]
+    group = q.shape[1] // num_kv_heads
+    merge_g = next_pow2(group)
+    merge_s = max(1, min(next_pow2(num_splits),
+                         MERGE_VALUES_PER_THREAD * 32 * cfg.num_warps // (merge_g * head_dim)))
     grid = (slot_ids.shape[0], num_kv_heads, num_splits)
     tk.decode_split_kernel[grid](
         q, kv, slot_ids, context_lens, out, part_o, part_lse,
         cu_q if cu_q is not None else slot_ids,  # unused without VARLEN
-        num_splits,
+        counters, num_splits,
         scale * math.log2(math.e),
         q.stride(0), q.stride(1),
         kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
@@ -194,12 +235,19 @@ def _launch_split(q: torch.Tensor, kv: torch.Tensor, slot_ids: torch.Tensor,
         part_lse.stride(0), part_lse.stride(1),
         GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim,
         BLOCK_N=cfg.block_n, SINGLE_SPLIT=num_splits == 1, DOT_PRECISION=dot_precision(q.dtype),
-        VARLEN=cu_q is not None, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        VARLEN=cu_q is not None, FUSED=fused, MERGE_G=merge_g, MERGE_S=merge_s, PDL=pdl,
+        PREFETCH=prefetch, ELEM_BYTES=q.element_size(),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_pdl_launch(pdl),
     )
 
 
+def _pdl_launch(pdl: bool) -> dict[str, bool]:
+    """Triton's launch option of programmatic dependent launch (only passed when on)."""
+    return {"launch_pdl": True} if pdl else {}
+
+
 def _launch_reduce(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor,
-                   cu_q: torch.Tensor | None) -> None:
+                   cu_q: torch.Tensor | None, pdl: bool) -> None:
     """Launch the merge kernel over (B, Hq)."""
     from edmm.kernels import _triton_decode as tk
 
@@ -211,6 +259,7 @@ def _launch_reduce(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tens
         part_o.stride(0), part_o.stride(1), part_o.stride(2),
         part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1),
-        SPLITS_PAD=splits_pad, HEAD_DIM=head_dim, VARLEN=cu_q is not None,
+        SPLITS_PAD=splits_pad, HEAD_DIM=head_dim, VARLEN=cu_q is not None, PDL=pdl,
         num_warps=min(16, max(1, splits_pad * head_dim // 2048)),  # ~64 fp32 per thread
+        **_pdl_launch(pdl),
     )

@@ -5,7 +5,11 @@ medians on a real arena) and writes the fastest per (batch, context) as a JSON r
 
     {"device": ..., "date": ..., "command": ..., "routes": [
         {"batch": 1, "context": 16384, "num_splits": 64, "block_n": 64, "num_warps": 4,
-         "num_stages": 3, "graph_us": 12.3}, ...]}
+         "num_stages": 3, "fused": false, "pdl": true, "prefetch": true, "graph_us": 12.3},
+        ...]}
+
+(``fused``, ``pdl`` and ``prefetch``, `DecodeConfig`'s, are false where a table leaves them
+out.)
 
 `DecodeRoutes.lookup` gives a decode call the route of the nearest measured shape at or above
 it (the largest where none is); a table next to this module (`ROUTES_FILE`, when a measured one
@@ -78,10 +82,19 @@ def _at_or_above(values: list[int], x: int) -> int:
     return next((v for v in values if v >= x), values[-1])
 
 
+def _flag(r: dict[str, Any], key: str) -> bool:
+    value = r.get(key, False)
+    if not isinstance(value, bool):
+        raise ValueError(f"{key} must be true or false in {r}")
+    return value
+
+
 def _route(r: dict[str, Any]) -> DecodeRoute:
     route = DecodeRoute(int(r["batch"]), int(r["context"]), int(r["num_splits"]),
                         DecodeConfig(int(r["block_n"]), int(r["num_warps"]),
-                                     int(r["num_stages"])), float(r["graph_us"]))
+                                     int(r["num_stages"]), _flag(r, "fused"), _flag(r, "pdl"),
+                                     _flag(r, "prefetch")),
+                        float(r["graph_us"]))
     if min(route.batch, route.context, route.num_splits) < 1:
         raise ValueError(f"non-positive batch/context/num_splits in {r}")
     return route

@@ -14,6 +14,7 @@ from edmm.kernels._common import (
     check_index,
     kv_layer_view,
     next_pow2,
+    pdl_usable,
     require_triton,
 )
 
@@ -74,6 +75,6 @@ def rope_store_kv(
         out.stride(0), out.stride(1),
         kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
         HQ_PAD=next_pow2(q.shape[1]), HKV_PAD=next_pow2(k.shape[1]), HALF=head_dim // 2,
-        num_warps=4,
+        TRIGGER=pdl_usable(q.device), num_warps=4,
     )
     return out

@@ -22,7 +22,7 @@ from torch import Tensor
 from edmm.kernels.decode_routes import DecodeRoutes
 from edmm.kernels.fa4 import FA4_DTYPES, FA4_KV_TILE, FA4VarlenArgs, fa4_varlen_args
 from edmm.model.attention import AttentionMetadata, AttentionMetadataError, write_kv
-from edmm.model.attention_triton import TritonAttentionBackend
+from edmm.model.attention_triton import VARLEN_DECODE, TritonAttentionBackend
 
 
 class FA4AttentionBackend(TritonAttentionBackend):
@@ -76,7 +76,8 @@ class FA4AttentionBackend(TritonAttentionBackend):
             return out  # eager, and the lists are real: no row for the decode kernel
         return decode_attention_varlen(q, kv_cache, layer, meta.query_start_loc,
                                        meta.slot_ids_t, meta.context_lens_t, out, scale,
-                                       max_context=self.max_context)
+                                       max_context=self.max_context, config=VARLEN_DECODE,
+                                       workspace=self.decode_workspace)
 
     def _varlen_args(self, meta: AttentionMetadata, kv_cache: Tensor,
                      layer: int) -> FA4VarlenArgs:

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 from torch import Tensor
 
-from edmm.kernels import PrefillConfig
+from edmm.kernels import DecodeConfig, PrefillConfig
+from edmm.kernels.decode_attention import DecodeWorkspace
 from edmm.kernels.decode_routes import DecodeRoutes
 from edmm.model.attention import (
     AttentionBackend,
@@ -37,6 +38,13 @@ from edmm.model.fusion import rotary_qk
 # Elsewhere (or fp32) the default kernel runs with its default launch parameters.
 PREFILL = PrefillConfig(block_m=128, block_n=128, num_warps=4, num_stages=2,
                         warp_specialize=True, reverse=True)
+# Single-query rows of a mixed batch: the split kernel merges its own splits. At the default
+# split count (~17 at 16K) the fused merge costs about what the reduce launch does (batch 1,
+# 16K, 16 splits, 64x4x3 with PDL: 20.3 vs 19.9 us per layer; without: 21.2 vs 21.4;
+# benchmarks/results/2026-12-01-h200-decode-modes/decode-sweep-1.json), and a mixed CUDA graph
+# with no such row at replay runs one near-empty launch per layer instead of two (the reduce
+# kernel took 28 x 0.9 us of a 512-token step in the session-8 profile).
+VARLEN_DECODE = DecodeConfig(fused=True, pdl=True)
 
 
 class TritonAttentionBackend(AttentionBackend):
@@ -60,6 +68,7 @@ class TritonAttentionBackend(AttentionBackend):
         self.max_context = max_context
         self.prefill = prefill
         self.decode_routes = decode_routes
+        self.decode_workspace = DecodeWorkspace()  # counters of fused decode launches
         self._fallback = TorchSDPABackend()
 
     def forward(
@@ -101,7 +110,8 @@ class TritonAttentionBackend(AttentionBackend):
                 return decode_attention(q, kv_cache, layer, meta.slot_ids_t,
                                         meta.context_lens_t, scale, max_context=self.max_context)
             return decode_attention(q, kv_cache, layer, meta.slot_ids_t, meta.context_lens_t,
-                                    scale, num_splits=route.num_splits, config=route.config)
+                                    scale, num_splits=route.num_splits, config=route.config,
+                                    workspace=self.decode_workspace)
         # Mixed: multi-query sequences in query tiles, single-query ones split-K, in place.
         out = prefill_attention_varlen(q, kv_cache, layer, meta.query_start_loc,
                                        meta.slot_ids_t, meta.context_lens_t, scale,
@@ -110,5 +120,6 @@ class TritonAttentionBackend(AttentionBackend):
             return out  # eager, and the lists are real: no row for the decode kernel
         return decode_attention_varlen(q, kv_cache, layer, meta.query_start_loc,
                                        meta.slot_ids_t, meta.context_lens_t, out, scale,
-                                       max_context=self.max_context)
+                                       max_context=self.max_context, config=VARLEN_DECODE,
+                                       workspace=self.decode_workspace)
 

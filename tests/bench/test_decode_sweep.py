@@ -47,3 +47,44 @@ def test_routes_keep_the_fastest_correct_launch(tmp_path: Path) -> None:
     assert (route.num_splits, route.config) == (64, DecodeConfig(64, 4, 3))
     md = sweep.markdown(rows, table, "# t")
     assert "| 1 | 16384 | 16.0 us" in md and "(splits=64)" in md
+
+
+def _mode_row(batch: int, us: float, splits: int, fused: bool, pdl: bool) -> Row:
+    row = _row("triton-sweep", batch, us, splits=splits)
+    row.extra |= {"fused": fused, "pdl": pdl}
+    return row
+
+
+def test_fused_and_pdl_launches_route_and_tabulate(tmp_path: Path) -> None:
+    sweep = _script()
+    rows = [_mode_row(1, 14.0, 64, False, False), _mode_row(1, 12.5, 64, False, True),
+            _mode_row(1, 11.0, 384, True, True), _mode_row(1, 13.0, 32, True, False),
+            _mode_row(8, 68.0, 8, False, False), _mode_row(8, 69.0, 8, True, True)]
+    table = sweep.routes(rows)
+    path = tmp_path / "decode_routes.json"
+    path.write_text(json.dumps({"device": "test", "date": "today", "routes": table}))
+    routes = DecodeRoutes.from_json(path)
+    one, eight = routes.lookup(1, 16384), routes.lookup(8, 16384)
+    assert one is not None and eight is not None
+    assert (one.num_splits, one.config) == (384, DecodeConfig(64, 4, 3, fused=True, pdl=True))
+    assert (eight.num_splits, eight.config) == (8, DecodeConfig(64, 4, 3))
+    md = sweep.markdown(rows, table, "# t")
+    assert "| batch | context | reduce | reduce-pdl | fused | fused-pdl |" in md
+    assert "| 1 | 16384 | 14.0 us" in md and "11.0 us, 3.05 TB/s (splits=384, 64x4x3)" in md
+
+
+def test_candidates_respect_each_mode_and_the_tiles() -> None:
+    sweep = _script()
+    launches = sweep.candidates(["reduce", "fused-pdl"], (DecodeConfig(32, 2, 3),),
+                                (64, 256, 384, 1024), 16384)
+    assert [(n, c.fused, c.pdl) for n, c in launches] == [
+        (64, False, False), (256, False, False),  # the reduce kernel holds <= 256 splits
+        (64, True, True), (256, True, True), (384, True, True)]  # 1024 > 512 tiles of 32
+    assert sweep.parse_configs("32x2x3,128x8x3") == (DecodeConfig(32, 2, 3),
+                                                      DecodeConfig(128, 8, 3))
+    try:
+        sweep.parse_configs("32x2")
+    except SystemExit as e:
+        assert "BLOCK_NxWARPSxSTAGES" in str(e)
+    else:
+        raise AssertionError("a config of two numbers was accepted")

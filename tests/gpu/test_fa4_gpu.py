@@ -9,7 +9,6 @@ address. Skipped where FA4 does not import.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -22,7 +21,7 @@ from edmm.memory import KVArena, KVSpec, PagePool
 from edmm.memory.backends import open_backend
 from edmm.model.attention import AttentionMetadata, TorchSDPABackend
 
-pytestmark = [pytest.mark.gpu,
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("compiled_kernels"),
               pytest.mark.skipif(not torch.cuda.is_available() or not fa4_usable("cuda"),
                                  reason="FA4 (flash_attn.cute) not importable on this GPU")]
 
@@ -56,12 +55,6 @@ def arena() -> Iterator[KVArena]:
     arena.close()
     pool.close()
     backend.close()
-
-
-@pytest.fixture(autouse=True)
-def _compiled_kernels() -> None:
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("TRITON_INTERPRET=1 is set (tests/kernels ran first); run tests/gpu alone")
 
 
 def _ids(values: list[int]) -> torch.Tensor:

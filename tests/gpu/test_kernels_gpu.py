@@ -7,13 +7,13 @@ context are NaN-poisoned, so a read there shows as NaN in the output.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator
 
 import pytest
 import torch
 
 from edmm.kernels import (
+    DecodeConfig,
     PrefillConfig,
     decode_attention,
     prefill_attention,
@@ -21,6 +21,7 @@ from edmm.kernels import (
     silu_mul,
     triton_available,
 )
+from edmm.kernels.decode_attention import DecodeWorkspace
 from edmm.kernels.fused_sdpa import (
     AttendLSE,
     cudnn_attend,
@@ -35,7 +36,7 @@ from edmm.model.fusion import silu_mul as eager_silu_mul
 
 # No triton import here: collecting this module must not import triton before
 # tests/kernels/conftest.py sets TRITON_INTERPRET for the CPU kernel tests.
-pytestmark = [pytest.mark.gpu,
+pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("compiled_kernels"),
               pytest.mark.skipif(not triton_available(), reason="the kernels need triton")]
 
 SPEC = KVSpec(num_layers=28, num_kv_heads=4, head_dim=128, dtype=torch.bfloat16)
@@ -68,13 +69,6 @@ def arena() -> Iterator[KVArena]:
     arena.close()
     pool.close()
     backend.close()
-
-
-@pytest.fixture(autouse=True)
-def _compiled_kernels() -> None:
-    """The kernels must be compiled, not run by the interpreter the CPU tests use."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
-        pytest.skip("TRITON_INTERPRET=1 is set (tests/kernels ran first); run tests/gpu alone")
 
 
 def _ids(values: list[int]) -> torch.Tensor:
@@ -139,6 +133,50 @@ def test_decode_cuda_graph_replays_with_new_lengths(arena: KVArena) -> None:
         ref = decode_attention_reference(q, arena.kv, 13, [0, 1, 3, 2], new_lens, SCALE,
                                          torch.float32)
         _assert_close(out, ref)
+
+
+# The split kernel merging its splits itself (over 256 splits too), with and without
+# programmatic dependent launch and the L2 prefetch, and the two-launch kernel with them.
+FUSED_DECODE = [(96, DecodeConfig(64, 2, 3, fused=True, pdl=True)),
+                (300, DecodeConfig(32, 2, 3, fused=True)),
+                (64, DecodeConfig(32, 2, 3, pdl=True)),
+                (16, DecodeConfig(128, 8, 3, fused=True, pdl=True)),
+                (64, DecodeConfig(64, 2, 3, pdl=True, prefetch=True)),
+                (7, DecodeConfig(64, 4, 3, prefetch=True)),
+                (16, DecodeConfig(128, 8, 3, fused=True, pdl=True, prefetch=True))]
+
+
+@pytest.mark.parametrize(("num_splits", "config"), FUSED_DECODE)
+def test_fused_and_pdl_decode_in_cuda_graph(arena: KVArena, num_splits: int,
+                                             config: DecodeConfig) -> None:
+    """A graph of three layers' decode, one workspace, replayed with new lengths and
+    queries: every replay matches the reference (the counters end each launch at zero, the
+    early-launched programs read q and KV only after the kernel before them)."""
+    slots, lens = _ids([0, 1, 3, 2]), _ids([16384, 4096, 3001, 1])
+    q = torch.randn(4, NUM_HEADS, 128, device="cuda", dtype=torch.bfloat16)
+    ws = DecodeWorkspace()
+
+    def step() -> torch.Tensor:
+        outs = [decode_attention(q, arena.kv, layer, slots, lens, SCALE, num_splits=num_splits,
+                                 config=config, workspace=ws) for layer in LAYERS]
+        return torch.stack(outs)  # [layers, B, Hq, D]
+
+    graph, out = _capture(step)
+    for new_lens in ([16384, 4096, 3001, 1], [9000, 17, 3001, 1], [1, 4095, 2000, 0]):
+        lens.copy_(_ids(new_lens))
+        q.copy_(torch.randn_like(q))
+        for _ in range(3):
+            graph.replay()
+        torch.cuda.synchronize()
+        assert not ws.counters(1, q.device).any()
+        for i, layer in enumerate(LAYERS):
+            ref = decode_attention_reference(q, arena.kv, layer, [0, 1, 3, 2], new_lens, SCALE,
+                                             torch.float32)
+            _assert_close(out[i, :3], ref[:3])
+            if new_lens[3]:
+                _assert_close(out[i, 3:], ref[3:])
+            else:
+                assert not out[i, 3].any()  # empty context: zeros
 
 
 CONFIGS = [None, PrefillConfig(reverse=True),

@@ -28,12 +28,14 @@ SCRIPT = textwrap.dedent("""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
     from edmm.kernels import DecodeConfig, PrefillConfig
-    from edmm.kernels import _triton_decode as td, _triton_prefill as tp
+    from edmm.kernels import _triton_decode as td, _triton_prefill as tp, _triton_rope as tr
     from edmm.model.attention_triton import PREFILL
 
     PTRS = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "out_ptr": "*bf16", "slot_ids_ptr": "*i32",
             "ctx_lens_ptr": "*i32", "cu_q_ptr": "*i32", "part_o_ptr": "*fp32",
-            "part_lse_ptr": "*fp32", "qk_scale": "fp32"}
+            "part_lse_ptr": "*fp32", "count_ptr": "*i32", "qk_scale": "fp32",
+            "k_ptr": "*bf16", "v_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16",
+            "q_out_ptr": "*bf16", "slot_index_ptr": "*i64", "token_index_ptr": "*i64"}
     CUOBJDUMP = os.path.join(os.path.dirname(nv.__file__), "bin", "cuobjdump")
 
     def compile_sm90(fn, constexprs, **options):
@@ -51,15 +53,34 @@ SCRIPT = textwrap.dedent("""
         ptx = k.asm["ptx"]
         return {"cp_async": "cp.async" in ptx, "usage": usage, "shared": k.metadata.shared,
                 "wgmma": "wgmma.mma_async" in ptx, "setmaxnreg": "setmaxnreg" in ptx,
+                "atomic": "atom." in ptx, "griddepcontrol": "griddepcontrol.wait" in ptx,
+                "trigger": "griddepcontrol.launch_dependents" in ptx,
+                "prefetch": "prefetch.global.L2" in ptx,
                 "warps": k.metadata.num_warps}
 
     d, p, ws = DecodeConfig(), PrefillConfig(), PREFILL
+    split = dict(GROUP=7, GROUP_PAD=16, HEAD_DIM=128, SINGLE_SPLIT=False, DOT_PRECISION="tf32",
+                 VARLEN=False, MERGE_G=8)
     out = {
         "decode": compile_sm90(
             td.decode_split_kernel,
-            dict(GROUP=7, GROUP_PAD=16, HEAD_DIM=128, BLOCK_N=d.block_n, SINGLE_SPLIT=False,
-                 DOT_PRECISION="tf32"),
+            dict(split, BLOCK_N=d.block_n, FUSED=False, MERGE_S=1, PDL=False, PREFETCH=False,
+                 ELEM_BYTES=2),
             num_warps=d.num_warps, num_stages=d.num_stages),
+        **{name: compile_sm90(  # the fused merge, programmatic dependent launch, L2 prefetch
+            td.decode_split_kernel,
+            dict(split, BLOCK_N=block_n, FUSED=fused, MERGE_S=merge_s, PDL=True,
+                 PREFETCH=True, ELEM_BYTES=2),
+            num_warps=warps, num_stages=3, launch_pdl=True)
+           for name, block_n, warps, merge_s, fused in (
+               ("decode_fused", 32, 2, 4, True), ("decode_fused_w8", 128, 8, 16, True),
+               ("decode_pdl_prefetch", 64, 2, 1, False))},
+        "rope_trigger": compile_sm90(
+            tr.rope_store_kernel, dict(HQ_PAD=32, HKV_PAD=4, HALF=64, TRIGGER=True),
+            num_warps=4),
+        "decode_reduce_pdl": compile_sm90(
+            td.decode_reduce_kernel, dict(SPLITS_PAD=64, HEAD_DIM=128, VARLEN=True, PDL=True),
+            num_warps=4, launch_pdl=True),
         "prefill": compile_sm90(
             tp.prefill_kernel,
             dict(GROUP=7, HEAD_DIM=128, BLOCK_M=p.block_m, BLOCK_N=p.block_n, VARLEN=True,
@@ -82,8 +103,17 @@ def test_default_configs_compile_for_sm90_without_spills() -> None:
                          timeout=300, check=False)
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(run.stdout.strip().splitlines()[-1])
+    for name in ("decode_fused", "decode_fused_w8"):
+        assert report[name]["atomic"] and report[name]["griddepcontrol"], report[name]
+    for name in ("decode_fused", "decode_fused_w8", "decode_pdl_prefetch"):
+        assert report[name]["prefetch"], report[name]
+    assert not report["decode_pdl_prefetch"]["atomic"] and not report["decode"]["prefetch"]
+    assert report["decode_reduce_pdl"]["griddepcontrol"] and report["rope_trigger"]["trigger"]
+    assert not report["decode"]["atomic"] and not report["decode"]["griddepcontrol"]
     for name, r in report.items():
-        if not name.startswith("prefill_ws"):  # its loads are the copy engine's (TMA)
+        if name in ("decode_reduce_pdl", "rope_trigger"):
+            pass  # no loop: nothing to pipeline
+        elif not name.startswith("prefill_ws"):  # its loads are the copy engine's (TMA)
             assert r["cp_async"], f"{name}: loads are not pipelined (no cp.async)"
         assert "STACK:0 " in r["usage"] and "LOCAL:0 " in r["usage"], f"{name}: {r['usage']}"
         assert r["shared"] <= 227 * 1024, f"{name}: {r['shared']} B of shared memory"

@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+import gc
+import weakref
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import torch
 
-from edmm.kernels import DecodeConfig, KernelInputError, decode_attention, default_num_splits
+from edmm.kernels import (
+    DecodeConfig,
+    KernelInputError,
+    decode_attention,
+    decode_attention_varlen,
+    default_num_splits,
+)
+from edmm.kernels.decode_attention import MAX_FUSED_SPLITS, DecodeWorkspace
 from edmm.kernels.reference import decode_attention_reference
 
 pytestmark = pytest.mark.usefixtures("interpreted")
@@ -152,6 +161,103 @@ def test_rejects_bad_inputs(
     idx = torch.zeros(1, dtype=torch.int32)
     with pytest.raises(KernelInputError, match=match):
         decode_attention(torch.zeros(q_shape, dtype=q_dtype), kv, 0, idx, idx, 1.0)
+
+
+# ---------------------------------------------------------------------------- fused merge
+FUSED = DecodeConfig(block_n=16, num_warps=2, num_stages=2, fused=True)
+CPU = torch.device("cpu")
+
+
+def _counters_zero(ws: DecodeWorkspace) -> bool:
+    return not ws.counters(1, CPU).any()
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("heads", "kv_heads"), [(14, 2), (4, 2), (2, 2)])
+@pytest.mark.parametrize("num_splits", [2, 5, 40])
+def test_fused_matches_reference(make_cache: MakeCache, check_close: CheckClose,
+                                 dtype: torch.dtype, heads: int, kv_heads: int,
+                                 num_splits: int) -> None:
+    """The split kernel merging its own splits: ragged contexts (1 token, partial and exact
+    tiles, a full slot, an empty one), 40 splits of 16-token tiles past every context (empty
+    splits), GQA groups of 7, 2 and 1; the counters end at zero."""
+    cache = make_cache(LENS, dtype=dtype, num_slots=6, max_tokens=MAX_TOKENS,
+                       kv_heads=kv_heads)
+    slots = [1, 3, 0, 5, 4, 2]  # slot 5 holds no token
+    q = torch.randn(len(slots), heads, 32).to(dtype)
+    ws = DecodeWorkspace()
+    out, ref = _run(cache, q, slots, num_splits=num_splits, config=FUSED, workspace=ws)
+    check_close(out, ref, dtype)
+    assert torch.equal(out[3], torch.zeros_like(out[3]))  # empty context: zeros
+    assert _counters_zero(ws)
+
+
+def test_fused_equals_two_launches_and_reuses_its_workspace(make_cache: MakeCache) -> None:
+    """One workspace over calls of other batch sizes, split counts and layers: each result
+    equals the two-launch kernel's (the same partials, merged in another order)."""
+    cache = make_cache(LENS, dtype=torch.float32, num_slots=5, max_tokens=MAX_TOKENS)
+    ws = DecodeWorkspace()
+    unfused = DecodeConfig(block_n=16, num_warps=2, num_stages=2)
+    for slots, splits, layer in (([1, 3, 0], 7, 0), ([2], 19, 1), ([4, 1, 0, 3, 2], 3, 1)):
+        q = torch.randn(len(slots), 4, 32)
+        got, _ = _run(cache, q, slots, layer, num_splits=splits, config=FUSED, workspace=ws)
+        want, _ = _run(cache, q, slots, layer, num_splits=splits, config=unfused)
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+        assert _counters_zero(ws)
+
+
+def test_fused_varlen_rows(make_cache: MakeCache, check_close: CheckClose) -> None:
+    """VARLEN: only single-query sequences are computed and merged (a padding sequence of
+    one query included), rows of the others stay as they were."""
+    cache = make_cache(LENS, dtype=torch.bfloat16, num_slots=5, max_tokens=MAX_TOKENS)
+    cu = torch.tensor([0, 1, 5, 6, 6, 7], dtype=torch.int64)  # (1, 4, 1, 0, 1) queries
+    slots = torch.tensor([1, 3, 2, 0, 4])
+    lens = torch.tensor([LENS[1], LENS[3], LENS[2], LENS[0], LENS[4]])
+    q = torch.randn(8, 14, 32).to(torch.bfloat16)
+    out = torch.full_like(q, 7.0)
+    ws = DecodeWorkspace()
+    decode_attention_varlen(q, cache.kv, 1, cu, slots, lens, out, 0.2, num_splits=6,
+                            config=FUSED, workspace=ws)
+    for row, b in ((0, 0), (5, 2), (6, 4)):
+        s = int(slots[b])
+        ref = decode_attention_reference(q[row:row + 1], cache.kv, 1, [s], [LENS[s]], 0.2,
+                                         dtype=torch.float64)
+        check_close(out[row:row + 1], ref, torch.bfloat16)
+    assert bool((out[1:5] == 7.0).all()) and bool((out[7] == 7.0).all())
+    assert _counters_zero(ws)
+
+
+def test_fused_split_limit_and_workspace_growth(make_cache: MakeCache,
+                                                check_close: CheckClose) -> None:
+    cache = make_cache({0: 20}, dtype=torch.float32, num_slots=1, max_tokens=32)
+    q = torch.randn(1, 2, 32)
+    idx, lens = torch.zeros(1, dtype=torch.int32), torch.tensor([20])
+    out = decode_attention(q, cache.kv, 0, idx, lens, 0.2, num_splits=300, config=FUSED)
+    ref = decode_attention_reference(q, cache.kv, 0, [0], [20], 0.2, dtype=torch.float64)
+    check_close(out, ref, torch.float32)  # > MAX_SPLITS of the two-launch path
+    with pytest.raises(KernelInputError, match="num_splits"):
+        decode_attention(q, cache.kv, 0, idx, lens, 0.2, num_splits=MAX_FUSED_SPLITS + 1,
+                         config=FUSED)
+    ws = DecodeWorkspace()
+    small = ws.counters(4, CPU)
+    assert ws.counters(4, CPU) is small and not small.any()
+    big = ws.counters(small.numel() + 1, CPU)
+    assert big.numel() > small.numel() and not big.any()
+    outgrown = weakref.ref(small)
+    del small
+    gc.collect()
+    assert outgrown() is not None  # kept alive: a graph captured with it still uses it
+
+
+def test_pdl_is_ignored_off_hopper(make_cache: MakeCache, check_close: CheckClose) -> None:
+    """``pdl`` and ``prefetch`` are Hopper forms (PTX); in the interpreter the kernels run
+    without them."""
+    cache = make_cache(LENS, dtype=torch.float32, num_slots=5, max_tokens=MAX_TOKENS)
+    q = torch.randn(2, 4, 32)
+    for cfg in (DecodeConfig(16, 2, 2, pdl=True, prefetch=True),
+                DecodeConfig(16, 2, 2, fused=True, pdl=True, prefetch=True)):
+        out, ref = _run(cache, q, [1, 2], num_splits=4, config=cfg)
+        check_close(out, ref, torch.float32)
 
 
 def test_rejects_bad_index_tensors() -> None:

@@ -19,8 +19,9 @@ from edmm.model.attention_triton import TritonAttentionBackend
 from edmm.model.transformer import CausalLM
 
 
-def _route(batch: int, context: int, splits: int, block_n: int = 64) -> DecodeRoute:
-    return DecodeRoute(batch, context, splits, DecodeConfig(block_n, 4, 3), 1.0)
+def _route(batch: int, context: int, splits: int, block_n: int = 64,
+           fused: bool = False) -> DecodeRoute:
+    return DecodeRoute(batch, context, splits, DecodeConfig(block_n, 4, 3, fused=fused), 1.0)
 
 
 TABLE = DecodeRoutes(tuple(_route(b, c, s) for b, c, s in [
@@ -54,6 +55,13 @@ def test_table_file_round_trip_and_bad_files(tmp_path: Path) -> None:
             DecodeRoutes.from_json(path)
     with pytest.raises(DecodeRoutesError):
         DecodeRoutes.from_json(tmp_path / "missing.json")
+    flagged = {"batch": 1, "context": 16384, "num_splits": 384, "block_n": 32, "num_warps": 2,
+               "num_stages": 3, "graph_us": 9.5, "fused": True, "pdl": True}
+    path.write_text(json.dumps({"routes": [flagged]}))
+    assert DecodeRoutes.from_json(path).routes[0].config == DecodeConfig(32, 2, 3, True, True)
+    path.write_text(json.dumps({"routes": [flagged | {"fused": "yes"}]}))
+    with pytest.raises(DecodeRoutesError, match="fused"):
+        DecodeRoutes.from_json(path)
 
 
 SLOTS, MAX_TOKENS = 4, 64
@@ -89,14 +97,17 @@ DECODE = [(1, 1, 9), (3, 1, 30)]
 
 
 @pytest.mark.usefixtures("interpreted")
-@pytest.mark.parametrize("splits", [1, 3])
-def test_triton_decode_takes_the_routed_launch(splits: int) -> None:
-    """A routed split count runs (and computes what the reference does); an impossible one
-    reaches the kernel's check, so the route is what the launch used."""
+@pytest.mark.parametrize(("splits", "fused"), [(1, False), (3, False), (3, True)])
+def test_triton_decode_takes_the_routed_launch(splits: int, fused: bool) -> None:
+    """A routed split count runs (and computes what the reference does; fused: through the
+    backend's workspace, left zero); an impossible one reaches the kernel's check, so the
+    route is what the launch used."""
     want = _forward(TorchSDPABackend(), DECODE, torch.float32)
-    routed = DecodeRoutes((_route(2, 64, splits, block_n=16),))
-    got = _forward(TritonAttentionBackend(64, decode_routes=routed), DECODE, torch.float32)
+    routed = DecodeRoutes((_route(2, 64, splits, block_n=16, fused=fused),))
+    backend = TritonAttentionBackend(64, decode_routes=routed)
+    got = _forward(backend, DECODE, torch.float32)
     torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)
+    assert not backend.decode_workspace.counters(1, torch.device("cpu")).any()
     with pytest.raises(KernelInputError, match="num_splits"):
         _forward(TritonAttentionBackend(64, decode_routes=DecodeRoutes((_route(2, 64, 999),))),
                  DECODE, torch.float32)

@@ -76,7 +76,9 @@ def test_triton_backend_matches_sdpa(batch: Batch, dtype: torch.dtype,
     model = _model().to(dtype)
     cached, meta, ids = _batch(batch, seed=1, dtype=dtype)
     want = _run(model, TorchSDPABackend(), cached, meta, ids)
-    got = _run(model, TritonAttentionBackend(64), cached, meta, ids)
+    backend = TritonAttentionBackend(64)
+    got = _run(model, backend, cached, meta, ids)
+    assert not backend.decode_workspace.counters(1, torch.device("cpu")).any()  # fused: reset
     tol = 1e-4 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(got[0], want[0], atol=tol, rtol=tol)
     torch.testing.assert_close(got[1], want[1], atol=tol / 10, rtol=tol / 10)

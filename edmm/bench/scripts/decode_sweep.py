@@ -7,14 +7,19 @@ Qwen2.5-7B heads (28 query heads, 4 KV heads, head dim 128, bf16; 33.5 MB of K+V
 per layer, inside a CUDA graph of all 28 layers as the engine runs decode (median of ``reps``
 replays, CUDA events, a GPU sleep before each so launch latency stays out):
 - the split-K Triton kernel at its default launch (`default_num_splits`, `DecodeConfig()`);
-- the same kernel over split counts x launch configs (``SPLITS`` x ``CONFIGS``);
+- the same kernel over launch modes x split counts x launch configs (``MODES`` x ``SPLITS`` x
+  ``CONFIGS``; ``--modes``, ``--configs``): the reduce as a second launch or fused into the
+  split kernel (its last split per sequence and KV head merges; up to 1024 splits), each with
+  and without programmatic dependent launch (``pdl``: each launch starts while the one before
+  drains) and an L2 prefetch of each program's whole chunk (``prefetch``);
 - SDPA on the strided view (equal lengths only: the engine cannot route a CUDA-graph batch of
   unequal lengths to it without reading past each context, so it is a yardstick).
 Every candidate's output is checked against SDPA's (relative error in the table).
 
 Writes ``decode-sweep.json`` (every row, device, date, command), ``decode-sweep.md`` (per shape:
-default, best, SDPA, in TB/s of K+V read) and ``decode_routes.json``: the fastest Triton launch
-per shape in `edmm.kernels.decode_routes`'s format. Pass it to ``edmm bench ttft
+default, best, SDPA, in TB/s of K+V read; the best of each launch mode) and
+``decode_routes.json``: the fastest Triton launch per shape in `edmm.kernels.decode_routes`'s
+format. Pass it to ``edmm bench ttft
 --decode-routes``; committed as ``edmm/kernels/decode_routes.json`` it is the engine's default.
 """
 
@@ -26,7 +31,7 @@ import functools
 import json
 import shlex
 import sys
-from dataclasses import asdict
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
@@ -45,16 +50,45 @@ from edmm.bench.attention import (
     time_graph,
 )
 from edmm.kernels import DecodeConfig, default_num_splits, triton_usable
+from edmm.kernels.decode_attention import MAX_FUSED_SPLITS, MAX_SPLITS, DecodeWorkspace
 
-SPLITS = (8, 16, 32, 48, 64, 96, 128, 192, 256)
+SPLITS = (8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 CONFIGS = (DecodeConfig(32, 4, 4), DecodeConfig(32, 2, 3), DecodeConfig(64, 4, 2),
            DecodeConfig(64, 4, 3), DecodeConfig(64, 8, 3), DecodeConfig(64, 2, 3),
            DecodeConfig(128, 4, 2), DecodeConfig(128, 8, 3))
+FLAGS = ("fused", "pdl", "prefetch")  # DecodeConfig's launch-mode flags
+MODES = {  # launch mode -> DecodeConfig flags
+    "-".join(["fused" if fused else "reduce"] + [f for f, on in (("pdl", pdl),
+                                                                  ("prefetch", pre)) if on]):
+    {"fused": fused, "pdl": pdl, "prefetch": pre}
+    for fused in (False, True) for pdl in (False, True) for pre in (False, True)}
 TARGET_TBS = 3.0  # issue 20: decode attention >= 3 TB/s at batch 1 and 8, 16K
 
 
-def sweep_shape(kv: torch.Tensor, batch: int, context: int, reps: int) -> list[Row]:
-    """Rows of every candidate at one shape (op decode-graph, and decode for the default)."""
+def mode_of(config: DecodeConfig) -> str:
+    """The launch mode name of a config (a key of `MODES`)."""
+    return next(m for m, flags in MODES.items()
+                if all(getattr(config, f) == flags[f] for f in FLAGS))
+
+
+def candidates(modes: list[str], configs: tuple[DecodeConfig, ...], splits: tuple[int, ...],
+               context: int) -> list[tuple[int, DecodeConfig]]:
+    """(split count, config) of every swept launch at ``context``: no split past the tiles
+    (it would do nothing), none over the mode's limit."""
+    out = []
+    for mode in modes:
+        for base in configs:
+            config = replace(base, **MODES[mode])
+            limit = MAX_FUSED_SPLITS if config.fused else MAX_SPLITS
+            out += [(n, config) for n in splits
+                    if n <= limit and n <= -(-context // config.block_n)]
+    return out
+
+
+def sweep_shape(kv: torch.Tensor, batch: int, context: int, reps: int,
+                launches: list[tuple[int, DecodeConfig]]) -> list[Row]:
+    """Rows of the default launch, SDPA and every (split count, config) of ``launches`` at
+    one shape (op decode-graph, and decode for the default)."""
     graph = functools.partial(time_graph, reps=reps)
     eager = functools.partial(time_eager, warmup=5, reps=reps)
     work = _decode_bytes(batch, context)
@@ -65,18 +99,17 @@ def sweep_shape(kv: torch.Tensor, batch: int, context: int, reps: int) -> list[R
     rows = time_case(case, {"triton": tri, "sdpa": sdpa}, graph, notes)
     rows += time_case(Case("decode", batch, context, 1, work, "GB/s"),
                       {"triton": tri, "sdpa": sdpa}, eager, notes)
-    for config in CONFIGS:
-        for splits in SPLITS:
-            if splits > -(-context // config.block_n):  # a split past the tiles does nothing
-                continue
-            cand, ref = _decode_fns(kv, batch, context, num_splits=splits, config=config)
-            rows += [_tag(r, splits, config) for r in time_case(
-                case, {"triton-sweep": cand}, graph, {"triton-sweep": ""}, reference=ref)]
+    workspace = DecodeWorkspace()
+    for splits, config in launches:
+        cand, ref = _decode_fns(kv, batch, context, num_splits=splits, config=config,
+                                workspace=workspace)
+        rows += [_tag(r, splits, config) for r in time_case(
+            case, {"triton-sweep": cand}, graph, {"triton-sweep": ""}, reference=ref)]
     return rows
 
 
 def _tag(row: Row, splits: int, config: DecodeConfig) -> Row:
-    row.note = f"splits={splits}, {config}"
+    row.note = f"splits={splits}, {mode_of(config)}, {config}"
     row.extra = {"num_splits": splits, **asdict(config)}
     return row
 
@@ -113,7 +146,49 @@ def markdown(rows: list[Row], table: list[dict[str, Any]], header: str) -> str:
             f"({best.note}) | {cell(by.get(('decode-graph', 'sdpa', b, c)))} | "
             f"{cell(by.get(('decode', 'triton', b, c)))} | "
             f"{'yes' if best.throughput / 1e3 >= TARGET_TBS else 'no'} |")
-    return "\n".join(lines)
+    return "\n".join([*lines, "", *_mode_table(rows)])
+
+
+def _mode_table(rows: list[Row]) -> list[str]:
+    """Per shape, the fastest launch of each mode (splits, tile, warps, stages)."""
+    best: dict[tuple[int, int, str], Row] = {}
+    for r in rows:
+        if r.impl != "triton-sweep" or (r.rel_err or 0.0) > 2e-2:
+            continue
+        key = (r.batch, r.context, mode_of(DecodeConfig(**{k: v for k, v in r.extra.items()
+                                                             if k != "num_splits"})))
+        if key not in best or r.median_us < best[key].median_us:
+            best[key] = r
+    shapes = sorted({(b, c) for b, c, _ in best})
+    modes = [m for m in MODES if any((b, c, m) in best for b, c in shapes)]
+    lines = ["Best launch of each mode (reduce: a second launch merges the splits; fused: the "
+             "split kernel's last split merges them; pdl: programmatic dependent launch; "
+             "prefetch: each program's chunk asked of L2 first):", "",
+             "| batch | context | " + " | ".join(modes) + " |",
+             "|---|---|" + "---|" * len(modes)]
+    for b, c in shapes:
+        cells = [_mode_cell(best.get((b, c, m))) for m in modes]
+        lines.append(f"| {b} | {c} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _mode_cell(r: Row | None) -> str:
+    if r is None:
+        return "-"
+    e = r.extra
+    return (f"{r.median_us:.1f} us, {r.throughput / 1e3:.2f} TB/s (splits={e['num_splits']}, "
+            f"{e['block_n']}x{e['num_warps']}x{e['num_stages']})")
+
+
+def parse_configs(text: str) -> tuple[DecodeConfig, ...]:
+    """``"32x2x3,64x4x3"`` -> DecodeConfigs (tokens per tile x warps x stages)."""
+    try:
+        parts = [[int(v) for v in item.split("x")] for item in text.split(",") if item]
+        if not parts or any(len(p) != 3 for p in parts):
+            raise ValueError("three numbers per config")
+        return tuple(DecodeConfig(n, w, s) for n, w, s in parts)
+    except ValueError as e:
+        raise SystemExit(f"--configs: expected BLOCK_NxWARPSxSTAGES,..., got {text!r}") from e
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -124,36 +199,54 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=20)
     parser.add_argument("--batches", default="1,8")
     parser.add_argument("--contexts", default="4096,16384,32768")
+    parser.add_argument("--modes", default=",".join(MODES),
+                        help=f"launch modes to sweep, of {', '.join(MODES)}")
+    parser.add_argument("--configs", default="",
+                        help="launch configs BLOCK_NxWARPSxSTAGES,... (default: all of CONFIGS)")
+    parser.add_argument("--splits", default="", help="split counts (default: all of SPLITS)")
     args = parser.parse_args(argv)
+    modes = [m for m in args.modes.split(",") if m]
+    if any(m not in MODES for m in modes):
+        parser.error(f"--modes: unknown mode in {modes}; modes are {', '.join(MODES)}")
+    configs = parse_configs(args.configs) if args.configs else CONFIGS
+    splits = tuple(int(x) for x in args.splits.split(",")) if args.splits else SPLITS
     if not torch.cuda.is_available() or not triton_usable("cuda"):
         print("decode_sweep.py needs a CUDA GPU and triton", file=sys.stderr)
         return 2
     batches = [int(x) for x in args.batches.split(",")]
     contexts = [int(x) for x in args.contexts.split(",")]
     mem = make_kv(max(batches), max(contexts))
+    env = environment(mem.kind)
+    command = "python3 -m edmm.bench.scripts.decode_sweep " + shlex.join(sys.argv[1:])
     rows: list[Row] = []
+    md = ""
     try:
         with torch.inference_mode():
             for context in contexts:
                 for batch in batches:
-                    rows += sweep_shape(mem.kv, batch, context, args.reps)
+                    rows += sweep_shape(mem.kv, batch, context, args.reps,
+                                        candidates(modes, configs, splits, context))
                     print(f"swept batch {batch} at {context}", file=sys.stderr)
-        env = environment(mem.kind)
+                    md = write(args.out, rows, env, command)  # a cut-off run keeps its shapes
     finally:
         mem.close()
-    date = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-    command = "python3 -m edmm.bench.scripts.decode_sweep " + shlex.join(sys.argv[1:])
-    table = routes(rows)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "decode-sweep.json").write_text(json.dumps(
-        {"environment": env, "date": date, "command": command,
-         "rows": [asdict(r) for r in rows]}, indent=2))
-    (args.out / "decode_routes.json").write_text(json.dumps(
-        {"device": env["gpu"], "date": date, "command": command, "routes": table}, indent=2))
-    md = markdown(rows, table, f"# Decode attention sweep\n\n{env}\n\n{date}: `{command}`")
-    (args.out / "decode-sweep.md").write_text(md + "\n")
     print(md)
     return 0
+
+
+def write(out: Path, rows: list[Row], env: dict[str, Any], command: str) -> str:
+    """Write the three files from the rows so far; returns the markdown."""
+    date = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+    table = routes(rows)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "decode-sweep.json").write_text(json.dumps(
+        {"environment": env, "date": date, "command": command,
+         "rows": [asdict(r) for r in rows]}, indent=2))
+    (out / "decode_routes.json").write_text(json.dumps(
+        {"device": env["gpu"], "date": date, "command": command, "routes": table}, indent=2))
+    md = markdown(rows, table, f"# Decode attention sweep\n\n{env}\n\n{date}: `{command}`")
+    (out / "decode-sweep.md").write_text(md + "\n")
+    return md
 
 
 if __name__ == "__main__":

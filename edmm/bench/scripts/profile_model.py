@@ -1,19 +1,23 @@
 """Where the time of a decode step and of a cached-prefix prefill goes (torch.profiler, H200).
 
-    python -m edmm.bench.scripts.profile_model [--context 16384] [--out DIR]
+    python -m edmm.bench.scripts.profile_model [--context 16384] [--attention auto] [--out DIR]
 
-Prints, for the qwen2.5-7b preset on the arena: the top CUDA kernels of a decode step, of a
-512-token prefill on a cached prefix and of a full prefill (time per step; the decode step
-completes a ``--context``-token context, as `edmm bench ttft` times it), their sum against the
-wall time, and the wall time of the parts of a graph-replayed decode step and 512-token prefill
-(medians of 30): mapping the new tokens' pages (``grow``, timed apart), building the inputs
-(``grow`` included), `forward` (copy into the graph's buffers, launch the replay), `sample`
-(launch), the wait for the device, and the graph's replay alone.
+Prints, for the qwen2.5-7b preset on the arena (attention backend ``--attention``: auto,
+fa4, triton): the top CUDA kernels of a decode step, of a 512-token prefill on a cached prefix
+and of a full prefill (time per step; the decode step completes a ``--context``-token context,
+as `edmm bench ttft` times it), their sum against the wall time, and the wall time of the parts
+of a graph-replayed decode step and 512-token prefill (medians of 30): mapping the new tokens'
+pages (``grow``, timed apart), building the inputs (``grow`` included), `forward` (copy into
+the graph's buffers, launch the replay), `sample` (launch), the wait for the device, and the
+graph's replay alone. With ``--full-prefill-chunk N`` also the full prefill in passes of N
+tokens, and the host's side of those passes (building inputs, launching each pass) against the
+wall time: where the host, not the device, sets the pace. ``--sections`` picks the parts.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import statistics
 import time
 from pathlib import Path
@@ -97,42 +101,94 @@ def _step_parts(side: EdmmSide, ids: torch.Tensor, keep: int, end: int,
     return "| part | median ms |\n|---|---:|\n" + "\n".join(rows)
 
 
+def _chunk_parts(side: EdmmSide, ids: torch.Tensor, chunk: int, steps: int = 3) -> str:
+    """Host time of a full prefill in passes of ``chunk`` tokens (medians of ``steps``):
+    building each pass's inputs (mapping its pages included) and launching its forward,
+    summed over the passes, against the wall time of the whole prefill. Host time close to
+    the wall time: the host sets the pace, and the device waits between launches."""
+    parts: dict[str, list[float]] = {k: [] for k in ("inputs (all passes)",
+                                                      "launch (all passes)", "sample + wait",
+                                                      "wall")}
+    starts = [*range(0, ids.shape[0], chunk), ids.shape[0]]
+    with torch.inference_mode():
+        for _ in range(steps):
+            side.truncate(0)
+            torch.cuda.synchronize()
+            t_in = t_fw = 0.0
+            t0 = time.perf_counter()
+            for lo, hi in itertools.pairwise(starts):
+                a = time.perf_counter()
+                inputs = side.inputs(ids[lo:hi])
+                b = time.perf_counter()
+                hidden = side.runner.forward(inputs)
+                t_in, t_fw = t_in + b - a, t_fw + time.perf_counter() - b
+            c = time.perf_counter()
+            side.runner.sample(hidden, inputs).item()
+            end = time.perf_counter()
+            for k, v in zip(parts, (t_in, t_fw, end - c, end - t0), strict=True):
+                parts[k].append(v * 1e3)
+    rows = [f"| {k} | {statistics.median(v):.3f} |" for k, v in parts.items()]
+    return "| part | median ms |\n|---|---:|\n" + "\n".join(rows)
+
+
+SECTIONS = ("decode", "cached", "full", "chunked", "parts")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--context", type=int, default=16384)
     parser.add_argument("--out", type=Path, default=None)
     parser.add_argument("--fast-only", action="store_true", help="skip the eager SDPA variant")
+    parser.add_argument("--attention", default="auto",
+                        help="attention backend of the fast variant: auto, fa4, triton")
     parser.add_argument("--full-prefill-chunk", type=int, default=0,
                         help="also profile the full prefill in passes of this many tokens")
+    parser.add_argument("--sections", default=",".join(SECTIONS),
+                        help=f"parts to profile, of {', '.join(SECTIONS)}")
     args = parser.parse_args()
+    sections = set(args.sections.split(","))
+    if not sections <= set(SECTIONS):
+        parser.error(f"--sections: unknown parts {sorted(sections - set(SECTIONS))}")
     ctx = args.context
     report = [f"# profile, qwen2.5-7b preset, context {ctx}, {torch.cuda.get_device_name()}"]
     for eager in (False,) if args.fast_only else (True, False):
         cfg = TTFTBenchConfig(contexts=(ctx,), eager=eager)
-        side = EdmmSide(cfg, ctx)
+        side = EdmmSide(cfg, ctx, "sdpa" if eager else args.attention)
         ids = torch.randint(0, side.cfg.vocab_size, (ctx + 1,), device="cuda")
         side.extend(ids[:ctx])
-        name = "eager SDPA" if eager else "Triton + fused pointwise + CUDA graph"
-        report.append(f"\n## decode step ({name})\n" + _profile(side, ids, ctx - 1, ctx, 10))
-        report.append(f"\n## prefill 512 on cached prefix ({name})\n"
-                      + _profile(side, ids, ctx - 512, ctx, 5))
-        report.append(f"\n## full prefill of {ctx} tokens ({name}, eager)\n"
-                      + _profile(side, ids, 0, ctx, 2, top=24))
-        if args.full_prefill_chunk:
-            report.append(f"\n## full prefill of {ctx} tokens in passes of "
-                          f"{args.full_prefill_chunk} ({name}, eager)\n"
-                          + _profile(side, ids, 0, ctx, 2, top=24, chunk=args.full_prefill_chunk))
-        if not eager:
-            report.append("\n## decode step parts (CUDA graph)\n"
-                          + _step_parts(side, ids, ctx - 1, ctx))
-            report.append("\n## prefill 512 parts (CUDA graph)\n"
-                          + _step_parts(side, ids, ctx - 512, ctx))
+        name = ("eager SDPA" if eager else
+                f"{type(side.model.backend).__name__} + fused pointwise + CUDA graph")
+        report += _sections(side, ids, name, sections, args.full_prefill_chunk, eager)
         side.close()
     text = "\n".join(report)
     print(text)
     if args.out:
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "profile.md").write_text(text + "\n")
+
+
+def _sections(side: EdmmSide, ids: torch.Tensor, name: str, sections: set[str], chunk: int,
+              eager: bool) -> list[str]:
+    ctx = ids.shape[0] - 1
+    out = []
+    if "decode" in sections:
+        out.append(f"\n## decode step ({name})\n" + _profile(side, ids, ctx - 1, ctx, 10))
+    if "cached" in sections:
+        out.append(f"\n## prefill 512 on cached prefix ({name})\n"
+                   + _profile(side, ids, ctx - 512, ctx, 5))
+    if "full" in sections:
+        out.append(f"\n## full prefill of {ctx} tokens ({name}, eager)\n"
+                   + _profile(side, ids, 0, ctx, 2, top=24))
+    if chunk and "chunked" in sections:
+        out.append(f"\n## full prefill of {ctx} tokens in passes of {chunk} ({name}, eager)\n"
+                   + _profile(side, ids, 0, ctx, 2, top=24, chunk=chunk))
+        out.append(f"\n## full prefill in passes of {chunk}: host side\n"
+                   + _chunk_parts(side, ids[:ctx], chunk))
+    if not eager and "parts" in sections:
+        out.append("\n## decode step parts (CUDA graph)\n" + _step_parts(side, ids, ctx - 1, ctx))
+        out.append("\n## prefill 512 parts (CUDA graph)\n"
+                   + _step_parts(side, ids, ctx - 512, ctx))
+    return out
 
 
 if __name__ == "__main__":
