@@ -25,7 +25,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
@@ -34,6 +34,7 @@ from edmm.engine import Engine, InvalidRequestError, Request, RequestOutput
 from edmm.engine.sampling import LogitsProcessor
 from edmm.model.errors import PromptTooLongError
 from edmm.model.prompt_encoder import PromptEncoder
+from edmm.server.chat_prompts import ChatPrompts
 from edmm.server.engine_loop import EngineLoop, OutputStream
 from edmm.server.errors import (
     APIError,
@@ -53,7 +54,6 @@ from edmm.server.prompts import (
     predicted_messages,
     prompt_limit,
     prompt_too_long,
-    render_chat,
     sampling_params,
     template_messages,
     template_tools,
@@ -83,7 +83,7 @@ from edmm.server.protocol import (
     random_id,
 )
 from edmm.server.sessions import ANONYMOUS, ServerSessions, Turn, TurnEnd
-from edmm.server.stages import StageLog, StageTimer, TimedEncoder
+from edmm.server.stages import StageLog, StageTimer
 from edmm.server.templates import TemplateLimits, render_client_template
 from edmm.server.tool_parser import ParsedReply, ParsedToolCall, StreamingToolParser, parse_reply
 from edmm.server.validation import (
@@ -144,6 +144,7 @@ class OpenAIServing:
         # shared between threads): rendering a long conversation never blocks the event loop.
         self.tokenizer = tokenizer
         self.encoder = PromptEncoder(tokenizer) if tokenizer is not None else None
+        self.prompts = ChatPrompts(tokenizer, self.encoder)  # tokenizing thread only
         self._tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edmm-tokenize")
         # Grammar compilation: never ahead of others' tokenizing.
         self._isolated = ThreadPoolExecutor(max_workers=2, thread_name_prefix="edmm-isolated")
@@ -161,7 +162,9 @@ class OpenAIServing:
     def start(self) -> None:
         """Start the client-template process when client templates are on, and wait until
         it renders (its start-up, which imports the template code, is paid by no request and
-        never competes with live traffic)."""
+        never competes with live traffic); probe the model's template for incremental
+        rendering (`ChatPrompts.prepare`) on the tokenizing thread."""
+        self._tokenizing.submit(self.prompts.prepare).result()
         if self.client_templates is not None:
             self._template_pool().submit(render_client_template, "{{ 1 }}", {},
                                          self.client_templates).result()
@@ -269,14 +272,9 @@ class OpenAIServing:
     def _render_chat(self, timer: StageTimer | None, messages: list[dict[str, Any]],
                      tools: list[dict[str, Any]] | None,
                      kwargs: dict[str, Any] | None, limit: int) -> list[int]:
-        """`render_chat` on the tokenizing thread (refused past ``limit`` tokens); timed when
-        ``timer`` is given."""
-        encoder = self.encoder
-        if timer is not None:
-            timer.mark("render_start")
-            if encoder is not None:  # it marks the render's end and the tokenizing's
-                encoder = cast(PromptEncoder, TimedEncoder(encoder.encode, timer))
-        return render_chat(self.tokenizer, messages, tools, kwargs, encoder, limit)
+        """`ChatPrompts.ids` on the tokenizing thread (incremental where exact; refused past
+        ``limit`` tokens); timed when ``timer`` is given."""
+        return self.prompts.ids(messages, tools, kwargs, limit, timer)
 
     async def chat_completion(self, turn: ChatTurn) -> ChatCompletion:
         """Run a queued chat turn to the end: the whole response."""

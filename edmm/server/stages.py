@@ -25,7 +25,6 @@ import itertools
 import json
 import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -78,22 +77,6 @@ class StageLog:
                   "marks": timer.marks}
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
-
-
-class TimedEncoder:
-    """An encoder that marks ``rendered`` when called (the template has run) and
-    ``tokenized`` when done: splits `render_chat`'s render from its tokenizing."""
-
-    def __init__(self, encode: Callable[[str, int | None], list[int]],
-                 timer: StageTimer) -> None:
-        self._encode = encode
-        self._timer = timer
-
-    def encode(self, text: str, limit: int | None = None) -> list[int]:
-        self._timer.mark("rendered")
-        ids = self._encode(text, limit)
-        self._timer.mark("tokenized")
-        return ids
 
 
 def spans_ms(marks: dict[str, int], client_sent_ns: int | None = None,
