@@ -329,8 +329,9 @@ class _Resume:
     cached_tokens: int
     speculation: str  # hit / partial / miss / none (from /metrics)
     response_id: str = ""  # the chatcmpl id (the server's stage log is keyed by it)
-    sent_ns: int = 0  # wall clock when the request was sent
+    sent_ns: int = 0  # wall clock when the SDK was called
     first_ns: int | None = None  # wall clock of the first content delta (streamed)
+    wire_ns: int | None = None  # wall clock when the SDK handed the request to httpx
 
 
 class LiveClient:
@@ -345,13 +346,22 @@ class LiveClient:
         api_key = "unused"  # sessions belong to the key: the SDK's calls and DELETE share it
         self.http = httpx.Client(timeout=cfg.request_timeout_s,
                                  headers={"Authorization": f"Bearer {api_key}"})
+        self.wire_ns: int | None = None  # when the SDK's last request went to httpx
+        # The SDK's own client, whose request hook marks the end of the SDK's work (its
+        # conversion of the messages, the body's JSON) and the start of HTTP.
+        sdk_http = openai.DefaultHttpxClient(timeout=cfg.request_timeout_s,
+                                             event_hooks={"request": [self._on_request]})
         self.openai = openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key,
-                                    max_retries=0, timeout=cfg.request_timeout_s)
+                                    max_retries=0, timeout=cfg.request_timeout_s,
+                                    http_client=sdk_http)
         self.model = self.openai.models.list().data[0].id
 
     def close(self) -> None:
         self.openai.close()
         self.http.close()
+
+    def _on_request(self, request: Any) -> None:
+        self.wire_ns = time.time_ns()
 
     def speculation_counts(self) -> Counter[str]:
         """``edmm_speculation_outcomes_total`` by outcome."""
@@ -388,7 +398,7 @@ class LiveClient:
             temperature=0, max_tokens=self.cfg.resume_tokens, extra_body={"ignore_eos": True},
             extra_headers={"X-Session-Id": sid})
         create: Any = self.openai.chat.completions.create  # messages are plain dicts
-        ttft = first_ns = None
+        ttft = first_ns = self.wire_ns = None
         sent_ns = time.time_ns()
         t0 = time.perf_counter()
         if stream:
@@ -415,7 +425,7 @@ class LiveClient:
         spec = next((k for k in ("hit", "partial", "miss") if gained[k]), "none")
         return _Resume(ttft, total, usage.prompt_tokens,
                        details.cached_tokens or 0 if details is not None else 0, spec,
-                       response_id, sent_ns, first_ns)
+                       response_id, sent_ns, first_ns, self.wire_ns)
 
     def close_session(self, sid: str) -> None:
         with contextlib.suppress(Exception):
@@ -453,7 +463,8 @@ def measure(client: LiveClient, prompts: Prompts, cfg: LiveBenchConfig) -> list[
                 if i < cfg.warmup:
                     continue
                 rows.append({"context_tokens": ctx, "group": group, "iteration": i - cfg.warmup,
-                             "ttft_ms": streamed.ttft_ms, "stream_total_ms": streamed.total_ms,
+                             "ttft_ms": streamed.ttft_ms, "sdk_ms": _sdk_ms(streamed),
+                             "stream_total_ms": streamed.total_ms,
                              "total_ms": whole.total_ms, "prompt_tokens": whole.prompt_tokens,
                              "cached_tokens": whole.cached_tokens,
                              "prefilled_tokens": whole.prompt_tokens - whole.cached_tokens,
@@ -462,6 +473,11 @@ def measure(client: LiveClient, prompts: Prompts, cfg: LiveBenchConfig) -> list[
                              "speculation_stream": streamed.speculation,
                              "_timed": (streamed, whole)})
     return rows
+
+
+def _sdk_ms(resume: _Resume) -> float | None:
+    """Milliseconds the openai SDK spent before handing the request to HTTP."""
+    return None if resume.wire_ns is None else (resume.wire_ns - resume.sent_ns) / 1e6
 
 
 def stage_rows(rows: list[dict[str, Any]], log: dict[str, dict[str, Any]],
@@ -477,7 +493,8 @@ def stage_rows(rows: list[dict[str, Any]], log: dict[str, dict[str, Any]],
             if rec is None:
                 continue
             key = (r["context_tokens"], r["group"], mode)
-            for name, ms in spans_ms(rec["marks"], resume.sent_ns, resume.first_ns).items():
+            for name, ms in spans_ms(rec["marks"], resume.sent_ns, resume.first_ns,
+                                     resume.wire_ns).items():
                 spans.setdefault(key, {}).setdefault(name, []).append(ms)
     out = []
     for (ctx, group, mode), by_span in spans.items():
@@ -498,7 +515,9 @@ def summarize_live(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ``client_ms`` (what ``ratio_to_A`` and the plot use) is the streamed TTFT, or where no
     content delta ever came (a random model whose tokens the tokenizer cannot spell: a preset
     beside a small tokenizer) the non-streamed latency, a TTFT with ``--resume-tokens 1``;
-    ``client_metric`` says which."""
+    ``client_metric`` says which. ``sdk_median_ms``: the openai SDK's own work before the
+    request goes to HTTP (it converts every message); ``ttft_after_sdk_trimmed_mean_ms``: the
+    streamed TTFT from then on (what the server and HTTP cost an agent, whatever its client)."""
     out = []
     for ctx in dict.fromkeys(r["context_tokens"] for r in rows):
         a_mean: float | None = None
@@ -508,6 +527,9 @@ def summarize_live(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 continue
             ttfts = [r["ttft_ms"] for r in sel if r["ttft_ms"] is not None]
             s = summarize(ttfts) if ttfts else None
+            sdk = [r["sdk_ms"] for r in sel if r.get("sdk_ms") is not None]
+            wire = [r["ttft_ms"] - r["sdk_ms"] for r in sel
+                    if r["ttft_ms"] is not None and r.get("sdk_ms") is not None]
             total = summarize([r["total_ms"] for r in sel])
             mean = s.trimmed_mean if s is not None else math.nan
             client = mean if s is not None else total.trimmed_mean
@@ -522,6 +544,8 @@ def summarize_live(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "ttft_median_ms": s.median if s is not None else None,
                 "ttft_p10_ms": s.p10 if s is not None else None,
                 "ttft_p90_ms": s.p90 if s is not None else None,
+                "sdk_median_ms": summarize(sdk).median if sdk else None,
+                "ttft_after_sdk_trimmed_mean_ms": summarize(wire).trimmed_mean if wire else None,
                 "total_trimmed_mean_ms": total.trimmed_mean, "total_median_ms": total.median,
                 "n": len(sel), "speculation": outcomes.most_common(1)[0][0],
                 "client_ms": client, "client_metric": "ttft" if s is not None else "total",
@@ -587,7 +611,9 @@ def _write_stages(stages: list[dict[str, Any]], env: Any, out_dir: Path) -> dict
     writer = ResultWriter(out_dir, f"{NAME}-stages", env)
     writer.add_rows(stages)
     notes = ["median milliseconds from one stage to the next (edmm.server.stages): "
-             "client_sent -> arrive is HTTP, body parsing and validation; ... -> first_event "
+             "client_sent -> client_wire is the openai SDK's own work (it converts the "
+             "messages and writes the body's JSON); client_wire -> arrive is HTTP, body "
+             "parsing and validation; ... -> first_event "
              "is the server's; first_event -> client_first is the way back (streamed) or "
              "the response's serialisation and transfer (whole)",
              "mode stream: to the first content delta; whole: to the whole response"]

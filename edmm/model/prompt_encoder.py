@@ -78,10 +78,15 @@ class PromptEncoder:
             PromptTooLongError: ``text`` has more than ``limit`` tokens (when one is given);
                 nothing is kept of it.
         """
+        return self.encode_array(text, limit).tolist()
+
+    def encode_array(self, text: str, limit: int | None = None) -> array:
+        """`encode` as an ``array('q')`` (the caller's own copy): no Python int per token,
+        and `edmm.engine.RequestValidator` checks its bounds in one pass."""
         if self._pattern is None:
             if limit is not None:
                 self.check_fits(text, limit)
-            ids = list(self._tokenizer.encode(text, add_special_tokens=False))
+            ids = array("q", self._tokenizer.encode(text, add_special_tokens=False))
             self.encoded_tokens += len(ids)
             _check_count(len(ids), limit)
             return ids
@@ -97,7 +102,7 @@ class PromptEncoder:
         self._recent.append(entry)
         self.reused_tokens += tok
         self.encoded_tokens += len(tail_ids)
-        return entry.ids.tolist()
+        return entry.ids[:]
 
     def check_fits(self, text: str, limit: int, before: int = 0) -> None:
         """Raise `PromptTooLongError` if ``text`` certainly has more than ``limit`` tokens,

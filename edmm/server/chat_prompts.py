@@ -14,6 +14,7 @@ Not thread-safe: everything runs on the server's one tokenizing thread.
 from __future__ import annotations
 
 import logging
+from array import array
 from dataclasses import replace
 from functools import partial
 from typing import Any
@@ -59,9 +60,10 @@ class ChatPrompts:
 
     def ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
             kwargs: dict[str, Any] | None, limit: int | None,
-            timer: StageTimer | None = None) -> list[int]:
-        """The prompt's token ids (refused past ``limit`` tokens when one is given); marks
-        ``render_start``, ``rendered`` and ``tokenized`` on ``timer``."""
+            timer: StageTimer | None = None) -> array:
+        """The prompt's token ids (`encode_prompt`: an ``array('q')``; refused past ``limit``
+        tokens when one is given); marks ``render_start``, ``rendered`` and ``tokenized`` on
+        ``timer``."""
         if timer is not None:
             timer.mark("render_start")
         self.prepare()

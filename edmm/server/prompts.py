@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from typing import Any
 
@@ -181,13 +182,14 @@ def _require_template(tokenizer: Any) -> None:
 
 
 def encode_prompt(tokenizer: Any, encoder: PromptEncoder | None, text: str,
-                  limit: int | None = None) -> list[int]:
-    """Prompt token ids of a rendered chat ``text``; with a ``limit``, 400 as soon as it is
-    certainly over ``limit`` tokens (the whole text is not tokenized then)."""
+                  limit: int | None = None) -> array:
+    """Prompt token ids of a rendered chat ``text`` (an ``array('q')``: no Python int per
+    token, bounds checked at C speed by the engine's validator); with a ``limit``, 400 as soon
+    as it is certainly over ``limit`` tokens (the whole text is not tokenized then)."""
     try:
         if encoder is not None:
-            return encoder.encode(text, limit)
-        ids = list(tokenizer.encode(text, add_special_tokens=False))
+            return encoder.encode_array(text, limit)
+        ids = array("q", tokenizer.encode(text, add_special_tokens=False))
     except PromptTooLongError as e:
         raise prompt_too_long(e) from None
     if limit is not None and len(ids) > limit:
@@ -218,7 +220,7 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]],
     """Prompt token ids of a conversation rendered whole (`chat_text`, then `encode_prompt`,
     which stops past ``limit`` tokens when one is given)."""
     return encode_prompt(tokenizer, encoder, chat_text(tokenizer, messages, tools, kwargs,
-                                                       limits), limit)
+                                                       limits), limit).tolist()
 
 
 def check_chat_options(req: ChatCompletionRequest) -> None:

@@ -194,7 +194,7 @@ class OpenAIServing:
 
     async def _chat_ids(self, timer: StageTimer | None, messages: list[dict[str, Any]],
                         tools: list[dict[str, Any]] | None, kwargs: dict[str, Any] | None,
-                        limit: int) -> list[int]:
+                        limit: int) -> Sequence[int]:
         """Prompt ids of a conversation, refused past ``limit`` tokens; a client's template
         renders on the isolated pool (which reads the tokenizer's special tokens, never runs
         it), the model's on the tokenizing thread."""
@@ -271,7 +271,7 @@ class OpenAIServing:
 
     def _render_chat(self, timer: StageTimer | None, messages: list[dict[str, Any]],
                      tools: list[dict[str, Any]] | None,
-                     kwargs: dict[str, Any] | None, limit: int) -> list[int]:
+                     kwargs: dict[str, Any] | None, limit: int) -> Sequence[int]:
         """`ChatPrompts.ids` on the tokenizing thread (incremental where exact; refused past
         ``limit`` tokens); timed when ``timer`` is given."""
         return self.prompts.ids(messages, tools, kwargs, limit, timer)
@@ -392,7 +392,7 @@ class OpenAIServing:
             predicted_prompt=predicted)
         await self.loop.run(lambda b: b.end(end))
 
-    async def _predicted_prompt(self, turn: ChatTurn, content: str | None) -> list[int]:
+    async def _predicted_prompt(self, turn: ChatTurn, content: str | None) -> Sequence[int]:
         """Token ids of the client's predicted next request with this turn's reply
         (`EdmmExtension.predicted_next_messages`), rendered as that request will be; empty
         without one, or when it fails in any way (its text was checked with the request; the
@@ -559,7 +559,7 @@ class OpenAIServing:
             salt = f"{owner}\x00{salt or ''}"
         return request if salt is None else dataclasses.replace(request, cache_salt=salt)
 
-    def _make_request(self, ids: list[int], params: Any) -> Request:
+    def _make_request(self, ids: Sequence[int], params: Any) -> Request:
         """Validate a tokenized request (token ids in the vocabulary, length); any thread."""
         try:
             return self.validator.make(f"req-{uuid.uuid4().hex}", ids, params)

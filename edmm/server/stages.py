@@ -80,12 +80,16 @@ class StageLog:
 
 
 def spans_ms(marks: dict[str, int], client_sent_ns: int | None = None,
-             client_first_ns: int | None = None) -> dict[str, float]:
+             client_first_ns: int | None = None,
+             client_wire_ns: int | None = None) -> dict[str, float]:
     """Milliseconds between consecutive present stages (``from->to``), with the client's send
-    and first-receive times around them when given."""
+    (its call to the SDK; ``client_wire``: the SDK handing the request to HTTP) and
+    first-receive times around them when given."""
     points: list[tuple[str, int]] = []
     if client_sent_ns is not None:
         points.append(("client_sent", client_sent_ns))
+    if client_wire_ns is not None:
+        points.append(("client_wire", client_wire_ns))
     points += [(s, marks[s]) for s in STAGES if s in marks]
     if client_first_ns is not None:
         points.append(("client_first", client_first_ns))
