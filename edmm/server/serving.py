@@ -252,12 +252,18 @@ class OpenAIServing:
         messages = template_messages(req.messages)
         tools = template_tools(req.tools)
         _mark(timer, "validated")
-        ids = await self._chat_ids(timer, messages, tools, req.chat_template_kwargs,
-                                   prompt_limit(self.max_model_len, req.completion_limit))
+        # The grammars compile on the isolated pool while the prompt renders (neither needs
+        # the other); a rendering error is still the one reported.
+        processors = asyncio.ensure_future(self._isolate(self._chat_processors, req))
+        try:
+            ids = await self._chat_ids(timer, messages, tools, req.chat_template_kwargs,
+                                       prompt_limit(self.max_model_len, req.completion_limit))
+        except BaseException:
+            _discard(processors)
+            raise
         _mark(timer, "back")
-        processors = await self._isolate(self._chat_processors, req)
         params = sampling_params(req, req.completion_limit, len(ids), self.max_model_len,
-                                 processors)
+                                 await processors)
         request = self._salted(self._make_request(ids, params), req.cache_salt, owner)
         _mark(timer, "request_made")
         ext = req.edmm
@@ -596,6 +602,12 @@ def _check_grammar(request: Request) -> None:
         if isinstance(processor, GrammarLogitsProcessor) and processor.failure is not None:
             raise BadRequestError(processor.failure, param=processor.param,
                                   code="grammar_too_costly")
+
+
+def _discard(future: asyncio.Future[Any]) -> None:
+    """Cancel ``future``, or if it is done, retrieve its error (none is logged as lost)."""
+    if not future.cancel() and not future.cancelled():
+        future.exception()
 
 
 def _mark(timer: StageTimer | None, stage: str) -> None:
