@@ -612,8 +612,9 @@ def _write_stages(stages: list[dict[str, Any]], env: Any, out_dir: Path) -> dict
     writer.add_rows(stages)
     notes = ["median milliseconds from one stage to the next (edmm.server.stages): "
              "client_sent -> client_wire is the openai SDK's own work (it converts the "
-             "messages and writes the body's JSON); client_wire -> arrive is HTTP, body "
-             "parsing and validation; ... -> first_event "
+             "messages and writes the body's JSON); client_wire -> received is HTTP (the "
+             "body's transfer); received -> arrive its parsing and validation; ... -> "
+             "first_event "
              "is the server's; first_event -> client_first is the way back (streamed) or "
              "the response's serialisation and transfer (whole)",
              "mode stream: to the first content delta; whole: to the whole response"]

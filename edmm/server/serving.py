@@ -241,9 +241,10 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ chat
     async def start_chat(self, req: ChatCompletionRequest, session_header: str | None,
-                         owner: str = ANONYMOUS) -> ChatTurn:
-        """Validate, render and queue a chat request (any error is raised before queuing)."""
-        timer = self.stages.timer()
+                         owner: str = ANONYMOUS, received_ns: int | None = None) -> ChatTurn:
+        """Validate, render and queue a chat request (any error is raised before queuing);
+        ``received_ns``: when its body was read, for the stage log."""
+        timer = self.stages.timer(received_ns)
         self.check_model(req.model)
         check_text(req.model_dump(by_alias=True, exclude_defaults=True))
         check_chat_options(req)

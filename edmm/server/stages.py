@@ -4,7 +4,8 @@ Set ``EDMM_STAGE_LOG=/path/stages.jsonl`` in ``edmm serve``'s environment and ea
 request appends one JSON line ``{"id": <chatcmpl id>, "stream": bool, "prompt_tokens": n,
 "marks": {stage: unix time in ns}}`` when it ends. Stages, in order (`STAGES`):
 
-- ``arrive``: the route's handler runs (the HTTP request was read, parsed and validated);
+- ``received``: the request's body was read (`RequestGuard`), before it is parsed;
+- ``arrive``: the route's handler runs (the body was parsed and validated);
 - ``validated``: options checked, messages and tools converted for the template;
 - ``render_start``: the tokenizing thread took the job; ``rendered``: the chat template ran;
   ``tokenized``: the ids are there; ``back``: the event loop has them;
@@ -28,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-STAGES = ("arrive", "validated", "render_start", "rendered", "tokenized", "back",
+STAGES = ("received", "arrive", "validated", "render_start", "rendered", "tokenized", "back",
           "request_made", "engine_picked", "begun", "submitted", "first_output", "first_event")
 ENV = "EDMM_STAGE_LOG"
 
@@ -60,11 +61,14 @@ class StageLog:
         """True when requests are timed."""
         return self.path is not None
 
-    def timer(self) -> StageTimer | None:
-        """A timer for a new request, its ``arrive`` marked; None when off."""
+    def timer(self, received_ns: int | None = None) -> StageTimer | None:
+        """A timer for a new request, its ``arrive`` marked (and ``received``, its body read,
+        at ``received_ns`` when given); None when off."""
         if self.path is None:
             return None
         timer = StageTimer()
+        if received_ns is not None:
+            timer.marks["received"] = received_ns
         timer.mark("arrive")
         return timer
 

@@ -139,7 +139,7 @@ def test_stage_breakdown(tmp_path: Path) -> None:
     by_mode = {r["mode"]: r for r in doc["rows"]}
     assert set(by_mode) == {"stream", "whole"}
     spans = [k for k in by_mode["stream"] if "->" in k]
-    assert spans[:2] == ["client_sent->client_wire", "client_wire->arrive"]
+    assert spans[:3] == ["client_sent->client_wire", "client_wire->received", "received->arrive"]
     assert spans[-1] == "first_event->client_first"
     assert {"render_start->rendered", "rendered->tokenized", "engine_picked->begun",
             "submitted->first_output"} <= set(spans)
