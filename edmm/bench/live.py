@@ -37,10 +37,11 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -447,8 +448,11 @@ def _session(client: LiveClient, prompts: Prompts, group: str,
         client.close_session(sid)
 
 
-def measure(client: LiveClient, prompts: Prompts, cfg: LiveBenchConfig) -> list[dict[str, Any]]:
-    """Per-iteration rows (warm-up dropped); the groups alternate within an iteration."""
+def measure(client: LiveClient, prompts: Prompts, cfg: LiveBenchConfig,
+            on_context: Callable[[list[dict[str, Any]]], None] | None = None,
+            ) -> list[dict[str, Any]]:
+    """Per-iteration rows (warm-up dropped); the groups alternate within an iteration.
+    ``on_context``: called with the rows so far after each context."""
     rows: list[dict[str, Any]] = []
     progress = Progress("live", len(cfg.contexts) * (cfg.warmup + cfg.iterations)
                         * len(cfg.groups))
@@ -472,6 +476,8 @@ def measure(client: LiveClient, prompts: Prompts, cfg: LiveBenchConfig) -> list[
                              "speculation": whole.speculation,
                              "speculation_stream": streamed.speculation,
                              "_timed": (streamed, whole)})
+        if on_context is not None:
+            on_context(rows)
     return rows
 
 
@@ -556,29 +562,63 @@ def summarize_live(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def run_live_bench(cfg: LiveBenchConfig, out_dir: Path) -> dict[str, Path]:
     """Run the groups against ``cfg.url`` or a started ``edmm serve``; write
-    ``agent-ttft-live.{csv,json,md,png}`` into ``out_dir`` (png: when matplotlib is there)."""
+    ``agent-ttft-live.{csv,json,md,png}`` into ``out_dir`` (png: when matplotlib is there).
+
+    The files are written again after each context, so a run cut short (``timeout`` sends
+    SIGTERM, which stops the started server like Ctrl-C) keeps every context it finished."""
     cfg = resolve_tokenizer(cfg)
     tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
     prompts = Prompts(tokenizer, cfg, random.Random(cfg.seed))
     env = collect_environment(cfg.device)
+    paths: dict[str, Path] = {}
     with contextlib.ExitStack() as stack:
+        _exit_on_sigterm(stack)
         stage_log = None
         if cfg.stages and cfg.url is None:
             stage_log = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "stages.jsonl"
         url = cfg.url or stack.enter_context(launched_server(cfg, stage_log))
         client = LiveClient(url, cfg)
         stack.callback(client.close)
-        rows = measure(client, prompts, cfg)
-        served = client.model
-        from edmm.server.stages import read_log
 
-        stages = (stage_rows(rows, read_log(str(stage_log)))
-                  if stage_log is not None and stage_log.exists() else [])
-    for r in rows:
-        del r["_timed"]
-    summary = summarize_live(rows)
+        def write(rows: list[dict[str, Any]]) -> None:
+            paths.update(_write_results(cfg, rows, stage_log, env, out_dir, client.model,
+                                        tokenizer))
+
+        rows = measure(client, prompts, cfg, on_context=write)
+    summary = summarize_live([_public(r) for r in rows])
+    with contextlib.suppress(RuntimeError):
+        paths["png"] = plot_live(summary, Path(out_dir) / f"{NAME}.png", cfg.device)
+    return paths
+
+
+def _exit_on_sigterm(stack: contextlib.ExitStack) -> None:
+    """Until ``stack`` closes, SIGTERM raises `SystemExit` (143): the bench unwinds, stopping
+    its server, instead of dying with it still running (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def stop(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    stack.callback(signal.signal, signal.SIGTERM, previous)
+
+
+def _public(row: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in row.items() if not k.startswith("_")}
+
+
+def _write_results(cfg: LiveBenchConfig, rows: list[dict[str, Any]], stage_log: Path | None,
+                   env: Any, out_dir: Path, served: str, tokenizer: Any) -> dict[str, Path]:
+    """``agent-ttft-live.{csv,json,md}`` (and the stage breakdown) of ``rows``."""
+    from edmm.server.stages import read_log
+
+    stages = (stage_rows(rows, read_log(str(stage_log)))
+              if stage_log is not None and stage_log.exists() else [])
+    public = [_public(r) for r in rows]
+    summary = summarize_live(public)
     writer = ResultWriter(out_dir, NAME, env)
-    writer.add_rows(rows)
+    writer.add_rows(public)
     server = (f"the running server at {cfg.url}" if cfg.url else
               "`" + " ".join(server_command(cfg, 0)[1:]).replace("--port 0", "--port <free>")
               + "` (started by the bench)")
@@ -594,13 +634,16 @@ def run_live_bench(cfg: LiveBenchConfig, out_dir: Path) -> dict[str, Path]:
              f"tool window: the client sleeps {cfg.tool_duration_s} s "
              "(expected_tool_duration_s); resume: "
              f"{cfg.resume_tokens} tokens, temperature 0, ignore_eos; TTFT: streamed, to the "
-             "first content delta; total: not streamed, a second session",
+             "first content delta; total: not streamed, a second session; sdk: the openai "
+             "SDK's own work before the request leaves it (ttft_after_sdk: the TTFT from then)",
              f"iterations: {cfg.iterations} after {cfg.warmup} warm-up; trimmed mean drops 10% "
              "each side", *ratio_notes([r for r in summary if r["ratio_to_A"] is not None])]
+    done = sorted({r["context_tokens"] for r in rows})
+    if done != sorted(cfg.contexts):
+        notes.append(f"contexts measured so far: {', '.join(map(str, done))} of "
+                     f"{', '.join(map(str, cfg.contexts))}")
     paths = writer.write(summary, title=f"A/B/C resume groups at the client, over HTTP "
                          f"({cfg.device})", notes=notes)
-    with contextlib.suppress(RuntimeError):
-        paths["png"] = plot_live(summary, Path(out_dir) / f"{NAME}.png", cfg.device)
     if stages:
         paths.update({f"stages_{k}": v for k, v in _write_stages(stages, env, out_dir).items()})
     return paths
