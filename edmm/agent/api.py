@@ -171,7 +171,7 @@ class AgentEngine:
             session.request_id = None
             session.window = None
             session.resume_started = None
-            session.repeated = 0
+            session.previous = []
             session.transition(S.FINISHED)
         return found
 
@@ -500,7 +500,7 @@ class AgentEngine:
         self.engine.submit(request, SlotHints(_session_tag(session.id), rank, priority, claim,
                                               stale_tag=_lost_tag(session.id)))
         prompt = request.prompt_token_ids
-        session.repeated = common_prefix_len(session.context, prompt)
+        session.previous = session.context  # compared with the prompt when the turn ends
         session.request_id = request.request_id
         session.cache_salt = request.cache_salt
         session.context = list(prompt)
@@ -525,9 +525,9 @@ class AgentEngine:
             session.request_id = None
             session.finished_request_id = out.request_id
             session.metrics.turns += 1
-            session.metrics.context_tokens_recomputed += max(
-                0, session.repeated - out.num_cached_tokens)
-            session.repeated = 0
+            session.metrics.context_tokens_recomputed += _recomputed(
+                session.previous, out.prompt_token_ids, out.num_cached_tokens)
+            session.previous = []
             session.transition(S.FINISHED)
 
     def _on_resumed(self, session: Session, out: RequestOutput) -> None:
@@ -687,6 +687,15 @@ class AgentEngine:
 
 
 _TAG_PREFIXES = ('["session",', '["branch",', '["lost",')  # the agent's tags (JSON lists)
+
+
+def _recomputed(previous: list[int], prompt: list[int], cached: int) -> int:
+    """Tokens of ``previous`` (a session's context before a turn) that the turn's ``prompt``
+    repeated and that were computed again (not among its ``cached`` tokens); the prompts are
+    compared only when the count can be above zero, after the turn (off its first token)."""
+    if cached >= min(len(previous), len(prompt)):
+        return 0
+    return max(0, common_prefix_len(previous, prompt) - cached)
 
 
 def _session_tag(session_id: str) -> str:

@@ -36,7 +36,7 @@ class Session:
     resume_started: float | None = None  # clock time of `resume` (RESUMING)
     prompt_len: int = 0  # the last turn's prompt: context[:prompt_len]
     finished_request_id: str | None = None  # the last turn that finished (not aborted)
-    repeated: int = 0  # tokens of the previous context that the running turn's prompt repeats
+    previous: list[int] = field(default_factory=list)  # context before the running turn
     owner: str | None = None  # the client it belongs to (opaque to the agent layer)
     cache_salt: str | None = None  # its last turn's (`Request.cache_salt`): speculation's too
     metrics: SessionMetrics = field(init=False)

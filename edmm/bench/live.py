@@ -37,10 +37,11 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -329,8 +330,9 @@ class _Resume:
     cached_tokens: int
     speculation: str  # hit / partial / miss / none (from /metrics)
     response_id: str = ""  # the chatcmpl id (the server's stage log is keyed by it)
-    sent_ns: int = 0  # wall clock when the request was sent
+    sent_ns: int = 0  # wall clock when the SDK was called
     first_ns: int | None = None  # wall clock of the first content delta (streamed)
+    wire_ns: int | None = None  # wall clock when the SDK handed the request to httpx
 
 
 class LiveClient:
@@ -345,13 +347,22 @@ class LiveClient:
         api_key = "unused"  # sessions belong to the key: the SDK's calls and DELETE share it
         self.http = httpx.Client(timeout=cfg.request_timeout_s,
                                  headers={"Authorization": f"Bearer {api_key}"})
+        self.wire_ns: int | None = None  # when the SDK's last request went to httpx
+        # The SDK's own client, whose request hook marks the end of the SDK's work (its
+        # conversion of the messages, the body's JSON) and the start of HTTP.
+        sdk_http = openai.DefaultHttpxClient(timeout=cfg.request_timeout_s,
+                                             event_hooks={"request": [self._on_request]})
         self.openai = openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key,
-                                    max_retries=0, timeout=cfg.request_timeout_s)
+                                    max_retries=0, timeout=cfg.request_timeout_s,
+                                    http_client=sdk_http)
         self.model = self.openai.models.list().data[0].id
 
     def close(self) -> None:
         self.openai.close()
         self.http.close()
+
+    def _on_request(self, request: Any) -> None:
+        self.wire_ns = time.time_ns()
 
     def speculation_counts(self) -> Counter[str]:
         """``edmm_speculation_outcomes_total`` by outcome."""
@@ -388,7 +399,7 @@ class LiveClient:
             temperature=0, max_tokens=self.cfg.resume_tokens, extra_body={"ignore_eos": True},
             extra_headers={"X-Session-Id": sid})
         create: Any = self.openai.chat.completions.create  # messages are plain dicts
-        ttft = first_ns = None
+        ttft = first_ns = self.wire_ns = None
         sent_ns = time.time_ns()
         t0 = time.perf_counter()
         if stream:
@@ -415,7 +426,7 @@ class LiveClient:
         spec = next((k for k in ("hit", "partial", "miss") if gained[k]), "none")
         return _Resume(ttft, total, usage.prompt_tokens,
                        details.cached_tokens or 0 if details is not None else 0, spec,
-                       response_id, sent_ns, first_ns)
+                       response_id, sent_ns, first_ns, self.wire_ns)
 
     def close_session(self, sid: str) -> None:
         with contextlib.suppress(Exception):
@@ -437,8 +448,11 @@ def _session(client: LiveClient, prompts: Prompts, group: str,
         client.close_session(sid)
 
 
-def measure(client: LiveClient, prompts: Prompts, cfg: LiveBenchConfig) -> list[dict[str, Any]]:
-    """Per-iteration rows (warm-up dropped); the groups alternate within an iteration."""
+def measure(client: LiveClient, prompts: Prompts, cfg: LiveBenchConfig,
+            on_context: Callable[[list[dict[str, Any]]], None] | None = None,
+            ) -> list[dict[str, Any]]:
+    """Per-iteration rows (warm-up dropped); the groups alternate within an iteration.
+    ``on_context``: called with the rows so far after each context."""
     rows: list[dict[str, Any]] = []
     progress = Progress("live", len(cfg.contexts) * (cfg.warmup + cfg.iterations)
                         * len(cfg.groups))
@@ -453,7 +467,8 @@ def measure(client: LiveClient, prompts: Prompts, cfg: LiveBenchConfig) -> list[
                 if i < cfg.warmup:
                     continue
                 rows.append({"context_tokens": ctx, "group": group, "iteration": i - cfg.warmup,
-                             "ttft_ms": streamed.ttft_ms, "stream_total_ms": streamed.total_ms,
+                             "ttft_ms": streamed.ttft_ms, "sdk_ms": _sdk_ms(streamed),
+                             "stream_total_ms": streamed.total_ms,
                              "total_ms": whole.total_ms, "prompt_tokens": whole.prompt_tokens,
                              "cached_tokens": whole.cached_tokens,
                              "prefilled_tokens": whole.prompt_tokens - whole.cached_tokens,
@@ -461,7 +476,14 @@ def measure(client: LiveClient, prompts: Prompts, cfg: LiveBenchConfig) -> list[
                              "speculation": whole.speculation,
                              "speculation_stream": streamed.speculation,
                              "_timed": (streamed, whole)})
+        if on_context is not None:
+            on_context(rows)
     return rows
+
+
+def _sdk_ms(resume: _Resume) -> float | None:
+    """Milliseconds the openai SDK spent before handing the request to HTTP."""
+    return None if resume.wire_ns is None else (resume.wire_ns - resume.sent_ns) / 1e6
 
 
 def stage_rows(rows: list[dict[str, Any]], log: dict[str, dict[str, Any]],
@@ -477,7 +499,8 @@ def stage_rows(rows: list[dict[str, Any]], log: dict[str, dict[str, Any]],
             if rec is None:
                 continue
             key = (r["context_tokens"], r["group"], mode)
-            for name, ms in spans_ms(rec["marks"], resume.sent_ns, resume.first_ns).items():
+            for name, ms in spans_ms(rec["marks"], resume.sent_ns, resume.first_ns,
+                                     resume.wire_ns).items():
                 spans.setdefault(key, {}).setdefault(name, []).append(ms)
     out = []
     for (ctx, group, mode), by_span in spans.items():
@@ -498,7 +521,9 @@ def summarize_live(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     ``client_ms`` (what ``ratio_to_A`` and the plot use) is the streamed TTFT, or where no
     content delta ever came (a random model whose tokens the tokenizer cannot spell: a preset
     beside a small tokenizer) the non-streamed latency, a TTFT with ``--resume-tokens 1``;
-    ``client_metric`` says which."""
+    ``client_metric`` says which. ``sdk_median_ms``: the openai SDK's own work before the
+    request goes to HTTP (it converts every message); ``ttft_after_sdk_trimmed_mean_ms``: the
+    streamed TTFT from then on (what the server and HTTP cost an agent, whatever its client)."""
     out = []
     for ctx in dict.fromkeys(r["context_tokens"] for r in rows):
         a_mean: float | None = None
@@ -508,6 +533,9 @@ def summarize_live(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 continue
             ttfts = [r["ttft_ms"] for r in sel if r["ttft_ms"] is not None]
             s = summarize(ttfts) if ttfts else None
+            sdk = [r["sdk_ms"] for r in sel if r.get("sdk_ms") is not None]
+            wire = [r["ttft_ms"] - r["sdk_ms"] for r in sel
+                    if r["ttft_ms"] is not None and r.get("sdk_ms") is not None]
             total = summarize([r["total_ms"] for r in sel])
             mean = s.trimmed_mean if s is not None else math.nan
             client = mean if s is not None else total.trimmed_mean
@@ -522,6 +550,8 @@ def summarize_live(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "ttft_median_ms": s.median if s is not None else None,
                 "ttft_p10_ms": s.p10 if s is not None else None,
                 "ttft_p90_ms": s.p90 if s is not None else None,
+                "sdk_median_ms": summarize(sdk).median if sdk else None,
+                "ttft_after_sdk_trimmed_mean_ms": summarize(wire).trimmed_mean if wire else None,
                 "total_trimmed_mean_ms": total.trimmed_mean, "total_median_ms": total.median,
                 "n": len(sel), "speculation": outcomes.most_common(1)[0][0],
                 "client_ms": client, "client_metric": "ttft" if s is not None else "total",
@@ -532,29 +562,63 @@ def summarize_live(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 def run_live_bench(cfg: LiveBenchConfig, out_dir: Path) -> dict[str, Path]:
     """Run the groups against ``cfg.url`` or a started ``edmm serve``; write
-    ``agent-ttft-live.{csv,json,md,png}`` into ``out_dir`` (png: when matplotlib is there)."""
+    ``agent-ttft-live.{csv,json,md,png}`` into ``out_dir`` (png: when matplotlib is there).
+
+    The files are written again after each context, so a run cut short (``timeout`` sends
+    SIGTERM, which stops the started server like Ctrl-C) keeps every context it finished."""
     cfg = resolve_tokenizer(cfg)
     tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
     prompts = Prompts(tokenizer, cfg, random.Random(cfg.seed))
     env = collect_environment(cfg.device)
+    paths: dict[str, Path] = {}
     with contextlib.ExitStack() as stack:
+        _exit_on_sigterm(stack)
         stage_log = None
         if cfg.stages and cfg.url is None:
             stage_log = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "stages.jsonl"
         url = cfg.url or stack.enter_context(launched_server(cfg, stage_log))
         client = LiveClient(url, cfg)
         stack.callback(client.close)
-        rows = measure(client, prompts, cfg)
-        served = client.model
-        from edmm.server.stages import read_log
 
-        stages = (stage_rows(rows, read_log(str(stage_log)))
-                  if stage_log is not None and stage_log.exists() else [])
-    for r in rows:
-        del r["_timed"]
-    summary = summarize_live(rows)
+        def write(rows: list[dict[str, Any]]) -> None:
+            paths.update(_write_results(cfg, rows, stage_log, env, out_dir, client.model,
+                                        tokenizer))
+
+        rows = measure(client, prompts, cfg, on_context=write)
+    summary = summarize_live([_public(r) for r in rows])
+    with contextlib.suppress(RuntimeError):
+        paths["png"] = plot_live(summary, Path(out_dir) / f"{NAME}.png", cfg.device)
+    return paths
+
+
+def _exit_on_sigterm(stack: contextlib.ExitStack) -> None:
+    """Until ``stack`` closes, SIGTERM raises `SystemExit` (143): the bench unwinds, stopping
+    its server, instead of dying with it still running (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def stop(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    stack.callback(signal.signal, signal.SIGTERM, previous)
+
+
+def _public(row: dict[str, Any]) -> dict[str, Any]:
+    return {k: v for k, v in row.items() if not k.startswith("_")}
+
+
+def _write_results(cfg: LiveBenchConfig, rows: list[dict[str, Any]], stage_log: Path | None,
+                   env: Any, out_dir: Path, served: str, tokenizer: Any) -> dict[str, Path]:
+    """``agent-ttft-live.{csv,json,md}`` (and the stage breakdown) of ``rows``."""
+    from edmm.server.stages import read_log
+
+    stages = (stage_rows(rows, read_log(str(stage_log)))
+              if stage_log is not None and stage_log.exists() else [])
+    public = [_public(r) for r in rows]
+    summary = summarize_live(public)
     writer = ResultWriter(out_dir, NAME, env)
-    writer.add_rows(rows)
+    writer.add_rows(public)
     server = (f"the running server at {cfg.url}" if cfg.url else
               "`" + " ".join(server_command(cfg, 0)[1:]).replace("--port 0", "--port <free>")
               + "` (started by the bench)")
@@ -570,13 +634,16 @@ def run_live_bench(cfg: LiveBenchConfig, out_dir: Path) -> dict[str, Path]:
              f"tool window: the client sleeps {cfg.tool_duration_s} s "
              "(expected_tool_duration_s); resume: "
              f"{cfg.resume_tokens} tokens, temperature 0, ignore_eos; TTFT: streamed, to the "
-             "first content delta; total: not streamed, a second session",
+             "first content delta; total: not streamed, a second session; sdk: the openai "
+             "SDK's own work before the request leaves it (ttft_after_sdk: the TTFT from then)",
              f"iterations: {cfg.iterations} after {cfg.warmup} warm-up; trimmed mean drops 10% "
              "each side", *ratio_notes([r for r in summary if r["ratio_to_A"] is not None])]
+    done = sorted({r["context_tokens"] for r in rows})
+    if done != sorted(cfg.contexts):
+        notes.append(f"contexts measured so far: {', '.join(map(str, done))} of "
+                     f"{', '.join(map(str, cfg.contexts))}")
     paths = writer.write(summary, title=f"A/B/C resume groups at the client, over HTTP "
                          f"({cfg.device})", notes=notes)
-    with contextlib.suppress(RuntimeError):
-        paths["png"] = plot_live(summary, Path(out_dir) / f"{NAME}.png", cfg.device)
     if stages:
         paths.update({f"stages_{k}": v for k, v in _write_stages(stages, env, out_dir).items()})
     return paths
@@ -587,7 +654,10 @@ def _write_stages(stages: list[dict[str, Any]], env: Any, out_dir: Path) -> dict
     writer = ResultWriter(out_dir, f"{NAME}-stages", env)
     writer.add_rows(stages)
     notes = ["median milliseconds from one stage to the next (edmm.server.stages): "
-             "client_sent -> arrive is HTTP, body parsing and validation; ... -> first_event "
+             "client_sent -> client_wire is the openai SDK's own work (it converts the "
+             "messages and writes the body's JSON); client_wire -> received is HTTP (the "
+             "body's transfer); received -> arrive its parsing and validation; ... -> "
+             "first_event "
              "is the server's; first_event -> client_first is the way back (streamed) or "
              "the response's serialisation and transfer (whole)",
              "mode stream: to the first content delta; whole: to the whole response"]

@@ -116,12 +116,19 @@ def groups_table(edmm: Sequence[Row], peer: Sequence[Row] | None) -> str:
     return "\n".join(lines)
 
 
-def live_table(rows: Sequence[Row]) -> str:
+def live_table(rows: Sequence[Row], in_process: Sequence[Row] | None = None) -> str:
     """The live groups at the client: streamed TTFT where measured, else the non-streamed
-    latency of the resume (a 1-token resume: its TTFT seen by the client)."""
+    latency of the resume (a 1-token resume: its TTFT seen by the client). With the same
+    run's in-process groups (``in_process``: ``agent-ttft.json`` of the live file's folder),
+    what HTTP adds to A and C (live minus in process) and the openai SDK's share of it."""
     by = _by(rows, "context_tokens", "group")
-    lines = ["| context (live, HTTP) | A | B | C | B/A | C/A | C's cached / prompt tokens |",
-             "|---:|---:|---:|---:|---:|---:|---:|"]
+    alone = _by(in_process or (), "context_tokens", "group")
+    head = "| context (live, HTTP) | A | B | C | B/A | C/A | C's cached / prompt tokens |"
+    rule = "|---:|---:|---:|---:|---:|---:|---:|"
+    if alone:
+        head += " HTTP adds to A / C | of which the openai SDK (A / C) |"
+        rule += "---:|---:|"
+    lines = [head, rule]
     for ctx in dict.fromkeys(r["context_tokens"] for r in rows):
         got = {g: by.get((ctx, g)) for g in "ABC"}
         if any(r is None for r in got.values()):
@@ -129,10 +136,33 @@ def live_table(rows: Sequence[Row]) -> str:
         t = {g: _client_ms(r) for g, r in got.items() if r is not None}
         c = got["C"]
         assert c is not None
-        lines.append(f"| {ctx_label(ctx)} | {ms(t['A'])} | {ms(t['B'])} | {ms(t['C'])} | "
-                     f"{t['B'] / t['A']:.2f}x | {t['C'] / t['A']:.2f} | "
-                     f"{c['cached_tokens']} / {c['prompt_tokens']} |")
+        line = (f"| {ctx_label(ctx)} | {ms(t['A'])} | {ms(t['B'])} | {ms(t['C'])} | "
+                f"{t['B'] / t['A']:.2f}x | {t['C'] / t['A']:.2f} | "
+                f"{c['cached_tokens']} / {c['prompt_tokens']} |")
+        if alone:
+            line += f" {_added(t, alone, ctx)} | {_sdk(got)} |"
+        lines.append(line)
     return "\n".join(lines)
+
+
+def _added(live: Mapping[str, float], alone: Mapping[tuple[Any, ...], Row], ctx: int) -> str:
+    """Live minus in process for A and C (the in-process run's context nearest ``ctx``: the
+    live bench's 31744 beside the in-process 32768)."""
+    contexts = sorted({k[0] for k in alone}, key=lambda c: abs(c - ctx))
+    near = contexts[0] if contexts and abs(contexts[0] - ctx) <= ctx // 16 else None
+    cells = []
+    for g in "AC":
+        row = alone.get((near, g))
+        cells.append("" if row is None else
+                     f"{live[g] - float(row['ttft_trimmed_mean_ms']):.1f} ms")
+    return " / ".join(cells) if any(cells) else ""
+
+
+def _sdk(got: Mapping[str, Row | None]) -> str:
+    cells = [(got[g] or {}).get("sdk_median_ms") for g in "AC"]
+    if all(x is None for x in cells):
+        return ""
+    return " / ".join("" if x is None else f"{float(x):.1f} ms" for x in cells)
 
 
 def _client_ms(row: Row) -> float:
@@ -230,13 +260,16 @@ def render(folders: Sequence[Path]) -> str:
     agent = load_summary(folders, "agent-ttft.json")
     peer = load_summary(folders, "agent-ttft-transformers.json")
     live = load_summary(folders, "agent-ttft-live.json")
+    live_folder = next((f for f in folders if (f / "agent-ttft-live.json").is_file()), None)
+    same_run = (load_summary([live_folder], "agent-ttft.json")
+                if live_folder is not None else None)
     vmm = load_summary(folders, "vmm-cuda.json")
     model = load_summary(folders, "ttft-model.json")
     parts = []
     if agent:
         parts.append(groups_table(agent, peer))
     if live:
-        parts.append(live_table(live))
+        parts.append(live_table(live, same_run))
     if vmm:
         parts.append(vmm_line(vmm, agent))
     if model:

@@ -13,6 +13,7 @@ import dataclasses
 import json
 import operator
 import time
+from array import array
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -128,7 +129,12 @@ class RequestValidator:
         if not isinstance(prompt, Sequence) or isinstance(prompt, str):
             raise InvalidRequestError(f"prompt must be text or token ids, got {type(prompt)}")
         vocab = self.vocab_size
-        if set(map(type, prompt)) == {int}:  # the common case, checked at C speed
+        if isinstance(prompt, array) and prompt.typecode == "q" and prompt:
+            # A tokenizer's ids (`PromptEncoder.encode_array`): bounds checked in one pass.
+            lo, hi = torch.frombuffer(prompt, dtype=torch.int64).aminmax()
+            if int(lo) >= 0 and int(hi) < vocab:
+                return prompt.tolist()
+        elif set(map(type, prompt)) == {int}:  # the common case, checked at C speed
             ints: list[int] = list(prompt)
             if min(ints) >= 0 and max(ints) < vocab:
                 return ints

@@ -78,10 +78,15 @@ class PromptEncoder:
             PromptTooLongError: ``text`` has more than ``limit`` tokens (when one is given);
                 nothing is kept of it.
         """
+        return self.encode_array(text, limit).tolist()
+
+    def encode_array(self, text: str, limit: int | None = None) -> array:
+        """`encode` as an ``array('q')`` (the caller's own copy): no Python int per token,
+        and `edmm.engine.RequestValidator` checks its bounds in one pass."""
         if self._pattern is None:
             if limit is not None:
                 self.check_fits(text, limit)
-            ids = list(self._tokenizer.encode(text, add_special_tokens=False))
+            ids = array("q", self._tokenizer.encode(text, add_special_tokens=False))
             self.encoded_tokens += len(ids)
             _check_count(len(ids), limit)
             return ids
@@ -97,7 +102,7 @@ class PromptEncoder:
         self._recent.append(entry)
         self.reused_tokens += tok
         self.encoded_tokens += len(tail_ids)
-        return entry.ids.tolist()
+        return entry.ids[:]
 
     def check_fits(self, text: str, limit: int, before: int = 0) -> None:
         """Raise `PromptTooLongError` if ``text`` certainly has more than ``limit`` tokens,
@@ -121,15 +126,15 @@ class PromptEncoder:
         assert self._pattern is not None
         best: tuple[_Encoded | None, int, int] = (None, 0, 0)
         for entry in reversed(self._recent):
-            prev = 0
-            for char, tok in entry.cuts:
-                if not text.startswith(entry.text[prev:char], prev):
-                    break
-                if self._pattern.match(text, char) is None:  # no added token here in text
-                    break
-                if char > best[1]:
+            shared = shared_prefix_len(entry.text, text)
+            # The last cut within the shared text where ``text`` holds an added token too.
+            i = bisect.bisect_right(entry.cuts, (shared, len(entry.ids)))
+            while i > 0 and entry.cuts[i - 1][0] > best[1]:
+                char, tok = entry.cuts[i - 1]
+                if self._pattern.match(text, char) is not None:
                     best = (entry, char, tok)
-                prev = char
+                    break
+                i -= 1
         return best
 
     def _encode_part(self, text: str, start: int, tok0: int) -> tuple[array, list[tuple[int,
@@ -145,6 +150,22 @@ class PromptEncoder:
             if i < len(starts) and starts[i] == m.start():  # a token starts there: the added one
                 cuts.append((start + m.start(), tok0 + i))
         return array("q", enc.ids), cuts
+
+
+def shared_prefix_len(a: str, b: str) -> int:
+    """Length of the longest common prefix of ``a`` and ``b``, compared at C speed (a binary
+    search over ``startswith`` of slices: O(len) character compares in all)."""
+    n = min(len(a), len(b))
+    if b.startswith(a[:n]):
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if b.startswith(a[lo:mid], lo):
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def _check_count(count: int, limit: int | None) -> None:

@@ -24,7 +24,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from edmm.openai_errors import error_body
 from edmm.server.engine_loop import OutputStream
 from edmm.server.errors import APIError, PayloadTooLargeError
-from edmm.server.http_guard import RequestGuard
+from edmm.server.http_guard import BODY_READ_NS, RequestGuard
 from edmm.server.protocol import (
     ChatCompletion,
     ChatCompletionRequest,
@@ -137,7 +137,8 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
     async def chat(body: ChatCompletionRequest, request: Request,
                    x_session_id: str | None = Header(default=None, min_length=1,
                                                      max_length=MAX_SESSION_ID)) -> Response:
-        turn = await serving.start_chat(body, x_session_id, owner_of(request.headers))
+        turn = await serving.start_chat(body, x_session_id, owner_of(request.headers),
+                                        getattr(request.state, BODY_READ_NS, None))
         headers = {SESSION_HEADER: turn.session_id}
         if body.stream:
             return EventStreamResponse(serving.chat_stream(turn), [turn.stream],

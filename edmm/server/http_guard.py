@@ -8,13 +8,15 @@ Before a request reaches a route it checks
 - the body size: ``Content-Length`` at once, and the bytes received while reading (413; the
   body is read here, so a route never sees one over the limit),
 
-and answers each refusal with an OpenAI error object.
+and answers each refusal with an OpenAI error object. A request it lets through carries the
+wall-clock time its body was read in its ASGI state (`BODY_READ_NS`, for `edmm.server.stages`).
 """
 
 from __future__ import annotations
 
 import ipaddress
 import json
+import time
 from collections.abc import Awaitable, Callable, Collection, MutableMapping
 from typing import Any
 
@@ -32,6 +34,7 @@ _WILDCARD_HOSTS = ("0.0.0.0", "::", "")
 # A body over the limit is read on (and dropped) up to this many times the limit, so that the
 # client, still sending, reads the 413 instead of a reset connection.
 DRAIN_FACTOR = 4
+BODY_READ_NS = "edmm_body_read_ns"  # key in ``scope["state"]`` (Starlette's ``request.state``)
 
 
 def default_allowed_hosts(bound: str) -> list[str] | None:
@@ -86,6 +89,7 @@ class RequestGuard:
         if body is None:
             await self._too_large(send)
             return
+        scope.setdefault("state", {})[BODY_READ_NS] = time.time_ns()
         await self.app(scope, _replay(body, receive), send)
 
     async def _read_body(self, receive: Receive) -> Message | None:

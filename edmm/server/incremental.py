@@ -8,6 +8,9 @@ system message (the template's header: system text and tools) and the messages f
 user query before the first changed message on; the new text is the earlier prompt's text up
 to that query plus the window's text after its header.
 
+A window that the template refuses (e.g. a template that checks how roles alternate) falls
+back to a full render, whose error, if any, is the request's.
+
 This is exact for templates of the Hermes/Qwen family, whose text of a message depends only on
 the tools, the first message, the message's neighbours and the index of the last user query
 (``reasoning_content`` is shown only after it): the messages before a user query that both
@@ -35,6 +38,38 @@ RenderFn = Callable[[list[dict[str, Any]], list[dict[str, Any]] | None, dict[str
 
 class IncrementalRenderError(RuntimeError):
     """``verify=True`` found an incremental render that differs from the full render."""
+
+
+# Requests of one agent that exercise what a template's text of a message may depend on:
+# tools, the system message, parallel calls and their grouped results, reasoning shown only
+# after the last user query, a new query, a memory block inserted mid-prompt. `is_exact` runs
+# them with ``verify=True`` before a server trusts the incremental route of its template.
+_CALL = {"id": "probe_1", "type": "function",
+         "function": {"name": "probe", "arguments": '{"key": "a"}'}}
+_CALL2 = {"id": "probe_2", "type": "function",
+          "function": {"name": "probe", "arguments": '{"key":"b"}'}}
+_PROBE_TOOLS = [{"type": "function", "function": {
+    "name": "probe", "description": "Look a key up.",
+    "parameters": {"type": "object", "properties": {"key": {"type": "string"}}}}}]
+_BASE: list[dict[str, Any]] = [
+    {"role": "system", "content": "You are a probe."},
+    {"role": "user", "content": "First question."},
+    {"role": "assistant", "content": "Noted."},
+    {"role": "user", "content": "Second question."}]
+_TURN: list[dict[str, Any]] = [
+    {"role": "assistant", "content": "", "reasoning_content": "Look both up.",
+     "tool_calls": [_CALL, _CALL2]},
+    {"role": "tool", "tool_call_id": "probe_1", "content": "one"},
+    {"role": "tool", "tool_call_id": "probe_2", "content": "two"}]
+_MEMORY = {"role": "user", "content": "Second question.\n\n<memory>\nkept\n</memory>"}
+PROBE_REQUESTS: tuple[list[dict[str, Any]], ...] = (
+    _BASE,
+    [*_BASE, *_TURN],
+    [*_BASE, *_TURN, {"role": "assistant", "content": "<think>\nDone.\n</think>\n\nBoth."},
+     {"role": "user", "content": "Third question."}],
+    [*_BASE[:3], _MEMORY, *_TURN],
+    [*_BASE[1:], *_TURN],
+)
 
 
 @dataclass
@@ -75,7 +110,23 @@ class IncrementalChatRenderer:
         self._encode = encode
         self._recent: deque[_Rendered] = deque(maxlen=capacity)
         self._verify = verify
+        self._last_header: tuple[tuple[Any, ...], str] | None = None
         self.stats = RenderStats()
+
+    def is_exact(self) -> bool:
+        """True when the incremental route gives the full render's text on `PROBE_REQUESTS`
+        (with a tool and without) and reuses text there; a template that fails (its text of
+        a message depends on more than the module docstring says, or it refuses the probe)
+        should be rendered in full. The probe is not kept among the recent prompts."""
+        checker = IncrementalChatRenderer(self._render, capacity=len(PROBE_REQUESTS),
+                                          verify=True)
+        try:
+            for tools in (_PROBE_TOOLS, None):
+                for messages in PROBE_REQUESTS:
+                    checker.render_text(messages, tools)
+        except Exception:  # a difference, or a template that refuses the probe
+            return False
+        return checker.stats.reused_messages > 0
 
     def render_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                    kwargs: dict[str, Any] | None = None) -> list[int]:
@@ -144,15 +195,30 @@ class IncrementalChatRenderer:
         """The text of messages ``j:`` (generation prompt added), after the header; None if
         the window's render does not start with the header's."""
         head = messages[:self._header_len(messages)]
-        # No system message: no header (a template that adds a default system prompt then
-        # fails the caller's check, and the request is rendered in full).
-        header = self._render(head, tools, kwargs, False) if head else ""
-        window = self._render([*head, *messages[j:]], tools, kwargs, True)
+        try:
+            # No system message: no header (a template that adds a default system prompt
+            # then fails the caller's check, and the request is rendered in full).
+            header = self._header(head, tools, kwargs)
+            window = self._render([*head, *messages[j:]], tools, kwargs, True)
+        except Exception:  # the full render decides: its text, or its error
+            return None
         self.stats.window_renders += 1
         self.stats.rendered_messages += len(head) + len(messages) - j
         if not window.startswith(header):
             return None
         return window[len(header):]
+
+    def _header(self, head: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                kwargs: dict[str, Any] | None) -> str:
+        """The text of the leading system message alone (the last one is kept)."""
+        if not head:
+            return ""
+        key = (head, tools, kwargs)
+        if self._last_header is not None and self._last_header[0] == key:
+            return self._last_header[1]
+        text = self._render(head, tools, kwargs, False)
+        self._last_header = (key, text)
+        return text
 
     @staticmethod
     def _header_len(messages: Sequence[dict[str, Any]]) -> int:

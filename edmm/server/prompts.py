@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from array import array
 from collections.abc import Sequence
 from typing import Any
 
@@ -134,24 +135,38 @@ def client_template_variables(tokenizer: Any, messages: list[dict[str, Any]],
 def chat_text(tokenizer: Any, messages: list[dict[str, Any]],
               tools: list[dict[str, Any]] | None, kwargs: dict[str, Any] | None,
               limits: TemplateLimits | None = None) -> str:
-    """The prompt text of a conversation: the model's chat template, or the client's
-    (``chat_template_kwargs.chat_template``, sandboxed within ``limits``) when allowed.
+    """The prompt text of a conversation: the model's chat template (`template_text`), or the
+    client's (``chat_template_kwargs.chat_template``, sandboxed within ``limits``) when
+    allowed.
 
     Raises:
         BadRequestError: no template, a key the server sets, a client template while they are
             off, or any failure of the template.
     """
-    if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
-        raise BadRequestError("this model has no chat template; use /v1/completions",
-                              param="messages")
+    _require_template(tokenizer)
     source = client_template(kwargs, limits)
-    if source is not None:
-        assert limits is not None
-        return render_client_template(
-            source, client_template_variables(tokenizer, messages, tools, kwargs), limits)
+    if source is None:
+        return template_text(tokenizer, messages, tools, kwargs)
+    assert limits is not None
+    return render_client_template(
+        source, client_template_variables(tokenizer, messages, tools, kwargs), limits)
+
+
+def template_text(tokenizer: Any, messages: list[dict[str, Any]],
+                  tools: list[dict[str, Any]] | None, kwargs: dict[str, Any] | None,
+                  add_generation_prompt: bool = True) -> str:
+    """The model's chat template rendered (``kwargs``: ``chat_template_kwargs`` without a
+    client template); with ``add_generation_prompt`` False, the messages alone (a part of a
+    prompt, `edmm.server.incremental`).
+
+    Raises:
+        BadRequestError: no template, or any failure of the template.
+    """
+    _require_template(tokenizer)
     try:
         text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
-                                             add_generation_prompt=True, **(kwargs or {}))
+                                             add_generation_prompt=add_generation_prompt,
+                                             **(kwargs or {}))
     except Exception as e:  # what the input made the template do: a 400
         raise BadRequestError(f"the chat template rejected the messages: "
                               f"{type(e).__name__}: {e}", param="messages") from None
@@ -160,17 +175,24 @@ def chat_text(tokenizer: Any, messages: list[dict[str, Any]],
     return text
 
 
+def _require_template(tokenizer: Any) -> None:
+    if tokenizer is None or getattr(tokenizer, "chat_template", None) is None:
+        raise BadRequestError("this model has no chat template; use /v1/completions",
+                              param="messages")
+
+
 def encode_prompt(tokenizer: Any, encoder: PromptEncoder | None, text: str,
-                  limit: int) -> list[int]:
-    """Prompt token ids of a rendered chat ``text``; 400 as soon as it is certainly over
-    ``limit`` tokens (the whole text is not tokenized then)."""
+                  limit: int | None = None) -> array:
+    """Prompt token ids of a rendered chat ``text`` (an ``array('q')``: no Python int per
+    token, bounds checked at C speed by the engine's validator); with a ``limit``, 400 as soon
+    as it is certainly over ``limit`` tokens (the whole text is not tokenized then)."""
     try:
         if encoder is not None:
-            return encoder.encode(text, limit)
-        ids = list(tokenizer.encode(text, add_special_tokens=False))
+            return encoder.encode_array(text, limit)
+        ids = array("q", tokenizer.encode(text, add_special_tokens=False))
     except PromptTooLongError as e:
         raise prompt_too_long(e) from None
-    if len(ids) > limit:
+    if limit is not None and len(ids) > limit:
         raise prompt_too_long(PromptTooLongError(limit, len(ids)))
     return ids
 
@@ -195,14 +217,10 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]],
                 kwargs: dict[str, Any] | None,
                 encoder: PromptEncoder | None = None, limit: int | None = None,
                 limits: TemplateLimits | None = None) -> list[int]:
-    """Prompt token ids of a conversation (`chat_text`, then `encode_prompt`, which stops
-    past ``limit`` tokens when one is given)."""
-    text = chat_text(tokenizer, messages, tools, kwargs, limits)
-    if limit is None:
-        if encoder is not None:
-            return encoder.encode(text)
-        return list(tokenizer.encode(text, add_special_tokens=False))
-    return encode_prompt(tokenizer, encoder, text, limit)
+    """Prompt token ids of a conversation rendered whole (`chat_text`, then `encode_prompt`,
+    which stops past ``limit`` tokens when one is given)."""
+    return encode_prompt(tokenizer, encoder, chat_text(tokenizer, messages, tools, kwargs,
+                                                       limits), limit).tolist()
 
 
 def check_chat_options(req: ChatCompletionRequest) -> None:

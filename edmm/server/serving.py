@@ -26,7 +26,7 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
-from typing import Any, TypeVar, cast
+from typing import Any, TypeVar
 
 from pydantic import BaseModel
 
@@ -35,6 +35,7 @@ from edmm.engine import Engine, InvalidRequestError, Request, RequestOutput
 from edmm.engine.sampling import LogitsProcessor
 from edmm.model.errors import PromptTooLongError
 from edmm.model.prompt_encoder import PromptEncoder
+from edmm.server.chat_prompts import ChatPrompts
 from edmm.server.engine_loop import EngineLoop, OutputStream
 from edmm.server.errors import (
     APIError,
@@ -54,7 +55,6 @@ from edmm.server.prompts import (
     predicted_messages,
     prompt_limit,
     prompt_too_long,
-    render_chat,
     sampling_params,
     template_messages,
     template_tools,
@@ -84,7 +84,7 @@ from edmm.server.protocol import (
     random_id,
 )
 from edmm.server.sessions import ANONYMOUS, ServerSessions, Turn, TurnEnd
-from edmm.server.stages import StageLog, StageTimer, TimedEncoder
+from edmm.server.stages import StageLog, StageTimer
 from edmm.server.templates import TemplateLimits, render_client_template
 from edmm.server.tool_parser import ParsedReply, ParsedToolCall, StreamingToolParser, parse_reply
 from edmm.server.validation import check_conversation, check_text, check_tool_names
@@ -140,6 +140,7 @@ class OpenAIServing:
         # shared between threads): rendering a long conversation never blocks the event loop.
         self.tokenizer = tokenizer
         self.encoder = PromptEncoder(tokenizer) if tokenizer is not None else None
+        self.prompts = ChatPrompts(tokenizer, self.encoder)  # tokenizing thread only
         self._tokenizing = ThreadPoolExecutor(max_workers=1, thread_name_prefix="edmm-tokenize")
         # Grammar compilation: never ahead of others' tokenizing.
         self._isolated = ThreadPoolExecutor(max_workers=2, thread_name_prefix="edmm-isolated")
@@ -157,7 +158,9 @@ class OpenAIServing:
     def start(self) -> None:
         """Start the client-template process when client templates are on, and wait until
         it renders (its start-up, which imports the template code, is paid by no request and
-        never competes with live traffic)."""
+        never competes with live traffic); probe the model's template for incremental
+        rendering (`ChatPrompts.prepare`) on the tokenizing thread."""
+        self._tokenizing.submit(self.prompts.prepare).result()
         if self.client_templates is not None:
             self._template_pool().submit(render_client_template, "{{ 1 }}", {},
                                          self.client_templates).result()
@@ -187,7 +190,7 @@ class OpenAIServing:
 
     async def _chat_ids(self, timer: StageTimer | None, messages: list[dict[str, Any]],
                         tools: list[dict[str, Any]] | None, kwargs: dict[str, Any] | None,
-                        limit: int) -> list[int]:
+                        limit: int) -> Sequence[int]:
         """Prompt ids of a conversation, refused past ``limit`` tokens; a client's template
         renders on the isolated pool (which reads the tokenizer's special tokens, never runs
         it), the model's on the tokenizing thread."""
@@ -234,9 +237,10 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ chat
     async def start_chat(self, req: ChatCompletionRequest, session_header: str | None,
-                         owner: str = ANONYMOUS) -> ChatTurn:
-        """Validate, render and queue a chat request (any error is raised before queuing)."""
-        timer = self.stages.timer()
+                         owner: str = ANONYMOUS, received_ns: int | None = None) -> ChatTurn:
+        """Validate, render and queue a chat request (any error is raised before queuing);
+        ``received_ns``: when its body was read, for the stage log."""
+        timer = self.stages.timer(received_ns)
         self.check_model(req.model)
         check_text(req.model_dump(by_alias=True, exclude_defaults=True))
         check_chat_options(req)
@@ -245,12 +249,18 @@ class OpenAIServing:
         messages = template_messages(req.messages)
         tools = template_tools(req.tools)
         _mark(timer, "validated")
-        ids = await self._chat_ids(timer, messages, tools, req.chat_template_kwargs,
-                                   prompt_limit(self.max_model_len, req.completion_limit))
+        # The grammars compile on the isolated pool while the prompt renders (neither needs
+        # the other); a rendering error is still the one reported.
+        processors = asyncio.ensure_future(self._chat_processors(req))
+        try:
+            ids = await self._chat_ids(timer, messages, tools, req.chat_template_kwargs,
+                                       prompt_limit(self.max_model_len, req.completion_limit))
+        except BaseException:
+            _discard(processors)
+            raise
         _mark(timer, "back")
-        processors = await self._chat_processors(req)
         params = sampling_params(req, req.completion_limit, len(ids), self.max_model_len,
-                                 processors)
+                                 await processors)
         request = self._salted(self._make_request(ids, params), req.cache_salt, owner)
         _mark(timer, "request_made")
         ext = req.edmm
@@ -264,15 +274,10 @@ class OpenAIServing:
 
     def _render_chat(self, timer: StageTimer | None, messages: list[dict[str, Any]],
                      tools: list[dict[str, Any]] | None,
-                     kwargs: dict[str, Any] | None, limit: int) -> list[int]:
-        """`render_chat` on the tokenizing thread (refused past ``limit`` tokens); timed when
-        ``timer`` is given."""
-        encoder = self.encoder
-        if timer is not None:
-            timer.mark("render_start")
-            if encoder is not None:  # it marks the render's end and the tokenizing's
-                encoder = cast(PromptEncoder, TimedEncoder(encoder.encode, timer))
-        return render_chat(self.tokenizer, messages, tools, kwargs, encoder, limit)
+                     kwargs: dict[str, Any] | None, limit: int) -> Sequence[int]:
+        """`ChatPrompts.ids` on the tokenizing thread (incremental where exact; refused past
+        ``limit`` tokens); timed when ``timer`` is given."""
+        return self.prompts.ids(messages, tools, kwargs, limit, timer)
 
     async def chat_completion(self, turn: ChatTurn) -> ChatCompletion:
         """Run a queued chat turn to the end: the whole response."""
@@ -390,7 +395,7 @@ class OpenAIServing:
             predicted_prompt=predicted)
         await self.loop.run(lambda b: b.end(end))
 
-    async def _predicted_prompt(self, turn: ChatTurn, content: str | None) -> list[int]:
+    async def _predicted_prompt(self, turn: ChatTurn, content: str | None) -> Sequence[int]:
         """Token ids of the client's predicted next request with this turn's reply
         (`EdmmExtension.predicted_next_messages`), rendered as that request will be; empty
         without one, or when it fails in any way (its text was checked with the request; the
@@ -553,7 +558,7 @@ class OpenAIServing:
             salt = f"{owner}\x00{salt or ''}"
         return request if salt is None else dataclasses.replace(request, cache_salt=salt)
 
-    def _make_request(self, ids: list[int], params: Any) -> Request:
+    def _make_request(self, ids: Sequence[int], params: Any) -> Request:
         """Validate a tokenized request (token ids in the vocabulary, length); any thread."""
         try:
             return self.validator.make(f"req-{uuid.uuid4().hex}", ids, params)
@@ -590,6 +595,12 @@ def _check_grammar(request: Request) -> None:
         if isinstance(processor, GrammarLogitsProcessor) and processor.failure is not None:
             raise BadRequestError(processor.failure, param=processor.param,
                                   code="grammar_too_costly")
+
+
+def _discard(future: asyncio.Future[Any]) -> None:
+    """Cancel ``future``, or if it is done, retrieve its error (none is logged as lost)."""
+    if not future.cancel() and not future.cancelled():
+        future.exception()
 
 
 def _mark(timer: StageTimer | None, stage: str) -> None:

@@ -4,7 +4,8 @@ Set ``EDMM_STAGE_LOG=/path/stages.jsonl`` in ``edmm serve``'s environment and ea
 request appends one JSON line ``{"id": <chatcmpl id>, "stream": bool, "prompt_tokens": n,
 "marks": {stage: unix time in ns}}`` when it ends. Stages, in order (`STAGES`):
 
-- ``arrive``: the route's handler runs (the HTTP request was read, parsed and validated);
+- ``received``: the request's body was read (`RequestGuard`), before it is parsed;
+- ``arrive``: the route's handler runs (the body was parsed and validated);
 - ``validated``: options checked, messages and tools converted for the template;
 - ``render_start``: the tokenizing thread took the job; ``rendered``: the chat template ran;
   ``tokenized``: the ids are there; ``back``: the event loop has them;
@@ -25,11 +26,10 @@ import itertools
 import json
 import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-STAGES = ("arrive", "validated", "render_start", "rendered", "tokenized", "back",
+STAGES = ("received", "arrive", "validated", "render_start", "rendered", "tokenized", "back",
           "request_made", "engine_picked", "begun", "submitted", "first_output", "first_event")
 ENV = "EDMM_STAGE_LOG"
 
@@ -61,11 +61,14 @@ class StageLog:
         """True when requests are timed."""
         return self.path is not None
 
-    def timer(self) -> StageTimer | None:
-        """A timer for a new request, its ``arrive`` marked; None when off."""
+    def timer(self, received_ns: int | None = None) -> StageTimer | None:
+        """A timer for a new request, its ``arrive`` marked (and ``received``, its body read,
+        at ``received_ns`` when given); None when off."""
         if self.path is None:
             return None
         timer = StageTimer()
+        if received_ns is not None:
+            timer.marks["received"] = received_ns
         timer.mark("arrive")
         return timer
 
@@ -80,29 +83,17 @@ class StageLog:
             f.write(json.dumps(record) + "\n")
 
 
-class TimedEncoder:
-    """An encoder that marks ``rendered`` when called (the template has run) and
-    ``tokenized`` when done: splits `render_chat`'s render from its tokenizing."""
-
-    def __init__(self, encode: Callable[[str, int | None], list[int]],
-                 timer: StageTimer) -> None:
-        self._encode = encode
-        self._timer = timer
-
-    def encode(self, text: str, limit: int | None = None) -> list[int]:
-        self._timer.mark("rendered")
-        ids = self._encode(text, limit)
-        self._timer.mark("tokenized")
-        return ids
-
-
 def spans_ms(marks: dict[str, int], client_sent_ns: int | None = None,
-             client_first_ns: int | None = None) -> dict[str, float]:
+             client_first_ns: int | None = None,
+             client_wire_ns: int | None = None) -> dict[str, float]:
     """Milliseconds between consecutive present stages (``from->to``), with the client's send
-    and first-receive times around them when given."""
+    (its call to the SDK; ``client_wire``: the SDK handing the request to HTTP) and
+    first-receive times around them when given."""
     points: list[tuple[str, int]] = []
     if client_sent_ns is not None:
         points.append(("client_sent", client_sent_ns))
+    if client_wire_ns is not None:
+        points.append(("client_wire", client_wire_ns))
     points += [(s, marks[s]) for s in STAGES if s in marks]
     if client_first_ns is not None:
         points.append(("client_first", client_first_ns))

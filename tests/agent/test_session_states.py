@@ -283,3 +283,21 @@ def test_oldest_idle_sessions_are_closed_past_max_sessions(make_agent: MakeAgent
 def test_agent_needs_prefix_caching(make_agent: MakeAgent) -> None:
     with pytest.raises(EngineConfigError):
         make_agent(enable_prefix_caching=False)
+
+
+def test_a_lost_context_is_counted_when_the_turn_ends(make_agent: MakeAgent) -> None:
+    """The next turn repeats the session's context: only its last token (sampled, never fed
+    back) is computed again while its KV is kept; all of it once the KV is gone (counted from
+    the prompts when the turn ends)."""
+    agent = make_agent()
+    agent.add_request("t0", PROMPT, greedy(), session_id="s")
+    run(agent)
+    context = agent.session_context("s")
+    agent.add_request("t1", [*context, 7, 8], greedy(), session_id="s")
+    run(agent)
+    assert agent.session_metrics("s").context_tokens_recomputed == 1
+    context = agent.session_context("s")
+    agent.engine.reset_prefix_cache()  # the context's KV is lost
+    agent.add_request("t2", [*context, 9], greedy(), session_id="s")
+    run(agent)
+    assert agent.session_metrics("s").context_tokens_recomputed == 1 + len(context)

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
+import os
+import signal
 import socket
+import types
 from pathlib import Path
 
 import httpx
@@ -139,7 +143,8 @@ def test_stage_breakdown(tmp_path: Path) -> None:
     by_mode = {r["mode"]: r for r in doc["rows"]}
     assert set(by_mode) == {"stream", "whole"}
     spans = [k for k in by_mode["stream"] if "->" in k]
-    assert spans[0] == "client_sent->arrive" and spans[-1] == "first_event->client_first"
+    assert spans[:3] == ["client_sent->client_wire", "client_wire->received", "received->arrive"]
+    assert spans[-1] == "first_event->client_first"
     assert {"render_start->rendered", "rendered->tokenized", "engine_picked->begun",
             "submitted->first_output"} <= set(spans)
     assert all(by_mode["stream"][k] >= 0 for k in spans)
@@ -147,3 +152,35 @@ def test_stage_breakdown(tmp_path: Path) -> None:
     # Medians of the parts need not add up exactly to the trimmed mean of the whole.
     assert 0.5 * summary["ttft_median_ms"] < by_mode["stream"]["sum_ms"] < (
         2 * summary["ttft_median_ms"])
+
+
+def test_results_are_written_after_each_context(tmp_path: Path,
+                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    """A run cut short (SIGTERM from ``timeout``) keeps the contexts it finished: the files are
+    written after each one, and SIGTERM unwinds the bench (its server is stopped)."""
+    from edmm.bench import live
+
+    cfg = LiveBenchConfig(**{**SMALL, "contexts": (640, 1024)})  # type: ignore[arg-type]
+    fake = live._Resume(5.0, 6.0, 600, 500, "hit", "id", 0, 1, 0)
+    calls = []
+
+    def session(client: object, prompts: object, group: str, conversation: object,
+                result: object, stream: bool) -> live._Resume:
+        calls.append(group)
+        if len(calls) > 2 * len(live.GROUPS) * cfg.iterations:  # into the second context
+            os.kill(os.getpid(), signal.SIGTERM)
+        return fake
+
+    monkeypatch.setattr(live, "_session", session)
+    monkeypatch.setattr(live, "launched_server", lambda cfg, log: contextlib.nullcontext("u"))
+    monkeypatch.setattr(live, "LiveClient", lambda url, cfg: types.SimpleNamespace(
+        model="m", close=lambda: None))
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(SystemExit) as stopped:
+        run_live_bench(cfg, tmp_path)
+    assert stopped.value.code == 128 + signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) == before
+    summary = json.loads((tmp_path / "agent-ttft-live.json").read_text())["summary"]
+    assert {r["context_tokens"] for r in summary} == {640}
+    assert "contexts measured so far: 640 of 640, 1024" in (
+        tmp_path / "agent-ttft-live.md").read_text()

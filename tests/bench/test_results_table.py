@@ -104,9 +104,31 @@ def test_first_folder_wins_and_the_live_table(tmp_path: Path) -> None:
     out = render([tmp_path, H200])
     assert _row(out, "4K EDMM")[1] == "17.7 ms"  # the newer folder's file (35.3 / 2)
     assert "VMM" in out and "| 16K context |" in out  # the older folder fills the rest
-    assert _row(out, "4K")[1:] == ["40.0 ms", "80.0 ms", "20.0 ms", "2.00x", "0.50",
-                                   "4003 / 4103"]
+    assert _row(out, "4K")[1:7] == ["40.0 ms", "80.0 ms", "20.0 ms", "2.00x", "0.50",
+                                    "4003 / 4103"]
     assert _row(out, "8K")[1:6] == ["50.0 ms", "200.0 ms", "25.0 ms", "4.00x", "0.50"]
+    # The live folder holds the in-process groups too: what HTTP adds (4K only: no 8K run).
+    alone = {(r["context_tokens"], r["group"]): r["ttft_trimmed_mean_ms"] for r in doc["summary"]}
+    assert _row(out, "4K")[7] == (f"{40.0 - alone[(4096, 'A')]:.1f} ms / "
+                                  f"{20.0 - alone[(4096, 'C')]:.1f} ms")
+    assert _row(out, "8K")[7] == ""
+
+
+def test_the_live_table_without_the_same_runs_groups(tmp_path: Path) -> None:
+    """Live groups from a folder without in-process ones: no "HTTP adds" column; the SDK's
+    share is shown beside it when the live file has it."""
+    live = [{"context_tokens": 16384, "group": g, "prompt_tokens": 9, "cached_tokens": 8,
+             "ttft_trimmed_mean_ms": t, "total_trimmed_mean_ms": t, "sdk_median_ms": 4.0}
+            for g, t in (("A", 30.0), ("B", 300.0), ("C", 10.0))]
+    (tmp_path / "agent-ttft-live.json").write_text(json.dumps({"summary": live}))
+    out = render([tmp_path, H200])
+    assert "HTTP adds" not in out and len(_row(out, "16K")) == 7
+    (tmp_path / "agent-ttft.json").write_text((H200 / "agent-ttft.json").read_text())
+    row = _row(render([tmp_path]), "16K")
+    alone = {(r["context_tokens"], r["group"]): r["ttft_trimmed_mean_ms"]
+             for r in _summary("agent-ttft.json")}
+    assert row[7:] == [f"{30.0 - alone[(16384, 'A')]:.1f} ms / "
+                       f"{10.0 - alone[(16384, 'C')]:.1f} ms", "4.0 ms / 4.0 ms"]
 
 
 def test_readme_block_is_replaced(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:

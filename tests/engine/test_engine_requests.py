@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from array import array
 from typing import Any
 
 import pytest
@@ -121,6 +122,20 @@ def test_a_prompt_past_max_model_len_is_a_context_length_error(
     with pytest.raises(InvalidRequestError, match="already in use"):  # refused at submit
         engine.submit(validator.make("ok", [2, 3], greedy()))
     assert run_to_completion(engine)["ok"].prompt_token_ids == [1] * 60
+
+
+def test_a_tokenizer_array_is_checked_in_one_pass(qwen2_case: HFCase,
+                                                  make_engine: MakeEngine) -> None:
+    """An ``array('q')`` of ids (`PromptEncoder.encode_array`) becomes the same list as its
+    ids would; an id outside the vocabulary is the same error."""
+    validator = make_engine(qwen2_case.folder, max_model_len=72).validator
+    assert validator.make("a", array("q", [0, 5, VOCAB - 1]), greedy()).prompt_token_ids == [
+        0, 5, VOCAB - 1]
+    for bad in (VOCAB, -1):
+        with pytest.raises(InvalidRequestError, match="not in the vocabulary"):
+            validator.make("oov", array("q", [3, bad]), greedy())
+    with pytest.raises(InvalidRequestError, match="empty prompt"):
+        validator.make("empty", array("q"), greedy())
 
 
 @pytest.mark.parametrize("fields", [

@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 from edmm.model import prompt_encoder
 from edmm.model.errors import PromptTooLongError
-from edmm.model.prompt_encoder import PromptEncoder
+from edmm.model.prompt_encoder import PromptEncoder, shared_prefix_len
 
 WORDS = ["agent", "tool", " memory", "result\n", "  page", "<tool_call>", "</tool_call>", "{",
          '"key": 1', "}", "<think>", "é", "数据", "\t", "", "<|im_end|>", "<|im_start|>"]
@@ -132,3 +132,23 @@ def test_the_piecewise_count_never_refuses_a_prompt_that_fits(
         assert encoder.encode(text, limit=len(want)) == want
         with pytest.raises(PromptTooLongError):
             encoder.encode(text + "!", limit=len(want) // 2)
+
+
+@given(a=st.text("ab\u00e9\u4e16", max_size=40), b=st.text("ab\u00e9\u4e16", max_size=40))
+def test_shared_prefix_len(a: str, b: str) -> None:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    assert shared_prefix_len(a, b) == n == shared_prefix_len(b, a)
+    assert shared_prefix_len(a, a + b) == len(a)
+
+
+def test_encode_array_is_the_callers_copy(tokenizer: Any) -> None:
+    encoder = PromptEncoder(tokenizer)
+    text = "<|im_start|>user\nagent tool<|im_end|>\n"
+    ids = encoder.encode_array(text)
+    assert ids.typecode == "q" and ids.tolist() == tokenizer.encode(text,
+                                                                     add_special_tokens=False)
+    ids[0] = -1  # the encoder's own copy is untouched
+    assert encoder.encode(text + "<|im_start|>") == tokenizer.encode(
+        text + "<|im_start|>", add_special_tokens=False)

