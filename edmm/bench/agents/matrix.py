@@ -35,7 +35,6 @@ from edmm.engine import Engine, EngineConfig
 from edmm.memory import KVSpec
 from edmm.model.config import PRESETS, ModelConfig, parse_dtype, resolve_preset
 
-SUSTAIN_TTFT_S = 1.0  # p90 resume TTFT a sustained load must stay under
 MIXES = ("long", "short")
 TOKENS_PER_TURN_WRAP = 6  # BEFORE + AFTER + SUFFIX tokens a tool result adds
 

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from edmm.bench.agents.plots import plot_ttft_cdf, plot_wait_vs_oversub
 from edmm.bench.agents.targets import MARGIN_NOTE, SUSTAIN_TTFT_MS, check_targets, knees
 from edmm.bench.report import Environment, ResultWriter
 
@@ -184,7 +185,7 @@ def plot_merged(rows: Sequence[dict[str, Any]], detail: Sequence[dict[str, Any]]
         return []
     paths = [_plot_knees(Figure, rows, oversub, out / f"{NAME}-knees.png", device)]
     cdf = _plot_cdf(Figure, rows, detail, oversub, out / f"{NAME}-resume-ttft-cdf.png", device)
-    wait = _plot_wait(Figure, rows, out / f"{NAME}-wait-vs-oversub.png", device)
+    wait = plot_wait_vs_oversub(Figure, rows, out / f"{NAME}-wait-vs-oversub.png", device)
     return paths + [p for p in (cdf, wait) if p is not None]
 
 
@@ -211,6 +212,7 @@ def _plot_knees(figure: Any, rows: Sequence[dict[str, Any]], oversub: float, pat
 
 def _plot_cdf(figure: Any, rows: Sequence[dict[str, Any]], detail: Sequence[dict[str, Any]],
               oversub: float, path: Path, device: str) -> Path | None:
+    """The resume-TTFT CDF at the highest load every policy ran at ``oversub`` (long tools)."""
     by_load: dict[float, set[str]] = {}
     for r in rows:
         if r["tools"] == "long" and r["oversub"] == oversub:
@@ -220,47 +222,10 @@ def _plot_cdf(figure: Any, rows: Sequence[dict[str, Any]], detail: Sequence[dict
     if not common:
         return None
     load = max(common)
-    fig = figure(figsize=(7, 4.5), layout="constrained")
-    ax = fig.add_subplot()
-    for policy in sorted(policies):
-        xs = sorted(d["ttft_s"] * 1e3 for d in detail
-                    if d.get("kind") == "turn" and d.get("resume") and d["policy"] == policy
-                    and d["tools"] == "long" and d["oversub"] == oversub
-                    and float(d["load"]) == load)
-        if xs:
-            ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=policy)
-    ax.axvline(SUSTAIN_TTFT_MS, color="grey", linestyle=":", label="1 s")
-    ax.set_xscale("log")
-    ax.set_xlabel("resume TTFT (ms, log scale)")
-    ax.set_ylabel("fraction of resumes")
-    ax.set_title(f"Resume TTFT per policy ({device}, load {load:g}, x{oversub:g})")
-    ax.legend(loc="lower right")
-    fig.savefig(path, format="png", dpi=120)
-    return path
-
-
-def _plot_wait(figure: Any, rows: Sequence[dict[str, Any]], path: Path,
-               device: str) -> Path | None:
-    per_load: dict[float, set[float]] = {}
-    for r in rows:
-        if r["tools"] == "long":
-            per_load.setdefault(float(r["load"]), set()).add(float(r["oversub"]))
-    multi = [ld for ld, o in per_load.items() if len(o) > 1]
-    if not multi:
-        return None
-    load = max(multi)
-    pts: dict[str, list[tuple[float, float]]] = {}
-    for r in rows:
-        if r["tools"] == "long" and float(r["load"]) == load:
-            pts.setdefault(r["policy"], []).append((float(r["oversub"]), r["wait_mean_s"]))
-    fig = figure(figsize=(7, 4.5), layout="constrained")
-    ax = fig.add_subplot()
-    for policy, xy in sorted(pts.items()):
-        xy.sort()
-        ax.plot([x for x, _ in xy], [y for _, y in xy], marker="o", label=policy)
-    ax.set_xlabel("KV memory oversubscription (working set / pool)")
-    ax.set_ylabel("mean engine-wait per job (s)")
-    ax.set_title(f"Engine-wait per job vs memory oversubscription ({device}, load {load:g})")
-    ax.legend(loc="upper left")
-    fig.savefig(path, format="png", dpi=120)
-    return path
+    series = {policy: [d["ttft_s"] * 1e3 for d in detail
+                       if d.get("kind") == "turn" and d.get("resume") and d["policy"] == policy
+                       and d["tools"] == "long" and d["oversub"] == oversub
+                       and float(d["load"]) == load]
+              for policy in sorted(policies)}
+    title = f"Resume TTFT per policy ({device}, load {load:g}, x{oversub:g})"
+    return plot_ttft_cdf(figure, series, path, title)

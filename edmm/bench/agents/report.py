@@ -16,9 +16,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from edmm.bench.agents.matrix import SUSTAIN_TTFT_S, AgentsBenchConfig, Matrix, RunRecord
+from edmm.bench.agents.matrix import AgentsBenchConfig, Matrix, RunRecord
+from edmm.bench.agents.plots import plot_ttft_cdf, plot_wait_vs_oversub
 from edmm.bench.agents.policies import BASELINES
-from edmm.bench.agents.targets import MARGIN_NOTE, check_targets
+from edmm.bench.agents.targets import MARGIN_NOTE, SUSTAIN_TTFT_MS, check_targets
 from edmm.bench.agents.trace import Job, trace_digest, write_jsonl
 from edmm.bench.report import Environment, ResultWriter, collect_environment
 from edmm.bench.stats import mean, percentile
@@ -93,7 +94,7 @@ def sustainable(rows: Sequence[dict[str, Any]], tools: str = "long",
         out.setdefault(r["policy"], None)
         p90 = r["resume_ttft_p90_ms"]
         best = out[r["policy"]]
-        if p90 is not None and p90 <= SUSTAIN_TTFT_S * 1e3 and (best is None or r["load"] > best):
+        if p90 is not None and p90 <= SUSTAIN_TTFT_MS and (best is None or r["load"] > best):
             out[r["policy"]] = r["load"]
     return out
 
@@ -154,30 +155,14 @@ def plot_all(records: Sequence[RunRecord], rows: Sequence[dict[str, Any]],
     top = max(cfg.loads)
     main = [r for r in records if r.condition.mix == cfg.mix
             and r.condition.oversubscription == cfg.oversubscription and r.condition.load == top]
-    paths = [_plot_cdf(Figure, main, out / "agents-resume-ttft-cdf.png", device, cfg, top),
+    series = {r.condition.policy: [t["ttft_s"] * 1e3 for t in r.result.turns if t["resume"]]
+              for r in main}
+    title = (f"Resume TTFT per policy ({device}, load {top:g}, "
+             f"x{cfg.oversubscription:g} oversubscription)")
+    paths = [plot_ttft_cdf(Figure, series, out / "agents-resume-ttft-cdf.png", title),
              _plot_pages(Figure, main, out / "agents-pages.png", device, cfg, top)]
-    jct = _plot_oversub(Figure, rows, out / "agents-wait-vs-oversub.png", device)
+    jct = plot_wait_vs_oversub(Figure, rows, out / "agents-wait-vs-oversub.png", device)
     return paths + ([jct] if jct is not None else [])
-
-
-def _plot_cdf(figure: Any, recs: Sequence[RunRecord], path: Path, device: str,
-              cfg: AgentsBenchConfig, load: float) -> Path:
-    fig = figure(figsize=(7, 4.5), layout="constrained")
-    ax = fig.add_subplot()
-    for r in recs:
-        xs = sorted(t["ttft_s"] * 1e3 for t in r.result.turns if t["resume"])
-        if xs:
-            ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post",
-                    label=r.condition.policy)
-    ax.axvline(SUSTAIN_TTFT_S * 1e3, color="grey", linestyle=":", label="1 s")
-    ax.set_xscale("log")
-    ax.set_xlabel("resume TTFT (ms, log scale)")
-    ax.set_ylabel("fraction of resumes")
-    ax.set_title(f"Resume TTFT per policy ({device}, load {load:g}, "
-                 f"x{cfg.oversubscription:g} oversubscription)")
-    ax.legend(loc="lower right")
-    fig.savefig(path, format="png", dpi=120)
-    return path
 
 
 def _plot_pages(figure: Any, recs: Sequence[RunRecord], path: Path, device: str,
@@ -193,33 +178,6 @@ def _plot_pages(figure: Any, recs: Sequence[RunRecord], path: Path, device: str,
     ax.set_ylabel("KV pages in use (pages)")
     ax.set_title(f"KV pages in use ({device}, load {load:g}, x{cfg.oversubscription:g})")
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    fig.savefig(path, format="png", dpi=120)
-    return path
-
-
-def _plot_oversub(figure: Any, rows: Sequence[dict[str, Any]], path: Path,
-                  device: str) -> Path | None:
-    per_load: dict[float, set[float]] = {}
-    for r in rows:
-        if r["tools"] == "long":
-            per_load.setdefault(r["load"], set()).add(r["oversub"])
-    multi = [ld for ld, o in per_load.items() if len(o) > 1]
-    if not multi:
-        return None
-    load = max(multi)
-    pts: dict[str, list[tuple[float, float]]] = {}
-    for r in rows:
-        if r["tools"] == "long" and r["load"] == load:
-            pts.setdefault(r["policy"], []).append((r["oversub"], r["wait_mean_s"]))
-    fig = figure(figsize=(7, 4.5), layout="constrained")
-    ax = fig.add_subplot()
-    for policy, xy in pts.items():
-        xy.sort()
-        ax.plot([x for x, _ in xy], [y for _, y in xy], marker="o", label=policy)
-    ax.set_xlabel("KV memory oversubscription (working set / pool)")
-    ax.set_ylabel("mean engine-wait per job (s)")
-    ax.set_title(f"Engine-wait per job vs memory oversubscription ({device}, load {load:g})")
-    ax.legend(loc="upper left")
     fig.savefig(path, format="png", dpi=120)
     return path
 

@@ -1,0 +1,61 @@
+"""Plots shared by one `edmm bench agents` run (report.py) and a merge of several (merge.py).
+
+Each takes matplotlib's ``Figure`` class (imported by the caller, which skips plotting without
+matplotlib) and writes one PNG.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from edmm.bench.agents.targets import SUSTAIN_TTFT_MS
+
+
+def plot_ttft_cdf(figure: Any, series: Mapping[str, Sequence[float]], path: Path,
+                  title: str) -> Path:
+    """Step CDF of resume TTFT (ms) per policy, with the 1 s line; ``series``: policy -> ms."""
+    fig = figure(figsize=(7, 4.5), layout="constrained")
+    ax = fig.add_subplot()
+    for policy, values in series.items():
+        xs = sorted(values)
+        if xs:
+            ax.step(xs, [(i + 1) / len(xs) for i in range(len(xs))], where="post", label=policy)
+    ax.axvline(SUSTAIN_TTFT_MS, color="grey", linestyle=":", label="1 s")
+    ax.set_xscale("log")
+    ax.set_xlabel("resume TTFT (ms, log scale)")
+    ax.set_ylabel("fraction of resumes")
+    ax.set_title(title)
+    ax.legend(loc="lower right")
+    fig.savefig(path, format="png", dpi=120)
+    return path
+
+
+def plot_wait_vs_oversub(figure: Any, rows: Sequence[dict[str, Any]], path: Path,
+                         device: str) -> Path | None:
+    """Mean engine-wait per job against oversubscription, per policy, at the highest load run
+    at more than one oversubscription (long tools); None when there is no such load."""
+    per_load: dict[float, set[float]] = {}
+    for r in rows:
+        if r["tools"] == "long":
+            per_load.setdefault(float(r["load"]), set()).add(float(r["oversub"]))
+    multi = [ld for ld, o in per_load.items() if len(o) > 1]
+    if not multi:
+        return None
+    load = max(multi)
+    pts: dict[str, list[tuple[float, float]]] = {}
+    for r in rows:
+        if r["tools"] == "long" and float(r["load"]) == load:
+            pts.setdefault(r["policy"], []).append((float(r["oversub"]), r["wait_mean_s"]))
+    fig = figure(figsize=(7, 4.5), layout="constrained")
+    ax = fig.add_subplot()
+    for policy, xy in sorted(pts.items()):
+        xy.sort()
+        ax.plot([x for x, _ in xy], [y for _, y in xy], marker="o", label=policy)
+    ax.set_xlabel("KV memory oversubscription (working set / pool)")
+    ax.set_ylabel("mean engine-wait per job (s)")
+    ax.set_title(f"Engine-wait per job vs memory oversubscription ({device}, load {load:g})")
+    ax.legend(loc="upper left")
+    fig.savefig(path, format="png", dpi=120)
+    return path
