@@ -33,6 +33,15 @@ def _command(name: str) -> Callable[[Callable[[argparse.Namespace], int]],
     return register
 
 
+def _step_model(text: str) -> str:
+    from edmm.engine.step_cost import STEP_TIME_MODELS
+
+    if text not in STEP_TIME_MODELS:
+        raise argparse.ArgumentTypeError(
+            f"unknown step-time model {text!r} (known: {', '.join(sorted(STEP_TIME_MODELS))})")
+    return text
+
+
 def _attentions(text: str) -> tuple[str, ...]:
     from edmm.model.attention_choice import ATTENTION_CHOICES
 
@@ -298,8 +307,12 @@ def _agents_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[ty
                              "writes the rest)")
     agents.add_argument("--working-set-sessions", type=int_at_least(1), default=None,
                         help="sessions the pool is sized for (default: the load; open loop: 16)")
-    agents.add_argument("--clock", choices=("virtual", "wall"), default="virtual",
-                        help="virtual: skip idle time (steps still timed for real)")
+    agents.add_argument("--clock", choices=("virtual", "wall", "model"), default="virtual",
+                        help="virtual: skip idle time (steps still timed for real); model: "
+                             "steps take --step-model's modelled seconds (explore policies at "
+                             "a GPU's speeds without it; deterministic)")
+    agents.add_argument("--step-model", type=_step_model, default="h200-qwen2.5-7b",
+                        help="the step-time model of --clock model (fitted to measured runs)")
     agents.add_argument("--threads", type=int_at_least(1), default=None,
                         help="torch CPU threads (default: torch's)")
     agents.add_argument("--max-num-batched-tokens", type=int_at_least(1), default=2048,
@@ -463,7 +476,8 @@ def _bench_agents(args: argparse.Namespace) -> int:
         mode=args.mode, oversubscription=args.oversub,
         check_oversubscription=args.check_oversub or None, short_mix=not args.no_short_mix,
         working_set_sessions=args.working_set_sessions, clock=args.clock,
-        host_page_size=args.host_page_size, max_num_batched_tokens=args.max_num_batched_tokens,
+        step_model=args.step_model, host_page_size=args.host_page_size,
+        max_num_batched_tokens=args.max_num_batched_tokens,
         max_num_seqs=args.max_num_seqs, cuda_graph_token_sizes=args.graph_sizes,
         speculative_tokens_when_busy=args.busy_spec_tokens,
         speculation_fills_padding=not args.no_spec_in_padding, mix=args.mix,

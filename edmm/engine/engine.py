@@ -39,7 +39,7 @@ from edmm.engine.sampling import FinishReason, Sampler, SamplingParams, is_stop
 from edmm.engine.scheduler import Scheduler, SchedulerConfig
 from edmm.engine.sequence import SPECULATED, SequenceKind, SlotHints
 from edmm.engine.sequence import Sequence as Seq
-from edmm.engine.step_cost import StepCostModel
+from edmm.engine.step_cost import StepCostModel, StepShape, StepTimeModel
 from edmm.kernels.decode_routes import default_decode_routes
 from edmm.memory import KVArena, KVSpec, PagePool, open_backend
 from edmm.memory.copies import make_copier
@@ -210,6 +210,10 @@ class Engine:
         self.runner = parallel.wrap_runner(runner) if parallel is not None else runner
         self._counters = _Counters()
         self.step_cost = StepCostModel()  # seconds per token of a step, fitted online
+        # Modelled step seconds instead of measured ones (replays on a machine without the
+        # GPU they model: `StepTimeModel`); None: measured.
+        self.step_time_model: StepTimeModel | None = None
+        self.last_step: StepShape | None = None  # what the last step computed (None: nothing)
         self.validator = RequestValidator(self.model_config.vocab_size, self.max_model_len,
                                           self.tokenizer is not None)
         self._states: dict[str, _RequestState] = {}
@@ -302,6 +306,8 @@ class Engine:
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; return the outputs of the requests that got a token."""
+        self.last_step = None
+        restored = self.kv.restored_tokens()
         batch = self.scheduler.schedule()
         if batch.is_empty:
             if self.has_unfinished() and not batch.preempted:
@@ -311,7 +317,13 @@ class Engine:
             return []
         t0 = time.perf_counter()
         sampled = self.runner.execute(batch)
-        self.step_cost.observe(batch.num_tokens, time.perf_counter() - t0)
+        shape = StepShape(tuple(len(s.token_ids) for s in batch.seqs),
+                          tuple(s.context_len for s in batch.seqs),
+                          self.kv.restored_tokens() - restored, time.perf_counter() - t0)
+        if self.step_time_model is not None:
+            shape = dataclasses.replace(shape, seconds=self.step_time_model(shape))
+        self.step_cost.observe(shape.num_tokens, shape.seconds)
+        self.last_step = shape
         return [self._process(seq) for seq in self.scheduler.update(batch, sampled)]
 
     def _process(self, seq: Seq) -> RequestOutput:

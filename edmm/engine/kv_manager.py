@@ -116,19 +116,22 @@ class KVCacheManager:
         """Release ``slot`` and its pages outright (never kept as an entry)."""
         self.index.release(slot, [], 0)
 
-    def make_room(self, max_rank: EntryRank = EntryRank.RETAINED) -> bool:
+    def make_room(self, max_rank: EntryRank = EntryRank.RETAINED,
+                  protect: Collection[str] = ()) -> bool:
         """Free memory: the slots retired by zero-copy commits, else one entry of rank <=
-        ``max_rank`` (lowest rank, then priority, then LRU; a retained session's KV goes to
-        the host tier first if it fits). False if nothing was freed."""
-        return self.arena.reclaim() > 0 or self.index.evict_one(max_rank)
+        ``max_rank`` whose tag is not in ``protect`` (lowest rank, then priority, then LRU; a
+        retained session's KV goes to the host tier first if it fits). False if nothing was
+        freed."""
+        return self.arena.reclaim() > 0 or self.index.evict_one(max_rank, protect)
 
-    def restore_claimed(self, tags: Iterable[str]) -> None:
+    def restore_claimed(self, tags: Collection[str]) -> None:
         """Bring the host copies of ``tags`` back before a sequence claiming them is admitted,
-        evicting speculation and plain entries for them if needed (a failure leaves the
-        sequence to recompute)."""
+        evicting any other entry for them if needed (retained ones go to the host tier in
+        turn: the sequence would evict them anyway to recompute in the same pages); a failure
+        leaves the sequence to wait or recompute."""
         for tag in tags:
             if self.index.offloaded_tokens(tag):
-                self.index.restore(tag, make_room=True)
+                self.index.restore(tag, evict=EntryRank.RETAINED, protect=tags)
 
     def mark_stale(self, tag: str, rank: EntryRank, stale_tag: str | None = None) -> None:
         """Entries still tagged ``tag`` once its sequence holds a slot: entries of ``rank``
@@ -185,9 +188,9 @@ class KVCacheManager:
         return self.index.discard(tags)
 
     def restore(self, tag: str) -> bool:
-        """Copy the host copy of ``tag``'s entry back into the arena; False when there is
-        none or no room (nothing is evicted for it)."""
-        return self.index.restore(tag)
+        """Copy the host copy of ``tag``'s entry back into the arena (a prefetch), evicting
+        only entries that rank below it; False when there is none or no room."""
+        return self.index.restore(tag, evict=EntryRank.RETAINED, below_own=True)
 
     def offloaded_tokens(self, tag: str) -> int:
         """Tokens of the host copy of ``tag``'s entry (0: none)."""
@@ -204,6 +207,13 @@ class KVCacheManager:
     def pending_copies(self, slot: int) -> int:
         """Host copies that may still run on ``slot`` (side stream; 0 on the CPU)."""
         return self.index.pending_copies(slot)
+
+    def restored_tokens(self) -> float:
+        """Tokens' worth of host KV copied back so far (copies seen done)."""
+        store = self.index.offload
+        if store is None:
+            return 0.0
+        return store.counters.loaded_bytes / self.arena.spec.token_bytes
 
     def drain_copies(self) -> None:
         """Wait (host) for every host copy issued and count it (benches, shutdown)."""

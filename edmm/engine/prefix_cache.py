@@ -17,10 +17,13 @@ evicted under memory pressure, and its owner then recomputes.
 
 With a `HostKVStore` attached, a tagged ``RETAINED`` entry (a paused agent session) chosen for
 eviction is first copied to host memory (within the store's budget) and remembered by its tag;
-`restore` copies it back into a fresh slot as the same entry (the scheduler restores the tags a
-request claims before admitting it, evicting plain entries for it if needed; without any room
-the request recomputes). At most one offloaded copy per tag; discarding or untagging the tag
-drops it.
+`restore` copies it back into a fresh slot as the same entry. The scheduler restores the tags a
+request claims before admitting it, evicting any other entry for it (other paused sessions go
+to the host in turn: a copy each way costs far less than the recompute the request would
+otherwise do in the same pages); a prefetch before a tool's expected return evicts only
+entries that rank below the restored one (`EntryRank`, then priority). Without room the
+request waits or recomputes. At most one offloaded copy per tag; discarding or untagging the
+tag drops it.
 
 With an asynchronous copier (a CUDA side stream, `edmm.memory.copies`) copies return before
 the bytes have moved. The cache keeps, per slot, the copies still running on it, and a slot is
@@ -212,6 +215,9 @@ class PrefixCache:
         for slot in slots:
             self._lru[slot].rank, self._lru[slot].priority = rank, priority
             self._write_behind(slot)
+        off = self._offloaded.get(tag)
+        if off is not None:
+            off.priority = priority  # what a prefetch of it may evict (`restore`)
         return len(slots)
 
     def untag(self, tags: Iterable[str], rank: EntryRank) -> int:
@@ -308,14 +314,19 @@ class PrefixCache:
         return PrefixHit(slot, n, source, source_tokens=self._sources[source].num_tokens)
 
     # ------------------------------------------------------------------ eviction
-    def evict_one(self, max_rank: EntryRank = EntryRank.RETAINED) -> bool:
-        """Free one entry of rank <= ``max_rank``: the lowest rank, then the lowest priority,
-        then the least recently used. False if there is none."""
+    def evict_one(self, max_rank: EntryRank = EntryRank.RETAINED,
+                  protect: Collection[str] = (), below: tuple[int, float] | None = None
+                  ) -> bool:
+        """Free one entry of rank <= ``max_rank`` (and eviction key < ``below``, tag not in
+        ``protect``): the lowest rank, then the lowest priority, then the least recently used.
+        False if there is none."""
         victim: int | None = None
         best: tuple[int, float] | None = None
         for slot, entry in self._lru.items():
             key = entry.eviction_key()
-            if entry.rank <= max_rank and (best is None or key < best):
+            if (entry.rank <= max_rank and (best is None or key < best)
+                    and (below is None or key < below)
+                    and (entry.tag is None or entry.tag not in protect)):
                 victim, best = slot, key
         if victim is None:
             return False
@@ -323,15 +334,17 @@ class PrefixCache:
         self._free_entry(victim)
         return True
 
-    def restore(self, tag: str, make_room: bool = False) -> bool:
+    def restore(self, tag: str, evict: EntryRank | None = None, protect: Collection[str] = (),
+                below_own: bool = False) -> bool:
         """Copy ``tag``'s host copy back into a fresh slot, as the entry it was (most recently
-        used). Without a free slot or pages it fails (False, nothing changes), unless
-        ``make_room``: then speculative and plain entries are evicted for it first (what a
-        recompute of those tokens would need anyway)."""
+        used). Without a free slot or pages it fails (False, nothing changes), unless entries
+        of rank <= ``evict`` (tags not in ``protect``; with ``below_own``, only entries ranking
+        below the restored one) are evicted for it first."""
         off = self._offloaded.get(tag)
         if off is None or self.offload is None:
             return False
-        slot = self._mapped_slot(off.kv.num_tokens, make_room)
+        below = (int(EntryRank.RETAINED), off.priority) if below_own else None
+        slot = self._mapped_slot(off.kv.num_tokens, evict, {tag, *protect}, below)
         if slot is None:
             return False
         self._pend(slot, self.offload.load(off.kv, slot))
@@ -343,8 +356,9 @@ class PrefixCache:
         self.restored_total += 1
         return True
 
-    def _mapped_slot(self, num_tokens: int, make_room: bool) -> int | None:
-        """A new slot mapping ``num_tokens`` tokens, evicting below ``RETAINED`` if allowed."""
+    def _mapped_slot(self, num_tokens: int, evict: EntryRank | None, protect: Collection[str],
+                     below: tuple[int, float] | None) -> int | None:
+        """A new slot mapping ``num_tokens`` tokens, evicting as `evict_one` allows."""
         while True:
             try:
                 slot = self.arena.allocate()
@@ -356,7 +370,7 @@ class PrefixCache:
                     return slot
                 except PoolExhaustedError:
                     self.arena.free(slot)
-            if not (make_room and self.evict_one(max_rank=EntryRank.PLAIN)):
+            if evict is None or not self.evict_one(evict, protect, below):
                 return None
 
     def clear(self) -> int:

@@ -341,10 +341,12 @@ class Scheduler:
         for its next chunk; return the chunk's size, or 0 (sequence unchanged) if memory is
         short even with the prefix cache empty.
 
-        Host copies of the entries it claims are restored first, once: an entry the loop below
-        then evicts again (offloaded) is recomputed rather than copied back and forth."""
-        self.kv.restore_claimed(
-            {*seq.hints.claim, *([seq.hints.tag] if seq.hints.tag is not None else [])})
+        Host copies of the entries it claims are restored first, once. While other requests
+        run, the loop below never evicts the sequence's own session entry to make room for it
+        (that frees no memory it would not need again to recompute the same tokens): it waits
+        instead; with nothing running it evicts anything, so admission always progresses."""
+        own = () if seq.hints.tag is None else (seq.hints.tag,)
+        self.kv.restore_claimed({*seq.hints.claim, *own})
         while True:
             hit = None
             try:
@@ -357,7 +359,7 @@ class Scheduler:
             except (NoFreeSlotError, PoolExhaustedError):
                 if seq.slot is not None:
                     self._unassign(seq, hit)
-                if not self._make_room():
+                if not self._make_room(own if self.running else ()):
                     return 0
 
     def _admit_speculation(self, seq: Sequence, budget: int) -> int | None:
@@ -422,17 +424,17 @@ class Scheduler:
         session's); False if none."""
         return self.kv.make_room(EntryRank.PLAIN)
 
-    def _make_room(self) -> bool:
+    def _make_room(self, protect: tuple[str, ...] = ()) -> bool:
         """Free memory for a request: slots retired by zero-copy commits, a speculation entry,
-        else the latest speculative prefill, else any other cache entry (rank, priority, LRU).
-        False if none is left."""
+        else the latest speculative prefill, else any other cache entry (rank, priority, LRU)
+        not tagged in ``protect``. False if none is left."""
         if self.kv.make_room(EntryRank.SPECULATIVE):
             return True
         if self.spec_running:
             seq = self.spec_running.pop()
             self._drop(seq)
             return True
-        return self.kv.make_room()
+        return self.kv.make_room(protect=protect)
 
     def _drop(self, seq: Sequence) -> None:
         """Finish a speculative prefill and free its slot outright (memory pressure)."""

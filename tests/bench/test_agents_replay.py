@@ -159,3 +159,32 @@ def test_one_condition_runs_alone(tiny_module_dir: Path) -> None:
     finally:
         matrix.close()
     assert len(rec.result.jobs) == 2
+
+
+def test_model_clock_runs_are_deterministic_and_charge_the_model(tiny_module_dir: Path) -> None:
+    """``clock="model"``: time is the step-time model's seconds alone, so the same condition
+    replays to the same job completion times (host speed does not count), the engine time of
+    the steps is what the model charged, and the agent layer's tool windows run on the same
+    clock (each job's tool time is the trace's)."""
+    import torch
+
+    from edmm.engine.step_cost import H200_QWEN7B
+
+    torch.set_num_threads(1)
+    cfg = bench_config(tiny_module_dir, clock="model", policies=("offload",))
+    runs = []
+    for _ in range(2):
+        matrix = Matrix(cfg)
+        try:
+            (rec,) = matrix.run([Condition("long", 2.0, 3, "offload")])
+            assert matrix._engine is not None and matrix._engine.step_time_model is H200_QWEN7B
+        finally:
+            matrix.close()
+        runs.append(rec.result)
+    first, second = runs
+    assert [j["jct_s"] for j in first.jobs] == [j["jct_s"] for j in second.jobs]
+    assert first.makespan_s == second.makespan_s and first.busy_step_s > 0
+    jobs = {j.job_id: j for j in Matrix(cfg).mixes["long"]}
+    for row in first.jobs:
+        want = sum(t.tool_s for t in jobs[row["job"]].turns)
+        assert row["tool_s"] == pytest.approx(want, abs=0.2)  # + the step it returned in

@@ -175,7 +175,7 @@ def test_copies_against_a_plain_model(ops: list[tuple[str, int, int]]) -> None:
             elif op == "evict":
                 cache.evict_one()
             elif op == "restore":
-                cache.restore(tag, make_room=bool(n % 2))
+                cache.restore(tag, evict=EntryRank.PLAIN if n % 2 else None)
             elif op == "progress":
                 stream.progress(n % 3)
             elif op == "resume" and tag in paused:

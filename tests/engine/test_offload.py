@@ -72,7 +72,7 @@ def test_restore_without_room_changes_nothing(arena: KVArena) -> None:
     assert cache.evict_one()
     hog = arena.allocate()
     arena.grow(hog, 64)  # 8 of 12 pages: 4 left, the session needs 5
-    assert not cache.restore("s1", make_room=True) and cache.offloaded_tokens("s1") == 40
+    assert not cache.restore("s1", evict=EntryRank.PLAIN) and cache.offloaded_tokens("s1") == 40
     cache.check_integrity()
     arena.free(hog)
     assert cache.restore("s1") and cache.num_entries == 1
@@ -106,7 +106,7 @@ def test_make_room_evicts_plain_entries_to_restore(arena: KVArena) -> None:
     other = [5] * 64
     cache.release(filled(arena, other), other, 64)  # a plain entry: 8 of 12 pages
     assert not cache.restore("s1")  # a prefetch makes no room
-    assert cache.restore("s1", make_room=True)  # a resume does
+    assert cache.restore("s1", evict=EntryRank.PLAIN)  # a resume does
     hit = cache.acquire(TOKENS, max_tokens=39, claim=("s1",))
     assert hit is not None and hit.num_tokens == 39 and cache.num_entries == 0
     assert kv_values(arena, hit.slot) == TOKENS[:39]
@@ -133,3 +133,64 @@ def test_newer_copy_replaces_the_older_within_the_budget(arena: KVArena) -> None
     hit = cache.acquire([*TOKENS, 99], max_tokens=100, claim=("s1",))
     assert hit is not None and hit.num_tokens == 40 and kv_values(arena, hit.slot) == TOKENS
     arena.free(hit.slot)
+
+
+def test_a_resume_restore_evicts_other_sessions_to_the_host_never_its_own(
+        arena: KVArena) -> None:
+    """The pool full of another paused session: a resume's restore moves that one to the host
+    (a copy each way, no recompute) instead of failing; a protected tag is never the victim."""
+    store = HostKVStore(arena, capacity_bytes=1 << 20)
+    cache = PrefixCache(arena, block_size=4, offload=store)
+    _retain(cache, arena, TOKENS, "s1")
+    assert cache.evict_one() and cache.offloaded_tokens("s1") == 40
+    other = [9] * 56  # 7 of 12 pages: 5 left, s1 needs 5 ... plus the boundary page
+    _retain(cache, arena, other, "s2")
+    hog = arena.allocate()
+    arena.grow(hog, 8)  # one more page: s1 no longer fits beside s2
+    assert not cache.restore("s1", evict=EntryRank.RETAINED, protect=("s2",))
+    assert cache.offloaded_tokens("s1") == 40 and cache.offloaded_tokens("s2") == 0
+    assert cache.restore("s1", evict=EntryRank.RETAINED)
+    assert cache.offloaded_tokens("s2") == 56 and cache.offloaded_tokens("s1") == 0
+    assert kv_values(arena, cache.tagged("s1")[0]) == TOKENS
+    cache.check_integrity()
+    arena.free(hog)
+
+
+def test_a_prefetch_evicts_only_entries_ranking_below_it(arena: KVArena) -> None:
+    """``below_own``: a session due back soon (high priority) displaces one due later (low
+    priority), never one that outranks it."""
+    store = HostKVStore(arena, capacity_bytes=1 << 20)
+    cache = PrefixCache(arena, block_size=4, offload=store)
+    _retain(cache, arena, TOKENS, "soon")
+    assert cache.evict_one()
+    cache.set_retention("soon", EntryRank.RETAINED, 5.0)  # updates the host copy's priority
+    later = [9] * 56
+    cache.release(filled(arena, later), later, 56, tag="later", rank=EntryRank.RETAINED,
+                  priority=9.0)
+    hog = arena.allocate()
+    arena.grow(hog, 8)
+    assert not cache.restore("soon", evict=EntryRank.RETAINED, below_own=True)  # 9 > 5
+    cache.set_retention("later", EntryRank.RETAINED, 1.0)
+    assert cache.restore("soon", evict=EntryRank.RETAINED, below_own=True)
+    assert cache.offloaded_tokens("later") == 56
+    cache.check_integrity()
+    arena.free(hog)
+
+
+def test_restore_claimed_pushes_other_paused_sessions_out_for_a_resume(
+        arena: KVArena) -> None:
+    """What the scheduler calls before admitting a resume (`KVCacheManager.restore_claimed`):
+    with the pool full of other paused sessions the claimed copy still comes back."""
+    from edmm.engine.kv_manager import KVCacheManager
+
+    store = HostKVStore(arena, capacity_bytes=1 << 20)
+    kv = KVCacheManager(arena, PrefixCache(arena, block_size=4, offload=store))
+    _retain(kv.index, arena, TOKENS, "s1")
+    assert kv.make_room() and kv.offloaded_tokens("s1") == 40
+    _retain(kv.index, arena, [9] * 56, "s2")
+    _retain(kv.index, arena, [8] * 32, "s3")  # 7 + 4 of 12 pages: s1's 5 do not fit
+    assert not kv.restore("s1")  # a prefetch does not outrank sessions of its own priority
+    kv.restore_claimed({"s1", "s3"})  # a resume claiming s1 (and s3, protected)
+    assert kv.offloaded_tokens("s1") == 0 and kv.offloaded_tokens("s2") == 56
+    assert kv.offloaded_tokens("s3") == 0 and kv.index.tagged("s3")
+    kv.check_integrity()

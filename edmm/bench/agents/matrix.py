@@ -32,6 +32,7 @@ from edmm.bench.agents.replay import ReplayClock, ReplayConfig, Replayer, Replay
 from edmm.bench.agents.trace import GeneratorConfig, Job, ToolTimes, generate, read_jsonl, scale
 from edmm.bench.report import Progress
 from edmm.engine import Engine, EngineConfig
+from edmm.engine.step_cost import STEP_TIME_MODELS
 from edmm.memory import KVSpec
 from edmm.model.config import PRESETS, ModelConfig, parse_dtype, resolve_preset
 
@@ -60,6 +61,7 @@ class AgentsBenchConfig:
     short_mix: bool = True
     working_set_sessions: int | None = None  # None: the highest load (closed loop)
     clock: str = "virtual"
+    step_model: str = "h200-qwen2.5-7b"  # with clock "model": a name of STEP_TIME_MODELS
     prefetch_lead_s: float = 0.05
     host_page_size: int = 1 << 16
     max_num_batched_tokens: int = 2048
@@ -76,6 +78,9 @@ class AgentsBenchConfig:
     def __post_init__(self) -> None:
         if self.mix not in MIXES:
             raise ValueError(f"mix must be one of {MIXES}, got {self.mix!r}")
+        if self.step_model not in STEP_TIME_MODELS:
+            raise ValueError(f"step_model must be one of {sorted(STEP_TIME_MODELS)}, "
+                             f"got {self.step_model!r}")
 
 
 @dataclass(frozen=True)
@@ -250,10 +255,13 @@ class Matrix:
         ballast = KVBallast(engine, ballast_pages)
         rcfg = ReplayConfig(mode=self.cfg.mode, load=load, clock=self.cfg.clock,
                             prefetch_lead_s=self.cfg.prefetch_lead_s, seed=self.cfg.seed)
+        clock = ReplayClock(rcfg.clock)
+        # The agent layer times tool windows (learned durations, retention, prefetch) on the
+        # replay's clock: on a virtual or modelled clock, wall time says nothing of them.
         agent = AgentEngine(engine, policy.agent_config(rcfg.tool_timeout_s,
-                                                        rcfg.prefetch_lead_s))
+                                                        rcfg.prefetch_lead_s), clock=clock)
         try:
-            result = Replayer(agent, policy, jobs, rcfg, ReplayClock(rcfg.clock == "virtual"),
+            result = Replayer(agent, policy, jobs, rcfg, clock,
                               f"r{self._runs}",
                               reserved_pages=ballast.num_pages + self._idle_pages).run()
             agent.check_integrity()
@@ -275,6 +283,8 @@ class Matrix:
         self._log(f"building the engine (offload {'on' if offload else 'off'}, "
                   f"{cfg.num_pages} pages)")
         self._engine = Engine(cfg)
+        if self.cfg.clock == "model":
+            self._engine.step_time_model = STEP_TIME_MODELS[self.cfg.step_model]
         self._engine_offload = offload
         self._idle_pages = pages_in_use(self._engine)
         self._engine_pages = pages_total(self._engine) - self._idle_pages

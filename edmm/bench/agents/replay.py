@@ -7,7 +7,10 @@ engine has nothing at all to compute (no request, no speculation) by moving its 
 instead of sleeping: every step still takes its real time, so TTFTs and queueing are as
 measured, while hours of tool time replay in the minutes of compute they leave (a
 speculation-only step that could not advance counts as nothing to compute). With
-``clock="wall"`` it sleeps instead.
+``clock="wall"`` it sleeps instead. With ``clock="model"`` time is the engine's modelled step
+seconds alone (`edmm.engine.step_cost.StepTimeModel`, set on the engine by the caller): the
+host's own speed and load do not count, so a run is deterministic and plays out at the
+modelled GPU's speeds on a machine without it.
 
 Each turn is forced to the trace's output length (greedy, ``min_tokens = max_tokens``, EOS
 ignored). Token ids are synthetic: the job's task prompt and each tool result are seeded draws
@@ -38,6 +41,7 @@ BEFORE, AFTER = (3,), (4,)  # e.g. <tool_response> ... </tool_response>
 SUFFIX = (2, 1, 10)  # e.g. <|im_end|> <|im_start|> assistant
 FIRST_ID = 16  # synthetic token ids start above the special ones
 DURATION_EMA = 0.5  # weight of the newest duration in the client's estimate (rewarm)
+CLOCKS = ("virtual", "wall", "model")
 
 
 class ReplayError(RuntimeError):
@@ -68,31 +72,44 @@ class ReplayConfig:
     def __post_init__(self) -> None:
         if self.mode not in ("closed", "open"):
             raise ValueError(f"mode must be 'closed' or 'open', got {self.mode!r}")
-        if self.clock not in ("virtual", "wall"):
-            raise ValueError(f"clock must be 'virtual' or 'wall', got {self.clock!r}")
+        if self.clock not in CLOCKS:
+            raise ValueError(f"clock must be one of {CLOCKS}, got {self.clock!r}")
         if not self.load > 0:
             raise ValueError(f"load must be > 0, got {self.load}")
 
 
 class ReplayClock:
-    """Monotonic seconds; ``virtual`` clocks jump over idle time instead of sleeping."""
+    """Seconds of a replay (`CLOCKS`): ``wall`` is monotonic time; ``virtual`` jumps over
+    idle time instead of sleeping; ``model`` advances only by idle jumps and the engine's
+    modelled step seconds (`charge`)."""
 
-    def __init__(self, virtual: bool) -> None:
-        self.virtual = virtual
+    def __init__(self, kind: str) -> None:
+        if kind not in CLOCKS:
+            raise ValueError(f"clock must be one of {CLOCKS}, got {kind!r}")
+        self.kind = kind
         self._offset = 0.0
 
+    @property
+    def modelled(self) -> bool:
+        """True when steps are charged their modelled seconds (host time does not pass)."""
+        return self.kind == "model"
+
     def __call__(self) -> float:
-        return time.monotonic() + self._offset
+        return self._offset if self.modelled else time.monotonic() + self._offset
+
+    def charge(self, seconds: float) -> None:
+        """A modelled step took ``seconds``."""
+        self._offset += seconds
 
     def wait_until(self, t: float) -> None:
-        """Idle until ``t``: jump there (virtual) or sleep."""
+        """Idle until ``t``: jump there (virtual, model) or sleep (wall)."""
         gap = t - self()
         if gap <= 0:
             return
-        if self.virtual:
-            self._offset += gap
-        else:
+        if self.kind == "wall":
             time.sleep(gap)
+        else:
+            self._offset += gap
 
 
 @dataclass
@@ -177,7 +194,7 @@ class Replayer:
             if busy:
                 start = time.perf_counter()
                 outputs = self.agent.step()
-                busy_s += time.perf_counter() - start
+                busy_s += self._took(start)
                 for out in outputs:
                     self._on_output(out)
                 continue
@@ -185,7 +202,7 @@ class Replayer:
                 done = speculated_tokens_now(self.agent)
                 start = time.perf_counter()
                 self.agent.step()
-                spec_s += time.perf_counter() - start
+                spec_s += self._took(start)
                 if speculated_tokens_now(self.agent) != done or not self.agent.has_speculation():
                     continue  # it advanced: speculation keeps the engine busy
             else:  # idle: retention and prefetch decisions still run
@@ -196,6 +213,16 @@ class Replayer:
         after = read_counters(self.agent, self.reserved_pages)
         return RunResult(self.turn_rows, self.job_rows, self.timeline, self.sessions, makespan,
                          spec_s, busy_s, before, after, self.outputs)
+
+    def _took(self, start: float) -> float:
+        """Seconds the step begun at ``start`` took: host-measured, or (model clock) the
+        engine's modelled seconds, charged to the clock."""
+        if not self.clock.modelled:
+            return time.perf_counter() - start
+        shape = self.agent.engine.last_step
+        seconds = shape.seconds if shape is not None else 0.0
+        self.clock.charge(seconds)
+        return seconds
 
     def _arrivals(self, t0: float) -> list[float]:
         if self.cfg.mode == "closed":

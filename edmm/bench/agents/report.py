@@ -241,13 +241,19 @@ def run_meta(cfg: AgentsBenchConfig, jobs: Sequence[Job]) -> dict[str, Any]:
             "oversub": cfg.oversubscription, "check_oversub": cfg.check_oversubscription}
 
 
+_CLOCK_NOTES = {
+    "virtual": "idle time skipped, every step timed for real",
+    "wall": "tools slept through",
+    "model": "idle time skipped, every step charged the {model} step-time model's seconds, "
+             "not measured: how the policies behave at those speeds, not a result of them"}
+
+
 def _method_notes(cfg: AgentsBenchConfig) -> list[str]:
     return [
         f"trace: {cfg.trace or f'generated, {cfg.jobs} jobs, seed {cfg.seed}'}; tokens x"
         f"{cfg.token_scale:g}, tool times x{cfg.time_scale:g}; {cfg.mode} loop, load = "
         + ("concurrent sessions" if cfg.mode == "closed" else "jobs per second"),
-        f"clock: {cfg.clock} (" + ("idle time skipped, every step timed for real"
-                                   if cfg.clock == "virtual" else "tools slept through") + ")",
+        f"clock: {cfg.clock} (" + _CLOCK_NOTES[cfg.clock].format(model=cfg.step_model) + ")",
         "engine-wait = JCT minus the tool time the job waited; resume TTFT = resume() to the "
         "first token; prefix hit rate = reused / (reused + recomputed) prompt tokens of resumes",
         "spec_only_steps_s: engine time of steps that ran speculation alone (speculation riding "
