@@ -22,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from edmm.openai_errors import error_body
+from edmm.server.body import parse_body
 from edmm.server.engine_loop import OutputStream
 from edmm.server.errors import APIError, PayloadTooLargeError
 from edmm.server.http_guard import BODY_READ_NS, RequestGuard
@@ -133,12 +134,18 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
     async def metrics() -> Response:
         return Response(await serving.render_metrics(), media_type=CONTENT_TYPE_LATEST)
 
+    # The body is parsed by `parse_body` (one pass, FastAPI's errors), not by FastAPI (so
+    # the API docs do not show its schema).
     @app.post("/v1/chat/completions", response_model=None)
-    async def chat(body: ChatCompletionRequest, request: Request,
+    async def chat(request: Request,
                    x_session_id: str | None = Header(default=None, min_length=1,
                                                      max_length=MAX_SESSION_ID)) -> Response:
-        turn = await serving.start_chat(body, x_session_id, owner_of(request.headers),
-                                        getattr(request.state, BODY_READ_NS, None))
+        timer = serving.stages.timer(getattr(request.state, BODY_READ_NS, None))
+        parsed = parse_body(ChatCompletionRequest, await request.body(),
+                            request.headers.get("content-type"))
+        body = parsed.value
+        turn = await serving.start_chat(body, x_session_id, owner_of(request.headers), timer,
+                                        surrogate_free=parsed.surrogate_free)
         headers = {SESSION_HEADER: turn.session_id}
         if body.stream:
             return EventStreamResponse(serving.chat_stream(turn), [turn.stream],
