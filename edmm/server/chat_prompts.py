@@ -79,5 +79,16 @@ class ChatPrompts:
         return ids
 
 
+    def prepare_resume(self) -> None:
+        """Idle-time work for the resume of the latest prompt
+        (`IncrementalChatRenderer.prepare_resume`); any failure only leaves it to the
+        resume."""
+        if self._renderer is not None:
+            try:
+                self._renderer.prepare_resume()
+            except Exception:  # the resume renders it, or falls back to a full render
+                logger.debug("preparing the resume failed", exc_info=True)
+
+
 def _has_template(tokenizer: Any) -> bool:
     return tokenizer is not None and getattr(tokenizer, "chat_template", None) is not None

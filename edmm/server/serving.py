@@ -16,6 +16,7 @@ separate pool.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -435,6 +436,9 @@ class OpenAIServing:
             predictions=ext.predicted_tool_results if ext else {},
             predicted_prompt=predicted)
         await self.loop.run(lambda b: b.end(end))
+        # While the tool runs: what the resume's incremental render would do first.
+        with contextlib.suppress(RuntimeError):  # the server is closing
+            self._tokenizing.submit(self.prompts.prepare_resume)
 
     async def _predicted_prompt(self, turn: ChatTurn, content: str | None) -> Sequence[int]:
         """Token ids of the client's predicted next request with this turn's reply

@@ -102,6 +102,14 @@ def test_a_resume_renders_only_the_new_messages(tok: Any) -> None:
              {"role": "user", "content": "Thanks."}]
     assert renderer.render_text(again, None) == full(again, None, None, True)
     assert renderer.stats.full_renders == 1
+    # Prepared while the tool runs, the resume renders its own window only.
+    renderer = IncrementalChatRenderer(full, verify=True)
+    assert not renderer.prepare_resume()  # nothing rendered yet
+    renderer.render_text(convo, None)
+    assert renderer.prepare_resume() and renderer.stats.rendered_messages == len(convo) + 2
+    assert renderer.render_text(resume, None) == full(resume, None, None, True)
+    assert renderer.stats.rendered_messages == len(convo) + 2 + (1 + 3)
+    assert renderer.stats.window_renders == 2 and renderer.stats.full_renders == 1
 
 
 def test_a_changed_first_message_renders_in_full(tok: Any) -> None:
@@ -177,8 +185,11 @@ def test_a_32k_bench_resume_takes_the_incremental_route(tok: Any, group: str) ->
     encoder = chat.encoder
     assert encoder is not None
     reused = encoder.reused_tokens
+    chat.prepare_resume()  # the server does it while the tool runs
+    windows = chat.stats.window_renders
     ids = chat.ids(resume, [TOOL], None, None)
-    assert chat.stats.full_renders == 1 and chat.stats.window_renders >= 1
+    assert chat.stats.full_renders == 1
+    assert chat.stats.window_renders == windows + (1 if group == "A" else 2)
     assert list(ids) == render_chat(tok, resume, [TOOL], None)
     new_tokens = len(ids) - (encoder.reused_tokens - reused)
     limit = 700 if group == "A" else 0.6 * len(ids)  # C: from the memory block on
