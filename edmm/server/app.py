@@ -45,6 +45,9 @@ SESSION_HEADER = "X-Session-Id"
 DISCONNECT_POLL_S = 0.2  # how often a non-streamed request checks that its client is still there
 CLIENT_CLOSED = 499  # nginx's status for a request whose client went away (never seen by it)
 MAX_SESSION_ID = 256  # as the body field `EdmmExtension.session_id`
+# A chat body up to this size is parsed on the event loop (the 16K-token resume's 110 KB took
+# 0.12 ms on a dev CPU: less than a hand-off to a thread); a larger one on the default executor.
+INLINE_PARSE_BYTES = 1 << 20
 
 
 def build_app(state: ServerState) -> FastAPI:
@@ -141,8 +144,12 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
                    x_session_id: str | None = Header(default=None, min_length=1,
                                                      max_length=MAX_SESSION_ID)) -> Response:
         timer = serving.stages.timer(getattr(request.state, BODY_READ_NS, None))
-        parsed = parse_body(ChatCompletionRequest, await request.body(),
-                            request.headers.get("content-type"))
+        raw, content_type = await request.body(), request.headers.get("content-type")
+        if len(raw) <= INLINE_PARSE_BYTES:
+            parsed = parse_body(ChatCompletionRequest, raw, content_type)
+        else:  # tens of ms of parsing: not on the event loop
+            parsed = await asyncio.get_running_loop().run_in_executor(
+                None, parse_body, ChatCompletionRequest, raw, content_type)
         body = parsed.value
         turn = await serving.start_chat(body, x_session_id, owner_of(request.headers), timer,
                                         surrogate_free=parsed.surrogate_free)

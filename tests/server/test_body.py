@@ -145,3 +145,25 @@ def test_one_pass_parse_equals_fastapi_s(request: dict[str, Any], ascii_only: bo
         return
     parsed = parse_body(ChatCompletionRequest, body, "application/json")
     assert parsed.value == reference and parsed.surrogate_free
+
+
+def test_a_large_body_is_parsed_off_the_event_loop_with_the_same_errors(
+        server: LiveServer) -> None:
+    """A body over `INLINE_PARSE_BYTES` (parsed on a worker thread) reaches the request's own
+    checks when valid (here: far over the context) and gets FastAPI's error when not."""
+    from edmm.server.app import INLINE_PARSE_BYTES
+
+    text = "word " * (INLINE_PARSE_BYTES // 5 + 1000)
+    headers = dict(AUTH, **{"Content-Type": "application/json"})
+    good = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": text}]})
+    assert len(good) > INLINE_PARSE_BYTES
+    r = httpx.post(f"{server.url}/v1/chat/completions", content=good, headers=headers,
+                   timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["code"] == "context_length_exceeded"
+    bad = json.dumps({"model": MODEL, "messages": [{"role": "user", "content": text}],
+                      "max_tokens": "many"}).encode()
+    want = _reference().post("/v1/chat/completions", content=bad, headers=headers)
+    got = httpx.post(f"{server.url}/v1/chat/completions", content=bad, headers=headers,
+                     timeout=60)
+    assert want.status_code == 400
+    assert (got.status_code, got.json()) == (want.status_code, want.json())
