@@ -152,3 +152,22 @@ def test_encode_array_is_the_callers_copy(tokenizer: Any) -> None:
     ids[0] = -1  # the encoder's own copy is untouched
     assert encoder.encode(text + "<|im_start|>") == tokenizer.encode(
         text + "<|im_start|>", add_special_tokens=False)
+
+
+def test_encode_ids_shares_the_prefix_ints_and_is_the_callers_copy(tokenizer: Any) -> None:
+    """`encode_ids`: the list and its packed twin hold the tokenizer's ids; a later prompt's
+    list takes the shared prefix's int objects from the earlier one (no int made per token);
+    changing the returned list or array leaves the encoder's own untouched."""
+    encoder = PromptEncoder(tokenizer)
+    first = "<|im_start|>user\n" + "agent tool memory " * 50 + "<|im_end|>\n"
+    a = encoder.encode_ids(first)
+    assert list(a) == a.packed.tolist() == tokenizer.encode(first, add_special_tokens=False)
+    second = first + "<|im_start|>assistant\nresult page 123456<|im_end|>\n"
+    b = encoder.encode_ids(second)
+    assert list(b) == b.packed.tolist() == tokenizer.encode(second, add_special_tokens=False)
+    big = [i for i, t in enumerate(a) if t > 256]  # not CPython's small-int cache
+    assert big and all(b[i] is a[i] for i in big)
+    a[0], a.packed[0] = -1, -1
+    again = encoder.encode_ids(first)
+    assert list(again) == again.packed.tolist() == tokenizer.encode(first,
+                                                                    add_special_tokens=False)
