@@ -22,7 +22,8 @@ A tool result R of about ``result_tokens`` tokens:
   although R sits mid-prompt (expect less than A, which prefills R).
 
 ``cached_tokens`` comes from ``usage.prompt_tokens_details``; the speculation outcome of each
-resume from the change of ``edmm_speculation_outcomes_total`` in ``/metrics``.
+resume from the change of ``edmm_speculation_outcomes_total`` in ``/metrics``, read before the
+tool window and after the resume (nothing but the resume reaches the server as the tool ends).
 """
 
 from __future__ import annotations
@@ -396,9 +397,10 @@ class LiveClient:
             raise LiveBenchError(f"the forced tool call did not come: {msg.content!r}")
         return msg.model_dump(exclude_none=True), msg.tool_calls[0].id
 
-    def resume(self, sid: str, messages: list[dict[str, Any]], stream: bool) -> _Resume:
-        """Send the resume turn and time it."""
-        before = self.speculation_counts()
+    def resume(self, sid: str, messages: list[dict[str, Any]], stream: bool,
+               before: Counter[str]) -> _Resume:
+        """Send the resume turn and time it (``before``: `speculation_counts` taken before
+        the tool window, so that nothing but the resume reaches the server after it)."""
         kwargs: dict[str, Any] = dict(
             model=self.model, messages=messages, tools=[TOOL], tool_choice="none",
             temperature=0, max_tokens=self.cfg.resume_tokens, extra_body={"ignore_eos": True},
@@ -433,13 +435,13 @@ class LiveClient:
                        details.cached_tokens or 0 if details is not None else 0, spec,
                        response_id, sent_ns, first_ns, self.wire_ns)
 
-    def raw_resume(self, sid: str, messages: list[dict[str, Any]]) -> _Resume:
+    def raw_resume(self, sid: str, messages: list[dict[str, Any]],
+                   before: Counter[str]) -> _Resume:
         """The resume turn streamed as a lean agent framework sends it: the body encoded once
         (``json.dumps``, timed), POSTed with httpx, the server-sent events parsed line by line
         up to the first content delta (then read to the end for the usage); no SDK."""
         import json
 
-        before = self.speculation_counts()
         sent_ns = time.time_ns()
         t0 = time.perf_counter()
         body = json.dumps(self._resume_body(messages, stream=True)).encode()
@@ -495,11 +497,12 @@ def _session(client: LiveClient, prompts: Prompts, group: str,
         predicted = (prompts.resume(group, conversation, None, TOOL_NAME, result)
                      if group == "C" else None)
         assistant, call_id = client.first_turn(sid, conversation, predicted)
-        time.sleep(client.cfg.tool_duration_s)  # the tool runs
         messages = prompts.resume(group, conversation, assistant, call_id, result)
+        before = client.speculation_counts()
+        time.sleep(client.cfg.tool_duration_s)  # the tool runs
         if mode == "raw":
-            return client.raw_resume(sid, messages)
-        return client.resume(sid, messages, mode == "stream")
+            return client.raw_resume(sid, messages, before)
+        return client.resume(sid, messages, mode == "stream", before)
     finally:
         client.close_session(sid)
 
