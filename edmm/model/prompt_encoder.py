@@ -77,6 +77,7 @@ class PromptEncoder:
         self._pattern = (re.compile("|".join(re.escape(t.content) for t in
                                              sorted(added, key=lambda t: -len(t.content))))
                          if self._fast is not None and added and plain else None)
+        self._longest_added = max((len(t.content) for t in added), default=0)
         self._recent: deque[_Encoded] = deque(maxlen=capacity)
         self.reused_tokens = 0  # ids taken from earlier prompts, over the encoder's life
         self.encoded_tokens = 0  # ids produced by the tokenizer
@@ -120,6 +121,8 @@ class PromptEncoder:
         entry = _Encoded(text, head + array("q", tail_ids), cuts + tail_cuts,
                          head_list + tail_ids)
         _check_count(len(entry.ids), limit)
+        if base is not None and base.text == text:  # the same prompt again: kept once
+            self._recent.remove(base)
         self._recent.append(entry)
         self.reused_tokens += tok
         self.encoded_tokens += len(tail_ids)
@@ -146,8 +149,12 @@ class PromptEncoder:
         an added token (each cut of an entry is one), that place and its token index."""
         assert self._pattern is not None
         best: tuple[_Encoded | None, int, int] = (None, 0, 0)
+        most = -1  # the longest shared prefix compared so far
         for entry in reversed(self._recent):
+            if most >= 0 and self._no_longer(entry.text, text, most):
+                continue
             shared = shared_prefix_len(entry.text, text)
+            most = max(most, shared)
             # The last cut within the shared text where ``text`` holds an added token too.
             i = bisect.bisect_right(entry.cuts, (shared, len(entry.ids)))
             while i > 0 and entry.cuts[i - 1][0] > best[1]:
@@ -157,6 +164,21 @@ class PromptEncoder:
                     break
                 i -= 1
         return best
+
+    def _no_longer(self, other: str, text: str, shared: int) -> bool:
+        """Whether ``other`` certainly offers no later cut than a prompt sharing ``shared``
+        characters with ``text`` did, checked without comparing the prefixes: ``other``
+        shares at most ``shared`` characters (it ends there or differs there), so each of its
+        cuts is one of that prompt's too, unless ``text`` holds an added token across
+        ``shared`` (which that prompt, differing inside it, may not hold)."""
+        assert self._pattern is not None
+        if len(other) > shared and shared < len(text) and other[shared] == text[shared]:
+            return False
+        for char in range(max(0, shared - self._longest_added + 1), shared + 1):
+            found = self._pattern.match(text, char)
+            if found is not None and found.end() > shared:
+                return False
+        return True
 
     def _encode_part(self, text: str, start: int, tok0: int) -> tuple[list[int],
                                                                       list[tuple[int, int]]]:
