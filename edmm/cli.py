@@ -167,6 +167,16 @@ def _add_ttft(bsub: argparse._SubParsersAction) -> None:
                       help="output folder (default: benchmarks/results/<date>-<device>)")
 
 
+def _live_modes(text: str) -> tuple[str, ...]:
+    """``--modes``: known modes, in the bench's order, ``stream`` always among them."""
+    from edmm.bench.live import MODES
+
+    given = {m.strip() for m in text.split(",") if m.strip()}
+    if not given <= set(MODES):
+        raise argparse.ArgumentTypeError(f"modes must be among {', '.join(MODES)}, got {text!r}")
+    return tuple(m for m in MODES if m in given | {"stream"})
+
+
 def _add_live(bsub: argparse._SubParsersAction) -> None:
     live = bsub.add_parser(
         "live", help="A/B/C resume groups at the client: the openai SDK over HTTP against "
@@ -201,6 +211,11 @@ def _add_live(bsub: argparse._SubParsersAction) -> None:
     live.add_argument("--stages", action="store_true",
                       help="also time each resume's stages in the server (render, tokenize, "
                            "engine hand-off, first token...) and write their breakdown")
+    live.add_argument("--modes", type=_live_modes, default=None,
+                      help="resume modes, a session each, comma-separated (default: all): "
+                           "stream (the openai SDK, streamed TTFT), whole (the SDK, not "
+                           "streamed: total latency), raw (raw HTTP, streamed TTFT: the "
+                           "server and HTTP alone); stream is always run")
     live.add_argument("--server-arg", action="append", default=[],
                       help="extra edmm serve option, repeatable: --server-arg=--dtype=bfloat16")
     live.add_argument("--out", type=Path, default=None,
@@ -546,7 +561,8 @@ def _bench(args: argparse.Namespace) -> int:
                                insert_fraction=args.insert_fraction, iterations=args.iterations,
                                warmup=args.warmup, tool_duration_s=args.tool_duration,
                                resume_tokens=args.resume_tokens, stages=args.stages,
-                               server_args=tuple(args.server_arg))
+                               server_args=tuple(args.server_arg),
+                               **({"modes": args.modes} if args.modes else {}))
         paths = run_live_bench(lcfg, args.out or default_out_dir(
             _device_tag(args.device.startswith("cuda"))))
         print(Path(paths["md"]).read_text())

@@ -22,7 +22,8 @@ A tool result R of about ``result_tokens`` tokens:
   although R sits mid-prompt (expect less than A, which prefills R).
 
 ``cached_tokens`` comes from ``usage.prompt_tokens_details``; the speculation outcome of each
-resume from the change of ``edmm_speculation_outcomes_total`` in ``/metrics``.
+resume from the change of ``edmm_speculation_outcomes_total`` in ``/metrics``, read before the
+tool window and after the resume (nothing but the resume reaches the server as the tool ends).
 """
 
 from __future__ import annotations
@@ -61,6 +62,8 @@ from edmm.bench.stats import ratio, summarize
 NAME = "agent-ttft-live"
 QWEN_TOKENIZER = "qwen2.5"  # --tokenizer keyword: the real-size vocabulary, built locally
 GROUPS = ("A", "B", "C")
+# The resume's modes, a session each: the openai SDK streamed and not, raw HTTP streamed.
+MODES = ("stream", "whole", "raw")
 GROUP_NAMES = {"A": "result appended as the tool message (prefix hit)",
                "B": "result inserted mid-prompt (memory block), reuse up to it",
                "C": "B's prompt, predicted in advance (speculation hit, zero-copy commit)"}
@@ -117,6 +120,7 @@ class LiveBenchConfig:
     request_timeout_s: float = 600.0
     seed: int = 0
     stages: bool = False  # the started server logs per-stage times (edmm.server.stages)
+    modes: tuple[str, ...] = MODES  # the resume's modes, a session each (see `_session`)
 
     def __post_init__(self) -> None:
         if self.result_tokens < 1 or self.iterations < 1 or self.warmup < 0:
@@ -128,6 +132,8 @@ class LiveBenchConfig:
                              f"got {self.contexts}")
         if not 0.0 <= self.insert_fraction < 1.0:
             raise ValueError(f"insert_fraction must be in [0, 1), got {self.insert_fraction}")
+        if "stream" not in self.modes or any(m not in MODES for m in self.modes):
+            raise ValueError(f"modes must be among {MODES} and hold 'stream', got {self.modes}")
         unknown = [g for g in self.groups if g not in GROUPS]
         if unknown or not self.groups:
             raise ValueError(f"groups must be among {GROUPS}, got {self.groups}")
@@ -391,9 +397,10 @@ class LiveClient:
             raise LiveBenchError(f"the forced tool call did not come: {msg.content!r}")
         return msg.model_dump(exclude_none=True), msg.tool_calls[0].id
 
-    def resume(self, sid: str, messages: list[dict[str, Any]], stream: bool) -> _Resume:
-        """Send the resume turn and time it."""
-        before = self.speculation_counts()
+    def resume(self, sid: str, messages: list[dict[str, Any]], stream: bool,
+               before: Counter[str]) -> _Resume:
+        """Send the resume turn and time it (``before``: `speculation_counts` taken before
+        the tool window, so that nothing but the resume reaches the server after it)."""
         kwargs: dict[str, Any] = dict(
             model=self.model, messages=messages, tools=[TOOL], tool_choice="none",
             temperature=0, max_tokens=self.cfg.resume_tokens, extra_body={"ignore_eos": True},
@@ -428,22 +435,74 @@ class LiveClient:
                        details.cached_tokens or 0 if details is not None else 0, spec,
                        response_id, sent_ns, first_ns, self.wire_ns)
 
+    def raw_resume(self, sid: str, messages: list[dict[str, Any]],
+                   before: Counter[str]) -> _Resume:
+        """The resume turn streamed as a lean agent framework sends it: the body encoded once
+        (``json.dumps``, timed), POSTed with httpx, the server-sent events parsed line by line
+        up to the first content delta (then read to the end for the usage); no SDK."""
+        import json
+
+        sent_ns = time.time_ns()
+        t0 = time.perf_counter()
+        body = json.dumps(self._resume_body(messages, stream=True)).encode()
+        wire_ns = time.time_ns()
+        ttft = first_ns = usage = response_id = None
+        with self.http.stream("POST", f"{self.url}/v1/chat/completions", content=body,
+                              headers={"Content-Type": "application/json",
+                                       "X-Session-Id": sid}) as response:
+            if response.status_code != 200:
+                raise LiveBenchError(f"the raw resume got HTTP {response.status_code}: "
+                                     f"{response.read()[:500]!r}")
+            for line in response.iter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                response_id = chunk.get("id", response_id)
+                usage = chunk.get("usage") or usage
+                if ttft is None and chunk.get("choices"):
+                    delta = chunk["choices"][0].get("delta") or {}
+                    if delta.get("content") or delta.get("tool_calls"):
+                        ttft = (time.perf_counter() - t0) * 1e3
+                        first_ns = time.time_ns()
+        total = (time.perf_counter() - t0) * 1e3
+        if usage is None:
+            raise LiveBenchError("the server sent no usage")
+        details = usage.get("prompt_tokens_details") or {}
+        gained = self.speculation_counts() - before
+        spec = next((k for k in ("hit", "partial", "miss") if gained[k]), "none")
+        return _Resume(ttft, total, usage["prompt_tokens"], details.get("cached_tokens") or 0,
+                       spec, response_id or "", sent_ns, first_ns, wire_ns)
+
+    def _resume_body(self, messages: list[dict[str, Any]], stream: bool) -> dict[str, Any]:
+        """The resume request's JSON body (what the SDK sends for `resume`'s arguments)."""
+        body: dict[str, Any] = {
+            "model": self.model, "messages": messages, "tools": [TOOL], "tool_choice": "none",
+            "temperature": 0, "max_tokens": self.cfg.resume_tokens, "ignore_eos": True}
+        if stream:
+            body.update(stream=True, stream_options={"include_usage": True})
+        return body
+
     def close_session(self, sid: str) -> None:
         with contextlib.suppress(Exception):
             self.http.delete(f"{self.url}/v1/edmm/sessions/{sid}")
 
 
 def _session(client: LiveClient, prompts: Prompts, group: str,
-             conversation: list[dict[str, Any]], result: str, stream: bool) -> _Resume:
-    """One session: the forced tool call, the tool window, the timed resume; deleted after."""
+             conversation: list[dict[str, Any]], result: str, mode: str) -> _Resume:
+    """One session: the forced tool call, the tool window, the timed resume; deleted after.
+    ``mode``: the SDK streamed (``stream``) or not (``whole``), or raw HTTP streamed
+    (``raw``: `LiveClient.raw_resume`)."""
     sid = f"live-{uuid.uuid4().hex[:12]}"
     try:
         predicted = (prompts.resume(group, conversation, None, TOOL_NAME, result)
                      if group == "C" else None)
         assistant, call_id = client.first_turn(sid, conversation, predicted)
+        messages = prompts.resume(group, conversation, assistant, call_id, result)
+        before = client.speculation_counts()
         time.sleep(client.cfg.tool_duration_s)  # the tool runs
-        return client.resume(sid, prompts.resume(group, conversation, assistant, call_id,
-                                                 result), stream)
+        if mode == "raw":
+            return client.raw_resume(sid, messages, before)
+        return client.resume(sid, messages, mode == "stream", before)
     finally:
         client.close_session(sid)
 
@@ -461,28 +520,37 @@ def measure(client: LiveClient, prompts: Prompts, cfg: LiveBenchConfig,
         for i in range(cfg.warmup + cfg.iterations):
             for group in cfg.groups:
                 result = prompts.text(cfg.result_tokens)  # new every time: no stale cache hits
-                streamed = _session(client, prompts, group, conversation, result, True)
-                whole = _session(client, prompts, group, conversation, result, False)
+                timed = {mode: _session(client, prompts, group, conversation, result, mode)
+                         for mode in cfg.modes}
                 progress.step(f"context {ctx} group {group} iteration {i + 1}")
-                if i < cfg.warmup:
-                    continue
-                rows.append({"context_tokens": ctx, "group": group, "iteration": i - cfg.warmup,
-                             "ttft_ms": streamed.ttft_ms, "sdk_ms": _sdk_ms(streamed),
-                             "stream_total_ms": streamed.total_ms,
-                             "total_ms": whole.total_ms, "prompt_tokens": whole.prompt_tokens,
-                             "cached_tokens": whole.cached_tokens,
-                             "prefilled_tokens": whole.prompt_tokens - whole.cached_tokens,
-                             "cached_tokens_stream": streamed.cached_tokens,
-                             "speculation": whole.speculation,
-                             "speculation_stream": streamed.speculation,
-                             "_timed": (streamed, whole)})
+                if i >= cfg.warmup:
+                    rows.append(_row(ctx, group, i - cfg.warmup, timed))
         if on_context is not None:
             on_context(rows)
     return rows
 
 
+def _row(ctx: int, group: str, iteration: int, timed: dict[str, _Resume]) -> dict[str, Any]:
+    """One iteration's row from its resumes by mode (tokens and outcome: the non-streamed
+    one's where it ran, else the streamed one's)."""
+    streamed, whole, raw = timed["stream"], timed.get("whole"), timed.get("raw")
+    main = whole or streamed
+    return {"context_tokens": ctx, "group": group, "iteration": iteration,
+            "ttft_ms": streamed.ttft_ms, "sdk_ms": _sdk_ms(streamed),
+            "raw_ttft_ms": raw.ttft_ms if raw else None,
+            "raw_encode_ms": _sdk_ms(raw) if raw else None,
+            "stream_total_ms": streamed.total_ms,
+            "total_ms": whole.total_ms if whole else None,
+            "prompt_tokens": main.prompt_tokens, "cached_tokens": main.cached_tokens,
+            "prefilled_tokens": main.prompt_tokens - main.cached_tokens,
+            "cached_tokens_stream": streamed.cached_tokens, "speculation": main.speculation,
+            "speculation_stream": streamed.speculation,
+            "speculation_raw": raw.speculation if raw else None, "_timed": timed}
+
+
 def _sdk_ms(resume: _Resume) -> float | None:
-    """Milliseconds the openai SDK spent before handing the request to HTTP."""
+    """Milliseconds the client (the openai SDK; raw: ``json.dumps``) spent before handing
+    the request to HTTP."""
     return None if resume.wire_ns is None else (resume.wire_ns - resume.sent_ns) / 1e6
 
 
@@ -494,7 +562,7 @@ def stage_rows(rows: list[dict[str, Any]], log: dict[str, dict[str, Any]],
 
     spans: dict[tuple[int, str, str], dict[str, list[float]]] = {}
     for r in rows:
-        for mode, resume in zip(("stream", "whole"), r["_timed"], strict=True):
+        for mode, resume in r["_timed"].items():
             rec = log.get(resume.response_id)
             if rec is None:
                 continue
@@ -523,10 +591,14 @@ def summarize_live(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     beside a small tokenizer) the non-streamed latency, a TTFT with ``--resume-tokens 1``;
     ``client_metric`` says which. ``sdk_median_ms``: the openai SDK's own work before the
     request goes to HTTP (it converts every message); ``ttft_after_sdk_trimmed_mean_ms``: the
-    streamed TTFT from then on (what the server and HTTP cost an agent, whatever its client)."""
+    streamed TTFT from then on (what the server and HTTP cost an agent, whatever its client).
+    ``raw_ttft_*``: the streamed TTFT through raw HTTP (`LiveClient.raw_resume`: the body
+    encoded once, no SDK; ``raw_encode_median_ms`` that encoding), ``raw_ratio_to_A`` its
+    ratio to A's."""
     out = []
     for ctx in dict.fromkeys(r["context_tokens"] for r in rows):
         a_mean: float | None = None
+        a_raw: float | None = None
         for group in GROUPS:
             sel = [r for r in rows if r["context_tokens"] == ctx and r["group"] == group]
             if not sel:
@@ -536,11 +608,16 @@ def summarize_live(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             sdk = [r["sdk_ms"] for r in sel if r.get("sdk_ms") is not None]
             wire = [r["ttft_ms"] - r["sdk_ms"] for r in sel
                     if r["ttft_ms"] is not None and r.get("sdk_ms") is not None]
-            total = summarize([r["total_ms"] for r in sel])
+            totals = [r["total_ms"] for r in sel if r.get("total_ms") is not None]
+            total = summarize(totals) if totals else None
             mean = s.trimmed_mean if s is not None else math.nan
-            client = mean if s is not None else total.trimmed_mean
+            client = mean if s is not None or total is None else total.trimmed_mean
+            raw = [r["raw_ttft_ms"] for r in sel if r.get("raw_ttft_ms") is not None]
+            raw_s = summarize(raw) if raw else None
+            encode = [r["raw_encode_ms"] for r in sel if r.get("raw_encode_ms") is not None]
             if group == "A":
                 a_mean = client
+                a_raw = raw_s.trimmed_mean if raw_s is not None else None
             outcomes = Counter(r["speculation"] for r in sel)
             out.append({
                 "context_tokens": ctx, "group": group, "what": GROUP_NAMES[group],
@@ -552,10 +629,16 @@ def summarize_live(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "ttft_p90_ms": s.p90 if s is not None else None,
                 "sdk_median_ms": summarize(sdk).median if sdk else None,
                 "ttft_after_sdk_trimmed_mean_ms": summarize(wire).trimmed_mean if wire else None,
-                "total_trimmed_mean_ms": total.trimmed_mean, "total_median_ms": total.median,
+                "total_trimmed_mean_ms": total.trimmed_mean if total is not None else None,
+                "total_median_ms": total.median if total is not None else None,
                 "n": len(sel), "speculation": outcomes.most_common(1)[0][0],
                 "client_ms": client, "client_metric": "ttft" if s is not None else "total",
                 "ratio_to_A": ratio(client, a_mean) if a_mean is not None else None,
+                "raw_ttft_trimmed_mean_ms": raw_s.trimmed_mean if raw_s is not None else None,
+                "raw_ttft_median_ms": raw_s.median if raw_s is not None else None,
+                "raw_encode_median_ms": summarize(encode).median if encode else None,
+                "raw_ratio_to_A": (ratio(raw_s.trimmed_mean, a_raw)
+                                   if raw_s is not None and a_raw is not None else None),
             })
     return out
 
@@ -636,6 +719,10 @@ def _write_results(cfg: LiveBenchConfig, rows: list[dict[str, Any]], stage_log: 
              f"{cfg.resume_tokens} tokens, temperature 0, ignore_eos; TTFT: streamed, to the "
              "first content delta; total: not streamed, a second session; sdk: the openai "
              "SDK's own work before the request leaves it (ttft_after_sdk: the TTFT from then)",
+             f"raw: a third session whose resume is sent without the SDK, as a lean agent "
+             f"framework would (the body JSON-encoded once, httpx {_version('httpx')}, the "
+             "events parsed line by line): its streamed TTFT is what the server and HTTP "
+             "cost; the SDK's TTFT adds the SDK's own work",
              f"iterations: {cfg.iterations} after {cfg.warmup} warm-up; trimmed mean drops 10% "
              "each side", *ratio_notes([r for r in summary if r["ratio_to_A"] is not None])]
     done = sorted({r["context_tokens"] for r in rows})
@@ -656,11 +743,12 @@ def _write_stages(stages: list[dict[str, Any]], env: Any, out_dir: Path) -> dict
     notes = ["median milliseconds from one stage to the next (edmm.server.stages): "
              "client_sent -> client_wire is the openai SDK's own work (it converts the "
              "messages and writes the body's JSON); client_wire -> received is HTTP (the "
-             "body's transfer); received -> arrive its parsing and validation; ... -> "
-             "first_event "
-             "is the server's; first_event -> client_first is the way back (streamed) or "
+             "body's transfer); received -> arrive the framework's routing; arrive -> "
+             "parsed the body's parsing and validation; ... -> first_event is the server's; "
+             "first_event -> client_first is the way back (streamed) or "
              "the response's serialisation and transfer (whole)",
-             "mode stream: to the first content delta; whole: to the whole response"]
+             "mode stream: to the first content delta; whole: to the whole response; raw: "
+             "streamed without the SDK (client_sent -> client_wire: the body's json.dumps)"]
     return writer.write(stages, title="Where the live resume's milliseconds go", notes=notes)
 
 

@@ -120,14 +120,21 @@ def live_table(rows: Sequence[Row], in_process: Sequence[Row] | None = None) -> 
     """The live groups at the client: streamed TTFT where measured, else the non-streamed
     latency of the resume (a 1-token resume: its TTFT seen by the client). With the same
     run's in-process groups (``in_process``: ``agent-ttft.json`` of the live file's folder),
-    what HTTP adds to A and C (live minus in process) and the openai SDK's share of it."""
+    what HTTP adds to A and C (live minus in process) and the openai SDK's share of it. Where
+    the live file has the raw-HTTP resumes (no SDK: the server and HTTP alone), their A / C
+    and C/A, and what they add over the in-process groups."""
     by = _by(rows, "context_tokens", "group")
     alone = _by(in_process or (), "context_tokens", "group")
+    raw = any(r.get("raw_ttft_trimmed_mean_ms") is not None for r in rows)
     head = "| context (live, HTTP) | A | B | C | B/A | C/A | C's cached / prompt tokens |"
     rule = "|---:|---:|---:|---:|---:|---:|---:|"
     if alone:
         head += " HTTP adds to A / C | of which the openai SDK (A / C) |"
         rule += "---:|---:|"
+    if raw:
+        head += " raw HTTP, no SDK: A / C (C/A) |" + (" raw HTTP adds to A / C |" if alone
+                                                     else "")
+        rule += "---:|" + ("---:|" if alone else "")
     lines = [head, rule]
     for ctx in dict.fromkeys(r["context_tokens"] for r in rows):
         got = {g: by.get((ctx, g)) for g in "ABC"}
@@ -141,6 +148,8 @@ def live_table(rows: Sequence[Row], in_process: Sequence[Row] | None = None) -> 
                 f"{c['cached_tokens']} / {c['prompt_tokens']} |")
         if alone:
             line += f" {_added(t, alone, ctx)} | {_sdk(got)} |"
+        if raw:
+            line += _raw_cells(got, alone, ctx)
         lines.append(line)
     return "\n".join(lines)
 
@@ -156,6 +165,17 @@ def _added(live: Mapping[str, float], alone: Mapping[tuple[Any, ...], Row], ctx:
         cells.append("" if row is None else
                      f"{live[g] - float(row['ttft_trimmed_mean_ms']):.1f} ms")
     return " / ".join(cells) if any(cells) else ""
+
+
+def _raw_cells(got: Mapping[str, Row | None], alone: Mapping[tuple[Any, ...], Row],
+               ctx: int) -> str:
+    """The raw-HTTP cells of a live row: A / C (C/A), and what they add (``alone``)."""
+    t = {g: (got[g] or {}).get("raw_ttft_trimmed_mean_ms") for g in "AC"}
+    if t["A"] is None or t["C"] is None:
+        return " |" + (" |" if alone else "")
+    a, c = float(t["A"]), float(t["C"])
+    cells = f" {ms(a)} / {ms(c)} ({c / a:.2f}) |"
+    return cells + (f" {_added({'A': a, 'C': c}, alone, ctx)} |" if alone else "")
 
 
 def _sdk(got: Mapping[str, Row | None]) -> str:

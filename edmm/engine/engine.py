@@ -52,6 +52,7 @@ from edmm.model.attention_choice import (
     kv_read_align,
     resolve_attention,
 )
+from edmm.model.prompt_encoder import TokenIds
 
 PromptInput = str | Sequence[int]
 
@@ -129,8 +130,14 @@ class RequestValidator:
         if not isinstance(prompt, Sequence) or isinstance(prompt, str):
             raise InvalidRequestError(f"prompt must be text or token ids, got {type(prompt)}")
         vocab = self.vocab_size
-        if isinstance(prompt, array) and prompt.typecode == "q" and prompt:
-            # A tokenizer's ids (`PromptEncoder.encode_array`): bounds checked in one pass.
+        if isinstance(prompt, TokenIds) and len(prompt.packed) == len(prompt) and prompt:
+            # A tokenizer's ids with their packed twin (`PromptEncoder.encode_ids`): bounds
+            # checked on the twin in one pass, the ints taken as they are.
+            lo, hi = torch.frombuffer(prompt.packed, dtype=torch.int64).aminmax()
+            if int(lo) >= 0 and int(hi) < vocab:
+                return list(prompt)
+        elif isinstance(prompt, array) and prompt.typecode == "q" and prompt:
+            # Packed ids (`PromptEncoder.encode_array`): bounds checked in one pass.
             lo, hi = torch.frombuffer(prompt, dtype=torch.int64).aminmax()
             if int(lo) >= 0 and int(hi) < vocab:
                 return prompt.tolist()

@@ -35,11 +35,26 @@ PIECE_CHARS = 16_384  # characters per counted piece, cut at whitespace where th
 PIECE_SLACK = 16  # tokens a cut between pieces may add (a word or an added token split in two)
 
 
+class TokenIds(list[int]):
+    """Token ids as the list a request holds, with their ``array('q')`` twin ``packed`` (the
+    same ids, built together by `PromptEncoder.encode_ids`): `edmm.engine.RequestValidator`
+    checks the bounds on the twin at C speed and takes the list as it is, so no Python int
+    is made per token on the way (the shared prefix's come from the earlier prompt's list).
+    Treat it as immutable: a changed list no longer matches its twin."""
+
+    __slots__ = ("packed",)
+
+    def __init__(self, ids: list[int], packed: array) -> None:
+        super().__init__(ids)
+        self.packed = packed
+
+
 @dataclass
 class _Encoded:
     text: str
     ids: array  # token ids (int64)
     cuts: list[tuple[int, int]]  # (char offset, token index) of each added token, in order
+    ids_list: list[int]  # the same ids as Python ints (shared with later prompts' lists)
 
 
 class PromptEncoder:
@@ -62,6 +77,7 @@ class PromptEncoder:
         self._pattern = (re.compile("|".join(re.escape(t.content) for t in
                                              sorted(added, key=lambda t: -len(t.content))))
                          if self._fast is not None and added and plain else None)
+        self._longest_added = max((len(t.content) for t in added), default=0)
         self._recent: deque[_Encoded] = deque(maxlen=capacity)
         self.reused_tokens = 0  # ids taken from earlier prompts, over the encoder's life
         self.encoded_tokens = 0  # ids produced by the tokenizer
@@ -78,31 +94,39 @@ class PromptEncoder:
             PromptTooLongError: ``text`` has more than ``limit`` tokens (when one is given);
                 nothing is kept of it.
         """
-        return self.encode_array(text, limit).tolist()
+        return list(self.encode_ids(text, limit))
 
     def encode_array(self, text: str, limit: int | None = None) -> array:
-        """`encode` as an ``array('q')`` (the caller's own copy): no Python int per token,
-        and `edmm.engine.RequestValidator` checks its bounds in one pass."""
+        """`encode` as an ``array('q')`` (the caller's own copy)."""
+        return self.encode_ids(text, limit).packed
+
+    def encode_ids(self, text: str, limit: int | None = None) -> TokenIds:
+        """`encode` as `TokenIds` (the caller's own list and array): its ``packed`` twin lets
+        `edmm.engine.RequestValidator` check the bounds in one pass."""
         if self._pattern is None:
             if limit is not None:
                 self.check_fits(text, limit)
-            ids = array("q", self._tokenizer.encode(text, add_special_tokens=False))
+            ids = self._tokenizer.encode(text, add_special_tokens=False)
             self.encoded_tokens += len(ids)
             _check_count(len(ids), limit)
-            return ids
+            return TokenIds(ids, array("q", ids))
         base, char, tok = self._longest_prefix(text)
         if limit is not None:
             _check_count(tok, limit)
             self.check_fits(text[char:], limit - tok, tok)
         head = base.ids[:tok] if base is not None else array("q")
+        head_list = base.ids_list[:tok] if base is not None else []
         cuts = base.cuts[:bisect.bisect_left(base.cuts, (char, -1))] if base is not None else []
         tail_ids, tail_cuts = self._encode_part(text, char, tok)
-        entry = _Encoded(text, head + tail_ids, cuts + tail_cuts)
+        entry = _Encoded(text, head + array("q", tail_ids), cuts + tail_cuts,
+                         head_list + tail_ids)
         _check_count(len(entry.ids), limit)
+        if base is not None and base.text == text:  # the same prompt again: kept once
+            self._recent.remove(base)
         self._recent.append(entry)
         self.reused_tokens += tok
         self.encoded_tokens += len(tail_ids)
-        return entry.ids[:]
+        return TokenIds(entry.ids_list, entry.ids[:])
 
     def check_fits(self, text: str, limit: int, before: int = 0) -> None:
         """Raise `PromptTooLongError` if ``text`` certainly has more than ``limit`` tokens,
@@ -125,8 +149,12 @@ class PromptEncoder:
         an added token (each cut of an entry is one), that place and its token index."""
         assert self._pattern is not None
         best: tuple[_Encoded | None, int, int] = (None, 0, 0)
+        most = -1  # the longest shared prefix compared so far
         for entry in reversed(self._recent):
+            if most >= 0 and self._no_longer(entry.text, text, most):
+                continue
             shared = shared_prefix_len(entry.text, text)
+            most = max(most, shared)
             # The last cut within the shared text where ``text`` holds an added token too.
             i = bisect.bisect_right(entry.cuts, (shared, len(entry.ids)))
             while i > 0 and entry.cuts[i - 1][0] > best[1]:
@@ -137,8 +165,23 @@ class PromptEncoder:
                 i -= 1
         return best
 
-    def _encode_part(self, text: str, start: int, tok0: int) -> tuple[array, list[tuple[int,
-                                                                                   int]]]:
+    def _no_longer(self, other: str, text: str, shared: int) -> bool:
+        """Whether ``other`` certainly offers no later cut than a prompt sharing ``shared``
+        characters with ``text`` did, checked without comparing the prefixes: ``other``
+        shares at most ``shared`` characters (it ends there or differs there), so each of its
+        cuts is one of that prompt's too, unless ``text`` holds an added token across
+        ``shared`` (which that prompt, differing inside it, may not hold)."""
+        assert self._pattern is not None
+        if len(other) > shared and shared < len(text) and other[shared] == text[shared]:
+            return False
+        for char in range(max(0, shared - self._longest_added + 1), shared + 1):
+            found = self._pattern.match(text, char)
+            if found is not None and found.end() > shared:
+                return False
+        return True
+
+    def _encode_part(self, text: str, start: int, tok0: int) -> tuple[list[int],
+                                                                      list[tuple[int, int]]]:
         """Ids of ``text[start:]`` and its added tokens' (char, token index) in ``text``."""
         assert self._pattern is not None and self._fast is not None
         part = text[start:]
@@ -149,7 +192,8 @@ class PromptEncoder:
             i = bisect.bisect_left(starts, m.start())
             if i < len(starts) and starts[i] == m.start():  # a token starts there: the added one
                 cuts.append((start + m.start(), tok0 + i))
-        return array("q", enc.ids), cuts
+        ids: list[int] = enc.ids  # a new list at each access
+        return ids, cuts
 
 
 def shared_prefix_len(a: str, b: str) -> int:

@@ -14,12 +14,11 @@ Not thread-safe: everything runs on the server's one tokenizing thread.
 from __future__ import annotations
 
 import logging
-from array import array
 from dataclasses import replace
 from functools import partial
 from typing import Any
 
-from edmm.model.prompt_encoder import PromptEncoder
+from edmm.model.prompt_encoder import PromptEncoder, TokenIds
 from edmm.server.incremental import IncrementalChatRenderer, RenderStats
 from edmm.server.prompts import encode_prompt, template_text
 from edmm.server.stages import StageTimer
@@ -60,8 +59,8 @@ class ChatPrompts:
 
     def ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
             kwargs: dict[str, Any] | None, limit: int | None,
-            timer: StageTimer | None = None) -> array:
-        """The prompt's token ids (`encode_prompt`: an ``array('q')``; refused past ``limit``
+            timer: StageTimer | None = None) -> TokenIds:
+        """The prompt's token ids (`encode_prompt`: `TokenIds`; refused past ``limit``
         tokens when one is given); marks ``render_start``, ``rendered`` and ``tokenized`` on
         ``timer``."""
         if timer is not None:
@@ -77,6 +76,17 @@ class ChatPrompts:
         if timer is not None:
             timer.mark("tokenized")
         return ids
+
+
+    def prepare_resume(self) -> None:
+        """Idle-time work for the resume of the latest prompt
+        (`IncrementalChatRenderer.prepare_resume`); any failure only leaves it to the
+        resume."""
+        if self._renderer is not None:
+            try:
+                self._renderer.prepare_resume()
+            except Exception:  # the resume renders it, or falls back to a full render
+                logger.debug("preparing the resume failed", exc_info=True)
 
 
 def _has_template(tokenizer: Any) -> bool:

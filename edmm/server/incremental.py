@@ -150,6 +150,19 @@ class IncrementalChatRenderer:
         self._recent.append(entry)
         return entry.text
 
+    def prepare_resume(self) -> bool:
+        """Find, ahead of time, where the latest prompt's last user query starts in its text
+        (what a resume of it, which shares every message up to that query, needs: otherwise
+        its render renders that window of the earlier prompt too); return whether it is known.
+        Meant for idle time on the owning thread, after the latest prompt was answered."""
+        if not self._recent:
+            return False
+        entry = self._recent[-1]
+        j = _last_user_before(entry.messages, len(entry.messages))
+        if j is None or j <= self._header_len(entry.messages):
+            return False
+        return self._start(entry, j) is not None
+
     def _incremental(self, messages: list[dict[str, Any]],
                      tools: list[dict[str, Any]] | None,
                      kwargs: dict[str, Any] | None) -> _Rendered | None:
@@ -169,6 +182,7 @@ class IncrementalChatRenderer:
                    kwargs: dict[str, Any] | None) -> tuple[_Rendered | None, int]:
         """The recent prompt whose shared messages reach the latest user query (its index)."""
         best: tuple[_Rendered | None, int] = (None, 0)
+        most = _last_user_before(messages, len(messages))  # no base can do better
         for entry in reversed(self._recent):
             if entry.tools != tools or entry.kwargs != kwargs:
                 continue
@@ -176,6 +190,8 @@ class IncrementalChatRenderer:
             j = _last_user_before(messages, shared)
             if j is not None and j > best[1] and j > self._header_len(messages):
                 best = (entry, j)
+                if j == most:
+                    break
         return best
 
     def _start(self, entry: _Rendered, j: int) -> int | None:

@@ -9,7 +9,7 @@ from typing import Any
 from edmm.engine import SamplingParams
 from edmm.engine.sampling import InvalidSamplingParams, LogitsProcessor
 from edmm.model.errors import PromptTooLongError
-from edmm.model.prompt_encoder import PromptEncoder
+from edmm.model.prompt_encoder import PromptEncoder, TokenIds
 from edmm.server.errors import BadRequestError, ContextLengthError
 from edmm.server.protocol import (
     AssistantMessage,
@@ -182,19 +182,19 @@ def _require_template(tokenizer: Any) -> None:
 
 
 def encode_prompt(tokenizer: Any, encoder: PromptEncoder | None, text: str,
-                  limit: int | None = None) -> array:
-    """Prompt token ids of a rendered chat ``text`` (an ``array('q')``: no Python int per
-    token, bounds checked at C speed by the engine's validator); with a ``limit``, 400 as soon
-    as it is certainly over ``limit`` tokens (the whole text is not tokenized then)."""
+                  limit: int | None = None) -> TokenIds:
+    """Prompt token ids of a rendered chat ``text`` (`TokenIds`: bounds checked at C speed by
+    the engine's validator, the shared prefix's ints reused); with a ``limit``, 400 as soon as
+    it is certainly over ``limit`` tokens (the whole text is not tokenized then)."""
     try:
         if encoder is not None:
-            return encoder.encode_array(text, limit)
-        ids = array("q", tokenizer.encode(text, add_special_tokens=False))
+            return encoder.encode_ids(text, limit)
+        ids: list[int] = tokenizer.encode(text, add_special_tokens=False)
     except PromptTooLongError as e:
         raise prompt_too_long(e) from None
     if limit is not None and len(ids) > limit:
         raise prompt_too_long(PromptTooLongError(limit, len(ids)))
-    return ids
+    return TokenIds(ids, array("q", ids))
 
 
 def prompt_too_long(e: PromptTooLongError, param: str = "messages") -> ContextLengthError:
@@ -219,8 +219,8 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]],
                 limits: TemplateLimits | None = None) -> list[int]:
     """Prompt token ids of a conversation rendered whole (`chat_text`, then `encode_prompt`,
     which stops past ``limit`` tokens when one is given)."""
-    return encode_prompt(tokenizer, encoder, chat_text(tokenizer, messages, tools, kwargs,
-                                                       limits), limit).tolist()
+    text = chat_text(tokenizer, messages, tools, kwargs, limits)
+    return list(encode_prompt(tokenizer, encoder, text, limit))
 
 
 def check_chat_options(req: ChatCompletionRequest) -> None:

@@ -16,6 +16,7 @@ separate pool.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import json
 import logging
@@ -237,12 +238,16 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ chat
     async def start_chat(self, req: ChatCompletionRequest, session_header: str | None,
-                         owner: str = ANONYMOUS, received_ns: int | None = None) -> ChatTurn:
+                         owner: str = ANONYMOUS, timer: StageTimer | None = None,
+                         surrogate_free: bool = False) -> ChatTurn:
         """Validate, render and queue a chat request (any error is raised before queuing);
-        ``received_ns``: when its body was read, for the stage log."""
-        timer = self.stages.timer(received_ns)
+        ``timer``: its stage marks (`OpenAIServing.stages`); ``surrogate_free``: no string of
+        ``req`` can hold a lone surrogate (`edmm.server.body`), so `check_text` is
+        skipped."""
+        _mark(timer, "parsed")
         self.check_model(req.model)
-        check_text(req.model_dump(by_alias=True, exclude_defaults=True))
+        if not surrogate_free:
+            check_text(req.model_dump(by_alias=True, exclude_defaults=True))
         check_chat_options(req)
         check_conversation(req.messages)
         check_tool_names(req.tools)
@@ -253,15 +258,19 @@ class OpenAIServing:
         # the other); a rendering error is still the one reported.
         processors = asyncio.ensure_future(self._chat_processors(req))
         try:
-            ids = await self._chat_ids(timer, messages, tools, req.chat_template_kwargs,
-                                       prompt_limit(self.max_model_len, req.completion_limit))
+            made = await self._chat_request(timer, req, messages, tools)
         except BaseException:
             _discard(processors)
             raise
         _mark(timer, "back")
-        params = sampling_params(req, req.completion_limit, len(ids), self.max_model_len,
-                                 await processors)
-        request = self._salted(self._make_request(ids, params), req.cache_salt, owner)
+        procs = await processors  # its error comes before the request's
+        if isinstance(made, APIError):
+            raise made
+        if procs:
+            params = sampling_params(req, req.completion_limit,
+                                     len(made.prompt_token_ids), self.max_model_len, procs)
+            made = dataclasses.replace(made, params=params)
+        request = self._salted(made, req.cache_salt, owner)
         _mark(timer, "request_made")
         ext = req.edmm
         turn = Turn(request, session_header or (ext.session_id if ext else None),
@@ -271,6 +280,39 @@ class OpenAIServing:
         _mark(timer, "submitted")
         return ChatTurn(random_id("chatcmpl"), req, request, session_id, messages, tools,
                         parses_tools(req), stream, stages=timer)
+
+    async def _chat_request(self, timer: StageTimer | None, req: ChatCompletionRequest,
+                            messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                            ) -> Request | APIError:
+        """The engine request of a chat (without its grammars), made on the tokenizing thread
+        with its prompt ids (no list of ids crosses threads but the request's); a rendering
+        error is raised, an error of the request's options or ids returned (it comes after
+        the grammars' errors)."""
+        kwargs = req.chat_template_kwargs
+        limit = prompt_limit(self.max_model_len, req.completion_limit)
+        if client_template(kwargs, self.client_templates) is None:
+            return await self._tokenize(self._rendered_request, timer, req, messages, tools,
+                                        limit)
+        text = await self._client_template(messages, tools, kwargs)
+        return await self._tokenize(self._encoded_request, req, text, limit)
+
+    def _rendered_request(self, timer: StageTimer | None, req: ChatCompletionRequest,
+                          messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                          limit: int) -> Request | APIError:
+        ids = self._render_chat(timer, messages, tools, req.chat_template_kwargs, limit)
+        return self._request_of(req, ids)
+
+    def _encoded_request(self, req: ChatCompletionRequest, text: str,
+                         limit: int) -> Request | APIError:
+        return self._request_of(req, encode_prompt(self.tokenizer, self.encoder, text, limit))
+
+    def _request_of(self, req: ChatCompletionRequest, ids: Sequence[int]) -> Request | APIError:
+        """The validated request of ``ids`` (no grammars), or the 400 it gets."""
+        try:
+            params = sampling_params(req, req.completion_limit, len(ids), self.max_model_len)
+            return self._make_request(ids, params)
+        except APIError as e:
+            return e
 
     def _render_chat(self, timer: StageTimer | None, messages: list[dict[str, Any]],
                      tools: list[dict[str, Any]] | None,
@@ -394,6 +436,9 @@ class OpenAIServing:
             predictions=ext.predicted_tool_results if ext else {},
             predicted_prompt=predicted)
         await self.loop.run(lambda b: b.end(end))
+        # While the tool runs: what the resume's incremental render would do first.
+        with contextlib.suppress(RuntimeError):  # the server is closing
+            self._tokenizing.submit(self.prompts.prepare_resume)
 
     async def _predicted_prompt(self, turn: ChatTurn, content: str | None) -> Sequence[int]:
         """Token ids of the client's predicted next request with this turn's reply

@@ -5,11 +5,13 @@ request appends one JSON line ``{"id": <chatcmpl id>, "stream": bool, "prompt_to
 "marks": {stage: unix time in ns}}`` when it ends. Stages, in order (`STAGES`):
 
 - ``received``: the request's body was read (`RequestGuard`), before it is parsed;
-- ``arrive``: the route's handler runs (the body was parsed and validated);
+- ``arrive``: the route's handler runs (through the framework's routing and middleware);
+- ``parsed``: the body was parsed and validated (`edmm.server.body`);
 - ``validated``: options checked, messages and tools converted for the template;
 - ``render_start``: the tokenizing thread took the job; ``rendered``: the chat template ran;
-  ``tokenized``: the ids are there; ``back``: the event loop has them;
-- ``request_made``: the engine request is built (ids checked, sampling params);
+  ``tokenized``: the ids are there; ``back``: the event loop has the engine request (made
+  on the tokenizing thread: ids checked, sampling params);
+- ``request_made``: the request has its grammars (if any) and cache salt;
 - ``engine_picked``: the engine thread took the submission; ``begun``: the session matched and
   the request queued; ``submitted``: the event loop knows it;
 - ``first_output``: the first output reached the event loop (prefill, step, hand-back);
@@ -29,8 +31,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-STAGES = ("received", "arrive", "validated", "render_start", "rendered", "tokenized", "back",
-          "request_made", "engine_picked", "begun", "submitted", "first_output", "first_event")
+STAGES = ("received", "arrive", "parsed", "validated", "render_start", "rendered", "tokenized",
+          "back", "request_made", "engine_picked", "begun", "submitted", "first_output",
+          "first_event")
 ENV = "EDMM_STAGE_LOG"
 
 

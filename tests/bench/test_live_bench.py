@@ -50,6 +50,7 @@ def test_live_groups_over_http(tmp_path: Path) -> None:
     assert len(rows) == 2 * 3
     for r in rows:
         assert r["ttft_ms"] > 0 and r["total_ms"] > 0
+        assert r["raw_ttft_ms"] > 0 and r["raw_encode_ms"] >= 0  # raw HTTP, no SDK
         assert 0 < r["cached_tokens"] < r["prompt_tokens"] + 1
         assert abs(r["prompt_tokens"] - 640) < 80  # padded to about the context
     by = {s["group"]: s for s in doc["summary"]}
@@ -59,7 +60,9 @@ def test_live_groups_over_http(tmp_path: Path) -> None:
     # C predicted B's messages: a speculation hit, every resume prefills one token only.
     assert by["C"]["speculation"] == "hit"
     assert all(r["prompt_tokens"] - r["cached_tokens"] == 1 and r["speculation"] == "hit"
-               for r in rows if r["group"] == "C")
+               and r["speculation_raw"] == "hit" for r in rows if r["group"] == "C")
+    assert all(s["raw_ttft_trimmed_mean_ms"] > 0 for s in by.values())
+    assert by["A"]["raw_ratio_to_A"] == 1.0
     assert doc["environment"]["device"] == "cpu"
     assert "predicted_next_messages" in paths["md"].read_text()
 
@@ -92,6 +95,27 @@ def test_config_and_command() -> None:
     with pytest.raises(LiveBenchError, match="local HF folder"):
         run_live_bench(LiveBenchConfig(model="qwen2.5-7b", tokenizer="/nonexistent"),
                        Path("/nonexistent"))
+
+
+def test_modes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--modes`` picks the sessions run (stream always); without the non-streamed one the
+    tokens come from the streamed resume and no total is reported."""
+    from edmm import cli
+    from edmm.bench import live
+
+    assert cli._live_modes("raw") == ("stream", "raw")
+    assert cli._live_modes("whole,stream,raw") == live.MODES
+    with pytest.raises(Exception, match="modes must be among"):
+        cli._live_modes("stream,sdk")
+    with pytest.raises(ValueError, match="modes"):
+        LiveBenchConfig(modes=("raw",))
+    streamed = live._Resume(5.0, 6.0, 600, 599, "hit", "s", 0, 1, 0)
+    raw = live._Resume(4.0, 5.0, 600, 599, "hit", "r", 0, 1, 0)
+    row = live._row(640, "A", 0, {"stream": streamed, "raw": raw})
+    assert row["total_ms"] is None and row["cached_tokens"] == 599 and row["raw_ttft_ms"] == 4.0
+    summary = summarize_live([live._public(dict(row, iteration=i)) for i in range(3)])[0]
+    assert summary["total_trimmed_mean_ms"] is None and summary["client_ms"] == 5.0
+    assert summary["raw_ttft_trimmed_mean_ms"] == 4.0
 
 
 def test_summary_falls_back_to_the_non_streamed_latency_without_ttft() -> None:
@@ -141,9 +165,11 @@ def test_stage_breakdown(tmp_path: Path) -> None:
     paths = run_live_bench(cfg, tmp_path)
     doc = json.loads(paths["stages_json"].read_text())
     by_mode = {r["mode"]: r for r in doc["rows"]}
-    assert set(by_mode) == {"stream", "whole"}
+    assert set(by_mode) == {"stream", "whole", "raw"}
     spans = [k for k in by_mode["stream"] if "->" in k]
-    assert spans[:3] == ["client_sent->client_wire", "client_wire->received", "received->arrive"]
+    assert spans[:4] == ["client_sent->client_wire", "client_wire->received",
+                         "received->arrive", "arrive->parsed"]
+    assert [k for k in by_mode["raw"] if "->" in k] == spans
     assert spans[-1] == "first_event->client_first"
     assert {"render_start->rendered", "rendered->tokenized", "engine_picked->begun",
             "submitted->first_output"} <= set(spans)
@@ -165,9 +191,9 @@ def test_results_are_written_after_each_context(tmp_path: Path,
     calls = []
 
     def session(client: object, prompts: object, group: str, conversation: object,
-                result: object, stream: bool) -> live._Resume:
+                result: object, mode: str) -> live._Resume:
         calls.append(group)
-        if len(calls) > 2 * len(live.GROUPS) * cfg.iterations:  # into the second context
+        if len(calls) > len(live.MODES) * len(live.GROUPS) * cfg.iterations:  # 2nd context
             os.kill(os.getpid(), signal.SIGTERM)
         return fake
 

@@ -169,3 +169,22 @@ def test_result_dirs_are_found_by_name_newest_first(tmp_path: Path) -> None:
     assert names == ["2026-12-01-h200", "2026-11-30-h200-session10", "2026-11-30-h200-session9",
                      "2026-11-30-h200", "2026-11-29-h200"]
     assert [p.name for p in result_dirs(tmp_path, device="cpu")] == ["2026-11-30-cpu"]
+
+
+def test_the_live_table_with_raw_http(tmp_path: Path) -> None:
+    """Raw-HTTP resumes (no SDK) get their own A / C (C/A) and what they add over the same
+    call's in-process groups, beside the SDK's."""
+    live = [{"context_tokens": 16384, "group": g, "prompt_tokens": 9, "cached_tokens": 8,
+             "ttft_trimmed_mean_ms": t, "total_trimmed_mean_ms": t, "sdk_median_ms": 4.0,
+             "raw_ttft_trimmed_mean_ms": raw}
+            for g, t, raw in (("A", 50.0, 40.0), ("B", 300.0, 290.0), ("C", 30.0, 12.0))]
+    (tmp_path / "agent-ttft-live.json").write_text(json.dumps({"summary": live}))
+    row = _row(render([tmp_path]), "16K")
+    assert len(row) == 8 and row[7] == "40.0 ms / 12.0 ms (0.30)"
+    (tmp_path / "agent-ttft.json").write_text((H200 / "agent-ttft.json").read_text())
+    row = _row(render([tmp_path]), "16K")
+    alone = {(r["context_tokens"], r["group"]): r["ttft_trimmed_mean_ms"]
+             for r in _summary("agent-ttft.json")}
+    assert row[9] == "40.0 ms / 12.0 ms (0.30)"
+    assert row[10] == (f"{40.0 - alone[(16384, 'A')]:.1f} ms / "
+                       f"{12.0 - alone[(16384, 'C')]:.1f} ms")

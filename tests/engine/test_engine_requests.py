@@ -16,6 +16,7 @@ from edmm.engine import (
     InvalidRequestError,
     SamplingParams,
 )
+from edmm.model.prompt_encoder import TokenIds
 
 
 def serves_next_request(engine: Engine, case: HFCase) -> bool:
@@ -136,6 +137,22 @@ def test_a_tokenizer_array_is_checked_in_one_pass(qwen2_case: HFCase,
             validator.make("oov", array("q", [3, bad]), greedy())
     with pytest.raises(InvalidRequestError, match="empty prompt"):
         validator.make("empty", array("q"), greedy())
+
+
+def test_token_ids_are_checked_on_their_twin(qwen2_case: HFCase,
+                                            make_engine: MakeEngine) -> None:
+    """`TokenIds` (`PromptEncoder.encode_ids`): bounds checked on the packed twin, the list
+    taken as it is (a plain list, the request's own); a twin of another length is ignored and
+    the list checked as any list."""
+    validator = make_engine(qwen2_case.folder, max_model_len=72).validator
+    ids = TokenIds([0, 5, VOCAB - 1], array("q", [0, 5, VOCAB - 1]))
+    got = validator.make("t", ids, greedy()).prompt_token_ids
+    assert got == [0, 5, VOCAB - 1] and type(got) is list and got is not ids
+    for bad in (VOCAB, -1):
+        with pytest.raises(InvalidRequestError, match="not in the vocabulary"):
+            validator.make("oov", TokenIds([3, bad], array("q", [3, bad])), greedy())
+    with pytest.raises(InvalidRequestError, match="not in the vocabulary"):
+        validator.make("short", TokenIds([3, VOCAB], array("q", [3])), greedy())
 
 
 @pytest.mark.parametrize("fields", [

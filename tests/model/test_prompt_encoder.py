@@ -152,3 +152,44 @@ def test_encode_array_is_the_callers_copy(tokenizer: Any) -> None:
     ids[0] = -1  # the encoder's own copy is untouched
     assert encoder.encode(text + "<|im_start|>") == tokenizer.encode(
         text + "<|im_start|>", add_special_tokens=False)
+
+
+def test_encode_ids_shares_the_prefix_ints_and_is_the_callers_copy(tokenizer: Any) -> None:
+    """`encode_ids`: the list and its packed twin hold the tokenizer's ids; a later prompt's
+    list takes the shared prefix's int objects from the earlier one (no int made per token);
+    changing the returned list or array leaves the encoder's own untouched."""
+    encoder = PromptEncoder(tokenizer)
+    first = "<|im_start|>user\n" + "agent tool memory " * 50 + "<|im_end|>\n"
+    a = encoder.encode_ids(first)
+    assert list(a) == a.packed.tolist() == tokenizer.encode(first, add_special_tokens=False)
+    second = first + "<|im_start|>assistant\nresult page 123456<|im_end|>\n"
+    b = encoder.encode_ids(second)
+    assert list(b) == b.packed.tolist() == tokenizer.encode(second, add_special_tokens=False)
+    big = [i for i, t in enumerate(a) if t > 256]  # not CPython's small-int cache
+    assert big and all(b[i] is a[i] for i in big)
+    a[0], a.packed[0] = -1, -1
+    again = encoder.encode_ids(first)
+    assert list(again) == again.packed.tolist() == tokenizer.encode(first,
+                                                                    add_special_tokens=False)
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                    HealthCheck.function_scoped_fixture])
+@given(base=st.lists(message_st, min_size=1, max_size=4),
+       branches=st.lists(st.tuples(st.integers(0, 400), text_st), min_size=1, max_size=8))
+def test_skipped_prompts_never_offered_a_later_cut(
+        tokenizer: Any, base: list[tuple[str, str]], branches: list[tuple[int, str]],
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Many recent prompts sharing a prefix (sessions of one conversation, each with its own
+    result): the prompts `_longest_prefix` skips without comparing would have given no later
+    cut: the reuse equals that of comparing every prompt, and the ids the tokenizer's."""
+    history = [{"role": r, "content": c} for r, c in base]
+    head = tokenizer.apply_chat_template(history, tokenize=False, add_generation_prompt=True)
+    texts = [head[:cut % (len(head) + 1)] + extra + head[cut % (len(head) + 1):]
+             for cut, extra in branches]
+    fast, full = PromptEncoder(tokenizer), PromptEncoder(tokenizer)
+    monkeypatch.setattr(full, "_no_longer", lambda other, text, shared: False)
+    for text in [head, *texts, head, *reversed(texts)]:
+        want = tokenizer.encode(text, add_special_tokens=False)
+        assert fast.encode(text) == want == full.encode(text)
+        assert fast.reused_tokens == full.reused_tokens

@@ -102,6 +102,14 @@ def test_a_resume_renders_only_the_new_messages(tok: Any) -> None:
              {"role": "user", "content": "Thanks."}]
     assert renderer.render_text(again, None) == full(again, None, None, True)
     assert renderer.stats.full_renders == 1
+    # Prepared while the tool runs, the resume renders its own window only.
+    renderer = IncrementalChatRenderer(full, verify=True)
+    assert not renderer.prepare_resume()  # nothing rendered yet
+    renderer.render_text(convo, None)
+    assert renderer.prepare_resume() and renderer.stats.rendered_messages == len(convo) + 2
+    assert renderer.render_text(resume, None) == full(resume, None, None, True)
+    assert renderer.stats.rendered_messages == len(convo) + 2 + (1 + 3)
+    assert renderer.stats.window_renders == 2 and renderer.stats.full_renders == 1
 
 
 def test_a_changed_first_message_renders_in_full(tok: Any) -> None:
@@ -147,3 +155,42 @@ def test_the_probe_accepts_the_models_templates_and_rejects_an_absolute_index(
         return body + ("assistant:" if gen else "")
 
     assert not IncrementalChatRenderer(numbered).is_exact()
+
+
+@pytest.mark.parametrize("group", ["A", "C"])
+def test_a_32k_bench_resume_takes_the_incremental_route(tok: Any, group: str) -> None:
+    """`edmm bench live`'s 31744-token conversation (68 messages, a 512-token result), through
+    the server's `ChatPrompts`: its A resume (and C's predicted prompt after its first turn)
+    renders only the new window and encodes only the text after the shared prefix; the ids
+    equal a full render's."""
+    import random
+
+    from edmm.bench.live import TOOL, LiveBenchConfig, Prompts
+    from edmm.server.chat_prompts import ChatPrompts
+    from edmm.server.prompts import render_chat
+
+    prompts = Prompts(tok, LiveBenchConfig(contexts=(31744,), result_tokens=512),
+                      random.Random(0))
+    first = prompts.conversation(31744)
+    call = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "lookup",
+                                                      "arguments": '{"key": "record"}'}}]}
+    # C: B's prompt, the memory block mid-prompt (the messages are shared up to it).
+    resume = prompts.resume(group, first, call, "c1", prompts.text(512))
+    assert len(resume) >= 66
+    chat = ChatPrompts(tok, PromptEncoder(tok))
+    assert chat.prepare()
+    chat.ids(first, [TOOL], None, None)
+    assert chat.stats.full_renders == 1
+    encoder = chat.encoder
+    assert encoder is not None
+    reused = encoder.reused_tokens
+    chat.prepare_resume()  # the server does it while the tool runs
+    windows = chat.stats.window_renders
+    ids = chat.ids(resume, [TOOL], None, None)
+    assert chat.stats.full_renders == 1
+    assert chat.stats.window_renders == windows + (1 if group == "A" else 2)
+    assert list(ids) == render_chat(tok, resume, [TOOL], None)
+    new_tokens = len(ids) - (encoder.reused_tokens - reused)
+    limit = 700 if group == "A" else 0.6 * len(ids)  # C: from the memory block on
+    assert len(ids) > 20000 and new_tokens < limit

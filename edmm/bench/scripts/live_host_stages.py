@@ -8,10 +8,16 @@ resume is timed, each stage alone, min and median of ``--runs``:
 
 - ``sdk``: the openai SDK's ``chat.completions.create`` up to its HTTP transport (a mock that
   answers at once), i.e. its conversion of the messages and the body's JSON;
-- ``parse``: the body's JSON parsed and validated (`ChatCompletionRequest`);
-- ``convert``: the server's checks and message conversion before rendering;
+- ``parse``: the body's JSON parsed and validated in one pass, as the server does
+  (`edmm.server.body.parse_body`); ``parse, FastAPI's way``: ``json.loads`` then validation,
+  as FastAPI's body parameter did;
+- ``convert``: the server's checks and message conversion before rendering (a body that
+  passed the one-pass parse needs no surrogate check); ``surrogate check``: `check_text` of
+  the whole request, which that parse spares;
 - ``render+tokenize``: the prompt ids on the tokenizing thread (`ChatPrompts.ids`: the
-  incremental render and `PromptEncoder`), each run after the first turn;
+  incremental render and `PromptEncoder`), each run after the first turn and the
+  `ChatPrompts.prepare_resume` the server runs while the tool runs; ``... unprepared``:
+  without it;
 - ``full render+tokenize``: the same conversation rendered whole (`render_chat`), for scale;
 - ``request``: the engine's `RequestValidator` on those ids.
 
@@ -33,6 +39,7 @@ from edmm.bench.report import ResultWriter, collect_environment
 from edmm.bench.stats import summarize
 from edmm.engine import RequestValidator, SamplingParams
 from edmm.model.prompt_encoder import PromptEncoder
+from edmm.server.body import parse_body
 from edmm.server.chat_prompts import ChatPrompts
 from edmm.server.prompts import render_chat, template_messages, template_tools
 from edmm.server.protocol import ChatCompletionRequest
@@ -83,14 +90,15 @@ def measure(tok: Any, context: int, runs: int) -> list[dict[str, Any]]:
         {"model": "m", "messages": first}).messages)
 
     def convert() -> None:
-        check_text(req.model_dump(by_alias=True, exclude_defaults=True))
         check_conversation(req.messages)
         template_messages(req.messages)
         template_tools(req.tools)
 
-    def incremental() -> Any:
+    def incremental(prepared: bool = True) -> Any:
         chat = ChatPrompts(tok, PromptEncoder(tok))
         chat.ids(first_msgs, tools, None, None)  # the first turn, as the server saw it
+        if prepared:
+            chat.prepare_resume()
         t0 = time.perf_counter()
         ids = chat.ids(msgs, tools, None, None)
         return ids, (time.perf_counter() - t0) * 1e3
@@ -106,9 +114,15 @@ def measure(tok: Any, context: int, runs: int) -> list[dict[str, Any]]:
     validator = RequestValidator(vocab_size=len(tok), max_model_len=2 * context,
                                  has_tokenizer=True)
     stages = {"sdk": _times(_sdk_call(resume), runs),
-              "parse": _times(lambda: ChatCompletionRequest.model_validate_json(body), runs),
+              "parse": _times(lambda: parse_body(ChatCompletionRequest, body,
+                                                 "application/json"), runs),
+              "parse, FastAPI's way": _times(lambda: ChatCompletionRequest.model_validate(
+                  json.loads(body)), runs),
               "convert": _times(convert, runs),
+              "surrogate check": _times(lambda: check_text(
+                  req.model_dump(by_alias=True, exclude_defaults=True)), runs),
               "render+tokenize": [incremental()[1] for _ in range(runs)],
+              "render+tokenize unprepared": [incremental(False)[1] for _ in range(runs)],
               "full render+tokenize": [full() for _ in range(runs)],
               "request": _times(lambda: validator.make("r", ids, SamplingParams()), runs)}
     return [{"context_tokens": context, "prompt_tokens": len(ids), "stage": name,
