@@ -1,0 +1,79 @@
+"""Triton kernel of a skinny matmul ``out = x @ w^T (+ bias)`` for a few rows of x (decode).
+
+Imported only when a kernel runs: this module imports triton at the top.
+
+Grid: (N tiles, K splits). A program streams one [BLOCK_N, k_split] strip of the weight w
+[N, K] (rows contiguous along K) once and multiplies it with the matching columns of all
+rows of x [M, K] (M <= BLOCK_M; the tile is [BLOCK_N, BLOCK_M], x transposed: the weight is
+the tensor-core operand with the long side). With one split the program writes its tile of
+out directly. With several, each writes its fp32 partial to a workspace [splits, N, BLOCK_M]
+and counts itself done on its N tile's int32 counter; the program that counts last sums the
+partials in split order (the same sum whichever program merges: deterministic), adds the bias,
+writes out and sets the counter back to 0, so the counters are zero again when the kernel ends
+(zeroed once at allocation; capturable in a CUDA graph, replayable). No second launch, no
+atomic adds of data.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+
+@triton.jit(do_not_specialize=["m", "k_split"])
+def skinny_matmul_kernel(
+    x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
+    m, n, k,  # out [m, n] = x [m, k] @ w [n, k]^T
+    k_split,  # K elements per split, a multiple of BLOCK_K
+    stride_xm, stride_wn, stride_om,
+    HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One (N tile, K split): its partial product; with SPLIT, the last split merges."""
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BLOCK_N]
+    offs_m = tl.arange(0, BLOCK_M)  # [BLOCK_M]
+    offs_k = tl.arange(0, BLOCK_K)  # [BLOCK_K]
+    n_mask = offs_n < n
+    m_mask = offs_m < m
+    k_lo = pid_k * k_split
+    k_hi = tl.minimum(k_lo + k_split, k)
+    w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    x_ptrs = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm + offs_k[:, None]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        if EVEN:  # N a multiple of BLOCK_N, every split's range a multiple of BLOCK_K
+            w = tl.load(w_ptrs + k0)  # [BLOCK_N, BLOCK_K]
+            x = tl.load(x_ptrs + k0, mask=m_mask[None, :], other=0.0)  # [BLOCK_K, BLOCK_M]
+        else:
+            k_in = (k0 + offs_k) < k_hi  # [BLOCK_K]
+            w = tl.load(w_ptrs + k0, mask=n_mask[:, None] & k_in[None, :], other=0.0)
+            x = tl.load(x_ptrs + k0, mask=k_in[:, None] & m_mask[None, :], other=0.0)
+        acc = tl.dot(w, x, acc, input_precision=DOT_PRECISION)  # [BLOCK_N, BLOCK_M]
+    out_ptrs = out_ptr + offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None]
+    out_mask = n_mask[:, None] & m_mask[None, :]
+    if SPLIT:
+        tile = offs_n.to(tl.int64)[:, None] * BLOCK_M + offs_m[None, :]  # [BLOCK_N, BLOCK_M]
+        tl.store(part_ptr + pid_k.to(tl.int64) * n * BLOCK_M + tile, acc, mask=n_mask[:, None])
+        tl.debug_barrier()  # every thread's partial stores before the release below
+        count = count_ptr + pid_n
+        if tl.atomic_add(count, 1, sem="acq_rel") == tl.num_programs(1) - 1:
+            tl.debug_barrier()  # the acquire above before any thread's partial loads
+            tl.store(count, 0)  # zero again for the next launch
+            total = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+            for s in range(0, tl.num_programs(1)):  # split order: the same sum every time
+                total += tl.load(part_ptr + s * n * BLOCK_M + tile, mask=n_mask[:, None],
+                                 other=0.0, cache_modifier=".cg")  # other programs wrote it
+            _store(total, bias_ptr, offs_n, n_mask, out_ptrs, out_mask, HAS_BIAS)
+    else:
+        _store(acc, bias_ptr, offs_n, n_mask, out_ptrs, out_mask, HAS_BIAS)
+
+
+@triton.jit
+def _store(acc, bias_ptr, offs_n, n_mask, out_ptrs, out_mask, HAS_BIAS: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_M] fp32 (+ bias, in fp32), rounded once to out's dtype."""
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_mask, other=0.0).to(tl.float32)[:, None]
+    tl.store(out_ptrs, acc.to(out_ptrs.dtype.element_ty), mask=out_mask)
