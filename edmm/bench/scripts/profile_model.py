@@ -69,10 +69,10 @@ def _gap_table(prof: profile, steps: int, top: int = 12) -> str:
     kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA),
                      key=lambda e: e.time_range.start)
     pairs: dict[tuple[str, str], list[float]] = {}
-    busy, overlap = 0.0, 0.0
+    busy = sum(e.time_range.end - e.time_range.start for e in kernels)  # us
+    overlap = 0.0
     for a, b in itertools.pairwise(kernels):
         gap = b.time_range.start - a.time_range.end  # us
-        busy += a.time_range.end - a.time_range.start
         if gap > STEP_GAP_US:
             continue
         if gap < 0:
@@ -98,7 +98,7 @@ def _gaps(side: EdmmSide, ids: torch.Tensor, keep: int, end: int, steps: int) ->
     for _ in range(2):
         side.truncate(keep)
         side.extend(ids[keep:end])
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(steps):
             side.truncate(keep)
             torch.cuda.synchronize()
