@@ -20,11 +20,11 @@ import triton
 import triton.language as tl
 
 
-@triton.jit(do_not_specialize=["m", "k_split"])
+@triton.jit(do_not_specialize=["m", "split_tiles"])
 def skinny_matmul_kernel(
     x_ptr, w_ptr, bias_ptr, out_ptr, part_ptr, count_ptr,
     m, n, k,  # out [m, n] = x [m, k] @ w [n, k]^T
-    k_split,  # K elements per split, a multiple of BLOCK_K
+    split_tiles,  # BLOCK_K tiles of K per split
     stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -38,8 +38,8 @@ def skinny_matmul_kernel(
     offs_k = tl.arange(0, BLOCK_K)  # [BLOCK_K]
     n_mask = offs_n < n
     m_mask = offs_m < m
-    k_lo = pid_k * k_split
-    k_hi = tl.minimum(k_lo + k_split, k)
+    k_lo = pid_k * split_tiles * BLOCK_K  # a multiple of BLOCK_K: aligned, vector loads
+    k_hi = tl.minimum(k_lo + split_tiles * BLOCK_K, k)
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
     x_ptrs = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm + offs_k[:, None]
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)

@@ -65,7 +65,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
     tk.skinny_matmul_kernel[(tiles, splits)](
         x, weight, bias if bias is not None else out, out, part, counters,
-        m, n, k, k_split, x.stride(0), weight.stride(0), out.stride(0),
+        m, n, k, k_split // cfg.block_k, x.stride(0), weight.stride(0), out.stride(0),
         HAS_BIAS=bias is not None, SPLIT=splits > 1,
         EVEN=n % cfg.block_n == 0 and k % cfg.block_k == 0,
         BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
