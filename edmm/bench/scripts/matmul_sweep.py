@@ -16,7 +16,7 @@ projection and row count: cuBLAS, the best skinny launch, in TB/s of weight read
 route) and ``matmul_routes.json`` (`edmm.kernels.matmul_routes`'s format: the skinny launch
 where it beat cuBLAS, else cuBLAS). Pass it to ``edmm bench ttft --matmul-routes``; committed
 as ``edmm/kernels/matmul_routes.json`` it is the engine's default. ``--budget-s`` bounds the
-run: shapes not reached in time are left out (the engine keeps cuBLAS for them), and the
+run: shapes (smallest weight first) not reached in time are left out (the engine keeps cuBLAS for them), and the
 files are rewritten after each shape, so a cut run keeps what it finished.
 """
 
@@ -241,8 +241,9 @@ def main(argv: list[str] | None = None) -> int:
         print("matmul_sweep.py needs a CUDA GPU and triton", file=sys.stderr)
         return 2
     cfg = resolve_preset(args.model)
-    shapes = [s for s in projections(cfg)
-              if not args.shapes or s.name in args.shapes.split(",")]
+    shapes = sorted((s for s in projections(cfg)
+                     if not args.shapes or s.name in args.shapes.split(",")),
+                    key=lambda s: s.n * s.k)  # smallest first: where cuBLAS streams worst
     import triton
 
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
