@@ -16,8 +16,8 @@ projection and row count: cuBLAS, the best skinny launch, in TB/s of weight read
 route) and ``matmul_routes.json`` (`edmm.kernels.matmul_routes`'s format: the skinny launch
 where it beat cuBLAS, else cuBLAS). Pass it to ``edmm bench ttft --matmul-routes``; committed
 as ``edmm/kernels/matmul_routes.json`` it is the engine's default. ``--budget-s`` bounds the
-run: shapes (smallest weight first) not reached in time are left out (the engine keeps cuBLAS for them), and the
-files are rewritten after each shape, so a cut run keeps what it finished.
+run: shapes (smallest weight first) not reached in time are left out (the engine keeps cuBLAS
+for them), and the files are rewritten after each shape, so a cut run keeps what it finished.
 """
 
 from __future__ import annotations
