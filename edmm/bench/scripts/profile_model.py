@@ -9,7 +9,7 @@ as `edmm bench ttft` times it), their sum against the wall time, and the wall ti
 of a graph-replayed decode step and 512-token prefill (medians of 30): mapping the new tokens'
 pages (``grow``, timed apart), building the inputs (``grow`` included), `forward` (copy into
 the graph's buffers, launch the replay), `sample` (launch), the wait for the device, and the
-graph's replay alone. With ``--full-prefill-chunk N`` also the full prefill in passes of N
+graph's replay alone (and the host time of its replay call). With ``--full-prefill-chunk N`` also the full prefill in passes of N
 tokens, and the host's side of those passes (building inputs, launching each pass) against the
 wall time: where the host, not the device, sets the pace. ``--sections`` picks the parts.
 """
@@ -113,7 +113,8 @@ def _step_parts(side: EdmmSide, ids: torch.Tensor, keep: int, end: int,
     """Host-side parts of a graph-replayed step appending ids[keep:end] against the graph
     alone; ``grow`` (mapping the new tokens' pages) is timed apart, then inside ``inputs``."""
     parts: dict[str, list[float]] = {k: [] for k in ("grow", "inputs", "forward", "sample",
-                                                      "wait", "total", "graph alone")}
+                                                      "wait", "total", "graph alone",
+                                                      "replay call (host)")}
     runner = side.runner
     assert isinstance(runner, CudaGraphRunner)
     with torch.inference_mode():
@@ -142,8 +143,10 @@ def _step_parts(side: EdmmSide, ids: torch.Tensor, keep: int, end: int,
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             graph.replay()
+            t1 = time.perf_counter()
             torch.cuda.synchronize()
             parts["graph alone"].append((time.perf_counter() - t0) * 1e3)
+            parts["replay call (host)"].append((t1 - t0) * 1e3)
     rows = [f"| {k} | {statistics.median(v):.3f} |" for k, v in parts.items()]
     return "| part | median ms |\n|---|---:|\n" + "\n".join(rows)
 
