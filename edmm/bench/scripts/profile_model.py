@@ -10,8 +10,9 @@ of a graph-replayed decode step and 512-token prefill (medians of 30): mapping t
 pages (``grow``, timed apart), building the inputs (``grow`` included), `forward` (copy into
 the graph's buffers, launch the replay), `sample` (launch), the wait for the device, and the
 graph's replay alone (and the host time of its replay call). With ``--full-prefill-chunk N``
-also the full prefill in passes of N tokens, and the host's side of those passes (building inputs, launching each pass) against the
-wall time: where the host, not the device, sets the pace. ``--sections`` picks the parts.
+also the full prefill in passes of N tokens, and the host's side of those passes (building
+inputs, launching each pass) against the wall time: where the host, not the device, sets the
+pace. ``--sections`` picks the parts.
 """
 
 from __future__ import annotations
