@@ -45,7 +45,7 @@ from edmm.engine.runner import ModelInputs, ModelRunner
 from edmm.engine.sampling import RequestRng, SamplingParams
 from edmm.kernels import PrefillConfig
 from edmm.kernels.decode_routes import DecodeRoutes, default_decode_routes
-from edmm.kernels.matmul_routes import MatmulRoutes, default_matmul_routes
+from edmm.kernels.matmul_routes import MatmulRoutes, default_matmul_routes, with_pdl
 from edmm.kernels.skinny_matmul import RoutedMatmul
 from edmm.memory.arena import KVArena, KVSpec
 from edmm.memory.backends import open_backend
@@ -91,6 +91,7 @@ class TTFTBenchConfig:
     decode_routes: str | None = None  # decode routing table file; None: the committed one
     # projections' skinny-matmul routing table file; None: the committed one; "off": cuBLAS
     matmul_routes: str | None = None
+    matmul_pdl: bool = False  # every routed skinny launch with PDL (`with_pdl`: an experiment)
     # None: the model driven directly on one device; N: through the engine, split over N GPUs
     # (`edmm.bench.ttft_engine`)
     tensor_parallel_size: int | None = None
@@ -400,9 +401,9 @@ def matmul_routes_of(cfg: TTFTBenchConfig) -> MatmulRoutes | None:
     committed one; None (every projection on cuBLAS) for "off" or without a table."""
     if cfg.matmul_routes == "off":
         return None
-    if cfg.matmul_routes is not None:
-        return MatmulRoutes.from_json(cfg.matmul_routes)
-    return default_matmul_routes()
+    routes = (MatmulRoutes.from_json(cfg.matmul_routes) if cfg.matmul_routes is not None
+              else default_matmul_routes())
+    return with_pdl(routes) if routes is not None and cfg.matmul_pdl else routes
 
 
 def edmm_sides(cfg: TTFTBenchConfig) -> dict[str, str]:

@@ -100,14 +100,18 @@ class PrefillConfig:
 
 @dataclass(frozen=True)
 class SkinnyConfig:
-    """Launch parameters: output columns per program (block_n), K per loop step (block_k),
-    K splits (splits; 1: no merge), Triton's warps and pipeline stages."""
+    """Launch parameters of the skinny matmul: output columns per program (block_n), K per
+    loop step (block_k), K splits (splits; 1: no merge), Triton's warps and pipeline stages;
+    pdl: programmatic dependent launch, each program asking L2 for its first weight tiles
+    while the kernel before it still runs (Hopper and later; ignored elsewhere and in the
+    interpreter)."""
 
     block_n: int = 64
     block_k: int = 128
     splits: int = 1
     num_warps: int = 4
     num_stages: int = 4
+    pdl: bool = False
 
     def __post_init__(self) -> None:
         for name in ("block_n", "block_k"):

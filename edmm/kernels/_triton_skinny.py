@@ -12,12 +12,22 @@ partials in split order (the same sum whichever program merges: deterministic), 
 writes out and sets the counter back to 0, so the counters are zero again when the kernel ends
 (zeroed once at allocation; capturable in a CUDA graph, replayable). No second launch, no
 atomic adds of data.
+
+PDL (Hopper and later; not in the interpreter, which has no inline assembly): launched with
+programmatic dependent launch, a program may start while the kernel before it still runs (as
+soon as that kernel lets its dependents start: the decode attention's reduce does, before its
+own work). Before ``gdc_wait`` it only asks L2 for the first PREFETCH_TILES tiles of its
+weight strip (``prefetch.global.L2``: the weights are written by no kernel of the step); x,
+the partials, the counters and out are touched after it.
 """
 
 from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
+
+LINE_BYTES = tl.constexpr(128)  # L2 line one prefetch asks for
 
 
 @triton.jit(do_not_specialize=["m", "split_tiles"])
@@ -28,7 +38,8 @@ def skinny_matmul_kernel(
     stride_xm, stride_wn, stride_om,
     HAS_BIAS: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PDL: tl.constexpr, PREFETCH_TILES: tl.constexpr,
+    ELEM_BYTES: tl.constexpr,
 ):
     """One (N tile, K split): its partial product; with SPLIT, the last split merges."""
     pid_n = tl.program_id(0)
@@ -41,6 +52,10 @@ def skinny_matmul_kernel(
     k_lo = pid_k * split_tiles * BLOCK_K  # a multiple of BLOCK_K: aligned, vector loads
     k_hi = tl.minimum(k_lo + split_tiles * BLOCK_K, k)
     w_ptrs = w_ptr + offs_n.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
+    if PDL:
+        _prefetch_l2(w_ptr, offs_n, n, k_lo, tl.minimum(k_lo + PREFETCH_TILES * BLOCK_K, k_hi),
+                     stride_wn, BLOCK_K, ELEM_BYTES)
+        gdc_wait()  # x is the output of the kernels before this one
     x_ptrs = x_ptr + offs_m.to(tl.int64)[None, :] * stride_xm + offs_k[:, None]
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
@@ -69,6 +84,22 @@ def skinny_matmul_kernel(
             _store(total, bias_ptr, offs_n, n_mask, out_ptrs, out_mask, HAS_BIAS)
     else:
         _store(acc, bias_ptr, offs_n, n_mask, out_ptrs, out_mask, HAS_BIAS)
+
+
+@triton.jit
+def _prefetch_l2(w_ptr, offs_n, n, lo, hi, stride_wn, BLOCK_K: tl.constexpr,
+                 ELEM_BYTES: tl.constexpr):
+    """Ask L2 for the lines of columns lo .. hi - 1 of weight rows ``offs_n`` (rows past n
+    and lines past hi repeat row 0's / column lo's: the instruction has no masked form)."""
+    LINE_ELEMS: tl.constexpr = LINE_BYTES // ELEM_BYTES
+    LINES: tl.constexpr = BLOCK_K // LINE_ELEMS
+    rows = tl.where(offs_n < n, offs_n, 0).to(tl.int64)  # [BLOCK_N]
+    first = tl.arange(0, LINES) * LINE_ELEMS  # [LINES] first column of each line of a tile
+    for k0 in range(lo, hi, BLOCK_K):
+        col = tl.where(k0 + first < hi, k0 + first, lo)  # [LINES]
+        at = w_ptr + rows[:, None] * stride_wn + col[None, :]  # [BLOCK_N, LINES]
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1]; // $0", "=r,l", [at],
+                                  dtype=tl.int32, is_pure=False, pack=1)
 
 
 @triton.jit

@@ -7,7 +7,8 @@ has layers, so nothing is served from L2) and writes each shape's fastest as a J
 
     {"device": ..., "date": ..., "command": ..., "routes": [
         {"rows": 1, "n": 3584, "k": 3584, "kernel": "skinny", "block_n": 64, "block_k": 128,
-         "splits": 4, "num_warps": 4, "num_stages": 4, "us": 7.1, "cublas_us": 11.2},
+         "splits": 4, "num_warps": 4, "num_stages": 4, "pdl": false, "us": 7.1,
+         "cublas_us": 11.2},
         {"rows": 1, "n": 37888, "k": 3584, "kernel": "cublas", "us": 69.3, "cublas_us": 69.3},
         ...]}
 
@@ -21,7 +22,7 @@ default.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -78,6 +79,15 @@ class MatmulRoutes:
         return measured[0].config if measured else None
 
 
+def with_pdl(routes: MatmulRoutes) -> MatmulRoutes:
+    """``routes`` with every skinny launch on programmatic dependent launch (an in-model
+    experiment: the sweep's timings, back-to-back calls of one kernel, cannot show what PDL
+    gains behind the kernels a model runs before each projection)."""
+    return MatmulRoutes(tuple(
+        replace(r, config=replace(r.config, pdl=True)) if r.config is not None else r
+        for r in routes.routes), routes.source + ", PDL on every skinny launch")
+
+
 def default_matmul_routes() -> MatmulRoutes | None:
     """The measured table committed next to this module, or None."""
     return MatmulRoutes.from_json(ROUTES_FILE) if ROUTES_FILE.is_file() else None
@@ -90,7 +100,7 @@ def route_row(rows: int, n: int, k: int, config: SkinnyConfig | None, us: float,
                            "kernel": "cublas" if config is None else "skinny"}
     if config is not None:
         row.update(block_n=config.block_n, block_k=config.block_k, splits=config.splits,
-                   num_warps=config.num_warps, num_stages=config.num_stages)
+                   num_warps=config.num_warps, num_stages=config.num_stages, pdl=config.pdl)
     row.update(us=round(us, 3), cublas_us=round(cublas_us, 3))
     return row
 
@@ -98,8 +108,11 @@ def route_row(rows: int, n: int, k: int, config: SkinnyConfig | None, us: float,
 def _route(r: dict[str, Any]) -> MatmulRoute:
     if r["kernel"] not in KERNELS:
         raise ValueError(f"kernel must be one of {KERNELS} in {r}")
+    pdl = r.get("pdl", False)
+    if not isinstance(pdl, bool):
+        raise ValueError(f"pdl must be true or false in {r}")
     config = (SkinnyConfig(int(r["block_n"]), int(r["block_k"]), int(r["splits"]),
-                           int(r["num_warps"]), int(r["num_stages"]))
+                           int(r["num_warps"]), int(r["num_stages"]), pdl)
               if r["kernel"] == "skinny" else None)
     route = MatmulRoute(int(r["rows"]), int(r["n"]), int(r["k"]), config, float(r["us"]),
                         float(r["cublas_us"]))

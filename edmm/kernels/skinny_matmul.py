@@ -22,11 +22,13 @@ from edmm.kernels._common import (
     SkinnyConfig,
     cdiv,
     dot_precision,
+    pdl_usable,
     require_triton,
 )
 from edmm.kernels.matmul_routes import MatmulRoutes
 
 MAX_ROWS = 16  # rows of x one program holds (tl.dot's smallest tile side)
+PREFETCH_TILES = 2  # weight tiles a PDL launch asks L2 for before the kernel before it ends
 ROUTED_DTYPES = (torch.float16, torch.bfloat16)  # what the routing tables are measured in
 
 
@@ -61,6 +63,7 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         counters = (workspace or CounterWorkspace()).counters(tiles, x.device)  # [>= tiles]
     else:  # the kernel writes `out` directly: placeholders
         part = counters = out
+    pdl = cfg.pdl and pdl_usable(x.device)
     from edmm.kernels import _triton_skinny as tk
 
     tk.skinny_matmul_kernel[(tiles, splits)](
@@ -69,8 +72,9 @@ def skinny_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         HAS_BIAS=bias is not None, SPLIT=splits > 1,
         EVEN=n % cfg.block_n == 0 and k % cfg.block_k == 0,
         BLOCK_M=MAX_ROWS, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        DOT_PRECISION=dot_precision(x.dtype),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        DOT_PRECISION=dot_precision(x.dtype), PDL=pdl, PREFETCH_TILES=PREFETCH_TILES,
+        ELEM_BYTES=x.element_size(), num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        **({"launch_pdl": True} if pdl else {}),
     )
     return out
 

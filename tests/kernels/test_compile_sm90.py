@@ -29,7 +29,7 @@ SCRIPT = textwrap.dedent("""
     from triton.compiler import ASTSource
     from edmm.kernels import DecodeConfig, PrefillConfig
     from edmm.kernels import _triton_decode as td, _triton_prefill as tp, _triton_rope as tr
-    from edmm.kernels import _triton_skinny as tsk
+    from edmm.kernels import _triton_skinny as tsk, _triton_silu as tsi
     from edmm.kernels._common import SkinnyConfig
     from edmm.model.attention_triton import PREFILL
 
@@ -84,11 +84,16 @@ SCRIPT = textwrap.dedent("""
         **{name: compile_sm90(  # the default launch, and the largest tile the sweep tries
             tsk.skinny_matmul_kernel,
             dict(HAS_BIAS=bias, SPLIT=split, EVEN=True, BLOCK_M=16, BLOCK_N=block_n,
-                 BLOCK_K=block_k, DOT_PRECISION="tf32"),
-            num_warps=warps, num_stages=stages)
-           for name, block_n, block_k, warps, stages, bias, split in (
-               ("skinny", sk.block_n, sk.block_k, sk.num_warps, sk.num_stages, True, False),
-               ("skinny_split_128x256", 128, 256, 8, 3, False, True))},
+                 BLOCK_K=block_k, DOT_PRECISION="tf32", PDL=pdl, PREFETCH_TILES=2,
+                 ELEM_BYTES=2),
+            num_warps=warps, num_stages=stages, **({"launch_pdl": True} if pdl else {}))
+           for name, block_n, block_k, warps, stages, bias, split, pdl in (
+               ("skinny", sk.block_n, sk.block_k, sk.num_warps, sk.num_stages, True, False,
+                False),
+               ("skinny_split_128x256", 128, 256, 8, 3, False, True, False),
+               ("skinny_split_pdl", 64, 128, 4, 4, False, True, True))},
+        "silu_trigger": compile_sm90(
+            tsi.silu_mul_kernel, dict(BLOCK=256, TRIGGER=True), num_warps=4),
         "decode_reduce_pdl": compile_sm90(
             td.decode_reduce_kernel, dict(SPLITS_PAD=64, HEAD_DIM=128, VARLEN=True, PDL=True),
             num_warps=4, launch_pdl=True),
@@ -123,8 +128,12 @@ def test_default_configs_compile_for_sm90_without_spills() -> None:
     assert not report["decode"]["atomic"] and not report["decode"]["griddepcontrol"]
     assert report["skinny_split_128x256"]["atomic"] and not report["skinny"]["atomic"]
     assert report["skinny"]["wgmma"], "skinny: no Hopper matrix instructions (wgmma)"
+    pdl = report["skinny_split_pdl"]
+    assert pdl["griddepcontrol"] and pdl["prefetch"] and pdl["cp_async"], pdl
+    assert not report["skinny"]["griddepcontrol"] and not report["skinny"]["prefetch"]
+    assert report["silu_trigger"]["trigger"]
     for name, r in report.items():
-        if name in ("decode_reduce_pdl", "rope_trigger"):
+        if name in ("decode_reduce_pdl", "rope_trigger", "silu_trigger"):
             pass  # no loop: nothing to pipeline
         elif not name.startswith("prefill_ws"):  # its loads are the copy engine's (TMA)
             assert r["cp_async"], f"{name}: loads are not pipelined (no cp.async)"

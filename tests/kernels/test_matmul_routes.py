@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from edmm.kernels._common import SkinnyConfig
-from edmm.kernels.matmul_routes import MatmulRoutes, MatmulRoutesError, route_row
+from edmm.kernels.matmul_routes import MatmulRoutes, MatmulRoutesError, route_row, with_pdl
 from edmm.kernels.skinny_matmul import RoutedMatmul
 from edmm.model.config import ModelConfig
 from edmm.model.transformer import CausalLM
@@ -86,3 +86,13 @@ def test_set_matmul_routes_every_projection_and_the_lm_head() -> None:
     assert seen == [(cfg.vocab_size, cfg.hidden_size), (cfg.hidden_size, q),
                     (q + 2 * kv, cfg.hidden_size), (2 * cfg.intermediate_size, cfg.hidden_size),
                     (cfg.hidden_size, cfg.intermediate_size)]
+
+
+def test_with_pdl_turns_it_on_for_skinny_routes_only() -> None:
+    table = with_pdl(TABLE)
+    assert table.lookup(1, 3584, 3584) == SkinnyConfig(64, 128, 4, 4, 4, pdl=True)
+    assert table.lookup(1, 37888, 3584) is None and "PDL" in table.source
+    row = route_row(1, 8, 16, SkinnyConfig(pdl=True), 1.0, 2.0)
+    assert MatmulRoutes.from_rows([row]).lookup(1, 8, 16) == SkinnyConfig(pdl=True)
+    with pytest.raises(ValueError):
+        MatmulRoutes.from_rows([{**row, "pdl": "yes"}])

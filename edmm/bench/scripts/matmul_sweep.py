@@ -71,7 +71,7 @@ class Timing:
     k: int
     rows: int
     kernel: str  # "cublas" or "skinny"
-    config: dict[str, int] | None
+    config: dict[str, Any] | None  # SkinnyConfig's fields
     us: float
     tbs: float
     max_ulps: float  # largest error in units of the output dtype's last place vs fp32
@@ -200,7 +200,7 @@ def markdown(timings: list[Timing], header: str) -> str:
     return "\n".join(lines)
 
 
-def _launch(config: dict[str, int] | None) -> str:
+def _launch(config: dict[str, Any] | None) -> str:
     if not config:
         return ""
     return (f"{config['block_n']}x{config['block_k']}, splits={config['splits']}, "

@@ -197,6 +197,8 @@ def main() -> None:
     parser.add_argument("--matmul-routes", default=None,
                         help="the projections' skinny routing table (default: the committed "
                              "one; off: cuBLAS)")
+    parser.add_argument("--matmul-pdl", action="store_true",
+                        help="launch every routed skinny matmul with PDL (an experiment)")
     parser.add_argument("--sections", default=",".join(SECTIONS),
                         help=f"parts to profile, of {', '.join(SECTIONS)}")
     args = parser.parse_args()
@@ -206,7 +208,8 @@ def main() -> None:
     ctx = args.context
     report = [f"# profile, qwen2.5-7b preset, context {ctx}, {torch.cuda.get_device_name()}"]
     for eager in (False,) if args.fast_only else (True, False):
-        cfg = TTFTBenchConfig(contexts=(ctx,), eager=eager, matmul_routes=args.matmul_routes)
+        cfg = TTFTBenchConfig(contexts=(ctx,), eager=eager, matmul_routes=args.matmul_routes,
+                              matmul_pdl=args.matmul_pdl)
         side = EdmmSide(cfg, ctx, "sdpa" if eager else args.attention)
         ids = torch.randint(0, side.cfg.vocab_size, (ctx + 1,), device="cuda")
         side.extend(ids[:ctx])
