@@ -104,13 +104,17 @@ class RoutedMatmul:
     def __init__(self, routes: MatmulRoutes) -> None:
         self.routes = routes
         self.workspace = CounterWorkspace()
+        self._looked_up: dict[tuple[int, int, int], SkinnyConfig | None] = {}
 
     def __call__(self, x: torch.Tensor, weight: torch.Tensor,
                  bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, K], weight [N, K], bias [N] or None -> [M, N]."""
         if (x.dim() == 2 and x.shape[0] <= MAX_ROWS and x.is_cuda and x.dtype in ROUTED_DTYPES
                 and x.stride(-1) == 1 and weight.stride(-1) == 1):
-            cfg = self.routes.lookup(x.shape[0], weight.shape[0], weight.shape[1])
+            key = (x.shape[0], weight.shape[0], weight.shape[1])  # rows, N, K
+            if key not in self._looked_up:
+                self._looked_up[key] = self.routes.lookup(*key)
+            cfg = self._looked_up[key]
             if cfg is not None:
                 return skinny_linear(x, weight, bias, cfg, self.workspace)
         return F.linear(x, weight, bias)
