@@ -21,7 +21,8 @@ SHAPES = {"qkv": (4608, 3584, True), "o_proj": (3584, 3584, False),
           "gate_up": (37888, 3584, False), "down": (3584, 18944, False),
           "lm_head": (152064, 3584, False)}  # N, K, bias
 CONFIGS = [SkinnyConfig(64, 128, 1, 4, 4), SkinnyConfig(64, 128, 4, 4, 4),
-           SkinnyConfig(128, 128, 8, 8, 4), SkinnyConfig(32, 256, 3, 4, 4)]
+           SkinnyConfig(128, 128, 8, 8, 4), SkinnyConfig(32, 256, 3, 4, 4),
+           SkinnyConfig(16, 256, 2, 4, 8, pdl=True), SkinnyConfig(64, 128, 1, 4, 8, pdl=True)]
 
 
 def _inputs(m: int, n: int, k: int, bias: bool
@@ -56,23 +57,26 @@ def test_real_shapes_match_torch(name: str, m: int) -> None:
     assert not ws.counters(1, x.device).any()
 
 
-def test_graph_replay_is_bitwise_the_eager_result() -> None:
+@pytest.mark.parametrize("pdl", [False, True])
+def test_graph_replay_is_bitwise_the_eager_result(pdl: bool) -> None:
     """Split launches captured in a CUDA graph, replayed twice on new inputs: the same bits
-    as eager calls (the merge's order is fixed; the counters are zero after every launch)."""
+    as eager calls (the merge's order is fixed; the counters are zero after every launch);
+    with PDL too, x written by a copy inside the graph just before the launch."""
     n, k, _ = SHAPES["down"]
     x, w, _b = _inputs(4, n, k, False)
     ws = CounterWorkspace()
-    cfg = SkinnyConfig(64, 128, 8, 4, 4)
-    static = x.clone()
-    skinny_linear(static, w, None, cfg, ws)  # compile outside the capture
+    cfg = SkinnyConfig(64, 128, 8, 4, 4, pdl=pdl)
+    src, static = x.clone(), torch.empty_like(x)
+    skinny_linear(src, w, None, cfg, ws)  # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
+        static.copy_(src)
         out = skinny_linear(static, w, None, cfg, ws)
     for seed in (1, 2):
         new = torch.randn(x.shape, device="cuda", generator=torch.Generator(device="cuda")
                           .manual_seed(seed)).to(x.dtype)
-        static.copy_(new)
+        src.copy_(new)
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, skinny_linear(new, w, None, cfg, ws))

@@ -45,8 +45,10 @@ from edmm.kernels.skinny_matmul import MAX_ROWS, skinny_linear
 from edmm.model.config import ModelConfig, resolve_preset
 
 ROWS = (1, 2, 4, 8, 16)
-TILES = ((32, 256, 4, 4), (64, 128, 4, 4), (64, 128, 4, 6), (64, 256, 4, 3),  # block_n,
-         (128, 128, 4, 4), (128, 128, 8, 4), (128, 256, 8, 3))  # block_k, warps, stages
+# block_n, block_k, warps, stages: on the H200 deeper pipelines won (session 9: 6 stages over
+# 4 for every projection), so most tiles here are as deep as shared memory allows
+TILES = ((16, 256, 4, 8), (32, 128, 4, 8), (32, 256, 4, 6), (64, 128, 4, 6), (64, 128, 4, 8),
+         (64, 256, 4, 4), (128, 128, 8, 4), (128, 128, 8, 6))
 SPLITS = (1, 2, 3, 4, 6, 8, 12, 16)
 MIN_PROGRAMS, MAX_PROGRAMS = 100, 4096  # fewer leave SMs idle; more only add merge traffic
 WEIGHT_BYTES = 1 << 30  # the distinct weights of one timing hold at least this much
