@@ -159,6 +159,10 @@ def _add_ttft(bsub: argparse._SubParsersAction) -> None:
                       help="the decode kernel's measured routing table (written by "
                            "python -m edmm.bench.scripts.decode_sweep; default: the committed "
                            "one, else the kernel's heuristic)")
+    ttft.add_argument("--matmul-routes", default=None, metavar="JSON",
+                      help="the projections' measured skinny-matmul routing table (written by "
+                           "python -m edmm.bench.scripts.matmul_sweep; default: the committed "
+                           "one; off: cuBLAS for every projection)")
     ttft.add_argument("--tensor-parallel-size", type=int_at_least(1), default=None,
                       help="split the model over this many GPUs; the model-level ops then run "
                            "as engine requests (no transformers peer; default: one device, "
@@ -597,6 +601,7 @@ def _bench(args: argparse.Namespace) -> int:
                                eager=args.eager, prefill_kernel=args.prefill_kernel,
                                full_prefill_chunk=args.full_prefill_chunk,
                                attentions=args.attention, decode_routes=args.decode_routes,
+                               matmul_routes=args.matmul_routes,
                                tensor_parallel_size=args.tensor_parallel_size)
         print(Path(run_ttft_bench(tcfg, out)["md"]).read_text())
     print(f"wrote {out}")

@@ -45,6 +45,8 @@ from edmm.engine.runner import ModelInputs, ModelRunner
 from edmm.engine.sampling import RequestRng, SamplingParams
 from edmm.kernels import PrefillConfig
 from edmm.kernels.decode_routes import DecodeRoutes, default_decode_routes
+from edmm.kernels.matmul_routes import MatmulRoutes, default_matmul_routes, with_pdl
+from edmm.kernels.skinny_matmul import RoutedMatmul
 from edmm.memory.arena import KVArena, KVSpec
 from edmm.memory.backends import open_backend
 from edmm.memory.pool import PagePool
@@ -87,6 +89,9 @@ class TTFTBenchConfig:
     # rows are engine "edmm", the others' "edmm-<name>"
     attentions: tuple[str, ...] = ("auto",)
     decode_routes: str | None = None  # decode routing table file; None: the committed one
+    # projections' skinny-matmul routing table file; None: the committed one; "off": cuBLAS
+    matmul_routes: str | None = None
+    matmul_pdl: bool = False  # every routed skinny launch with PDL (`with_pdl`: an experiment)
     # None: the model driven directly on one device; N: through the engine, split over N GPUs
     # (`edmm.bench.ttft_engine`)
     tensor_parallel_size: int | None = None
@@ -132,6 +137,9 @@ class EdmmSide:
                                                  PREFILL_KERNELS[cfg.prefill_kernel],
                                                  decode_routes_of(cfg)))
             self.model.enable_fusion()
+            matmul_routes = matmul_routes_of(cfg)
+            if matmul_routes is not None:
+                self.model.set_matmul(RoutedMatmul(matmul_routes))
             # As the engine's mixed graphs: the chunks of a full prefill replay one too.
             chunks = (cfg.full_prefill_chunk,) if cfg.full_prefill_chunk > 1 else ()
             self.runner = CudaGraphRunner(self.model, self.arena, self.device, sizes=(1,),
@@ -364,6 +372,7 @@ def _direct_notes(cfg: TTFTBenchConfig) -> list[str]:
         "attention (CUDA, not eager): " + ", ".join(
             f"{engine}: {attention}" for engine, attention in edmm_sides(cfg).items()),
         "decode kernel launch: " + _routes_note(decode_routes_of(cfg)),
+        "projections of <= 16 rows: " + _matmul_note(matmul_routes_of(cfg)),
         f"Triton prefill kernel (attention triton): {cfg.prefill_kernel} "
         f"({PREFILL_KERNELS[cfg.prefill_kernel]})"]
     graphs = ("; EDMM's replay a CUDA graph of that size, as the engine's mixed graphs do"
@@ -387,6 +396,16 @@ def decode_routes_of(cfg: TTFTBenchConfig) -> DecodeRoutes | None:
     return default_decode_routes()
 
 
+def matmul_routes_of(cfg: TTFTBenchConfig) -> MatmulRoutes | None:
+    """The projections' routing table of the run: ``cfg.matmul_routes``'s file, else the
+    committed one; None (every projection on cuBLAS) for "off" or without a table."""
+    if cfg.matmul_routes == "off":
+        return None
+    routes = (MatmulRoutes.from_json(cfg.matmul_routes) if cfg.matmul_routes is not None
+              else default_matmul_routes())
+    return with_pdl(routes) if routes is not None and cfg.matmul_pdl else routes
+
+
 def edmm_sides(cfg: TTFTBenchConfig) -> dict[str, str]:
     """Engine label -> resolved attention backend of each EDMM side (``eager``: one side,
     "edmm-eager", on the reference SDPA). Raises `AttentionChoiceError` for a backend that
@@ -402,6 +421,14 @@ def _routes_note(routes: DecodeRoutes | None) -> str:
     if routes is None:
         return "the split-K kernel's heuristic (no measured routing table)"
     return f"measured routing table ({routes.source}, {len(routes.routes)} shapes)"
+
+
+def _matmul_note(routes: MatmulRoutes | None) -> str:
+    if routes is None:
+        return "cuBLAS (no skinny-matmul routing table)"
+    skinny = sum(r.config is not None for r in routes.routes)
+    return (f"skinny kernel where measured faster ({routes.source}: {skinny} of "
+            f"{len(routes.routes)} shapes), else cuBLAS")
 
 
 def _plot(summary: list[dict[str, Any]], out_dir: Path, device: str, model: str) -> list[str]:

@@ -41,6 +41,8 @@ from edmm.engine.sequence import SPECULATED, SequenceKind, SlotHints
 from edmm.engine.sequence import Sequence as Seq
 from edmm.engine.step_cost import StepCostModel, StepShape, StepTimeModel
 from edmm.kernels.decode_routes import default_decode_routes
+from edmm.kernels.matmul_routes import default_matmul_routes
+from edmm.kernels.skinny_matmul import RoutedMatmul
 from edmm.memory import KVArena, KVSpec, PagePool, open_backend
 from edmm.memory.copies import make_copier
 from edmm.memory.offload import HostKVStore
@@ -537,6 +539,9 @@ def _build_runner(config: EngineConfig, model: CausalLM, arena: KVArena,
     model.set_backend(build_backend(attention, max_model_len,
                                     decode_routes=default_decode_routes()))
     model.enable_fusion()
+    matmul_routes = default_matmul_routes()
+    if matmul_routes is not None:  # decode batches' projections: measured skinny routes
+        model.set_matmul(RoutedMatmul(matmul_routes))
     token_sizes = tuple(t for t in config.cuda_graph_token_sizes
                         if t <= config.max_num_batched_tokens)
     # Mixed graphs take the running sequences and as many speculative prefills.

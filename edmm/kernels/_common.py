@@ -27,6 +27,28 @@ class KernelUnavailableError(RuntimeError):
     """Triton is not installed, or cannot run on the tensors' device."""
 
 
+class CounterWorkspace:
+    """int32 counters of the kernels whose last program merges (fused decode attention, split
+    skinny matmuls): per device, zero when allocated.
+
+    Every such launch leaves its counters zero again (the program that counts last resets
+    its counter), so one workspace serves every later launch, eager or in a CUDA graph, on one
+    stream. Launches that run concurrently on several streams need one workspace each. Grows
+    (a new zeroed tensor) when a launch needs more; the outgrown tensors stay allocated, since
+    graphs captured with them still use them.
+    """
+
+    def __init__(self) -> None:
+        self._counters: dict[torch.device, list[torch.Tensor]] = {}  # newest last
+
+    def counters(self, n: int, device: torch.device) -> torch.Tensor:
+        """At least ``n`` zeroed int32 counters on ``device`` ([>= n])."""
+        held = self._counters.setdefault(device, [])
+        if not held or held[-1].numel() < n:
+            held.append(torch.zeros(max(n, 1024), dtype=torch.int32, device=device))
+        return held[-1]
+
+
 @dataclass(frozen=True)
 class DecodeConfig:
     """Launch parameters of the split-K decode kernel.
@@ -74,6 +96,30 @@ class PrefillConfig:
             # 4); 4 warps per warpgroup is what its Hopper pass partitions.
             raise KernelInputError("warp_specialize needs num_warps=4, num_stages=2, got "
                                    f"{self.num_warps}, {self.num_stages}")
+
+
+@dataclass(frozen=True)
+class SkinnyConfig:
+    """Launch parameters of the skinny matmul: output columns per program (block_n), K per
+    loop step (block_k), K splits (splits; 1: no merge), Triton's warps and pipeline stages;
+    pdl: programmatic dependent launch, each program asking L2 for its first weight tiles
+    while the kernel before it still runs (Hopper and later; ignored elsewhere and in the
+    interpreter)."""
+
+    block_n: int = 64
+    block_k: int = 128
+    splits: int = 1
+    num_warps: int = 4
+    num_stages: int = 4
+    pdl: bool = False
+
+    def __post_init__(self) -> None:
+        for name in ("block_n", "block_k"):
+            v = getattr(self, name)
+            if v < 16 or v & (v - 1):
+                raise KernelInputError(f"{name} must be a power of two >= 16, got {v}")
+        if self.splits < 1:
+            raise KernelInputError(f"splits must be >= 1, got {self.splits}")
 
 
 @functools.cache

@@ -3,7 +3,7 @@
 Flash-decoding: the context of each sequence is split into ``num_splits`` chunks processed by
 separate programs, so a single long sequence still fills the GPU; a second small kernel merges
 the chunks, or (``DecodeConfig(fused=True)``) the split kernel merges them itself, through a
-`DecodeWorkspace` of counters. The launch shape depends only on static arguments
+`CounterWorkspace` of counters. The launch shape depends only on static arguments
 (``num_splits``, or the ``max_context`` it is derived from), never on tensor values: no host
 sync, capturable in a CUDA graph.
 """
@@ -16,6 +16,7 @@ import math
 import torch
 
 from edmm.kernels._common import (
+    CounterWorkspace,
     DecodeConfig,
     KernelInputError,
     cdiv,
@@ -45,27 +46,6 @@ def _num_sms(device: torch.device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
-class DecodeWorkspace:
-    """Counters of the fused decode kernel: int32, one per (sequence, KV head), per device.
-
-    Zero when allocated; every fused launch leaves them zero again (the last split of each
-    (sequence, KV head) resets its counter), so one workspace serves every later launch,
-    eager or in a CUDA graph, on one stream. Launches that run concurrently on several
-    streams need one workspace each. Grows (a new zeroed tensor) when a launch needs more;
-    the outgrown tensors stay allocated, since graphs captured with them still use them.
-    """
-
-    def __init__(self) -> None:
-        self._counters: dict[torch.device, list[torch.Tensor]] = {}  # newest last
-
-    def counters(self, n: int, device: torch.device) -> torch.Tensor:
-        """At least ``n`` zeroed int32 counters on ``device`` ([>= n])."""
-        held = self._counters.setdefault(device, [])
-        if not held or held[-1].numel() < n:
-            held.append(torch.zeros(max(n, 1024), dtype=torch.int32, device=device))
-        return held[-1]
-
-
 def default_num_splits(batch: int, num_kv_heads: int, max_context: int,
                        device: torch.device | str = "cuda") -> int:
     """Splits that give ~2 programs per SM, at least `MIN_SPLIT_TOKENS` tokens each.
@@ -88,7 +68,7 @@ def decode_attention(
     num_splits: int | None = None,
     max_context: int | None = None,
     config: DecodeConfig | None = None,
-    workspace: DecodeWorkspace | None = None,
+    workspace: CounterWorkspace | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its slot's first ``context_lens`` tokens.
 
@@ -108,7 +88,7 @@ def decode_attention(
         config: launch parameters; default `DecodeConfig()`.
         workspace: the counters of a fused launch (``config.fused``); default a fresh
             zeroed one per call (one more small launch: callers that launch often, or
-            capture graphs, keep one `DecodeWorkspace`).
+            capture graphs, keep one `CounterWorkspace`).
 
     Returns:
         [B, Hq, D] in q's dtype.
@@ -134,7 +114,7 @@ def decode_attention_varlen(
     num_splits: int | None = None,
     max_context: int | None = None,
     config: DecodeConfig | None = None,
-    workspace: DecodeWorkspace | None = None,
+    workspace: CounterWorkspace | None = None,
 ) -> torch.Tensor:
     """`decode_attention` for the sequences with exactly one query of a packed batch, in place.
 
@@ -165,7 +145,7 @@ def decode_attention_varlen(
 def _decode(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, cu_q: torch.Tensor | None,
             slot_ids: torch.Tensor, context_lens: torch.Tensor, out: torch.Tensor, scale: float,
             num_splits: int | None, max_context: int | None, config: DecodeConfig | None,
-            workspace: DecodeWorkspace | None, split_batch: int) -> torch.Tensor:
+            workspace: CounterWorkspace | None, split_batch: int) -> torch.Tensor:
     """Checks, split count (by default for ``split_batch`` active sequences), partial
     buffers and the launches of both entry points."""
     kv = kv_layer_view(kv_cache, layer, q)  # [S, M, 2, Hkv, D]
@@ -185,7 +165,7 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, cu_q: torch.Ten
         return out
     part_o, part_lse = _partials(batch, num_heads, num_splits, head_dim, q.device)
     fused = cfg.fused and num_splits > 1
-    counters = ((workspace or DecodeWorkspace()).counters(batch * num_kv_heads, q.device)
+    counters = ((workspace or CounterWorkspace()).counters(batch * num_kv_heads, q.device)
                 if fused else part_lse)  # [>= B * Hkv] int32; unused unless fused
     pdl = cfg.pdl and pdl_usable(q.device)
     prefetch = cfg.prefetch and pdl_usable(q.device)

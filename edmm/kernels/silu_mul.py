@@ -10,7 +10,13 @@ from __future__ import annotations
 
 import torch
 
-from edmm.kernels._common import SUPPORTED_DTYPES, KernelInputError, cdiv, require_triton
+from edmm.kernels._common import (
+    SUPPORTED_DTYPES,
+    KernelInputError,
+    cdiv,
+    pdl_usable,
+    require_triton,
+)
 
 WIDE, NARROW = 1024, 256  # columns per program: many rows, few rows (spread a decode's row)
 FEW_ROWS = 64
@@ -32,5 +38,6 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
 
     block = NARROW if t <= FEW_ROWS else WIDE
     tk.silu_mul_kernel[(t, cdiv(inter, block))](
-        gate_up, out, inter, gate_up.stride(0), out.stride(0), BLOCK=block, num_warps=4)
+        gate_up, out, inter, gate_up.stride(0), out.stride(0), BLOCK=block,
+        TRIGGER=pdl_usable(gate_up.device), num_warps=4)
     return out

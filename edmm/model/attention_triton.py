@@ -20,7 +20,7 @@ from __future__ import annotations
 from torch import Tensor
 
 from edmm.kernels import DecodeConfig, PrefillConfig
-from edmm.kernels.decode_attention import DecodeWorkspace
+from edmm.kernels._common import CounterWorkspace
 from edmm.kernels.decode_routes import DecodeRoutes
 from edmm.model.attention import (
     AttentionBackend,
@@ -68,7 +68,7 @@ class TritonAttentionBackend(AttentionBackend):
         self.max_context = max_context
         self.prefill = prefill
         self.decode_routes = decode_routes
-        self.decode_workspace = DecodeWorkspace()  # counters of fused decode launches
+        self.decode_workspace = CounterWorkspace()  # counters of fused decode launches
         self._fallback = TorchSDPABackend()
 
     def forward(

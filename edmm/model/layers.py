@@ -1,11 +1,30 @@
-"""Basic layers: RMSNorm and the SwiGLU MLP (gate and up projections fused)."""
+"""Basic layers: projections, RMSNorm and the SwiGLU MLP (gate and up projections fused)."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 
 from edmm.model.fusion import PointwiseOps
+
+Matmul = Callable[[Tensor, Tensor, Tensor | None], Tensor]  # F.linear's (x, weight, bias)
+
+
+class Projection(nn.Linear):
+    """An ``nn.Linear`` whose product runs through ``matmul`` (default ``F.linear``), which a
+    model sets for all its projections at once (`CausalLM.set_matmul`: the measured skinny
+    routes of decode batches)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        self.matmul: Matmul = F.linear
+
+    def forward(self, x: Tensor) -> Tensor:
+        """x [T, in_features] -> [T, out_features]."""
+        return self.matmul(x, self.weight, self.bias)
 
 
 class RMSNorm(nn.Module):
@@ -37,8 +56,8 @@ class SwiGLUMLP(nn.Module):
         super().__init__()
         self.intermediate_size = intermediate_size
         self.ops = ops if ops is not None else PointwiseOps()
-        self.gate_up_proj = nn.Linear(hidden_size, 2 * intermediate_size, bias=bias)
-        self.down_proj = nn.Linear(intermediate_size, hidden_size, bias=bias)
+        self.gate_up_proj = Projection(hidden_size, 2 * intermediate_size, bias=bias)
+        self.down_proj = Projection(intermediate_size, hidden_size, bias=bias)
 
     def forward(self, x: Tensor) -> Tensor:
         """x [T, hidden] -> [T, hidden]."""

@@ -4,7 +4,7 @@ One rank holds a shard of every large weight; the small ones (norms, rotary cach
 are replicated:
 
 - **column-parallel** projections (``qkv_proj``, ``gate_up_proj``) keep the output rows of this
-  rank's heads / intermediate columns; they are plain ``nn.Linear`` modules (their outputs stay
+  rank's heads / intermediate columns; they are plain `Projection` modules (their outputs stay
   sharded, no communication);
 - **row-parallel** projections (`RowParallelLinear`: ``o_proj``, ``down_proj``) keep the matching
   input columns, sum the partial products over the ranks (one all-reduce) and add the bias once;
@@ -34,6 +34,7 @@ from torch import Tensor, nn
 
 from edmm.model.config import ModelConfig
 from edmm.model.errors import ShardingError
+from edmm.model.layers import Projection
 from edmm.model.transformer import CausalLM, DecoderLayer
 
 
@@ -98,7 +99,7 @@ def local_config(cfg: ModelConfig, world_size: int) -> ModelConfig:
                        vocab_size=vocab_shard_size(cfg.vocab_size, world_size))
 
 
-class RowParallelLinear(nn.Linear):
+class RowParallelLinear(Projection):
     """``y = sum over ranks of x_r @ W_r^T, + bias``: the input columns are sharded; the
     partial products are all-reduced, then the (replicated) bias is added once."""
 
@@ -108,7 +109,7 @@ class RowParallelLinear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         """x [T, in_features / world] -> [T, out_features]."""
-        y = F.linear(x, self.weight)  # [T, out], this rank's partial sum
+        y = self.matmul(x, self.weight, None)  # [T, out], this rank's partial sum
         if self.shard.world_size > 1:
             dist.all_reduce(y, group=self.shard.group)
         return y if self.bias is None else y + self.bias

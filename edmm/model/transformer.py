@@ -15,7 +15,7 @@ from edmm.model.attention import AttentionBackend, AttentionMetadata, TorchSDPAB
 from edmm.model.config import ModelConfig
 from edmm.model.errors import ContextTooLongError, KVCacheError
 from edmm.model.fusion import PointwiseOps
-from edmm.model.layers import RMSNorm, SwiGLUMLP
+from edmm.model.layers import Matmul, Projection, RMSNorm, SwiGLUMLP
 from edmm.model.rope import RotaryEmbedding, default_max_positions
 
 
@@ -33,8 +33,8 @@ class Attention(nn.Module):
         self.backend = backend
         q_size, kv_size = cfg.num_heads * cfg.head_dim, cfg.num_kv_heads * cfg.head_dim
         self.split_sizes = [q_size, kv_size, kv_size]
-        self.qkv_proj = nn.Linear(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.attention_bias)
-        self.o_proj = nn.Linear(q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        self.qkv_proj = Projection(cfg.hidden_size, q_size + 2 * kv_size, bias=cfg.attention_bias)
+        self.o_proj = Projection(q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.ops = PointwiseOps()
@@ -133,6 +133,7 @@ class CausalLM(nn.Module):
         )
         self.rotary = RotaryEmbedding(cfg, max_positions or default_max_positions(cfg))
         self.ops = PointwiseOps()  # shared by every layer; see `enable_fusion`
+        self.matmul: Matmul = F.linear  # the LM head's; see `set_matmul`
         for m in self.modules():
             if isinstance(m, (Attention, RMSNorm, SwiGLUMLP)):
                 m.ops = self.ops
@@ -140,6 +141,14 @@ class CausalLM(nn.Module):
     def enable_fusion(self) -> None:
         """Run RMSNorm, RoPE and SiLU-and-multiply as fused compiled kernels (for CUDA)."""
         self.ops.compile()
+
+    def set_matmul(self, matmul: Matmul) -> None:
+        """Run every projection (`Projection` modules) and the LM head through ``matmul``,
+        an ``F.linear`` alike (e.g. `edmm.kernels.skinny_matmul.RoutedMatmul`)."""
+        self.matmul = matmul
+        for m in self.modules():
+            if isinstance(m, Projection):
+                m.matmul = matmul
 
     def set_backend(self, backend: AttentionBackend) -> None:
         """Swap the attention implementation of every layer."""
@@ -174,7 +183,7 @@ class CausalLM(nn.Module):
     def compute_logits(self, hidden: Tensor) -> Tensor:
         """hidden [N, hidden] -> float32 logits [N, vocab]."""
         weight = self.lm_head.weight if self.lm_head is not None else self.model.embed_tokens.weight
-        return F.linear(hidden, weight).float()
+        return self.matmul(hidden, weight, None).float()
 
     def _check_inputs(
         self, input_ids: Tensor, positions: Tensor, kv_cache: Tensor, meta: AttentionMetadata

@@ -21,7 +21,7 @@ from edmm.kernels import (
     silu_mul,
     triton_available,
 )
-from edmm.kernels.decode_attention import DecodeWorkspace
+from edmm.kernels._common import CounterWorkspace
 from edmm.kernels.fused_sdpa import (
     AttendLSE,
     cudnn_attend,
@@ -154,7 +154,7 @@ def test_fused_and_pdl_decode_in_cuda_graph(arena: KVArena, num_splits: int,
     early-launched programs read q and KV only after the kernel before them)."""
     slots, lens = _ids([0, 1, 3, 2]), _ids([16384, 4096, 3001, 1])
     q = torch.randn(4, NUM_HEADS, 128, device="cuda", dtype=torch.bfloat16)
-    ws = DecodeWorkspace()
+    ws = CounterWorkspace()
 
     def step() -> torch.Tensor:
         outs = [decode_attention(q, arena.kv, layer, slots, lens, SCALE, num_splits=num_splits,

@@ -7,13 +7,18 @@ from pathlib import Path
 import pytest
 import torch
 
+from edmm.bench.scripts.matmul_sweep import projections
+from edmm.kernels._common import SkinnyConfig
 from edmm.kernels.fa4 import fa4_usable
+from edmm.kernels.matmul_routes import MatmulRoutes, route_row
+from edmm.kernels.skinny_matmul import RoutedMatmul
 from edmm.memory import KVArena, KVSpec, PagePool
 from edmm.memory.backends import open_backend
 from edmm.model.attention import AttentionMetadata
 from edmm.model.attention_choice import build_backend, kv_read_align
 from edmm.model.attention_fa4 import FA4AttentionBackend
 from edmm.model.attention_triton import TritonAttentionBackend
+from edmm.model.config import ModelConfig
 from edmm.model.loader import load_model
 
 pytestmark = pytest.mark.gpu
@@ -35,11 +40,20 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.float() - b.float()).norm() / b.float().norm())
 
 
-@pytest.mark.parametrize("kernels", ["sdpa", "triton", "fa4"])
+def _skinny_everywhere(cfg: ModelConfig) -> RoutedMatmul:
+    """Routes every projection and the LM head of ``cfg`` to a split skinny launch at up to
+    16 rows (the decode steps' products and the last-token logits)."""
+    split = SkinnyConfig(block_n=64, block_k=128, splits=4)
+    return RoutedMatmul(MatmulRoutes.from_rows(
+        [route_row(16, s.n, s.k, split, 1.0, 2.0) for s in projections(cfg)]))
+
+
+@pytest.mark.parametrize("kernels", ["sdpa", "triton", "triton-skinny", "fa4"])
 @torch.inference_mode()
 def test_bf16_logits_match_transformers(tmp_path: Path, kernels: str) -> None:
-    """bf16 logits through the loader's reference SDPA backend, the engine's Triton one or
-    the FA4 one (FA4 prefill, Triton decode) (two prefill chunks, then decode steps) against
+    """bf16 logits through the loader's reference SDPA backend, the engine's Triton one
+    (with cuBLAS, or with every decode-step product on the skinny matmul kernel) or the FA4
+    one (FA4 prefill, Triton decode) (two prefill chunks, then decode steps) against
     transformers in float32, as close as transformers in bf16 is."""
     from transformers import AutoModelForCausalLM
 
@@ -50,6 +64,9 @@ def test_bf16_logits_match_transformers(tmp_path: Path, kernels: str) -> None:
     ref = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).cuda().eval()
     hf16 = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).cuda().eval()
     model, cfg = load_model(folder, "cuda", torch.bfloat16)
+    if kernels == "triton-skinny":
+        kernels = "triton"
+        model.set_matmul(_skinny_everywhere(cfg))
     if kernels != "sdpa":
         model.set_backend(build_backend(kernels, 4096))
         want_type = FA4AttentionBackend if kernels == "fa4" else TritonAttentionBackend

@@ -29,13 +29,16 @@ SCRIPT = textwrap.dedent("""
     from triton.compiler import ASTSource
     from edmm.kernels import DecodeConfig, PrefillConfig
     from edmm.kernels import _triton_decode as td, _triton_prefill as tp, _triton_rope as tr
+    from edmm.kernels import _triton_skinny as tsk, _triton_silu as tsi
+    from edmm.kernels._common import SkinnyConfig
     from edmm.model.attention_triton import PREFILL
 
     PTRS = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "out_ptr": "*bf16", "slot_ids_ptr": "*i32",
             "ctx_lens_ptr": "*i32", "cu_q_ptr": "*i32", "part_o_ptr": "*fp32",
             "part_lse_ptr": "*fp32", "count_ptr": "*i32", "qk_scale": "fp32",
             "k_ptr": "*bf16", "v_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16",
-            "q_out_ptr": "*bf16", "slot_index_ptr": "*i64", "token_index_ptr": "*i64"}
+            "q_out_ptr": "*bf16", "slot_index_ptr": "*i64", "token_index_ptr": "*i64",
+            "x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "part_ptr": "*fp32"}
     CUOBJDUMP = os.path.join(os.path.dirname(nv.__file__), "bin", "cuobjdump")
 
     def compile_sm90(fn, constexprs, **options):
@@ -58,7 +61,7 @@ SCRIPT = textwrap.dedent("""
                 "prefetch": "prefetch.global.L2" in ptx,
                 "warps": k.metadata.num_warps}
 
-    d, p, ws = DecodeConfig(), PrefillConfig(), PREFILL
+    d, p, ws, sk = DecodeConfig(), PrefillConfig(), PREFILL, SkinnyConfig()
     split = dict(GROUP=7, GROUP_PAD=16, HEAD_DIM=128, SINGLE_SPLIT=False, DOT_PRECISION="tf32",
                  VARLEN=False, MERGE_G=8)
     out = {
@@ -78,6 +81,19 @@ SCRIPT = textwrap.dedent("""
         "rope_trigger": compile_sm90(
             tr.rope_store_kernel, dict(HQ_PAD=32, HKV_PAD=4, HALF=64, TRIGGER=True),
             num_warps=4),
+        **{name: compile_sm90(  # the default launch, and the largest tile the sweep tries
+            tsk.skinny_matmul_kernel,
+            dict(HAS_BIAS=bias, SPLIT=split, EVEN=True, BLOCK_M=16, BLOCK_N=block_n,
+                 BLOCK_K=block_k, DOT_PRECISION="tf32", PDL=pdl, PREFETCH_TILES=2,
+                 ELEM_BYTES=2),
+            num_warps=warps, num_stages=stages, **({"launch_pdl": True} if pdl else {}))
+           for name, block_n, block_k, warps, stages, bias, split, pdl in (
+               ("skinny", sk.block_n, sk.block_k, sk.num_warps, sk.num_stages, True, False,
+                False),
+               ("skinny_split_128x256", 128, 256, 8, 3, False, True, False),
+               ("skinny_split_pdl", 64, 128, 4, 4, False, True, True))},
+        "silu_trigger": compile_sm90(
+            tsi.silu_mul_kernel, dict(BLOCK=256, TRIGGER=True), num_warps=4),
         "decode_reduce_pdl": compile_sm90(
             td.decode_reduce_kernel, dict(SPLITS_PAD=64, HEAD_DIM=128, VARLEN=True, PDL=True),
             num_warps=4, launch_pdl=True),
@@ -110,8 +126,14 @@ def test_default_configs_compile_for_sm90_without_spills() -> None:
     assert not report["decode_pdl_prefetch"]["atomic"] and not report["decode"]["prefetch"]
     assert report["decode_reduce_pdl"]["griddepcontrol"] and report["rope_trigger"]["trigger"]
     assert not report["decode"]["atomic"] and not report["decode"]["griddepcontrol"]
+    assert report["skinny_split_128x256"]["atomic"] and not report["skinny"]["atomic"]
+    assert report["skinny"]["wgmma"], "skinny: no Hopper matrix instructions (wgmma)"
+    pdl = report["skinny_split_pdl"]
+    assert pdl["griddepcontrol"] and pdl["prefetch"] and pdl["cp_async"], pdl
+    assert not report["skinny"]["griddepcontrol"] and not report["skinny"]["prefetch"]
+    assert report["silu_trigger"]["trigger"]
     for name, r in report.items():
-        if name in ("decode_reduce_pdl", "rope_trigger"):
+        if name in ("decode_reduce_pdl", "rope_trigger", "silu_trigger"):
             pass  # no loop: nothing to pipeline
         elif not name.startswith("prefill_ws"):  # its loads are the copy engine's (TMA)
             assert r["cp_async"], f"{name}: loads are not pipelined (no cp.async)"

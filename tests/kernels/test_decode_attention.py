@@ -17,7 +17,8 @@ from edmm.kernels import (
     decode_attention_varlen,
     default_num_splits,
 )
-from edmm.kernels.decode_attention import MAX_FUSED_SPLITS, DecodeWorkspace
+from edmm.kernels._common import CounterWorkspace
+from edmm.kernels.decode_attention import MAX_FUSED_SPLITS
 from edmm.kernels.reference import decode_attention_reference
 
 pytestmark = pytest.mark.usefixtures("interpreted")
@@ -168,7 +169,7 @@ FUSED = DecodeConfig(block_n=16, num_warps=2, num_stages=2, fused=True)
 CPU = torch.device("cpu")
 
 
-def _counters_zero(ws: DecodeWorkspace) -> bool:
+def _counters_zero(ws: CounterWorkspace) -> bool:
     return not ws.counters(1, CPU).any()
 
 
@@ -185,7 +186,7 @@ def test_fused_matches_reference(make_cache: MakeCache, check_close: CheckClose,
                        kv_heads=kv_heads)
     slots = [1, 3, 0, 5, 4, 2]  # slot 5 holds no token
     q = torch.randn(len(slots), heads, 32).to(dtype)
-    ws = DecodeWorkspace()
+    ws = CounterWorkspace()
     out, ref = _run(cache, q, slots, num_splits=num_splits, config=FUSED, workspace=ws)
     check_close(out, ref, dtype)
     assert torch.equal(out[3], torch.zeros_like(out[3]))  # empty context: zeros
@@ -196,7 +197,7 @@ def test_fused_equals_two_launches_and_reuses_its_workspace(make_cache: MakeCach
     """One workspace over calls of other batch sizes, split counts and layers: each result
     equals the two-launch kernel's (the same partials, merged in another order)."""
     cache = make_cache(LENS, dtype=torch.float32, num_slots=5, max_tokens=MAX_TOKENS)
-    ws = DecodeWorkspace()
+    ws = CounterWorkspace()
     unfused = DecodeConfig(block_n=16, num_warps=2, num_stages=2)
     for slots, splits, layer in (([1, 3, 0], 7, 0), ([2], 19, 1), ([4, 1, 0, 3, 2], 3, 1)):
         q = torch.randn(len(slots), 4, 32)
@@ -215,7 +216,7 @@ def test_fused_varlen_rows(make_cache: MakeCache, check_close: CheckClose) -> No
     lens = torch.tensor([LENS[1], LENS[3], LENS[2], LENS[0], LENS[4]])
     q = torch.randn(8, 14, 32).to(torch.bfloat16)
     out = torch.full_like(q, 7.0)
-    ws = DecodeWorkspace()
+    ws = CounterWorkspace()
     decode_attention_varlen(q, cache.kv, 1, cu, slots, lens, out, 0.2, num_splits=6,
                             config=FUSED, workspace=ws)
     for row, b in ((0, 0), (5, 2), (6, 4)):
@@ -238,7 +239,7 @@ def test_fused_split_limit_and_workspace_growth(make_cache: MakeCache,
     with pytest.raises(KernelInputError, match="num_splits"):
         decode_attention(q, cache.kv, 0, idx, lens, 0.2, num_splits=MAX_FUSED_SPLITS + 1,
                          config=FUSED)
-    ws = DecodeWorkspace()
+    ws = CounterWorkspace()
     small = ws.counters(4, CPU)
     assert ws.counters(4, CPU) is small and not small.any()
     big = ws.counters(small.numel() + 1, CPU)

@@ -21,6 +21,14 @@ default, best, SDPA, in TB/s of K+V read; the best of each launch mode) and
 ``decode_routes.json``: the fastest Triton launch per shape in `edmm.kernels.decode_routes`'s
 format. Pass it to ``edmm bench ttft
 --decode-routes``; committed as ``edmm/kernels/decode_routes.json`` it is the engine's default.
+
+``--budget-s S`` bounds the sweep: each shape gets an equal share of S seconds and sweeps its
+launches (modes in ``--modes`` order, then configs, then split counts) until the share is spent,
+so every shape gets a route. The table over all six shapes in about four minutes:
+
+    python3 -m edmm.bench.scripts.decode_sweep --out DIR --reps 10 --budget-s 180 \
+        --modes reduce-pdl,reduce,fused-pdl,reduce-pdl-prefetch \
+        --configs 64x2x3,32x2x3,64x4x3 --splits 8,16,32,64,96,128
 """
 
 from __future__ import annotations
@@ -28,9 +36,11 @@ from __future__ import annotations
 import argparse
 import datetime as _dt
 import functools
+import itertools
 import json
 import shlex
 import sys
+import time
 from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
@@ -50,7 +60,8 @@ from edmm.bench.attention import (
     time_graph,
 )
 from edmm.kernels import DecodeConfig, default_num_splits, triton_usable
-from edmm.kernels.decode_attention import MAX_FUSED_SPLITS, MAX_SPLITS, DecodeWorkspace
+from edmm.kernels._common import CounterWorkspace
+from edmm.kernels.decode_attention import MAX_FUSED_SPLITS, MAX_SPLITS
 
 SPLITS = (8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 CONFIGS = (DecodeConfig(32, 4, 4), DecodeConfig(32, 2, 3), DecodeConfig(64, 4, 2),
@@ -86,9 +97,11 @@ def candidates(modes: list[str], configs: tuple[DecodeConfig, ...], splits: tupl
 
 
 def sweep_shape(kv: torch.Tensor, batch: int, context: int, reps: int,
-                launches: list[tuple[int, DecodeConfig]]) -> list[Row]:
+                launches: list[tuple[int, DecodeConfig]],
+                deadline: float = float("inf")) -> list[Row]:
     """Rows of the default launch, SDPA and every (split count, config) of ``launches`` at
-    one shape (op decode-graph, and decode for the default)."""
+    one shape (op decode-graph, and decode for the default); launches not started by
+    ``deadline`` (`time.monotonic`) are left out."""
     graph = functools.partial(time_graph, reps=reps)
     eager = functools.partial(time_eager, warmup=5, reps=reps)
     work = _decode_bytes(batch, context)
@@ -99,8 +112,12 @@ def sweep_shape(kv: torch.Tensor, batch: int, context: int, reps: int,
     rows = time_case(case, {"triton": tri, "sdpa": sdpa}, graph, notes)
     rows += time_case(Case("decode", batch, context, 1, work, "GB/s"),
                       {"triton": tri, "sdpa": sdpa}, eager, notes)
-    workspace = DecodeWorkspace()
+    workspace = CounterWorkspace()
     for splits, config in launches:
+        if time.monotonic() > deadline:
+            print(f"batch {batch} at {context}: time share spent, {len(launches)} launches "
+                  "not all swept", file=sys.stderr)
+            break
         cand, ref = _decode_fns(kv, batch, context, num_splits=splits, config=config,
                                 workspace=workspace)
         rows += [_tag(r, splits, config) for r in time_case(
@@ -204,6 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--configs", default="",
                         help="launch configs BLOCK_NxWARPSxSTAGES,... (default: all of CONFIGS)")
     parser.add_argument("--splits", default="", help="split counts (default: all of SPLITS)")
+    parser.add_argument("--budget-s", type=float, default=float("inf"),
+                        help="share this many seconds evenly over the shapes: each sweeps its "
+                             "launches (modes in --modes order) until its share is spent")
     args = parser.parse_args(argv)
     modes = [m for m in args.modes.split(",") if m]
     if any(m not in MODES for m in modes):
@@ -220,14 +240,15 @@ def main(argv: list[str] | None = None) -> int:
     command = "python3 -m edmm.bench.scripts.decode_sweep " + shlex.join(sys.argv[1:])
     rows: list[Row] = []
     md = ""
+    start, shapes = time.monotonic(), len(batches) * len(contexts)
     try:
         with torch.inference_mode():
-            for context in contexts:
-                for batch in batches:
-                    rows += sweep_shape(mem.kv, batch, context, args.reps,
-                                        candidates(modes, configs, splits, context))
-                    print(f"swept batch {batch} at {context}", file=sys.stderr)
-                    md = write(args.out, rows, env, command)  # a cut-off run keeps its shapes
+            for i, (context, batch) in enumerate(itertools.product(contexts, batches)):
+                deadline = start + args.budget_s * (i + 1) / shapes
+                rows += sweep_shape(mem.kv, batch, context, args.reps,
+                                    candidates(modes, configs, splits, context), deadline)
+                print(f"swept batch {batch} at {context}", file=sys.stderr)
+                md = write(args.out, rows, env, command)  # a cut-off run keeps its shapes
     finally:
         mem.close()
     print(md)

@@ -9,9 +9,10 @@ as `edmm bench ttft` times it), their sum against the wall time, and the wall ti
 of a graph-replayed decode step and 512-token prefill (medians of 30): mapping the new tokens'
 pages (``grow``, timed apart), building the inputs (``grow`` included), `forward` (copy into
 the graph's buffers, launch the replay), `sample` (launch), the wait for the device, and the
-graph's replay alone. With ``--full-prefill-chunk N`` also the full prefill in passes of N
-tokens, and the host's side of those passes (building inputs, launching each pass) against the
-wall time: where the host, not the device, sets the pace. ``--sections`` picks the parts.
+graph's replay alone (and the host time of its replay call). With ``--full-prefill-chunk N``
+also the full prefill in passes of N tokens, and the host's side of those passes (building
+inputs, launching each pass) against the wall time: where the host, not the device, sets the
+pace. ``--sections`` picks the parts.
 """
 
 from __future__ import annotations
@@ -61,12 +62,60 @@ def _profile(side: EdmmSide, ids: torch.Tensor, keep: int, end: int, steps: int,
         prof, steps, top)
 
 
+def _gap_table(prof: profile, steps: int, top: int = 12) -> str:
+    """Idle time of the device between consecutive kernels (and copies) of ``steps`` profiled
+    steps (a gap of more than `STEP_GAP_US` is the pause between steps): the sum per step, and
+    the pairs with the most of it. A negative gap (programmatic dependent launch: a kernel
+    starts while the one before drains) counts as overlap."""
+    kernels = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA),
+                     key=lambda e: e.time_range.start)
+    pairs: dict[tuple[str, str], list[float]] = {}
+    busy = sum(e.time_range.end - e.time_range.start for e in kernels)  # us
+    overlap = 0.0
+    for a, b in itertools.pairwise(kernels):
+        gap = b.time_range.start - a.time_range.end  # us
+        if gap > STEP_GAP_US:
+            continue
+        if gap < 0:
+            overlap -= gap
+        else:
+            pairs.setdefault((a.name[:48], b.name[:48]), []).append(gap)
+    total = sum(sum(v) for v in pairs.values())
+    lines = [f"{len(kernels) / steps:.0f} kernels a step, busy {busy / steps / 1e3:.3f} ms, idle "
+             f"between kernels {total / steps / 1e3:.3f} ms a step (overlap {overlap / steps:.1f}"
+             " us)", "| kernel | next kernel | gaps/step | us/step | mean us |",
+             "|---|---|---:|---:|---:|"]
+    for (a, b), gaps in sorted(pairs.items(), key=lambda kv: -sum(kv[1]))[:top]:
+        lines.append(f"| {a} | {b} | {len(gaps) / steps:.0f} | {sum(gaps) / steps:.1f} | "
+                     f"{sum(gaps) / len(gaps):.2f} |")
+    return "\n".join(lines)
+
+
+STEP_GAP_US = 1500.0  # us; the steps are 2 ms apart
+
+
+def _gaps(side: EdmmSide, ids: torch.Tensor, keep: int, end: int, steps: int) -> str:
+    """`_gap_table` of ``steps`` graph-replayed steps appending ids[keep:end]."""
+    for _ in range(2):
+        side.truncate(keep)
+        side.extend(ids[keep:end])
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            side.truncate(keep)
+            torch.cuda.synchronize()
+            time.sleep(0.002)  # > STEP_GAP_US: steps apart
+            side.extend(ids[keep:end])
+            torch.cuda.synchronize()
+    return _gap_table(prof, steps)
+
+
 def _step_parts(side: EdmmSide, ids: torch.Tensor, keep: int, end: int,
                 steps: int = 30) -> str:
     """Host-side parts of a graph-replayed step appending ids[keep:end] against the graph
     alone; ``grow`` (mapping the new tokens' pages) is timed apart, then inside ``inputs``."""
     parts: dict[str, list[float]] = {k: [] for k in ("grow", "inputs", "forward", "sample",
-                                                      "wait", "total", "graph alone")}
+                                                      "wait", "total", "graph alone",
+                                                      "replay call (host)")}
     runner = side.runner
     assert isinstance(runner, CudaGraphRunner)
     with torch.inference_mode():
@@ -95,8 +144,10 @@ def _step_parts(side: EdmmSide, ids: torch.Tensor, keep: int, end: int,
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             graph.replay()
+            t1 = time.perf_counter()
             torch.cuda.synchronize()
             parts["graph alone"].append((time.perf_counter() - t0) * 1e3)
+            parts["replay call (host)"].append((t1 - t0) * 1e3)
     rows = [f"| {k} | {statistics.median(v):.3f} |" for k, v in parts.items()]
     return "| part | median ms |\n|---|---:|\n" + "\n".join(rows)
 
@@ -131,7 +182,7 @@ def _chunk_parts(side: EdmmSide, ids: torch.Tensor, chunk: int, steps: int = 3) 
     return "| part | median ms |\n|---|---:|\n" + "\n".join(rows)
 
 
-SECTIONS = ("decode", "cached", "full", "chunked", "parts")
+SECTIONS = ("decode", "cached", "full", "chunked", "parts", "gaps")
 
 
 def main() -> None:
@@ -143,6 +194,11 @@ def main() -> None:
                         help="attention backend of the fast variant: auto, fa4, triton")
     parser.add_argument("--full-prefill-chunk", type=int, default=0,
                         help="also profile the full prefill in passes of this many tokens")
+    parser.add_argument("--matmul-routes", default=None,
+                        help="the projections' skinny routing table (default: the committed "
+                             "one; off: cuBLAS)")
+    parser.add_argument("--matmul-pdl", action="store_true",
+                        help="launch every routed skinny matmul with PDL (an experiment)")
     parser.add_argument("--sections", default=",".join(SECTIONS),
                         help=f"parts to profile, of {', '.join(SECTIONS)}")
     args = parser.parse_args()
@@ -152,7 +208,8 @@ def main() -> None:
     ctx = args.context
     report = [f"# profile, qwen2.5-7b preset, context {ctx}, {torch.cuda.get_device_name()}"]
     for eager in (False,) if args.fast_only else (True, False):
-        cfg = TTFTBenchConfig(contexts=(ctx,), eager=eager)
+        cfg = TTFTBenchConfig(contexts=(ctx,), eager=eager, matmul_routes=args.matmul_routes,
+                              matmul_pdl=args.matmul_pdl)
         side = EdmmSide(cfg, ctx, "sdpa" if eager else args.attention)
         ids = torch.randint(0, side.cfg.vocab_size, (ctx + 1,), device="cuda")
         side.extend(ids[:ctx])
@@ -184,6 +241,11 @@ def _sections(side: EdmmSide, ids: torch.Tensor, name: str, sections: set[str], 
                    + _profile(side, ids, 0, ctx, 2, top=24, chunk=chunk))
         out.append(f"\n## full prefill in passes of {chunk}: host side\n"
                    + _chunk_parts(side, ids[:ctx], chunk))
+    if not eager and "gaps" in sections:
+        out.append(f"\n## device idle between kernels, decode step ({name})\n"
+                   + _gaps(side, ids, ctx - 1, ctx, 10))
+        out.append(f"\n## device idle between kernels, prefill 512 on cached prefix ({name})\n"
+                   + _gaps(side, ids, ctx - 512, ctx, 5))
     if not eager and "parts" in sections:
         out.append("\n## decode step parts (CUDA graph)\n" + _step_parts(side, ids, ctx - 1, ctx))
         out.append("\n## prefill 512 parts (CUDA graph)\n"
