@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
+pytest.importorskip("fastapi")  # the server extra (the GPU machine has none)
+pytest.importorskip("openai")
+
 from edmm.bench.live import load_tokenizer
 from edmm.bench.scripts.live_host_stages import measure
 
