@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from edmm.bench.agents.plots import plot_ttft_cdf, plot_wait_vs_oversub
+from edmm.bench.agents.plots import plot_by_policy, plot_ttft_cdf, plot_wait_vs_oversub
 from edmm.bench.agents.targets import MARGIN_NOTE, SUSTAIN_TTFT_MS, check_targets, knees
 from edmm.bench.report import Environment, ResultWriter
 
@@ -197,9 +197,7 @@ def _plot_knees(figure: Any, rows: Sequence[dict[str, Any]], oversub: float, pat
     for r in rows:
         if r["tools"] == "long" and r["oversub"] == oversub and r["resume_ttft_p90_ms"]:
             curves.setdefault(r["policy"], []).append((float(r["load"]), r["resume_ttft_p90_ms"]))
-    for policy, xy in sorted(curves.items()):
-        xy.sort()
-        ax.plot([x for x, _ in xy], [y for _, y in xy], marker="o", label=policy)
+    plot_by_policy(ax, curves)
     ax.axhline(SUSTAIN_TTFT_MS, color="grey", linestyle=":", label="1 s")
     ax.set_yscale("log")
     ax.set_xlabel("load (concurrent sessions, or jobs/s in an open loop)")

@@ -32,6 +32,13 @@ def plot_ttft_cdf(figure: Any, series: Mapping[str, Sequence[float]], path: Path
     return path
 
 
+def plot_by_policy(ax: Any, points: Mapping[str, Sequence[tuple[float, float]]]) -> None:
+    """One line with markers per policy, through its ``(x, y)`` points in x order."""
+    for policy, xy in sorted(points.items()):
+        ordered = sorted(xy)
+        ax.plot([x for x, _ in ordered], [y for _, y in ordered], marker="o", label=policy)
+
+
 def plot_wait_vs_oversub(figure: Any, rows: Sequence[dict[str, Any]], path: Path,
                          device: str) -> Path | None:
     """Mean engine-wait per job against oversubscription, per policy, at the highest load run
@@ -50,9 +57,7 @@ def plot_wait_vs_oversub(figure: Any, rows: Sequence[dict[str, Any]], path: Path
             pts.setdefault(r["policy"], []).append((float(r["oversub"]), r["wait_mean_s"]))
     fig = figure(figsize=(7, 4.5), layout="constrained")
     ax = fig.add_subplot()
-    for policy, xy in sorted(pts.items()):
-        xy.sort()
-        ax.plot([x for x, _ in xy], [y for _, y in xy], marker="o", label=policy)
+    plot_by_policy(ax, pts)
     ax.set_xlabel("KV memory oversubscription (working set / pool)")
     ax.set_ylabel("mean engine-wait per job (s)")
     ax.set_title(f"Engine-wait per job vs memory oversubscription ({device}, load {load:g})")
