@@ -20,6 +20,7 @@ Not thread-safe: call every method from the thread that calls `step()`.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
 import time
 from collections import Counter
@@ -101,6 +102,7 @@ class AgentEngine:
         self.engine = engine if isinstance(engine, Engine) else Engine(engine)
         self._clock = clock
         self._sessions: dict[str, Session] = {}
+        self._ordinals = itertools.count()  # sessions' start order (program-level FCFS)
         self._by_request: dict[str, str] = {}  # request id -> session id
         self._closed_totals: Counter[str] = Counter()  # counters of closed sessions
         self._tools: dict[str, ToolSpec] = {}
@@ -133,7 +135,8 @@ class AgentEngine:
         session = self._sessions.get(session_id)
         if session is not None:
             session.require(S.FINISHED, "a new turn")
-        session = session if session is not None else Session(session_id, owner=owner)
+        if session is None:
+            session = Session(session_id, owner=owner, ordinal=next(self._ordinals))
         self._submit_turn(session, request, claim=())
         session.transition(S.GENERATING)
         self._touch(session)
@@ -494,7 +497,10 @@ class AgentEngine:
                                 self.config.reserialize_arguments, self._encoder)
 
     def _submit_turn(self, session: Session, request: Request, claim: tuple[str, ...]) -> None:
-        """Queue a turn whose slot is the session's (tagged) and may adopt ``claim``."""
+        """Queue a turn whose slot is the session's (tagged) and may adopt ``claim``; with
+        `AgentConfig.program_fcfs` it is admitted in its session's start order."""
+        if self.config.program_fcfs:
+            request = dataclasses.replace(request, priority=float(session.ordinal))
         rank, priority = self._retention.retention(
             PausedSession(len(request.prompt_token_ids), False, None))
         self.engine.submit(request, SlotHints(_session_tag(session.id), rank, priority, claim,

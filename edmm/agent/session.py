@@ -39,6 +39,7 @@ class Session:
     previous: list[int] = field(default_factory=list)  # context before the running turn
     owner: str | None = None  # the client it belongs to (opaque to the agent layer)
     cache_salt: str | None = None  # its last turn's (`Request.cache_salt`): speculation's too
+    ordinal: int = 0  # the order it started in among the agent engine's sessions
     metrics: SessionMetrics = field(init=False)
 
     def __post_init__(self) -> None:

@@ -171,6 +171,10 @@ class AgentConfig:
             resume, as an offloading cache without predictions does).
         speculation_gate: start a speculation branch only where its expected saving exceeds
             its cost (`edmm.agent.gate.SpeculationGate`); None: every branch a source offers.
+        program_fcfs: program-level first come, first served (Continuum's scheduling): a
+            session's turns wait for admission in the order the sessions started, so a resume
+            goes ahead of turns of sessions that started after it (new jobs' first turns
+            among them); False: each turn in its own arrival order, as engines do today.
 
     ``AgentConfig.off()`` is EDMM off: no speculation, paused sessions' KV a plain LRU entry.
     """
@@ -183,11 +187,13 @@ class AgentConfig:
     max_sessions: int = 4096
     prefetch: bool = True
     speculation_gate: SpeculationGate | None = None
+    program_fcfs: bool = True
 
     @classmethod
     def off(cls) -> AgentConfig:
-        """The same sessions with speculation and retention off (what engines do today)."""
-        return cls(speculation=(), retention="lru")
+        """The same sessions with speculation, retention and program-level ordering off
+        (what engines do today)."""
+        return cls(speculation=(), retention="lru", program_fcfs=False)
 
     def __post_init__(self) -> None:
         if self.max_sessions < 1:

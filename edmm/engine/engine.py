@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import operator
 import time
 from array import array
@@ -68,6 +69,13 @@ class Request:
     prompt_token_ids: list[int]
     params: SamplingParams
     cache_salt: str | None = None  # KV shared only with requests of the same salt
+    # Admission order among waiting requests: lower first, then arrival (vLLM's convention);
+    # all 0 is first come, first served.
+    priority: float = 0.0
+
+    def __post_init__(self) -> None:
+        if not math.isfinite(self.priority):
+            raise InvalidRequestError(f"priority must be a finite number, got {self.priority}")
 
 
 @dataclass(frozen=True)
@@ -250,7 +258,7 @@ class Engine:
         if request.cache_salt is not None:
             hints = dataclasses.replace(hints, cache_salt=request.cache_salt)
         self.scheduler.add(Seq.new(request.request_id, request.prompt_token_ids, request.params,
-                                   hints=hints))
+                                   hints=hints, priority=request.priority))
 
     def add_request(self, request_id: str, prompt: PromptInput,
                     params: SamplingParams | None = None,

@@ -4,8 +4,10 @@ Each step spends at most ``max_num_batched_tokens`` tokens:
 
 1. running sequences, in admission order, each get what they still need (1 token when decoding,
    the rest of the prompt, or as much of it as the budget allows: chunked prefill);
-2. if no sequence was preempted in (1), waiting sequences are admitted in FIFO order while
-   budget, ``max_num_seqs`` and memory allow: a prefix-cache hit gives a slot that already
+2. if no sequence was preempted in (1), waiting sequences are admitted in order of their
+   request's ``priority`` (lower first), then arrival (`WaitingQueue`: all priorities 0 is
+   first come, first served; a preempted sequence keeps its place) while budget,
+   ``max_num_seqs`` and memory allow: a prefix-cache hit gives a slot that already
    holds the longest cached prefix (`KVCacheManager.match`: no recompute), else a fresh slot
    is taken.
 
@@ -19,8 +21,9 @@ Each step spends at most ``max_num_batched_tokens`` tokens:
    sample; once every token has KV the sequence finishes and its slot becomes a tagged
    `EntryRank.SPECULATIVE` cache entry.
 
-Admission stops at the first sequence whose tokens do not all fit, so a partially prefilled
-sequence is always the most recently admitted one: admission order puts decodes first.
+Admission stops at the first sequence whose tokens do not all fit (no sequence overtakes the
+head of the queue, so none starves), so a partially prefilled sequence is always the most
+recently admitted one: admission order puts decodes first.
 
 Memory: the scheduler sees it only through a `KVCacheManager` (match, allocate, grow, free,
 make room). Before its tokens are computed, a sequence's slot is grown to map them.
@@ -38,9 +41,12 @@ plain `ScheduledBatch` and takes the sampled tokens back in `update`.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
+import itertools
 import time
 from collections import Counter, deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 from edmm.engine.errors import EngineConfigError, IntegrityError
@@ -117,13 +123,52 @@ class ScheduledBatch:
         return not self.seqs
 
 
+class WaitingQueue:
+    """Waiting requests in admission order: by ``priority`` (lower first), then by
+    ``arrival`` (when the scheduler first queued them). A preempted sequence goes back under
+    its first arrival, so it is ahead of everything queued after it (FCFS: the front, vLLM's
+    recompute preemption)."""
+
+    def __init__(self) -> None:
+        self._items: list[Sequence] = []  # sorted by (priority, arrival)
+
+    def push(self, seq: Sequence) -> None:
+        """Queue ``seq`` at its place."""
+        bisect.insort(self._items, seq, key=_admission_key)
+
+    def peek(self) -> Sequence:
+        """The next sequence to admit (IndexError when empty)."""
+        return self._items[0]
+
+    def pop(self) -> Sequence:
+        """Remove and return the next sequence to admit."""
+        return self._items.pop(0)
+
+    def remove(self, seq: Sequence) -> None:
+        """Take ``seq`` out; ValueError if it is not waiting."""
+        self._items.remove(seq)
+
+    def __iter__(self) -> Iterator[Sequence]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def __bool__(self) -> bool:
+        return bool(self._items)
+
+
+def _admission_key(seq: Sequence) -> tuple[float, int]:
+    return seq.priority, seq.arrival
+
+
 class Scheduler:
     """Continuous-batching scheduler over a KV cache manager; see the module docstring."""
 
     def __init__(self, kv: KVCacheManager, config: SchedulerConfig) -> None:
         self.kv = kv
         self.config = config
-        self.waiting: deque[Sequence] = deque()
+        self.waiting = WaitingQueue()
         self.running: list[Sequence] = []  # admission order
         self.spec_waiting: deque[Sequence] = deque()
         self.spec_running: list[Sequence] = []  # admission order
@@ -131,6 +176,7 @@ class Scheduler:
         self.speculated: Counter[str] = Counter()  # tag -> tokens computed by speculation
         self.speculated_total = 0  # tokens computed by speculation, since start
         self._seqs: dict[str, Sequence] = {}
+        self._arrivals = itertools.count()
 
     # ------------------------------------------------------------------ requests
     def add(self, seq: Sequence) -> None:
@@ -138,7 +184,11 @@ class Scheduler:
         if seq.request_id in self._seqs:
             raise ValueError(f"request id {seq.request_id!r} is already scheduled")
         self._seqs[seq.request_id] = seq
-        self._queue(seq).append(seq)
+        seq.arrival = next(self._arrivals)
+        if seq.is_speculative:
+            self.spec_waiting.append(seq)
+        else:
+            self.waiting.push(seq)
 
     def get(self, request_id: str) -> Sequence | None:
         """The unfinished sequence of a request, if any."""
@@ -258,11 +308,11 @@ class Scheduler:
 
     def _schedule_waiting(self, batch: ScheduledBatch, budget: int) -> int:
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-            seq = self.waiting[0]
+            seq = self.waiting.peek()
             n = self._admit(seq, budget)
             if n == 0:
                 break
-            self.waiting.popleft()
+            self.waiting.pop()
             self.running.append(seq)
             seq.status = SequenceStatus.RUNNING
             batch.seqs.append(self._entry(seq, n))
@@ -485,7 +535,7 @@ class Scheduler:
         seq.status = SequenceStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(seq)
+        self.waiting.push(seq)
 
     def _release_slot(self, seq: Sequence) -> None:
         assert seq.slot is not None
@@ -495,7 +545,7 @@ class Scheduler:
                      h.cache_salt)
         seq.slot, seq.num_computed_tokens = None, 0
 
-    def _queue(self, seq: Sequence) -> deque[Sequence]:
+    def _queue(self, seq: Sequence) -> deque[Sequence] | WaitingQueue:
         return self.spec_waiting if seq.is_speculative else self.waiting
 
     def _running(self, seq: Sequence) -> list[Sequence]:

@@ -80,15 +80,17 @@ class Sequence:
     kind: SequenceKind = SequenceKind.REQUEST
     hints: SlotHints = SlotHints()
     prefix_hit: PrefixHit | None = None  # how the first admission found its KV
+    priority: float = 0.0  # admission order among waiting requests: lower first (`Request`)
+    arrival: int = -1  # when the scheduler first queued it (its admission order among equals)
 
     @classmethod
     def new(cls, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
             kind: SequenceKind = SequenceKind.REQUEST, hints: SlotHints | None = None,
-            ) -> Sequence:
+            priority: float = 0.0) -> Sequence:
         """A waiting sequence for a prompt, with its own random state."""
         return cls(request_id, list(prompt_token_ids), len(prompt_token_ids), params,
                    RequestRng.for_params(params), kind=kind,
-                   hints=hints if hints is not None else SlotHints())
+                   hints=hints if hints is not None else SlotHints(), priority=priority)
 
     @property
     def is_speculative(self) -> bool:

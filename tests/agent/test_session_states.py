@@ -301,3 +301,16 @@ def test_a_lost_context_is_counted_when_the_turn_ends(make_agent: MakeAgent) -> 
     agent.add_request("t2", [*context, 9], greedy(), session_id="s")
     run(agent)
     assert agent.session_metrics("s").context_tokens_recomputed == 1 + len(context)
+
+
+@pytest.mark.parametrize("program_fcfs", [True, False])
+def test_program_fcfs_admits_a_resume_before_a_later_sessions_turn(
+        make_agent: MakeAgent, program_fcfs: bool) -> None:
+    agent = make_agent(AgentConfig(program_fcfs=program_fcfs), max_num_seqs=1)
+    paused(agent, "old")
+    agent.add_request("new-t0", [*range(60, 90)], greedy(), session_id="new")  # queued first
+    agent.resume("old", "old-t1", [ToolResult("c1", [7, 8, 9])], greedy())
+    first = next(out.request_id for out in agent.step())  # one request runs at a time
+    assert first == ("old-t1" if program_fcfs else "new-t0")
+    outputs = run(agent)
+    assert set(outputs) >= {"new-t0", "old-t1"} - {first}

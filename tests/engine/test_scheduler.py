@@ -48,8 +48,9 @@ def scheduler(arena: KVArena, budget: int = 64, max_seqs: int = 4,
                      SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=max_seqs))
 
 
-def add(sched: Scheduler, name: str, prompt_len: int, first: int = 0) -> Sequence:
-    seq = Sequence.new(name, list(range(first, first + prompt_len)), PARAMS)
+def add(sched: Scheduler, name: str, prompt_len: int, first: int = 0,
+        priority: float = 0.0) -> Sequence:
+    seq = Sequence.new(name, list(range(first, first + prompt_len)), PARAMS, priority=priority)
     sched.add(seq)
     return seq
 
@@ -88,6 +89,34 @@ def test_max_num_seqs_and_fifo_admission(make_arena: MakeArena) -> None:
     assert [s.request_id for s in step(sched).seqs] == ["a", "b"]
     c = sched.get("c")
     assert c is not None and c.status == SequenceStatus.WAITING and c.slot is None
+
+
+def test_priority_orders_admission_and_the_head_is_never_overtaken(
+        make_arena: MakeArena) -> None:
+    sched = scheduler(make_arena(32), budget=12, max_seqs=4)
+    add(sched, "late", 4, priority=2.0)
+    add(sched, "big", 10, first=50, priority=1.0)
+    add(sched, "first", 4, first=100, priority=1.0)
+    add(sched, "urgent", 4, first=200, priority=-1.0)
+    assert [s.request_id for s in sched.waiting] == ["urgent", "big", "first", "late"]
+    # urgent (4 tokens) then big's first 8: "first" and "late" would fit the budget's rest
+    # only by overtaking big, which they never do.
+    assert work(step(sched)) == [("urgent", 0, 4, True), ("big", 0, 8, False)]
+    assert work(step(sched))[:2] == [("urgent", 4, 1, True), ("big", 8, 2, True)]
+    assert [s.request_id for s in sched.running] == ["urgent", "big", "first", "late"]
+
+
+def test_a_preempted_sequence_keeps_its_place_by_priority(make_arena: MakeArena) -> None:
+    arena = make_arena(6)  # 48 tokens
+    sched = scheduler(arena, max_seqs=3)
+    add(sched, "a", 16, priority=0.0)
+    add(sched, "b", 16, first=100, priority=5.0)
+    add(sched, "c", 15, first=200, priority=5.0)
+    step(sched)
+    add(sched, "d", 8, first=300, priority=1.0)  # queued before c is preempted
+    add(sched, "e", 8, first=400, priority=5.0)  # same priority as c, queued later
+    assert step(sched).preempted == ["c"]
+    assert [s.request_id for s in sched.waiting] == ["d", "c", "e"]
 
 
 def test_pool_pressure_preempts_the_latest_admitted(make_arena: MakeArena) -> None:

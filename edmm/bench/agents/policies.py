@@ -3,23 +3,26 @@
 Each `Policy` is a set of mechanisms mapped onto the engine's own switches: a retention policy
 (`edmm.agent.retention`), KV offload to host memory (`EngineConfig.kv_offload_bytes`), prefetch
 of offloaded KV before the predicted return (`AgentConfig.prefetch`), speculation sources
-(`edmm.agent.speculation`), and the client-side re-warm of the known history. Named after what
-users run today:
+(`edmm.agent.speculation`), program-level first come, first served admission
+(`AgentConfig.program_fcfs`), and the client-side re-warm of the known history. Named after
+what users run today:
 
 - ``lru``: a paused session's KV is an ordinary prefix-cache entry (vLLM automatic prefix
   caching, SGLang's radix cache); no speculation. This is EDMM off.
-- ``ttl``: kept for the tool's expected time, then ordinary (Continuum).
+- ``ttl``: kept for the tool's expected time, then ordinary, with program-level first come,
+  first served admission (Continuum: a session's turns are admitted in the order the sessions
+  started).
 - ``offload``: evicted KV of paused sessions goes to host memory and is copied back at the
   resume (LMCache, vLLM's offloading connector); no prediction.
 - ``rewarm``: shortly before the tool is expected back the known history is prefilled again as
   an ordinary 1-token request (Dynamo's speculative prefill); nothing more.
 - ``edmm``: cost-based retention + offload + prefetch + template, streamed and predicted
-  speculation, each branch gated on its expected saving (`edmm.agent.gate`) (+ the zero-copy
-  commit the engine always does).
+  speculation, each branch gated on its expected saving (`edmm.agent.gate`), program-level
+  first come, first served admission (+ the zero-copy commit the engine always does).
 
 ``edmm-no-<mechanism>`` is ``edmm`` with one mechanism off (``retention``: LRU instead of the
-cost policy; ``offload``, ``prefetch``, ``template``, ``streamed``, ``predicted``, ``gate``:
-every branch a source offers).
+cost policy; ``offload``, ``prefetch``, ``template``, ``streamed``, ``predicted``; ``gate``:
+every branch a source offers; ``program-fcfs``: each turn admitted in its own arrival order).
 """
 
 from __future__ import annotations
@@ -32,7 +35,8 @@ from edmm.agent.gate import SpeculationGate
 from edmm.agent.registry import Registry
 from edmm.agent.types import AgentConfig
 
-MECHANISMS = ("retention", "offload", "prefetch", "template", "streamed", "predicted", "gate")
+MECHANISMS = ("retention", "offload", "prefetch", "template", "streamed", "predicted", "gate",
+              "program-fcfs")
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,7 @@ class Policy:
     predicted: bool = False  # predicted and memoised results are speculated
     rewarm: bool = False  # the client re-sends the known history ahead of the resume
     gate: bool = False  # a branch only where its expected saving exceeds its cost
+    program_fcfs: bool = False  # turns admitted in their session's start order (Continuum)
 
     @property
     def speculation(self) -> tuple[str, ...]:
@@ -70,22 +75,23 @@ class Policy:
         return AgentConfig(speculation=self.speculation, retention=self.retention,
                            tool_timeout_s=tool_timeout_s, prefetch_lead_s=prefetch_lead_s,
                            prefetch=self.prefetch,
-                           speculation_gate=SpeculationGate() if self.gate else None)
+                           speculation_gate=SpeculationGate() if self.gate else None,
+                           program_fcfs=self.program_fcfs)
 
 
 POLICIES: Registry[Policy] = Registry("bench policy")
 
 _BASE = {
     "lru": Policy("lru", "paused KV is a plain LRU cache entry (EDMM off)"),
-    "ttl": Policy("ttl", "paused KV kept for the tool's expected time, then LRU",
-                  retention="ttl"),
+    "ttl": Policy("ttl", "paused KV kept for the tool's expected time, then LRU; "
+                  "turns in session order (Continuum)", retention="ttl", program_fcfs=True),
     "offload": Policy("offload", "evicted paused KV copied to host, back at resume",
                       retention="keep", offload=True),
     "rewarm": Policy("rewarm", "known history prefilled again before the resume",
                      rewarm=True),
-    "edmm": Policy("edmm", "cost retention + offload + prefetch + speculation",
-                   retention="cost", offload=True, prefetch=True, template=True,
-                   streamed=True, predicted=True, gate=True),
+    "edmm": Policy("edmm", "cost retention + offload + prefetch + speculation; turns in "
+                   "session order", retention="cost", offload=True, prefetch=True,
+                   template=True, streamed=True, predicted=True, gate=True, program_fcfs=True),
 }
 
 
@@ -98,7 +104,7 @@ def _without(mechanism: str) -> Policy:
     if mechanism == "offload":
         return dataclasses.replace(edmm, name=name, description=what, offload=False,
                                    prefetch=False)
-    off: dict[str, bool] = {mechanism: False}
+    off: dict[str, bool] = {mechanism.replace("-", "_"): False}
     return dataclasses.replace(edmm, name=name, description=what, **off)  # type: ignore[arg-type]
 
 
