@@ -305,7 +305,7 @@ def _agents_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[ty
                         help="multiply every tool time (a run that fits in minutes)")
     agents.add_argument("--policies", default="lru,ttl,offload,rewarm,edmm",
                         help="comma-separated; also edmm-no-<retention|offload|prefetch|"
-                             "template|streamed|predicted|gate|program-fcfs>")
+                             "template|streamed|predicted|gate|admission>")
     agents.add_argument("--loads", type=_floats, default=(8, 32, 64),
                         help="concurrent sessions (closed loop) or jobs/s (open loop)")
     agents.add_argument("--mode", choices=("closed", "open"), default="closed",

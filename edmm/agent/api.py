@@ -76,6 +76,7 @@ Message = Mapping[str, Any]
 S = SessionState
 _BUSY = (S.GENERATING, S.RESUMING)
 DURATION_EMA = 0.5  # weight of the newest observed duration of a tool
+_PROMOTED = -1.0  # admission priority of an overdue turn: ahead of every order's (all >= 0)
 
 
 class AgentEngine:
@@ -103,6 +104,7 @@ class AgentEngine:
         self._clock = clock
         self._sessions: dict[str, Session] = {}
         self._ordinals = itertools.count()  # sessions' start order (program-level FCFS)
+        self._unadmitted: dict[str, float] = {}  # request id -> when queued (admission bound)
         self._by_request: dict[str, str] = {}  # request id -> session id
         self._closed_totals: Counter[str] = Counter()  # counters of closed sessions
         self._tools: dict[str, ToolSpec] = {}
@@ -137,7 +139,7 @@ class AgentEngine:
             session.require(S.FINISHED, "a new turn")
         if session is None:
             session = Session(session_id, owner=owner, ordinal=next(self._ordinals))
-        self._submit_turn(session, request, claim=())
+        self._submit_turn(session, request, claim=(), resume=False)
         session.transition(S.GENERATING)
         self._touch(session)
 
@@ -145,8 +147,10 @@ class AgentEngine:
         """One engine step; also abandons sessions past their tool deadline and advances
         session states. Returns the outputs of requests that got a token."""
         self._expire_windows()
+        self._promote_overdue()
         outputs = self.engine.step()
         for out in outputs:
+            self._unadmitted.pop(out.request_id, None)
             session_id = self._by_request.get(out.request_id)
             if session_id is not None:
                 self._on_output(self._sessions[session_id], out)
@@ -166,6 +170,7 @@ class AgentEngine:
     def abort(self, request_id: str) -> bool:
         """Stop a request; its session (if any) becomes FINISHED. False if unknown."""
         session_id = self._by_request.pop(request_id, None)
+        self._unadmitted.pop(request_id, None)
         found = self.engine.abort(request_id)
         if session_id is not None:
             session = self._sessions[session_id]
@@ -323,7 +328,7 @@ class AgentEngine:
         self._stop_speculation(session, window)
         self._learn(window, results, started)
         claim = tuple(_branch_tag(session_id, key) for key in sorted(window.branches))
-        self._submit_turn(session, request, claim)
+        self._submit_turn(session, request, claim, resume=True)
         session.resume_started = started
         session.transition(S.RESUMING)
         self._touch(session)
@@ -406,6 +411,7 @@ class AgentEngine:
         session = self._get(session_id)
         if session.request_id is not None:
             self._by_request.pop(session.request_id, None)
+            self._unadmitted.pop(session.request_id, None)
             self.engine.abort(session.request_id)
         self._drop_kv(session)
         self._closed_totals.update(_counters(session.metrics))
@@ -496,11 +502,17 @@ class AgentEngine:
                                 tuple(tools) if tools is not None else None,
                                 self.config.reserialize_arguments, self._encoder)
 
-    def _submit_turn(self, session: Session, request: Request, claim: tuple[str, ...]) -> None:
-        """Queue a turn whose slot is the session's (tagged) and may adopt ``claim``; with
-        `AgentConfig.program_fcfs` it is admitted in its session's start order."""
-        if self.config.program_fcfs:
+    def _submit_turn(self, session: Session, request: Request, claim: tuple[str, ...],
+                     resume: bool) -> None:
+        """Queue a turn whose slot is the session's (tagged) and may adopt ``claim``, at its
+        place in the `AgentConfig.admission` order."""
+        order = self.config.admission
+        if order == "program":
             request = dataclasses.replace(request, priority=float(session.ordinal))
+        elif order == "resumes-first":
+            request = dataclasses.replace(request, priority=0.0 if resume else 1.0)
+        if order != "arrival" and self.config.admission_bound_s is not None:
+            self._unadmitted[request.request_id] = self._clock()
         rank, priority = self._retention.retention(
             PausedSession(len(request.prompt_token_ids), False, None))
         self.engine.submit(request, SlotHints(_session_tag(session.id), rank, priority, claim,
@@ -624,6 +636,18 @@ class AgentEngine:
         if session.window is not None:
             self._drop_branches(session, session.window)
         self.engine.kv.discard([_session_tag(session.id), _lost_tag(session.id)])
+
+    def _promote_overdue(self) -> None:
+        """Turns waiting for their first token longer than `AgentConfig.admission_bound_s`
+        go ahead of every turn that has not waited so long."""
+        bound = self.config.admission_bound_s
+        if bound is None or not self._unadmitted:
+            return
+        now = self._clock()
+        for request_id, queued in list(self._unadmitted.items()):
+            if now - queued >= bound:
+                self.engine.reprioritize(request_id, _PROMOTED)
+                del self._unadmitted[request_id]
 
     def _expire_windows(self) -> None:
         """Abandon the sessions whose tool window passed its deadline; reclaim their KV."""

@@ -149,6 +149,9 @@ class AgentStats:
     spec_gated: int = 0
 
 
+ADMISSION_ORDERS = ("arrival", "program", "resumes-first")
+
+
 @dataclass(frozen=True)
 class AgentConfig:
     """Agent-layer settings.
@@ -171,10 +174,18 @@ class AgentConfig:
             resume, as an offloading cache without predictions does).
         speculation_gate: start a speculation branch only where its expected saving exceeds
             its cost (`edmm.agent.gate.SpeculationGate`); None: every branch a source offers.
-        program_fcfs: program-level first come, first served (Continuum's scheduling): a
-            session's turns wait for admission in the order the sessions started, so a resume
-            goes ahead of turns of sessions that started after it (new jobs' first turns
-            among them); False: each turn in its own arrival order, as engines do today.
+        admission: the order in which waiting turns are admitted (`ADMISSION_ORDERS`):
+            ``"arrival"``: each turn in its own arrival order (first come, first served, as
+            engines do today); ``"program"``: program-level first come, first served
+            (Continuum's scheduling): a session's turns in the order the sessions started, so
+            a resume goes ahead of the turns of every session that started after it;
+            ``"resumes-first"``: resumes (whose context has KV resident, on the host or in a
+            branch: a short prefill) ahead of new turns (a cold prompt), arrival order within
+            each.
+        admission_bound_s: under the ``program`` and ``resumes-first`` orders, a turn that has
+            waited this many seconds for its first token goes ahead of every turn that has not
+            (arrival order among them): a bound on how long an order that favours some
+            sessions can starve the others when memory is short. None: no bound.
 
     ``AgentConfig.off()`` is EDMM off: no speculation, paused sessions' KV a plain LRU entry.
     """
@@ -187,15 +198,22 @@ class AgentConfig:
     max_sessions: int = 4096
     prefetch: bool = True
     speculation_gate: SpeculationGate | None = None
-    program_fcfs: bool = True
+    admission: str = "program"
+    admission_bound_s: float | None = 0.5
 
     @classmethod
     def off(cls) -> AgentConfig:
         """The same sessions with speculation, retention and program-level ordering off
         (what engines do today)."""
-        return cls(speculation=(), retention="lru", program_fcfs=False)
+        return cls(speculation=(), retention="lru", admission="arrival")
 
     def __post_init__(self) -> None:
+        if self.admission not in ADMISSION_ORDERS:
+            raise EngineConfigError(f"admission must be one of {ADMISSION_ORDERS}, "
+                                    f"got {self.admission!r}")
+        if self.admission_bound_s is not None and not self.admission_bound_s > 0:
+            raise EngineConfigError(
+                f"admission_bound_s must be > 0 or None, got {self.admission_bound_s}")
         if self.max_sessions < 1:
             raise EngineConfigError(f"max_sessions must be >= 1, got {self.max_sessions}")
         if self.prefetch_lead_s < 0:

@@ -318,6 +318,13 @@ class Engine:
         self._states.pop(request_id, None)
         return self.scheduler.abort(request_id) is not None
 
+    def reprioritize(self, request_id: str, priority: float) -> bool:
+        """Change a queued or running request's admission priority (`Request.priority`);
+        False if it is unknown or finished."""
+        if not math.isfinite(priority):
+            raise InvalidRequestError(f"priority must be a finite number, got {priority}")
+        return self.scheduler.reprioritize(request_id, priority)
+
     def has_unfinished(self) -> bool:
         """True while any request waits or runs."""
         return self.scheduler.has_unfinished()

@@ -124,14 +124,18 @@ class KVCacheManager:
         freed."""
         return self.arena.reclaim() > 0 or self.index.evict_one(max_rank, protect)
 
-    def restore_claimed(self, tags: Collection[str]) -> None:
+    def restore_claimed(self, tags: Collection[str]) -> bool:
         """Bring the host copies of ``tags`` back before a sequence claiming them is admitted,
         evicting any other entry for them if needed (retained ones go to the host tier in
-        turn: the sequence would evict them anyway to recompute in the same pages); a failure
-        leaves the sequence to wait or recompute."""
+        turn: the sequence would evict them anyway to recompute in the same pages). False if
+        a copy stayed on the host (no room even so): the sequence should wait for memory
+        rather than recompute what the host holds."""
+        resident = True
         for tag in tags:
             if self.index.offloaded_tokens(tag):
-                self.index.restore(tag, evict=EntryRank.RETAINED, protect=tags)
+                resident = self.index.restore(tag, evict=EntryRank.RETAINED,
+                                              protect=tags) and resident
+        return resident
 
     def mark_stale(self, tag: str, rank: EntryRank, stale_tag: str | None = None) -> None:
         """Entries still tagged ``tag`` once its sequence holds a slot: entries of ``rank``
@@ -188,9 +192,11 @@ class KVCacheManager:
         return self.index.discard(tags)
 
     def restore(self, tag: str) -> bool:
-        """Copy the host copy of ``tag``'s entry back into the arena (a prefetch), evicting
-        only entries that rank below it; False when there is none or no room."""
-        return self.index.restore(tag, evict=EntryRank.RETAINED, below_own=True)
+        """Copy the host copy of ``tag``'s entry back into the arena ahead of its resume (a
+        prefetch), into free pages or those of speculation entries only: never at the cost of
+        another cache entry (a plain one, such as a turn that just ended, would be recomputed;
+        a retained one copied out to come back later). False when there is none or no room."""
+        return self.index.restore(tag, evict=EntryRank.SPECULATIVE)
 
     def offloaded_tokens(self, tag: str) -> int:
         """Tokens of the host copy of ``tag``'s entry (0: none)."""

@@ -20,10 +20,10 @@ eviction is first copied to host memory (within the store's budget) and remember
 `restore` copies it back into a fresh slot as the same entry. The scheduler restores the tags a
 request claims before admitting it, evicting any other entry for it (other paused sessions go
 to the host in turn: a copy each way costs far less than the recompute the request would
-otherwise do in the same pages); a prefetch before a tool's expected return evicts only
-entries that rank below the restored one (`EntryRank`, then priority). Without room the
-request waits or recomputes. At most one offloaded copy per tag; discarding or untagging the
-tag drops it.
+otherwise do in the same pages); a prefetch before a tool's expected return takes free pages
+and speculation entries only (`KVCacheManager.restore`). Without room the request waits for
+memory (`Scheduler`). At most one offloaded copy per tag; discarding or untagging the tag
+drops it.
 
 With an asynchronous copier (a CUDA side stream, `edmm.memory.copies`) copies return before
 the bytes have moved. The cache keeps, per slot, the copies still running on it, and a slot is
@@ -85,7 +85,9 @@ class PrefixHit:
     ``claimed``: the tag of a claimed entry that was adopted (None otherwise);
     ``source_tokens``: tokens the source held before the match (an adopted claimed entry is
     truncated to ``num_tokens``); ``committed``: slots retired by `KVArena.commit` in favour
-    of the adopted one; ``seconds``: time spent finding, committing and truncating.
+    of the adopted one; ``rank``/``priority``: the eviction class an adopted entry had (it
+    keeps it if it goes back to the cache unused); ``seconds``: time spent finding,
+    committing and truncating.
     """
 
     slot: int
@@ -94,6 +96,8 @@ class PrefixHit:
     claimed: str | None = None
     source_tokens: int = 0
     committed: tuple[int, ...] = ()
+    rank: EntryRank = EntryRank.PLAIN
+    priority: float = 0.0
     seconds: float = 0.0
 
 
@@ -307,7 +311,8 @@ class PrefixCache:
         if entry is not None and entry.tag is None and n == self._sources[source].num_tokens:
             del self._lru[source]
             self._drop_shadow(source)
-            return PrefixHit(source, n, source, source_tokens=n)
+            return PrefixHit(source, n, source, source_tokens=n, rank=entry.rank,
+                             priority=entry.priority)
         slot = self.arena.branch(source, n)
         if entry is not None:
             self._lru.move_to_end(source)
@@ -315,17 +320,14 @@ class PrefixCache:
 
     # ------------------------------------------------------------------ eviction
     def evict_one(self, max_rank: EntryRank = EntryRank.RETAINED,
-                  protect: Collection[str] = (), below: tuple[int, float] | None = None
-                  ) -> bool:
-        """Free one entry of rank <= ``max_rank`` (and eviction key < ``below``, tag not in
-        ``protect``): the lowest rank, then the lowest priority, then the least recently used.
-        False if there is none."""
+                  protect: Collection[str] = ()) -> bool:
+        """Free one entry of rank <= ``max_rank`` (tag not in ``protect``): the lowest rank,
+        then the lowest priority, then the least recently used. False if there is none."""
         victim: int | None = None
         best: tuple[int, float] | None = None
         for slot, entry in self._lru.items():
             key = entry.eviction_key()
             if (entry.rank <= max_rank and (best is None or key < best)
-                    and (below is None or key < below)
                     and (entry.tag is None or entry.tag not in protect)):
                 victim, best = slot, key
         if victim is None:
@@ -334,17 +336,15 @@ class PrefixCache:
         self._free_entry(victim)
         return True
 
-    def restore(self, tag: str, evict: EntryRank | None = None, protect: Collection[str] = (),
-                below_own: bool = False) -> bool:
+    def restore(self, tag: str, evict: EntryRank | None = None, protect: Collection[str] = ()
+                ) -> bool:
         """Copy ``tag``'s host copy back into a fresh slot, as the entry it was (most recently
         used). Without a free slot or pages it fails (False, nothing changes), unless entries
-        of rank <= ``evict`` (tags not in ``protect``; with ``below_own``, only entries ranking
-        below the restored one) are evicted for it first."""
+        of rank <= ``evict`` (tags not in ``protect``) are evicted for it first."""
         off = self._offloaded.get(tag)
         if off is None or self.offload is None:
             return False
-        below = (int(EntryRank.RETAINED), off.priority) if below_own else None
-        slot = self._mapped_slot(off.kv.num_tokens, evict, {tag, *protect}, below)
+        slot = self._mapped_slot(off.kv.num_tokens, evict, {tag, *protect})
         if slot is None:
             return False
         self._pend(slot, self.offload.load(off.kv, slot))
@@ -356,8 +356,8 @@ class PrefixCache:
         self.restored_total += 1
         return True
 
-    def _mapped_slot(self, num_tokens: int, evict: EntryRank | None, protect: Collection[str],
-                     below: tuple[int, float] | None) -> int | None:
+    def _mapped_slot(self, num_tokens: int, evict: EntryRank | None, protect: Collection[str]
+                     ) -> int | None:
         """A new slot mapping ``num_tokens`` tokens, evicting as `evict_one` allows."""
         while True:
             try:
@@ -370,7 +370,7 @@ class PrefixCache:
                     return slot
                 except PoolExhaustedError:
                     self.arena.free(slot)
-            if evict is None or not self.evict_one(evict, protect, below):
+            if evict is None or not self.evict_one(evict, protect):
                 return None
 
     def clear(self) -> int:
@@ -553,7 +553,8 @@ class PrefixCache:
         if n < held:
             self.arena.truncate(slot, n)
             self._shrink(slot, n)
-        return PrefixHit(slot, n, slot, entry.tag, held, tuple(committed))
+        return PrefixHit(slot, n, slot, entry.tag, held, tuple(committed), entry.rank,
+                         entry.priority)
 
     def _branch_is_cheaper(self, slot: int, n: int) -> bool:
         """True when the policy finds truncating ``slot`` to ``n`` tokens (unmap its tail) dearer

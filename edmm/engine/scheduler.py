@@ -202,6 +202,20 @@ class Scheduler:
         """True while any speculative prefill waits or runs."""
         return bool(self.spec_waiting or self.spec_running)
 
+    def reprioritize(self, request_id: str, priority: float) -> bool:
+        """Change a request's admission priority (a waiting one moves to its new place);
+        False if it is unknown, finished or a speculative prefill."""
+        seq = self._seqs.get(request_id)
+        if seq is None or seq.is_speculative:
+            return False
+        if seq.status == SequenceStatus.WAITING:
+            self.waiting.remove(seq)
+            seq.priority = priority
+            self.waiting.push(seq)
+        else:
+            seq.priority = priority  # its place if it is preempted
+        return True
+
     def finish(self, seq: Sequence, reason: str) -> None:
         """Stop a sequence (``reason``: a FinishReason value, ABORTED or SPECULATED) and
         release its slot (to the prefix cache, with the sequence's slot hints)."""
@@ -391,12 +405,16 @@ class Scheduler:
         for its next chunk; return the chunk's size, or 0 (sequence unchanged) if memory is
         short even with the prefix cache empty.
 
-        Host copies of the entries it claims are restored first, once. While other requests
-        run, the loop below never evicts the sequence's own session entry to make room for it
-        (that frees no memory it would not need again to recompute the same tokens): it waits
-        instead; with nothing running it evicts anything, so admission always progresses."""
+        Host copies of the entries it claims are restored first. While other requests run,
+        a sequence whose copy cannot come back yet (the pool is short of the pages it maps)
+        waits instead of recomputing it in a fresh slot (a chunk would fit where the whole
+        copy does not, and the recompute ends up needing the same pages), and the loop below
+        never evicts the sequence's own session entry to make room for it (that frees no
+        memory it would not need again to recompute the same tokens); with nothing running it
+        evicts anything, so admission always progresses."""
         own = () if seq.hints.tag is None else (seq.hints.tag,)
-        self.kv.restore_claimed({*seq.hints.claim, *own})
+        if not self.kv.restore_claimed({*seq.hints.claim, *own}) and self.running:
+            return 0
         while True:
             hit = None
             try:
@@ -514,7 +532,7 @@ class Scheduler:
         its source, and evicting it would loop forever)."""
         assert seq.slot is not None
         if hit is not None and hit.slot == hit.source:
-            self._release_slot(seq)
+            self._release_slot(seq, (hit.rank, hit.priority))
             return
         self.kv.drop(seq.slot)
         seq.slot, seq.num_computed_tokens = None, 0
@@ -537,11 +555,16 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.push(seq)
 
-    def _release_slot(self, seq: Sequence) -> None:
+    def _release_slot(self, seq: Sequence,
+                      adopted: tuple[EntryRank, float] | None = None) -> None:
+        """Give the slot back to the prefix cache under the sequence's tag and class; an
+        entry it adopted and gives back unused (``adopted``: the class it had) keeps the
+        higher of the two (a paused session's KV must not turn into a plain entry)."""
         assert seq.slot is not None
         h = seq.hints
         rank = EntryRank.SPECULATIVE if seq.is_speculative else h.rank
-        self.kv.free(seq.slot, seq.token_ids, seq.num_computed_tokens, h.tag, rank, h.priority,
+        rank, priority = max((rank, h.priority), adopted or (rank, h.priority))
+        self.kv.free(seq.slot, seq.token_ids, seq.num_computed_tokens, h.tag, rank, priority,
                      h.cache_salt)
         seq.slot, seq.num_computed_tokens = None, 0
 

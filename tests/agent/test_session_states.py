@@ -303,14 +303,57 @@ def test_a_lost_context_is_counted_when_the_turn_ends(make_agent: MakeAgent) -> 
     assert agent.session_metrics("s").context_tokens_recomputed == 1 + len(context)
 
 
-@pytest.mark.parametrize("program_fcfs", [True, False])
-def test_program_fcfs_admits_a_resume_before_a_later_sessions_turn(
-        make_agent: MakeAgent, program_fcfs: bool) -> None:
-    agent = make_agent(AgentConfig(program_fcfs=program_fcfs), max_num_seqs=1)
+@pytest.mark.parametrize("admission,first", [("program", "old-t1"), ("arrival", "new-t0"),
+                                             ("resumes-first", "old-t1")])
+def test_admission_order_of_a_resume_and_a_later_sessions_turn(
+        make_agent: MakeAgent, admission: str, first: str) -> None:
+    agent = make_agent(AgentConfig(admission=admission), max_num_seqs=1)
     paused(agent, "old")
     agent.add_request("new-t0", [*range(60, 90)], greedy(), session_id="new")  # queued first
     agent.resume("old", "old-t1", [ToolResult("c1", [7, 8, 9])], greedy())
-    first = next(out.request_id for out in agent.step())  # one request runs at a time
-    assert first == ("old-t1" if program_fcfs else "new-t0")
-    outputs = run(agent)
-    assert set(outputs) >= {"new-t0", "old-t1"} - {first}
+    assert next(out.request_id for out in agent.step()) == first  # one request at a time
+    assert set(run(agent)) >= {"new-t0", "old-t1"} - {first}
+
+
+def test_resumes_first_puts_a_later_sessions_resume_ahead_of_a_new_turn(
+        make_agent: MakeAgent) -> None:
+    """Program order admits the older session's new turn first; resumes-first the resume."""
+    for admission, first in (("program", "old-t1"), ("resumes-first", "young-t1")):
+        agent = make_agent(AgentConfig(admission=admission), max_num_seqs=1)
+        agent.add_request("old-t0", PROMPT, greedy(), session_id="old")
+        run(agent)  # old finished its turn: its next one is a new user turn, not a resume
+        paused(agent, "young")
+        agent.add_request("old-t1", [*agent.session_context("old"), 5], greedy(),
+                          session_id="old")
+        agent.resume("young", "young-t1", [ToolResult("c1", [7, 8, 9])], greedy())
+        assert next(out.request_id for out in agent.step()) == first
+        run(agent)
+
+
+@pytest.mark.parametrize("bound,first", [(1.0, "young-t1"), (None, "old-t1")])
+def test_an_overdue_turn_goes_ahead_of_the_order(make_agent: MakeAgent, bound: float | None,
+                                                 first: str) -> None:
+    """Program order admits the older session first, unless the younger one's resume has
+    waited past `AgentConfig.admission_bound_s`."""
+    clock = FakeClock()
+    agent = make_agent(AgentConfig(admission="program", admission_bound_s=bound), clock=clock,
+                       max_num_seqs=1)
+    agent.add_request("old-t0", PROMPT, greedy(), session_id="old")
+    run(agent)
+    paused(agent, "young")
+    blocker = "block"
+    agent.add_request(blocker, [*range(200, 240)], greedy(40))  # holds the only running seat
+    agent.step()
+    agent.resume("young", "young-t1", [ToolResult("c1", [7, 8, 9])], greedy())
+    clock.advance(2.0)  # young's resume is overdue (with a bound)
+    agent.add_request("old-t1", [*agent.session_context("old"), 5], greedy(), session_id="old")
+    agent.abort(blocker)
+    assert next(out.request_id for out in agent.step()) == first
+    run(agent)
+
+
+def test_an_unknown_admission_order_or_bound_is_refused() -> None:
+    with pytest.raises(EngineConfigError, match="admission"):
+        AgentConfig(admission="lifo")
+    with pytest.raises(EngineConfigError, match="admission_bound_s"):
+        AgentConfig(admission_bound_s=0.0)

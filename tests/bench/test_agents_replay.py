@@ -147,10 +147,12 @@ def test_every_registered_policy_builds_an_agent_config() -> None:
         assert cfg.tool_timeout_s == 10.0
     assert POLICIES.create("lru").speculation == ()
     assert not POLICIES.create("edmm-no-offload").prefetch
-    assert POLICIES.create("edmm").agent_config(10.0, 0.05).program_fcfs
-    assert POLICIES.create("ttl").agent_config(10.0, 0.05).program_fcfs  # Continuum's
-    assert not POLICIES.create("edmm-no-program-fcfs").agent_config(10.0, 0.05).program_fcfs
-    assert not POLICIES.create("lru").agent_config(10.0, 0.05).program_fcfs
+    def order(name: str) -> str:
+        return POLICIES.create(name).agent_config(10.0, 0.05).admission
+
+    assert order("ttl") == "program"  # Continuum's program-level FCFS
+    assert order("edmm-no-admission") == order("lru") == order("offload") == "arrival"
+    assert order("edmm") != "arrival"
 
 
 def test_one_condition_runs_alone(tiny_module_dir: Path) -> None:

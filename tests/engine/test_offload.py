@@ -7,8 +7,17 @@ from collections.abc import Iterator
 import pytest
 from kv_helpers import SPEC, filled, host_arena, kv_values
 
-from edmm.engine import PrefixCache
+from edmm.engine import (
+    KVCacheManager,
+    PrefixCache,
+    SamplingParams,
+    Scheduler,
+    SchedulerConfig,
+    Sequence,
+    SequenceStatus,
+)
 from edmm.engine.prefix_cache import EntryRank
+from edmm.engine.sequence import SlotHints
 from edmm.memory import KVArena, KVMemoryError
 from edmm.memory.offload import HostKVStore
 
@@ -156,23 +165,28 @@ def test_a_resume_restore_evicts_other_sessions_to_the_host_never_its_own(
     arena.free(hog)
 
 
-def test_a_prefetch_evicts_only_entries_ranking_below_it(arena: KVArena) -> None:
-    """``below_own``: a session due back soon (high priority) displaces one due later (low
-    priority), never one that outranks it."""
+def test_a_prefetch_takes_free_pages_and_speculation_entries_only(arena: KVArena) -> None:
+    """`KVCacheManager.restore` (a prefetch) never evicts a plain or retained entry for the
+    copy it brings back: a plain one (a turn that just ended) would be recomputed."""
     store = HostKVStore(arena, capacity_bytes=1 << 20)
     cache = PrefixCache(arena, block_size=4, offload=store)
+    kv = KVCacheManager(arena, cache)
     _retain(cache, arena, TOKENS, "soon")
     assert cache.evict_one()
-    cache.set_retention("soon", EntryRank.RETAINED, 5.0)  # updates the host copy's priority
-    later = [9] * 56
-    cache.release(filled(arena, later), later, 56, tag="later", rank=EntryRank.RETAINED,
-                  priority=9.0)
+    for rank in (EntryRank.PLAIN, EntryRank.RETAINED):
+        other = [9] * 56
+        cache.release(filled(arena, other), other, 56, tag="other", rank=rank, priority=0.0)
+        hog = arena.allocate()
+        arena.grow(hog, 8)
+        assert not kv.restore("soon") and cache.offloaded_tokens("soon") == 40
+        assert cache.tagged("other") and cache.offloaded_tokens("other") == 0
+        cache.discard(["other"])
+        arena.free(hog)
+    branch = [9] * 56
+    cache.release(filled(arena, branch), branch, 56, tag="b", rank=EntryRank.SPECULATIVE)
     hog = arena.allocate()
     arena.grow(hog, 8)
-    assert not cache.restore("soon", evict=EntryRank.RETAINED, below_own=True)  # 9 > 5
-    cache.set_retention("later", EntryRank.RETAINED, 1.0)
-    assert cache.restore("soon", evict=EntryRank.RETAINED, below_own=True)
-    assert cache.offloaded_tokens("later") == 56
+    assert kv.restore("soon") and not cache.tagged("b")
     cache.check_integrity()
     arena.free(hog)
 
@@ -194,3 +208,51 @@ def test_restore_claimed_pushes_other_paused_sessions_out_for_a_resume(
     assert kv.offloaded_tokens("s1") == 0 and kv.offloaded_tokens("s2") == 56
     assert kv.offloaded_tokens("s3") == 0 and kv.index.tagged("s3")
     kv.check_integrity()
+
+
+def _scheduler(arena: KVArena, budget: int) -> tuple[Scheduler, PrefixCache]:
+    cache = PrefixCache(arena, block_size=4, offload=HostKVStore(arena, capacity_bytes=1 << 20))
+    return Scheduler(KVCacheManager(arena, cache),
+                     SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=4)), cache
+
+
+def _step(sched: Scheduler) -> list[tuple[str, int, int]]:
+    batch = sched.schedule()
+    sched.update(batch, [7 if s.sample else None for s in batch.seqs])
+    sched.check_integrity()
+    return [(s.request_id, s.start, len(s.token_ids)) for s in batch.seqs]
+
+
+def test_a_resume_waits_for_its_host_copy_rather_than_recomputing(arena: KVArena) -> None:
+    """While others run, a resume whose copy does not fit yet is not admitted into a fresh
+    slot (a chunk would fit there): it waits, then restores and computes only what is new."""
+    sched, cache = _scheduler(arena, budget=16)
+    _retain(cache, arena, TOKENS, "s")  # 40 tokens: 5 of the 12 pages
+    assert cache.evict_one() and cache.offloaded_tokens("s") == 40
+    a = Sequence.new("a", [9] * 60, SamplingParams(max_tokens=2))  # 8 pages once prefilled
+    sched.add(a)
+    while a.num_computed_tokens < 60:
+        _step(sched)
+    resume = Sequence.new("r", [*TOKENS, 1, 2, 3, 4], SamplingParams(max_tokens=2),
+                          hints=SlotHints(tag="s"))
+    sched.add(resume)
+    assert _step(sched) == [("a", 60, 1)]  # 4 pages free: the copy (5) does not fit
+    assert resume.status == SequenceStatus.WAITING and cache.offloaded_tokens("s") == 40
+    sched.finish(a, "stop")
+    assert _step(sched) == [("r", 40, 4)]  # restored: only the new tokens computed
+    assert resume.num_cached_tokens == 40 and cache.offloaded_tokens("s") == 0
+
+
+def test_an_adopted_session_entry_given_back_unused_stays_retained(arena: KVArena) -> None:
+    sched, cache = _scheduler(arena, budget=64)
+    _retain(cache, arena, TOKENS, "s")  # 5 pages
+    a = Sequence.new("a", [9] * 55, SamplingParams(max_tokens=2))  # 7 pages: the pool is full
+    sched.add(a)
+    _step(sched)
+    resume = Sequence.new("r", [*TOKENS, 1, 2, 3, 4], SamplingParams(max_tokens=2),
+                          hints=SlotHints(tag="s"))
+    sched.add(resume)
+    assert _step(sched) == [("a", 55, 1)]  # r adopted s's entry, could not grow it: gave it back
+    (slot,) = cache.tagged("s")
+    assert resume.status == SequenceStatus.WAITING
+    assert slot not in cache.entry_slots(EntryRank.PLAIN)  # still a retained session's KV

@@ -3,8 +3,8 @@
 Each `Policy` is a set of mechanisms mapped onto the engine's own switches: a retention policy
 (`edmm.agent.retention`), KV offload to host memory (`EngineConfig.kv_offload_bytes`), prefetch
 of offloaded KV before the predicted return (`AgentConfig.prefetch`), speculation sources
-(`edmm.agent.speculation`), program-level first come, first served admission
-(`AgentConfig.program_fcfs`), and the client-side re-warm of the known history. Named after
+(`edmm.agent.speculation`), the admission order of waiting turns (`AgentConfig.admission`),
+and the client-side re-warm of the known history. Named after
 what users run today:
 
 - ``lru``: a paused session's KV is an ordinary prefix-cache entry (vLLM automatic prefix
@@ -22,7 +22,7 @@ what users run today:
 
 ``edmm-no-<mechanism>`` is ``edmm`` with one mechanism off (``retention``: LRU instead of the
 cost policy; ``offload``, ``prefetch``, ``template``, ``streamed``, ``predicted``; ``gate``:
-every branch a source offers; ``program-fcfs``: each turn admitted in its own arrival order).
+every branch a source offers; ``admission``: each turn admitted in its own arrival order).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from edmm.agent.registry import Registry
 from edmm.agent.types import AgentConfig
 
 MECHANISMS = ("retention", "offload", "prefetch", "template", "streamed", "predicted", "gate",
-              "program-fcfs")
+              "admission")
 
 
 @dataclass(frozen=True)
@@ -53,7 +53,7 @@ class Policy:
     predicted: bool = False  # predicted and memoised results are speculated
     rewarm: bool = False  # the client re-sends the known history ahead of the resume
     gate: bool = False  # a branch only where its expected saving exceeds its cost
-    program_fcfs: bool = False  # turns admitted in their session's start order (Continuum)
+    admission: str = "arrival"  # order of waiting turns (`edmm.agent.types.ADMISSION_ORDERS`)
 
     @property
     def speculation(self) -> tuple[str, ...]:
@@ -76,7 +76,7 @@ class Policy:
                            tool_timeout_s=tool_timeout_s, prefetch_lead_s=prefetch_lead_s,
                            prefetch=self.prefetch,
                            speculation_gate=SpeculationGate() if self.gate else None,
-                           program_fcfs=self.program_fcfs)
+                           admission=self.admission)
 
 
 POLICIES: Registry[Policy] = Registry("bench policy")
@@ -84,14 +84,14 @@ POLICIES: Registry[Policy] = Registry("bench policy")
 _BASE = {
     "lru": Policy("lru", "paused KV is a plain LRU cache entry (EDMM off)"),
     "ttl": Policy("ttl", "paused KV kept for the tool's expected time, then LRU; "
-                  "turns in session order (Continuum)", retention="ttl", program_fcfs=True),
+                  "turns in session order (Continuum)", retention="ttl", admission="program"),
     "offload": Policy("offload", "evicted paused KV copied to host, back at resume",
                       retention="keep", offload=True),
     "rewarm": Policy("rewarm", "known history prefilled again before the resume",
                      rewarm=True),
     "edmm": Policy("edmm", "cost retention + offload + prefetch + speculation; turns in "
                    "session order", retention="cost", offload=True, prefetch=True,
-                   template=True, streamed=True, predicted=True, gate=True, program_fcfs=True),
+                   template=True, streamed=True, predicted=True, gate=True, admission="program"),
 }
 
 
@@ -101,10 +101,12 @@ def _without(mechanism: str) -> Policy:
     name, what = f"edmm-no-{mechanism}", f"edmm without {mechanism}"
     if mechanism == "retention":
         return dataclasses.replace(edmm, name=name, description=what, retention="lru")
+    if mechanism == "admission":
+        return dataclasses.replace(edmm, name=name, description=what, admission="arrival")
     if mechanism == "offload":
         return dataclasses.replace(edmm, name=name, description=what, offload=False,
                                    prefetch=False)
-    off: dict[str, bool] = {mechanism.replace("-", "_"): False}
+    off: dict[str, bool] = {mechanism: False}
     return dataclasses.replace(edmm, name=name, description=what, **off)  # type: ignore[arg-type]
 
 
