@@ -160,3 +160,29 @@ def test_missing_source_is_a_named_error(tmp_path: Path,
 def test_gapped_ranks_are_rejected() -> None:
     with pytest.raises(QwenVocabError, match="gaps"):
         parse_ranks(b"YQ== 0\nYg== 2\n")
+
+
+_PIECES = ["<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "user\n", " word",
+           "e", "\u0301", "\u00e9", "  ", "\n\n", "12345", "数据", "'s", "{\"a\": 1}", "\t ",
+           "<|endoftext|>", "<", "|im_end|>"]
+
+
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(texts=st.lists(st.lists(st.sampled_from(_PIECES), max_size=30).map("".join),
+                      min_size=1, max_size=5))
+def test_prompt_encoder_equals_the_tokenizer_on_the_real_vocabulary(
+        qwen_tok: Any, texts: list[str]) -> None:
+    """`PromptEncoder` cuts the new part at its added tokens and encodes the pieces in one
+    batch: the same ids as the whole text's encode (NFC around added tokens, combining
+    marks next to them, whitespace runs), growing prompts reusing earlier ones' ids."""
+    from edmm.model.prompt_encoder import PromptEncoder
+
+    encoder = PromptEncoder(qwen_tok, capacity=3)
+    assert encoder.incremental
+    prompt = ""
+    for text in texts:
+        for candidate in (text, prompt + text):  # unrelated, then a growing prompt
+            assert encoder.encode(candidate) == qwen_tok.encode(candidate,
+                                                                add_special_tokens=False)
+        prompt += text
