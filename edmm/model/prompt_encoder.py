@@ -110,6 +110,13 @@ class PromptEncoder:
             self.encoded_tokens += len(ids)
             _check_count(len(ids), limit)
             return TokenIds(ids, array("q", ids))
+        same = next((e for e in reversed(self._recent) if e.text == text), None)
+        if same is not None:  # a prompt seen before (a predicted one, a retry): no encode
+            _check_count(len(same.ids), limit)
+            self._recent.remove(same)
+            self._recent.append(same)
+            self.reused_tokens += len(same.ids)
+            return TokenIds(same.ids_list, same.ids[:])
         base, char, tok = self._longest_prefix(text)
         if limit is not None:
             _check_count(tok, limit)
