@@ -55,11 +55,23 @@ def qwen_tok(source: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
     return AutoTokenizer.from_pretrained(folder)
 
 
+_ADDED = regex.compile("|".join(regex.escape(t) for t, _ in
+                                sorted(ADDED_TOKENS, key=lambda a: -len(a[0]))))
+
+
 def reference_encode(ranks: dict[bytes, int], text: str) -> list[int]:
-    """NFC, Qwen2's regex, tiktoken's BPE per piece: the ids tiktoken would give."""
+    """The added tokens (ids after the ranks', in order) cut out first, then per part NFC,
+    Qwen2's regex and tiktoken's BPE per piece: the ids tiktoken would give."""
+    added = {t: NUM_RANKS + i for i, (t, _) in enumerate(ADDED_TOKENS)}
     out: list[int] = []
-    for piece in regex.findall(QWEN2_PATTERN, unicodedata.normalize("NFC", text)):
-        out += reference_bpe(ranks, piece.encode("utf-8"))
+    pos = 0
+    for m in [*_ADDED.finditer(text), None]:
+        part = text[pos:m.start() if m is not None else len(text)]
+        for piece in regex.findall(QWEN2_PATTERN, unicodedata.normalize("NFC", part)):
+            out += reference_bpe(ranks, piece.encode("utf-8"))
+        if m is not None:
+            out.append(added[m.group()])
+            pos = m.end()
     return out
 
 
