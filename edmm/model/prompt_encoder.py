@@ -110,16 +110,24 @@ class PromptEncoder:
             self.encoded_tokens += len(ids)
             _check_count(len(ids), limit)
             return TokenIds(ids, array("q", ids))
+        same = next((e for e in reversed(self._recent) if e.text == text), None)
+        if same is not None:  # a prompt seen before (a predicted one, a retry): no encode
+            _check_count(len(same.ids), limit)
+            self._recent.remove(same)
+            self._recent.append(same)
+            self.reused_tokens += len(same.ids)
+            return TokenIds(same.ids_list, same.ids[:])
         base, char, tok = self._longest_prefix(text)
         if limit is not None:
             _check_count(tok, limit)
             self.check_fits(text[char:], limit - tok, tok)
-        head = base.ids[:tok] if base is not None else array("q")
-        head_list = base.ids_list[:tok] if base is not None else []
+        packed = base.ids[:tok] if base is not None else array("q")
+        ids_list = base.ids_list[:tok] if base is not None else []
         cuts = base.cuts[:bisect.bisect_left(base.cuts, (char, -1))] if base is not None else []
         tail_ids, tail_cuts = self._encode_part(text, char, tok)
-        entry = _Encoded(text, head + array("q", tail_ids), cuts + tail_cuts,
-                         head_list + tail_ids)
+        packed.fromlist(tail_ids)  # in place: one copy of the shared prefix per list, not two
+        ids_list += tail_ids
+        entry = _Encoded(text, packed, cuts + tail_cuts, ids_list)
         _check_count(len(entry.ids), limit)
         if base is not None and base.text == text:  # the same prompt again: kept once
             self._recent.remove(base)
@@ -182,18 +190,41 @@ class PromptEncoder:
 
     def _encode_part(self, text: str, start: int, tok0: int) -> tuple[list[int],
                                                                       list[tuple[int, int]]]:
-        """Ids of ``text[start:]`` and its added tokens' (char, token index) in ``text``."""
+        """Ids of ``text[start:]`` and its added tokens' (char, token index) in ``text``.
+
+        The part is cut at its added tokens, as the tokenizer cuts it before normalising and
+        pre-tokenizing (an added token that is neither stripped nor normalised is matched in
+        the raw text), and the pieces are encoded in one batch without offsets (the
+        pre-tokenizer's and offsets' work is most of an encode)."""
         assert self._pattern is not None and self._fast is not None
-        part = text[start:]
-        enc = self._fast.encode(part, add_special_tokens=False)
-        starts = [s for s, _ in enc.offsets]
+        pieces: list[str] = []
+        added: list[int] = []  # indices of the added tokens' pieces
+        pos = start
+        for m in self._pattern.finditer(text, start):
+            if m.start() > pos:
+                pieces.append(text[pos:m.start()])
+            added.append(len(pieces))
+            pieces.append(m.group())
+            pos = m.end()
+        if pos < len(text):
+            pieces.append(text[pos:])
+        encodings = self._encode_batch(pieces)
+        ids: list[int] = []
         cuts = []
-        for m in self._pattern.finditer(part):
-            i = bisect.bisect_left(starts, m.start())
-            if i < len(starts) and starts[i] == m.start():  # a token starts there: the added one
-                cuts.append((start + m.start(), tok0 + i))
-        ids: list[int] = enc.ids  # a new list at each access
+        offsets = [start]
+        for piece in pieces:
+            offsets.append(offsets[-1] + len(piece))
+        marks = set(added)
+        for i, enc in enumerate(encodings):
+            if i in marks and len(enc.ids) == 1:  # it stayed one token: the added one
+                cuts.append((offsets[i], tok0 + len(ids)))
+            ids += enc.ids
         return ids, cuts
+
+    def _encode_batch(self, pieces: list[str]) -> list[Any]:
+        assert self._fast is not None
+        batch = getattr(self._fast, "encode_batch_fast", self._fast.encode_batch)
+        return list(batch(pieces, add_special_tokens=False))
 
 
 def shared_prefix_len(a: str, b: str) -> int:

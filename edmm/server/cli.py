@@ -17,6 +17,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from edmm.argparsing import ArgumentParser, float_at_least, int_at_least
+from edmm.server.collector import raise_threshold
 from edmm.server.http_guard import DEFAULT_MAX_BODY_BYTES
 from edmm.server.state import DEFAULT_MAX_TOOL_OUTPUT_BYTES, ServerConfig, ServerState
 
@@ -158,7 +159,10 @@ def serve(config: ServerConfig, log_level: str = "info") -> None:
 
     What start-up made (the model, tokenizer, app: a few hundred thousand objects) is frozen
     out of the garbage collector's generations (`freeze_startup_objects`): a full collection
-    that falls inside a request then walks only what serving made since.
+    that falls inside a request then walks only what serving made since. The youngest
+    generation's threshold is raised (`edmm.server.collector.raise_threshold`): the engine
+    thread collects the young generations whenever it goes idle, so that a request seldom
+    pays for walking the id lists earlier turns left young.
     """
     import uvicorn
 
@@ -171,6 +175,7 @@ def serve(config: ServerConfig, log_level: str = "info") -> None:
     state = load_state(config)
     app = build_app(state)
     freeze_startup_objects()
+    raise_threshold()
     logger.info("serving %s at http://%s:%d/v1 (Ctrl-C stops)", config.model_name,
                 config.host, config.port)
     try:

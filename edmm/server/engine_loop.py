@@ -5,7 +5,9 @@ It executes commands (submit, abort, any call into the engine) between steps, st
 request is unfinished, and sleeps on its command queue when idle. Before it sleeps it lets the
 engine reclaim memory (`SteppableEngine.reclaim`: slots retired by zero-copy commits), so an
 idle server holds no more pages than its cache entries, within one pass of the loop after the
-last request finishes or the last command (e.g. a session's DELETE) runs. Each request's
+last request finishes or the last command (e.g. a session's DELETE) runs; then it runs its
+``on_idle`` hook (the server's: a young garbage collection, `edmm.server.collector`). Each
+request's
 outputs go to an `asyncio.Queue` on the event loop that asked for them (``call_soon_threadsafe``).
 
 An exception out of `step` fails the requests in flight (each gets an `EngineStepError` and is
@@ -104,10 +106,13 @@ class OutputStream:
 
 
 class EngineLoop(Generic[E]):
-    """Runs ``engine`` on its own thread; see the module docstring."""
+    """Runs ``engine`` on its own thread; see the module docstring. ``on_idle``: called on
+    that thread whenever it is about to sleep for want of work (errors are logged)."""
 
-    def __init__(self, engine: E, name: str = "edmm-engine") -> None:
+    def __init__(self, engine: E, name: str = "edmm-engine",
+                 on_idle: Callable[[], object] | None = None) -> None:
         self.engine = engine
+        self._on_idle = on_idle
         self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}  # engine thread only
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
@@ -189,7 +194,7 @@ class EngineLoop(Generic[E]):
             while not self._stopping:
                 idle = not self.engine.has_unfinished()
                 if idle:
-                    self._reclaim()
+                    self._idle()
                 self._run_commands(block=idle)
                 if not self._stopping and self.engine.has_unfinished():
                     self._step()
@@ -200,11 +205,16 @@ class EngineLoop(Generic[E]):
             self._stopping = True
             self._fail_all(ServiceUnavailableError("the engine stopped"))
 
-    def _reclaim(self) -> None:
+    def _idle(self) -> None:
         try:
             self.engine.reclaim()
         except Exception:  # memory stays held until the next try; serving carries on
             logger.exception("reclaiming idle memory failed")
+        if self._on_idle is not None:
+            try:
+                self._on_idle()
+            except Exception:
+                logger.exception("the idle hook failed")
 
     def _run_commands(self, block: bool) -> None:
         try:

@@ -11,6 +11,7 @@ from typing import Any
 from edmm.agent import AgentConfig, AgentEngine
 from edmm.engine import Engine, EngineConfig
 from edmm.engine.tp import build_engine
+from edmm.server.collector import collect_young
 from edmm.server.engine_loop import EngineLoop
 from edmm.server.guided import GrammarBudget, GuidedDecoding
 from edmm.server.http_guard import DEFAULT_MAX_BODY_BYTES, default_allowed_hosts
@@ -97,7 +98,8 @@ class ServerState:
             AgentConfig() if config.execution_aware else AgentConfig.off(),
             tool_timeout_s=config.tool_timeout_s)
         self.sessions = ServerSessions(AgentEngine(self.engine, agent_config))
-        self.loop: EngineLoop[ServerSessions] = EngineLoop(self.sessions)
+        self.loop: EngineLoop[ServerSessions] = EngineLoop(self.sessions,
+                                                           on_idle=collect_young)
         self.metrics = ServerMetrics(config.model_name)
         self.guided = _guided(self.engine, tokenizer, config.grammar_budget)
         self.serving = OpenAIServing(

@@ -193,3 +193,28 @@ def test_skipped_prompts_never_offered_a_later_cut(
         want = tokenizer.encode(text, add_special_tokens=False)
         assert fast.encode(text) == want == full.encode(text)
         assert fast.reused_tokens == full.reused_tokens
+
+
+def test_a_prompt_seen_before_is_not_encoded_again(tokenizer: Any) -> None:
+    """The same text again (a resume that is the predicted prompt, a client's retry) takes
+    the kept ids as they are: the tokenizer is not called, the ids are still the caller's own
+    copy, and the limit still holds."""
+    encoder = PromptEncoder(tokenizer)
+    text = "<|im_start|>user\n" + "agent tool memory " * 50 + "<|im_end|>\n"
+    other = "<|im_start|>system\nsomething else<|im_end|>\n"
+    want = tokenizer.encode(text, add_special_tokens=False)
+    first = encoder.encode_ids(text)
+    encoder.encode_ids(other)
+
+    class NoEncode:
+        def __getattr__(self, name: str) -> Any:
+            raise AssertionError(f"the tokenizer was called ({name})")
+
+    encoder._fast = NoEncode()
+    encoder._tokenizer = NoEncode()
+    first[0], first.packed[0] = -1, -1
+    again = encoder.encode_ids(text)
+    assert list(again) == again.packed.tolist() == want
+    assert again is not first and encoder.reused_tokens >= len(want)
+    with pytest.raises(PromptTooLongError):
+        encoder.encode_ids(text, limit=len(want) - 1)

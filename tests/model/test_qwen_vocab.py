@@ -55,11 +55,23 @@ def qwen_tok(source: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
     return AutoTokenizer.from_pretrained(folder)
 
 
+_ADDED = regex.compile("|".join(regex.escape(t) for t, _ in
+                                sorted(ADDED_TOKENS, key=lambda a: -len(a[0]))))
+
+
 def reference_encode(ranks: dict[bytes, int], text: str) -> list[int]:
-    """NFC, Qwen2's regex, tiktoken's BPE per piece: the ids tiktoken would give."""
+    """The added tokens (ids after the ranks', in order) cut out first, then per part NFC,
+    Qwen2's regex and tiktoken's BPE per piece: the ids tiktoken would give."""
+    added = {t: NUM_RANKS + i for i, (t, _) in enumerate(ADDED_TOKENS)}
     out: list[int] = []
-    for piece in regex.findall(QWEN2_PATTERN, unicodedata.normalize("NFC", text)):
-        out += reference_bpe(ranks, piece.encode("utf-8"))
+    pos = 0
+    for m in [*_ADDED.finditer(text), None]:
+        part = text[pos:m.start() if m is not None else len(text)]
+        for piece in regex.findall(QWEN2_PATTERN, unicodedata.normalize("NFC", part)):
+            out += reference_bpe(ranks, piece.encode("utf-8"))
+        if m is not None:
+            out.append(added[m.group()])
+            pos = m.end()
     return out
 
 
@@ -160,3 +172,29 @@ def test_missing_source_is_a_named_error(tmp_path: Path,
 def test_gapped_ranks_are_rejected() -> None:
     with pytest.raises(QwenVocabError, match="gaps"):
         parse_ranks(b"YQ== 0\nYg== 2\n")
+
+
+_PIECES = ["<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "user\n", " word",
+           "e", "\u0301", "\u00e9", "  ", "\n\n", "12345", "数据", "'s", "{\"a\": 1}", "\t ",
+           "<|endoftext|>", "<", "|im_end|>"]
+
+
+@settings(max_examples=150, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(texts=st.lists(st.lists(st.sampled_from(_PIECES), max_size=30).map("".join),
+                      min_size=1, max_size=5))
+def test_prompt_encoder_equals_the_tokenizer_on_the_real_vocabulary(
+        qwen_tok: Any, texts: list[str]) -> None:
+    """`PromptEncoder` cuts the new part at its added tokens and encodes the pieces in one
+    batch: the same ids as the whole text's encode (NFC around added tokens, combining
+    marks next to them, whitespace runs), growing prompts reusing earlier ones' ids."""
+    from edmm.model.prompt_encoder import PromptEncoder
+
+    encoder = PromptEncoder(qwen_tok, capacity=3)
+    assert encoder.incremental
+    prompt = ""
+    for text in texts:
+        for candidate in (text, prompt + text):  # unrelated, then a growing prompt
+            assert encoder.encode(candidate) == qwen_tok.encode(candidate,
+                                                                add_special_tokens=False)
+        prompt += text

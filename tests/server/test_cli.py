@@ -15,6 +15,7 @@ import httpx
 import pytest
 
 from edmm.server.cli import build_parser, config_from_args
+from edmm.server.collector import SERVING_THRESHOLD0
 
 
 def test_options_map_to_the_config() -> None:
@@ -80,7 +81,8 @@ def test_serve_starts_answers_and_stops_on_sigint(tiny_dir: Path) -> None:
             proc.wait()
 
 
-def test_serve_freezes_the_start_up_objects(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_serve_freezes_the_start_up_objects_and_raises_the_young_threshold(
+        monkeypatch: pytest.MonkeyPatch) -> None:
     """`serve` freezes what start-up made before uvicorn runs (a full collection during a
     request would walk it all: ~0.2 s on a dev CPU with torch and a tokenizer loaded)."""
     import gc
@@ -96,12 +98,21 @@ def test_serve_freezes_the_start_up_objects(monkeypatch: pytest.MonkeyPatch) -> 
     monkeypatch.setattr(cli, "check_port_free", lambda host, port: None)
     monkeypatch.setattr(cli, "load_state", lambda config: state)
     monkeypatch.setattr(app_module, "build_app", lambda s: "app")
-    monkeypatch.setattr(uvicorn, "run", lambda app, **kw: seen.append(gc.get_freeze_count()))
-    before = sys.getswitchinterval()
+    thresholds: list[tuple[int, int, int]] = []
+
+    def run(app: object, **kw: object) -> None:
+        seen.append(gc.get_freeze_count())
+        thresholds.append(gc.get_threshold())
+
+    monkeypatch.setattr(uvicorn, "run", run)
+    before, before_gc = sys.getswitchinterval(), gc.get_threshold()
     try:
         gc.unfreeze()
         cli.serve(cli.config_from_args(cli.build_parser().parse_args([])), "warning")
     finally:
         gc.unfreeze()
         sys.setswitchinterval(before)
+        gc.set_threshold(*before_gc)
     assert seen and seen[0] > 1000 and closed == [True]
+    # the young collections are the idle engine thread's (edmm.server.collector)
+    assert thresholds == [(SERVING_THRESHOLD0, *before_gc[1:])]

@@ -147,3 +147,38 @@ def test_idle_loop_reclaims_after_the_last_request(loop: EngineLoop[FakeEngine])
     assert asyncio.run(_collect(loop, "a")) == ["x", "xx", "xxx"]
     # the loop reclaimed once the request finished, before it slept on its queue
     assert loop.call(lambda e: e.reclaims).result(5) > before
+
+
+def test_idle_hook_runs_when_the_loop_goes_idle_not_between_steps() -> None:
+    """``on_idle`` runs on the engine thread each time the loop is about to sleep (after the
+    last request), never while a request still needs steps."""
+    engine = FakeEngine(length=5)
+    seen: list[tuple[str, bool]] = []
+    lp = EngineLoop(engine, on_idle=lambda: seen.append(
+        (threading.current_thread().name, engine.has_unfinished())))
+    lp.start()
+    try:
+        assert asyncio.run(_collect(lp, "a")) == ["x", "xx", "xxx", "xxxx", "xxxxx"]
+        n = len(seen)
+        lp.call(lambda e: None).result(5)  # a command while idle: idle again after it
+        deadline = time.monotonic() + 5
+        while len(seen) == n and time.monotonic() < deadline:
+            time.sleep(0.001)
+    finally:
+        lp.stop()
+    assert len(seen) > n >= 1
+    assert all(name == "edmm-engine" and not busy for name, busy in seen)
+
+
+def test_failing_idle_hook_is_logged_and_the_loop_serves_on() -> None:
+    def fail() -> None:
+        raise RuntimeError("hook")
+
+    lp = EngineLoop(FakeEngine(), on_idle=fail)
+    lp.start()
+    try:
+        assert asyncio.run(_collect(lp, "a")) == ["x", "xx", "xxx"]
+        assert asyncio.run(_collect(lp, "b")) == ["x", "xx", "xxx"]
+        assert lp.is_alive
+    finally:
+        lp.stop()
