@@ -11,7 +11,8 @@ replays, CUDA events, a GPU sleep before each so launch latency stays out):
   ``CONFIGS``; ``--modes``, ``--configs``): the reduce as a second launch or fused into the
   split kernel (its last split per sequence and KV head merges; up to 1024 splits), each with
   and without programmatic dependent launch (``pdl``: each launch starts while the one before
-  drains) and an L2 prefetch of each program's whole chunk (``prefetch``);
+  drains) and an L2 prefetch of each program's whole chunk (``prefetch``), or of its first
+  tiles (a config's fourth number, ``64x2x3x1``);
 - SDPA on the strided view (equal lengths only: the engine cannot route a CUDA-graph batch of
   unequal lengths to it without reading past each context, so it is a yardstick).
 Every candidate's output is checked against SDPA's (relative error in the table).
@@ -85,10 +86,13 @@ def mode_of(config: DecodeConfig) -> str:
 def candidates(modes: list[str], configs: tuple[DecodeConfig, ...], splits: tuple[int, ...],
                context: int) -> list[tuple[int, DecodeConfig]]:
     """(split count, config) of every swept launch at ``context``: no split past the tiles
-    (it would do nothing), none over the mode's limit."""
+    (it would do nothing), none over the mode's limit; a config's prefetch depth only in the
+    modes that prefetch (elsewhere it would repeat the config without it)."""
     out = []
     for mode in modes:
         for base in configs:
+            if base.prefetch_tiles and not MODES[mode]["prefetch"]:
+                continue
             config = replace(base, **MODES[mode])
             limit = MAX_FUSED_SPLITS if config.fused else MAX_SPLITS
             out += [(n, config) for n in splits
@@ -193,19 +197,23 @@ def _mode_cell(r: Row | None) -> str:
     if r is None:
         return "-"
     e = r.extra
+    tiles = f"x{e['prefetch_tiles']}" if e.get("prefetch_tiles") else ""
     return (f"{r.median_us:.1f} us, {r.throughput / 1e3:.2f} TB/s (splits={e['num_splits']}, "
-            f"{e['block_n']}x{e['num_warps']}x{e['num_stages']})")
+            f"{e['block_n']}x{e['num_warps']}x{e['num_stages']}{tiles})")
 
 
 def parse_configs(text: str) -> tuple[DecodeConfig, ...]:
-    """``"32x2x3,64x4x3"`` -> DecodeConfigs (tokens per tile x warps x stages)."""
+    """``"32x2x3,64x4x3x1"`` -> DecodeConfigs (tokens per tile x warps x stages, and
+    optionally x tiles a prefetch asks L2 for: 0, the default, is the whole chunk)."""
     try:
         parts = [[int(v) for v in item.split("x")] for item in text.split(",") if item]
-        if not parts or any(len(p) != 3 for p in parts):
-            raise ValueError("three numbers per config")
-        return tuple(DecodeConfig(n, w, s) for n, w, s in parts)
+        if not parts or any(len(p) not in (3, 4) for p in parts):
+            raise ValueError("three or four numbers per config")
+        return tuple(DecodeConfig(p[0], p[1], p[2], prefetch_tiles=p[3] if len(p) == 4 else 0)
+                     for p in parts)
     except ValueError as e:
-        raise SystemExit(f"--configs: expected BLOCK_NxWARPSxSTAGES,..., got {text!r}") from e
+        raise SystemExit(f"--configs: expected BLOCK_NxWARPSxSTAGES[xPREFETCH_TILES],..., "
+                         f"got {text!r}") from e
 
 
 def main(argv: list[str] | None = None) -> int:
