@@ -201,9 +201,11 @@ def _launch_split(q: torch.Tensor, kv: torch.Tensor, slot_ids: torch.Tensor,
     num_kv_heads = kv.shape[3]
     group = q.shape[1] // num_kv_heads
     merge_g = next_pow2(group)
-    merge_s = max(1, min(next_pow2(num_splits),
-                         MERGE_VALUES_PER_THREAD * 32 * cfg.num_warps // (merge_g * head_dim)))
-    lse_s = min(next_pow2(num_splits), MERGE_LSE_SPLITS)
+    merge_s = lse_s = 1  # unused without the fused merge: no recompile per split count
+    if fused:
+        merge_s = max(1, min(next_pow2(num_splits), MERGE_VALUES_PER_THREAD * 32 * cfg.num_warps
+                             // (merge_g * head_dim)))
+        lse_s = min(next_pow2(num_splits), MERGE_LSE_SPLITS)
     grid = (slot_ids.shape[0], num_kv_heads, num_splits)
     tk.decode_split_kernel[grid](
         q, kv, slot_ids, context_lens, out, part_o, part_lse,
