@@ -12,7 +12,7 @@ replays, CUDA events, a GPU sleep before each so launch latency stays out):
   split kernel (its last split per sequence and KV head merges; up to 1024 splits), each with
   and without programmatic dependent launch (``pdl``: each launch starts while the one before
   drains) and an L2 prefetch of each program's whole chunk (``prefetch``), or of its first
-  tiles (a config's fourth number, ``64x2x3x1``);
+  tiles (a config's fourth number, ``64x2x3x1``: in the modes without prefetch it is 64x2x3);
 - SDPA on the strided view (equal lengths only: the engine cannot route a CUDA-graph batch of
   unequal lengths to it without reading past each context, so it is a yardstick).
 Every candidate's output is checked against SDPA's (relative error in the table).
@@ -85,18 +85,18 @@ def mode_of(config: DecodeConfig) -> str:
 
 def candidates(modes: list[str], configs: tuple[DecodeConfig, ...], splits: tuple[int, ...],
                context: int) -> list[tuple[int, DecodeConfig]]:
-    """(split count, config) of every swept launch at ``context``: no split past the tiles
-    (it would do nothing), none over the mode's limit; a config's prefetch depth only in the
-    modes that prefetch (elsewhere it would repeat the config without it)."""
-    out = []
+    """(split count, config) of every swept launch at ``context``, each once: no split past
+    the tiles (it would do nothing), none over the mode's limit; a config's prefetch depth
+    applies in the modes that prefetch (elsewhere the config runs without it)."""
+    out: list[tuple[int, DecodeConfig]] = []
     for mode in modes:
+        flags = MODES[mode]
         for base in configs:
-            if base.prefetch_tiles and not MODES[mode]["prefetch"]:
-                continue
-            config = replace(base, **MODES[mode])
+            config = replace(base, **flags,
+                             prefetch_tiles=base.prefetch_tiles if flags["prefetch"] else 0)
             limit = MAX_FUSED_SPLITS if config.fused else MAX_SPLITS
-            out += [(n, config) for n in splits
-                    if n <= limit and n <= -(-context // config.block_n)]
+            out += [(n, config) for n in splits if (n, config) not in out
+                    and n <= limit and n <= -(-context // config.block_n)]
     return out
 
 
