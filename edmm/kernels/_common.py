@@ -60,7 +60,10 @@ class DecodeConfig:
     interpreter), so each launch starts while the kernel before it drains. prefetch: each
     program first asks L2 for every line of its chunk's K and V (same conditions), all its
     bytes in flight at once (with pdl, while the kernel before it still runs); prefetch_tiles:
-    only the chunk's first that many tiles (0: the whole chunk).
+    only the chunk's first that many tiles (0: the whole chunk). early_launch: with pdl, each
+    launch lets the next one start as soon as its programs start, not after their wait (the
+    next one's programs then take SM slots as this one frees them, and read their metadata
+    and prefetch early).
     """
 
     block_n: int = 64
@@ -70,6 +73,7 @@ class DecodeConfig:
     pdl: bool = False
     prefetch: bool = False
     prefetch_tiles: int = 0
+    early_launch: bool = False
 
     def __post_init__(self) -> None:
         if self.prefetch_tiles < 0:

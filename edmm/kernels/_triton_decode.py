@@ -22,6 +22,13 @@ before it drains. Before ``gdc_wait`` a program reads only the batch metadata (c
 slot_ids, context_lens), which the engine writes before the step, never a kernel just before;
 q, the KV cache and every write come after it.
 
+EARLY (with PDL): a program lets the next kernel launch first thing, not after its own
+``gdc_wait``, so the next kernel's programs take SM slots as soon as this kernel's free them
+and read their metadata (and prefetch) while this kernel and the one before it finish. The
+next kernel still waits for this one's end before it reads anything this one writes. (A
+launch whose programs fit more than the grid's share per SM lets early programs take the
+spare slots and unbalances the SMs: the sweep measures which launches gain.)
+
 PREFETCH (same conditions): before anything else reads the cache, a program asks L2 for every
 128-byte line of its chunk's K and V (``prefetch.global.L2``: no registers, no wait), or of its
 first PREFETCH_TOKENS tokens only, so those bytes are requested at once rather than a few tiles
@@ -68,11 +75,13 @@ def decode_split_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, SINGLE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     VARLEN: tl.constexpr, FUSED: tl.constexpr, MERGE_G: tl.constexpr, MERGE_S: tl.constexpr,
-    LSE_S: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    LSE_S: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr, PREFETCH: tl.constexpr,
     PREFETCH_TOKENS: tl.constexpr, ELEM_BYTES: tl.constexpr,
 ):
     """One (sequence, KV head, split): attention of the group's queries over its token chunk;
     with FUSED, the last split of a (sequence, KV head) to finish merges them all."""
+    if PDL and EARLY:  # the next kernel may launch now; it still waits for this one's end
+        gdc_launch_dependents()
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -92,7 +101,8 @@ def decode_split_kernel(
         _prefetch_l2(k_base, v_base, start, last, stride_kt, HEAD_DIM, ELEM_BYTES)
     if PDL:  # every program waits, so the launch never ends before the kernel before it
         gdc_wait()  # q and the KV cache are written by the kernels before this one
-        gdc_launch_dependents()
+        if not EARLY:
+            gdc_launch_dependents()
     if row_q < 0:
         return
 
@@ -221,14 +231,18 @@ def decode_reduce_kernel(
     stride_lb, stride_lh,  # part_lse [B, Hq, num_splits]
     stride_ob, stride_oh,  # out [B, Hq, D]
     SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, VARLEN: tl.constexpr, PDL: tl.constexpr,
+    EARLY: tl.constexpr,
 ):
     """One (sequence, query head): merge the splits' partial outputs by their log-sum-exp."""
     row_q = _query_row(cu_q_ptr, tl.program_id(0), VARLEN)  # int32
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     if PDL:  # every program waits, so the launch never ends before the split kernel
+        if EARLY:
+            gdc_launch_dependents()
         gdc_wait()  # the split kernel's partials
-        gdc_launch_dependents()
+        if not EARLY:
+            gdc_launch_dependents()
     if row_q < 0:
         return
     offs_s = tl.arange(0, SPLITS_PAD)

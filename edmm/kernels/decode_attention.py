@@ -173,7 +173,7 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, cu_q: torch.Ten
     _launch_split(q, kv, slot_ids, context_lens, out, part_o, part_lse, cu_q, counters, scale,
                   num_splits, cfg, fused, pdl, prefetch)
     if num_splits > 1 and not fused:
-        _launch_reduce(part_o, part_lse, out, cu_q, pdl)
+        _launch_reduce(part_o, part_lse, out, cu_q, pdl, cfg.early_launch)
     return out
 
 
@@ -220,7 +220,8 @@ def _launch_split(q: torch.Tensor, kv: torch.Tensor, slot_ids: torch.Tensor,
         GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim,
         BLOCK_N=cfg.block_n, SINGLE_SPLIT=num_splits == 1, DOT_PRECISION=dot_precision(q.dtype),
         VARLEN=cu_q is not None, FUSED=fused, MERGE_G=merge_g, MERGE_S=merge_s, LSE_S=lse_s,
-        PDL=pdl, PREFETCH=prefetch, PREFETCH_TOKENS=cfg.prefetch_tiles * cfg.block_n,
+        PDL=pdl, EARLY=cfg.early_launch, PREFETCH=prefetch,
+        PREFETCH_TOKENS=cfg.prefetch_tiles * cfg.block_n,
         ELEM_BYTES=q.element_size(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_pdl_launch(pdl),
     )
@@ -232,7 +233,7 @@ def _pdl_launch(pdl: bool) -> dict[str, bool]:
 
 
 def _launch_reduce(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor,
-                   cu_q: torch.Tensor | None, pdl: bool) -> None:
+                   cu_q: torch.Tensor | None, pdl: bool, early: bool) -> None:
     """Launch the merge kernel over (B, Hq)."""
     from edmm.kernels import _triton_decode as tk
 
@@ -245,6 +246,7 @@ def _launch_reduce(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tens
         part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1),
         SPLITS_PAD=splits_pad, HEAD_DIM=head_dim, VARLEN=cu_q is not None, PDL=pdl,
+        EARLY=early,
         num_warps=min(16, max(1, splits_pad * head_dim // 2048)),  # ~64 fp32 per thread
         **_pdl_launch(pdl),
     )

@@ -150,7 +150,13 @@ FUSED_DECODE = [(96, DecodeConfig(64, 2, 3, fused=True, pdl=True)),
                                   prefetch_tiles=1)),
                 (64, DecodeConfig(64, 2, 3, pdl=True, prefetch=True, prefetch_tiles=2)),
                 (132, DecodeConfig(32, 4, 3, fused=True, pdl=True, prefetch=True,
-                                   prefetch_tiles=2))]
+                                   prefetch_tiles=2)),
+                # early launch: the next kernel launches as soon as this one starts
+                (64, DecodeConfig(64, 2, 4, pdl=True, early_launch=True)),
+                (64, DecodeConfig(64, 2, 4, pdl=True, early_launch=True, prefetch=True,
+                                  prefetch_tiles=1)),
+                (32, DecodeConfig(64, 4, 4, fused=True, pdl=True, early_launch=True,
+                                  prefetch=True, prefetch_tiles=2))]
 
 
 @pytest.mark.parametrize(("num_splits", "config"), FUSED_DECODE)

@@ -11,7 +11,9 @@ per layer (median of ``reps`` graph replays, as `decode_sweep` does):
 - ``launch floor``: a kernel of the same grid that only waits for the one before it (with
   the route's programmatic dependent launch) and writes one value per program;
 - ``read floor``: ``torch.sum`` of a contiguous buffer of the layer's K+V bytes (one buffer
-  per layer, so nothing stays in L2): what a plain stream of those bytes takes.
+  per layer, so nothing stays in L2): a yardstick only; PyTorch's reduction streams slower
+  than the split kernel at these sizes (measured on the H200, session 10), so it bounds
+  nothing.
 
 Writes ``decode-parts.json`` and ``decode-parts.md``.
 """

@@ -11,8 +11,9 @@ replays, CUDA events, a GPU sleep before each so launch latency stays out):
   ``CONFIGS``; ``--modes``, ``--configs``): the reduce as a second launch or fused into the
   split kernel (its last split per sequence and KV head merges; up to 1024 splits), each with
   and without programmatic dependent launch (``pdl``: each launch starts while the one before
-  drains) and an L2 prefetch of each program's whole chunk (``prefetch``), or of its first
-  tiles (a config's fourth number, ``64x2x3x1``: in the modes without prefetch it is 64x2x3);
+  drains; ``early``: as soon as it starts), and an L2 prefetch of each program's whole chunk
+  (``prefetch``), or of its first tiles (a config's fourth number, ``64x2x3x1``: in the modes
+  without prefetch it is 64x2x3);
 - SDPA on the strided view (equal lengths only: the engine cannot route a CUDA-graph batch of
   unequal lengths to it without reading past each context, so it is a yardstick).
 Every candidate's output is checked against SDPA's (relative error in the table).
@@ -68,12 +69,13 @@ SPLITS = (8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 CONFIGS = (DecodeConfig(32, 4, 4), DecodeConfig(32, 2, 3), DecodeConfig(64, 4, 2),
            DecodeConfig(64, 4, 3), DecodeConfig(64, 8, 3), DecodeConfig(64, 2, 3),
            DecodeConfig(128, 4, 2), DecodeConfig(128, 8, 3))
-FLAGS = ("fused", "pdl", "prefetch")  # DecodeConfig's launch-mode flags
-MODES = {  # launch mode -> DecodeConfig flags
-    "-".join(["fused" if fused else "reduce"] + [f for f, on in (("pdl", pdl),
-                                                                  ("prefetch", pre)) if on]):
-    {"fused": fused, "pdl": pdl, "prefetch": pre}
-    for fused in (False, True) for pdl in (False, True) for pre in (False, True)}
+FLAGS = ("fused", "pdl", "prefetch", "early_launch")  # DecodeConfig's launch-mode flags
+MODES = {  # launch mode -> DecodeConfig flags (early launch only with pdl)
+    "-".join(["fused" if fused else "reduce"]
+             + [f for f, on in (("pdl", pdl), ("early", early), ("prefetch", pre)) if on]):
+    {"fused": fused, "pdl": pdl, "prefetch": pre, "early_launch": early}
+    for fused in (False, True) for pdl in (False, True) for early in (False, True)
+    for pre in (False, True) if pdl or not early}
 TARGET_TBS = 3.0  # issue 20: decode attention >= 3 TB/s at batch 1 and 8, 16K
 
 
