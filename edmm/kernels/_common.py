@@ -59,7 +59,11 @@ class DecodeConfig:
     programmatic dependent launch (Hopper and later; ignored elsewhere and in the
     interpreter), so each launch starts while the kernel before it drains. prefetch: each
     program first asks L2 for every line of its chunk's K and V (same conditions), all its
-    bytes in flight at once (with pdl, while the kernel before it still runs).
+    bytes in flight at once (with pdl, while the kernel before it still runs); prefetch_tiles:
+    only the chunk's first that many tiles (0: the whole chunk). early_launch: with pdl, each
+    launch lets the next one start as soon as its programs start, not after their wait (the
+    next one's programs then take SM slots as this one frees them, and read their metadata
+    and prefetch early).
     """
 
     block_n: int = 64
@@ -68,6 +72,12 @@ class DecodeConfig:
     fused: bool = False
     pdl: bool = False
     prefetch: bool = False
+    prefetch_tiles: int = 0
+    early_launch: bool = False
+
+    def __post_init__(self) -> None:
+        if self.prefetch_tiles < 0:
+            raise KernelInputError(f"prefetch_tiles must be >= 0, got {self.prefetch_tiles}")
 
 
 @dataclass(frozen=True)

@@ -9,8 +9,9 @@ a [GROUP_PAD, D] query tile), and writes the normalised partial output and its l
 - the reduce kernel, grid (batch, q_heads), a second launch;
 - FUSED: the split kernel merges them itself. Each program counts itself done on an int32
   counter of its (sequence, KV head) in a workspace; the program that counts last merges the
-  partials of the group's heads and sets the counter back to 0, so the workspace is zero again
-  when the kernel ends (one zeroing at allocation; capturable in a CUDA graph, replayable).
+  partials of the group's heads (in a fixed order: deterministic) and sets the counter back to
+  0, so the workspace is zero again when the kernel ends (one zeroing at allocation;
+  capturable in a CUDA graph, replayable).
 With one split the split kernel writes the final output itself and nothing merges. With
 VARLEN, q and out are a packed [T, Hq, D] batch: sequence b's query is row cu_q[b], and
 sequences with other than exactly one query are skipped (the prefill kernel computes those).
@@ -21,12 +22,20 @@ before it drains. Before ``gdc_wait`` a program reads only the batch metadata (c
 slot_ids, context_lens), which the engine writes before the step, never a kernel just before;
 q, the KV cache and every write come after it.
 
+EARLY (with PDL): a program lets the next kernel launch first thing, not after its own
+``gdc_wait``, so the next kernel's programs take SM slots as soon as this kernel's free them
+and read their metadata (and prefetch) while this kernel and the one before it finish. The
+next kernel still waits for this one's end before it reads anything this one writes. (A
+launch whose programs fit more than the grid's share per SM lets early programs take the
+spare slots and unbalances the SMs: the sweep measures which launches gain.)
+
 PREFETCH (same conditions): before anything else reads the cache, a program asks L2 for every
-128-byte line of its chunk's K and V (``prefetch.global.L2``: no registers, no wait), so all of
-its bytes are requested at once rather than a few tiles ahead, and with PDL while the kernel
-before it still runs. It never prefetches a sequence's last token, the one the kernel just
-before (RoPE + KV store) writes; the tiles themselves are loaded after ``gdc_wait``. The
-invariant it needs: the kernel launched just before writes no other KV of these sequences.
+128-byte line of its chunk's K and V (``prefetch.global.L2``: no registers, no wait), or of its
+first PREFETCH_TOKENS tokens only, so those bytes are requested at once rather than a few tiles
+ahead, and with PDL while the kernel before it still runs. It never prefetches a sequence's
+last token, the one the kernel just before (RoPE + KV store) writes; the tiles themselves are
+loaded after ``gdc_wait``. The invariant it needs: the kernel launched just before writes no
+other KV of these sequences.
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 LINE_BYTES = tl.constexpr(128)  # L2 line one prefetch asks for
 
 NEG_INIT = tl.constexpr(-1.0e30)  # running-max start: finite, so never inf - inf
+MERGE_UNROLL = tl.constexpr(4)  # fused merge steps unrolled: their loads in flight together
 
 
 @triton.jit
@@ -65,10 +75,13 @@ def decode_split_kernel(
     GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_N: tl.constexpr, SINGLE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     VARLEN: tl.constexpr, FUSED: tl.constexpr, MERGE_G: tl.constexpr, MERGE_S: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH: tl.constexpr, ELEM_BYTES: tl.constexpr,
+    LSE_S: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr, PREFETCH: tl.constexpr,
+    PREFETCH_TOKENS: tl.constexpr, ELEM_BYTES: tl.constexpr,
 ):
     """One (sequence, KV head, split): attention of the group's queries over its token chunk;
     with FUSED, the last split of a (sequence, KV head) to finish merges them all."""
+    if PDL and EARLY:  # the next kernel may launch now; it still waits for this one's end
+        gdc_launch_dependents()
     b = tl.program_id(0)
     kvh = tl.program_id(1)
     split = tl.program_id(2)
@@ -83,10 +96,13 @@ def decode_split_kernel(
     v_base = k_base + stride_kkv
     if PREFETCH:  # all but the last token (the kernel before writes it); none if skipped
         last = tl.where(row_q >= 0, tl.minimum(end, ctx - 1), start)
+        if PREFETCH_TOKENS > 0:  # only the chunk's first tiles
+            last = tl.minimum(last, start + PREFETCH_TOKENS)
         _prefetch_l2(k_base, v_base, start, last, stride_kt, HEAD_DIM, ELEM_BYTES)
     if PDL:  # every program waits, so the launch never ends before the kernel before it
         gdc_wait()  # q and the KV cache are written by the kernels before this one
-        gdc_launch_dependents()
+        if not EARLY:
+            gdc_launch_dependents()
     if row_q < 0:
         return
 
@@ -136,7 +152,7 @@ def decode_split_kernel(
                 tl.store(count, 0)  # zero again for the next launch
                 _merge(part_o_ptr, part_lse_ptr, out_ptr, b, row_q, kvh * GROUP, num_splits,
                        stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob,
-                       stride_oh, GROUP, MERGE_G, MERGE_S, HEAD_DIM)
+                       stride_oh, GROUP, MERGE_G, MERGE_S, LSE_S, HEAD_DIM)
 
 
 @triton.jit
@@ -163,35 +179,46 @@ def _prefetch_l2(k_base, v_base, lo, hi, stride_kt, HEAD_DIM: tl.constexpr,
 def _merge(part_o_ptr, part_lse_ptr, out_ptr, b, row_q, head0, num_splits,
            stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob, stride_oh,
            GROUP: tl.constexpr, MERGE_G: tl.constexpr, MERGE_S: tl.constexpr,
-           HEAD_DIM: tl.constexpr):
+           LSE_S: tl.constexpr, HEAD_DIM: tl.constexpr):
     """Merge the splits of query heads head0 .. head0 + GROUP - 1 of sequence ``b`` into
-    out row ``row_q``: MERGE_S splits at a time, rescaled online by their log-sum-exps.
-    Partials are read from L2 (``.cg``): other programs wrote them."""
+    out row ``row_q``, in a fixed order (deterministic).
+
+    First the largest log-sum-exp of each head (LSE_S splits at a time: one step for up to
+    LSE_S splits), then the partial outputs MERGE_S splits at a time, weighted by
+    2^(lse - max): no rescaling between steps, so the steps' loads do not wait on each other
+    and the unrolled loop keeps several in flight. Partials are read from L2 (``.cg``):
+    other programs wrote them."""
     offs_g = tl.arange(0, MERGE_G)
-    offs_s = tl.arange(0, MERGE_S)
     offs_d = tl.arange(0, HEAD_DIM)
     g_mask = offs_g < GROUP
     heads = head0 + offs_g  # [MERGE_G]
     lse_base = part_lse_ptr + b.to(tl.int64) * stride_lb + heads[:, None] * stride_lh
+    m = tl.full([MERGE_G], NEG_INIT, tl.float32)  # finite: all-empty heads give weights 0
+    offs_l = tl.arange(0, LSE_S)
+    for s0 in range(0, num_splits, LSE_S):
+        s = s0 + offs_l  # [LSE_S]
+        lse = tl.load(lse_base + s[None, :], mask=g_mask[:, None] & (s < num_splits)[None, :],
+                      other=float("-inf"), cache_modifier=".cg")  # [MERGE_G, LSE_S]
+        m = tl.maximum(m, tl.max(lse, 1))
+    offs_s = tl.arange(0, MERGE_S)
     o_base = (part_o_ptr + b.to(tl.int64) * stride_pb + heads[:, None, None] * stride_ph
               + offs_d[None, None, :])
-    m = tl.full([MERGE_G], NEG_INIT, tl.float32)
     den = tl.zeros([MERGE_G], tl.float32)
     acc = tl.zeros([MERGE_G, HEAD_DIM], tl.float32)
-    for s0 in range(0, num_splits, MERGE_S):
-        s = s0 + offs_s  # [MERGE_S]
-        mask = g_mask[:, None] & (s < num_splits)[None, :]  # [MERGE_G, MERGE_S]
-        lse = tl.load(lse_base + s[None, :], mask=mask, other=float("-inf"),
-                      cache_modifier=".cg")  # [MERGE_G, MERGE_S]
-        o = tl.load(o_base + s[None, :, None] * stride_ps, mask=mask[:, :, None], other=0.0,
-                    cache_modifier=".cg")  # [MERGE_G, MERGE_S, D]
-        m_new = tl.maximum(m, tl.max(lse, 1))  # finite: m starts at NEG_INIT
-        alpha = tl.exp2(m - m_new)
-        w = tl.exp2(lse - m_new[:, None])  # 0 for empty splits (lse -inf)
-        den = den * alpha + tl.sum(w, 1)
-        acc = acc * alpha[:, None] + tl.sum(w[:, :, None] * o, 1)
-        m = m_new
-    res = acc / tl.where(den > 0.0, den, 1.0)[:, None]  # all splits empty: zeros
+    for s0 in range(0, num_splits, MERGE_S * MERGE_UNROLL):
+        for u in tl.static_range(MERGE_UNROLL):  # unrolled: independent loads, all in flight
+            s = s0 + u * MERGE_S + offs_s  # [MERGE_S]
+            mask = g_mask[:, None] & (s < num_splits)[None, :]  # [MERGE_G, MERGE_S]
+            lse = tl.load(lse_base + s[None, :], mask=mask, other=float("-inf"),
+                          cache_modifier=".cg")  # [MERGE_G, MERGE_S]
+            o = tl.load(o_base + s[None, :, None] * stride_ps, mask=mask[:, :, None],
+                        other=0.0, cache_modifier=".cg")  # [MERGE_G, MERGE_S, D]
+            w = tl.exp2(lse - m[:, None])  # 0 for empty splits (lse -inf)
+            den += tl.sum(w, 1)
+            acc += tl.sum(w[:, :, None] * o, 1)
+    # den >= 1 (the largest split weighs 1) unless every split is empty: then acc = 0, zeros.
+    # (One use of each loop result: Triton's thread-locality pass asserts on more.)
+    res = acc / tl.maximum(den, 1.0)[:, None]
     o_ptrs = out_ptr + row_q.to(tl.int64) * stride_ob + heads[:, None] * stride_oh + offs_d[None, :]
     tl.store(o_ptrs, res.to(out_ptr.dtype.element_ty), mask=g_mask[:, None])
 
@@ -204,14 +231,18 @@ def decode_reduce_kernel(
     stride_lb, stride_lh,  # part_lse [B, Hq, num_splits]
     stride_ob, stride_oh,  # out [B, Hq, D]
     SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, VARLEN: tl.constexpr, PDL: tl.constexpr,
+    EARLY: tl.constexpr,
 ):
     """One (sequence, query head): merge the splits' partial outputs by their log-sum-exp."""
     row_q = _query_row(cu_q_ptr, tl.program_id(0), VARLEN)  # int32
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
     if PDL:  # every program waits, so the launch never ends before the split kernel
+        if EARLY:
+            gdc_launch_dependents()
         gdc_wait()  # the split kernel's partials
-        gdc_launch_dependents()
+        if not EARLY:
+            gdc_launch_dependents()
     if row_q < 0:
         return
     offs_s = tl.arange(0, SPLITS_PAD)

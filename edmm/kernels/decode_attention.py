@@ -33,7 +33,8 @@ MIN_SPLIT_TOKENS = 256  # fewer tokens per split: more merge traffic than parall
 DEFAULT_MAX_SPLITS = 128
 MAX_SPLITS = 256  # the merge kernel holds one head's splits in registers
 MAX_FUSED_SPLITS = 1024  # the fused merge walks the splits in chunks
-MERGE_VALUES_PER_THREAD = 64  # fp32 partial values one thread holds per fused-merge chunk
+MERGE_VALUES_PER_THREAD = 32  # fp32 partial values one thread loads per fused-merge step
+MERGE_LSE_SPLITS = 256  # log-sum-exps per step of the fused merge's first pass
 PROGRAMS_PER_SM = 2
 VARLEN_DECODES = 4  # single-query sequences a mixed batch is assumed to hold (split count)
 DEFAULT_SMS = 132  # H200; used when the device has no SM count (CPU interpreter)
@@ -172,7 +173,7 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, cu_q: torch.Ten
     _launch_split(q, kv, slot_ids, context_lens, out, part_o, part_lse, cu_q, counters, scale,
                   num_splits, cfg, fused, pdl, prefetch)
     if num_splits > 1 and not fused:
-        _launch_reduce(part_o, part_lse, out, cu_q, pdl)
+        _launch_reduce(part_o, part_lse, out, cu_q, pdl, cfg.early_launch)
     return out
 
 
@@ -200,8 +201,11 @@ def _launch_split(q: torch.Tensor, kv: torch.Tensor, slot_ids: torch.Tensor,
     num_kv_heads = kv.shape[3]
     group = q.shape[1] // num_kv_heads
     merge_g = next_pow2(group)
-    merge_s = max(1, min(next_pow2(num_splits),
-                         MERGE_VALUES_PER_THREAD * 32 * cfg.num_warps // (merge_g * head_dim)))
+    merge_s = lse_s = 1  # unused without the fused merge: no recompile per split count
+    if fused:
+        merge_s = max(1, min(next_pow2(num_splits), MERGE_VALUES_PER_THREAD * 32 * cfg.num_warps
+                             // (merge_g * head_dim)))
+        lse_s = min(next_pow2(num_splits), MERGE_LSE_SPLITS)
     grid = (slot_ids.shape[0], num_kv_heads, num_splits)
     tk.decode_split_kernel[grid](
         q, kv, slot_ids, context_lens, out, part_o, part_lse,
@@ -215,8 +219,10 @@ def _launch_split(q: torch.Tensor, kv: torch.Tensor, slot_ids: torch.Tensor,
         part_lse.stride(0), part_lse.stride(1),
         GROUP=group, GROUP_PAD=max(16, next_pow2(group)), HEAD_DIM=head_dim,
         BLOCK_N=cfg.block_n, SINGLE_SPLIT=num_splits == 1, DOT_PRECISION=dot_precision(q.dtype),
-        VARLEN=cu_q is not None, FUSED=fused, MERGE_G=merge_g, MERGE_S=merge_s, PDL=pdl,
-        PREFETCH=prefetch, ELEM_BYTES=q.element_size(),
+        VARLEN=cu_q is not None, FUSED=fused, MERGE_G=merge_g, MERGE_S=merge_s, LSE_S=lse_s,
+        PDL=pdl, EARLY=cfg.early_launch, PREFETCH=prefetch,
+        PREFETCH_TOKENS=cfg.prefetch_tiles * cfg.block_n,
+        ELEM_BYTES=q.element_size(),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_pdl_launch(pdl),
     )
 
@@ -227,7 +233,7 @@ def _pdl_launch(pdl: bool) -> dict[str, bool]:
 
 
 def _launch_reduce(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor,
-                   cu_q: torch.Tensor | None, pdl: bool) -> None:
+                   cu_q: torch.Tensor | None, pdl: bool, early: bool) -> None:
     """Launch the merge kernel over (B, Hq)."""
     from edmm.kernels import _triton_decode as tk
 
@@ -240,6 +246,7 @@ def _launch_reduce(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tens
         part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1),
         SPLITS_PAD=splits_pad, HEAD_DIM=head_dim, VARLEN=cu_q is not None, PDL=pdl,
+        EARLY=early,
         num_warps=min(16, max(1, splits_pad * head_dim // 2048)),  # ~64 fp32 per thread
         **_pdl_launch(pdl),
     )

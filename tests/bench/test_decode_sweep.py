@@ -88,3 +88,18 @@ def test_candidates_respect_each_mode_and_the_tiles() -> None:
         assert "BLOCK_NxWARPSxSTAGES" in str(e)
     else:
         raise AssertionError("a config of two numbers was accepted")
+
+
+def test_prefetch_depth_configs_run_only_in_prefetch_modes() -> None:
+    sweep = _script()
+    configs = sweep.parse_configs("64x2x3x1,64x2x3")
+    assert configs == (DecodeConfig(64, 2, 3, prefetch_tiles=1), DecodeConfig(64, 2, 3))
+    launches = sweep.candidates(["reduce-pdl", "fused-pdl-early-prefetch"], configs, (64,),
+                                16384)
+    assert [(c.fused, c.prefetch, c.prefetch_tiles, c.early_launch) for _, c in launches] == [
+        (False, False, 0, False),  # 64x2x3x1 without prefetch is 64x2x3: swept once
+        (True, True, 1, True), (True, True, 0, True)]
+    assert "reduce-early" not in sweep.MODES  # early launch is a form of pdl
+    row = _row("triton-sweep", 1, 10.0, splits=64)
+    row.extra |= {"fused": True, "pdl": True, "prefetch": True, "prefetch_tiles": 1}
+    assert "64x4x3x1)" in sweep.markdown([row], sweep.routes([row]), "# t")

@@ -143,7 +143,20 @@ FUSED_DECODE = [(96, DecodeConfig(64, 2, 3, fused=True, pdl=True)),
                 (16, DecodeConfig(128, 8, 3, fused=True, pdl=True)),
                 (64, DecodeConfig(64, 2, 3, pdl=True, prefetch=True)),
                 (7, DecodeConfig(64, 4, 3, prefetch=True)),
-                (16, DecodeConfig(128, 8, 3, fused=True, pdl=True, prefetch=True))]
+                (16, DecodeConfig(128, 8, 3, fused=True, pdl=True, prefetch=True)),
+                # the fused merge over many splits with few threads, and first-tiles prefetch
+                (64, DecodeConfig(64, 2, 3, fused=True, pdl=True)),
+                (33, DecodeConfig(64, 4, 3, fused=True, pdl=True, prefetch=True,
+                                  prefetch_tiles=1)),
+                (64, DecodeConfig(64, 2, 3, pdl=True, prefetch=True, prefetch_tiles=2)),
+                (132, DecodeConfig(32, 4, 3, fused=True, pdl=True, prefetch=True,
+                                   prefetch_tiles=2)),
+                # early launch: the next kernel launches as soon as this one starts
+                (64, DecodeConfig(64, 2, 4, pdl=True, early_launch=True)),
+                (64, DecodeConfig(64, 2, 4, pdl=True, early_launch=True, prefetch=True,
+                                  prefetch_tiles=1)),
+                (32, DecodeConfig(64, 4, 4, fused=True, pdl=True, early_launch=True,
+                                  prefetch=True, prefetch_tiles=2))]
 
 
 @pytest.mark.parametrize(("num_splits", "config"), FUSED_DECODE)
@@ -169,6 +182,10 @@ def test_fused_and_pdl_decode_in_cuda_graph(arena: KVArena, num_splits: int,
             graph.replay()
         torch.cuda.synchronize()
         assert not ws.counters(1, q.device).any()
+        first = out.clone()
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, first)  # the merge adds in a fixed order: bitwise repeatable
         for i, layer in enumerate(LAYERS):
             ref = decode_attention_reference(q, arena.kv, layer, [0, 1, 3, 2], new_lens, SCALE,
                                              torch.float32)

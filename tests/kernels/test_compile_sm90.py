@@ -58,26 +58,30 @@ SCRIPT = textwrap.dedent("""
                 "wgmma": "wgmma.mma_async" in ptx, "setmaxnreg": "setmaxnreg" in ptx,
                 "atomic": "atom." in ptx, "griddepcontrol": "griddepcontrol.wait" in ptx,
                 "trigger": "griddepcontrol.launch_dependents" in ptx,
+                "trigger_first": 0 <= ptx.find("griddepcontrol.launch_dependents")
+                                 < ptx.find("griddepcontrol.wait"),
                 "prefetch": "prefetch.global.L2" in ptx,
                 "warps": k.metadata.num_warps}
 
     d, p, ws, sk = DecodeConfig(), PrefillConfig(), PREFILL, SkinnyConfig()
     split = dict(GROUP=7, GROUP_PAD=16, HEAD_DIM=128, SINGLE_SPLIT=False, DOT_PRECISION="tf32",
-                 VARLEN=False, MERGE_G=8)
+                 VARLEN=False, MERGE_G=8, LSE_S=64)
     out = {
         "decode": compile_sm90(
             td.decode_split_kernel,
-            dict(split, BLOCK_N=d.block_n, FUSED=False, MERGE_S=1, PDL=False, PREFETCH=False,
-                 ELEM_BYTES=2),
+            dict(split, BLOCK_N=d.block_n, FUSED=False, MERGE_S=1, PDL=False, EARLY=False,
+                 PREFETCH=False, PREFETCH_TOKENS=0, ELEM_BYTES=2),
             num_warps=d.num_warps, num_stages=d.num_stages),
         **{name: compile_sm90(  # the fused merge, programmatic dependent launch, L2 prefetch
             td.decode_split_kernel,
             dict(split, BLOCK_N=block_n, FUSED=fused, MERGE_S=merge_s, PDL=True,
-                 PREFETCH=True, ELEM_BYTES=2),
+                 EARLY=tiles > 0, PREFETCH=True, PREFETCH_TOKENS=tiles * block_n,
+                 ELEM_BYTES=2),
             num_warps=warps, num_stages=3, launch_pdl=True)
-           for name, block_n, warps, merge_s, fused in (
-               ("decode_fused", 32, 2, 4, True), ("decode_fused_w8", 128, 8, 16, True),
-               ("decode_pdl_prefetch", 64, 2, 1, False))},
+           for name, block_n, warps, merge_s, fused, tiles in (
+               ("decode_fused", 32, 2, 2, True, 0), ("decode_fused_w8", 128, 8, 8, True, 1),
+               ("decode_fused_w4", 64, 4, 4, True, 2),
+               ("decode_pdl_prefetch", 64, 2, 1, False, 1))},
         "rope_trigger": compile_sm90(
             tr.rope_store_kernel, dict(HQ_PAD=32, HKV_PAD=4, HALF=64, TRIGGER=True),
             num_warps=4),
@@ -95,7 +99,8 @@ SCRIPT = textwrap.dedent("""
         "silu_trigger": compile_sm90(
             tsi.silu_mul_kernel, dict(BLOCK=256, TRIGGER=True), num_warps=4),
         "decode_reduce_pdl": compile_sm90(
-            td.decode_reduce_kernel, dict(SPLITS_PAD=64, HEAD_DIM=128, VARLEN=True, PDL=True),
+            td.decode_reduce_kernel, dict(SPLITS_PAD=64, HEAD_DIM=128, VARLEN=True, PDL=True,
+                                          EARLY=True),
             num_warps=4, launch_pdl=True),
         "prefill": compile_sm90(
             tp.prefill_kernel,
@@ -119,12 +124,16 @@ def test_default_configs_compile_for_sm90_without_spills() -> None:
                          timeout=300, check=False)
     assert run.returncode == 0, run.stderr[-3000:]
     report = json.loads(run.stdout.strip().splitlines()[-1])
-    for name in ("decode_fused", "decode_fused_w8"):
+    for name in ("decode_fused", "decode_fused_w8", "decode_fused_w4"):
         assert report[name]["atomic"] and report[name]["griddepcontrol"], report[name]
-    for name in ("decode_fused", "decode_fused_w8", "decode_pdl_prefetch"):
+    for name in ("decode_fused", "decode_fused_w8", "decode_fused_w4", "decode_pdl_prefetch"):
         assert report[name]["prefetch"], report[name]
     assert not report["decode_pdl_prefetch"]["atomic"] and not report["decode"]["prefetch"]
     assert report["decode_reduce_pdl"]["griddepcontrol"] and report["rope_trigger"]["trigger"]
+    # early launch: the dependents may launch before this kernel's own wait
+    assert report["decode_reduce_pdl"]["trigger_first"]
+    assert report["decode_fused_w8"]["trigger_first"]
+    assert not report["decode_fused"]["trigger_first"]
     assert not report["decode"]["atomic"] and not report["decode"]["griddepcontrol"]
     assert report["skinny_split_128x256"]["atomic"] and not report["skinny"]["atomic"]
     assert report["skinny"]["wgmma"], "skinny: no Hopper matrix instructions (wgmma)"

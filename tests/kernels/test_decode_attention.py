@@ -273,3 +273,23 @@ def test_rejects_bad_index_tensors() -> None:
         decode_attention(q, kv, 1, good, good, 1.0)
     with pytest.raises(KernelInputError, match="num_splits"):
         decode_attention(q, kv, 0, good, good, 1.0, num_splits=257)
+
+
+def test_decode_parts_calls_run_the_routed_kernel() -> None:
+    """`decode_parts`' per-layer calls (the GPU bench of where a layer's time goes) at a
+    small context: ``full`` is the kernel's result, ``split only`` writes the partials its
+    merge would read, the launch floor writes one value per program."""
+    from edmm.bench.scripts.decode_parts import part_fns
+
+    torch.manual_seed(0)
+    kv = torch.randn(1, 40, 28, 2, 4, 128).to(torch.bfloat16)  # Qwen2.5-7B heads, 28 layers
+    q = torch.randn(1, 28, 128).to(torch.bfloat16)
+    fns = part_fns(kv, q, 40, 3, DecodeConfig(16, 2, 2))
+    out = fns["full"](2)
+    ref = decode_attention_reference(q, kv, 2, [0], [40], 128**-0.5, dtype=torch.float64)
+    torch.testing.assert_close(out.double(), ref, atol=2e-2, rtol=2e-2)
+    part_o = fns["split only"](2)  # [1, 28, 3, 128] fp32 partials
+    assert part_o.shape == (1, 28, 3, 128) and bool(part_o.isfinite().all())
+    assert bool((fns["launch floor"](0) == 1.0).all())  # one per program of (1, 4, 3)
+    assert fns["read floor"](0).dtype == torch.float32
+

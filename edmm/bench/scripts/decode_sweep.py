@@ -11,7 +11,9 @@ replays, CUDA events, a GPU sleep before each so launch latency stays out):
   ``CONFIGS``; ``--modes``, ``--configs``): the reduce as a second launch or fused into the
   split kernel (its last split per sequence and KV head merges; up to 1024 splits), each with
   and without programmatic dependent launch (``pdl``: each launch starts while the one before
-  drains) and an L2 prefetch of each program's whole chunk (``prefetch``);
+  drains; ``early``: as soon as it starts), and an L2 prefetch of each program's whole chunk
+  (``prefetch``), or of its first tiles (a config's fourth number, ``64x2x3x1``: in the modes
+  without prefetch it is 64x2x3);
 - SDPA on the strided view (equal lengths only: the engine cannot route a CUDA-graph batch of
   unequal lengths to it without reading past each context, so it is a yardstick).
 Every candidate's output is checked against SDPA's (relative error in the table).
@@ -67,12 +69,13 @@ SPLITS = (8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
 CONFIGS = (DecodeConfig(32, 4, 4), DecodeConfig(32, 2, 3), DecodeConfig(64, 4, 2),
            DecodeConfig(64, 4, 3), DecodeConfig(64, 8, 3), DecodeConfig(64, 2, 3),
            DecodeConfig(128, 4, 2), DecodeConfig(128, 8, 3))
-FLAGS = ("fused", "pdl", "prefetch")  # DecodeConfig's launch-mode flags
-MODES = {  # launch mode -> DecodeConfig flags
-    "-".join(["fused" if fused else "reduce"] + [f for f, on in (("pdl", pdl),
-                                                                  ("prefetch", pre)) if on]):
-    {"fused": fused, "pdl": pdl, "prefetch": pre}
-    for fused in (False, True) for pdl in (False, True) for pre in (False, True)}
+FLAGS = ("fused", "pdl", "prefetch", "early_launch")  # DecodeConfig's launch-mode flags
+MODES = {  # launch mode -> DecodeConfig flags (early launch only with pdl)
+    "-".join(["fused" if fused else "reduce"]
+             + [f for f, on in (("pdl", pdl), ("early", early), ("prefetch", pre)) if on]):
+    {"fused": fused, "pdl": pdl, "prefetch": pre, "early_launch": early}
+    for fused in (False, True) for pdl in (False, True) for early in (False, True)
+    for pre in (False, True) if pdl or not early}
 TARGET_TBS = 3.0  # issue 20: decode attention >= 3 TB/s at batch 1 and 8, 16K
 
 
@@ -84,15 +87,18 @@ def mode_of(config: DecodeConfig) -> str:
 
 def candidates(modes: list[str], configs: tuple[DecodeConfig, ...], splits: tuple[int, ...],
                context: int) -> list[tuple[int, DecodeConfig]]:
-    """(split count, config) of every swept launch at ``context``: no split past the tiles
-    (it would do nothing), none over the mode's limit."""
-    out = []
+    """(split count, config) of every swept launch at ``context``, each once: no split past
+    the tiles (it would do nothing), none over the mode's limit; a config's prefetch depth
+    applies in the modes that prefetch (elsewhere the config runs without it)."""
+    out: list[tuple[int, DecodeConfig]] = []
     for mode in modes:
+        flags = MODES[mode]
         for base in configs:
-            config = replace(base, **MODES[mode])
+            config = replace(base, **flags,
+                             prefetch_tiles=base.prefetch_tiles if flags["prefetch"] else 0)
             limit = MAX_FUSED_SPLITS if config.fused else MAX_SPLITS
-            out += [(n, config) for n in splits
-                    if n <= limit and n <= -(-context // config.block_n)]
+            out += [(n, config) for n in splits if (n, config) not in out
+                    and n <= limit and n <= -(-context // config.block_n)]
     return out
 
 
@@ -193,19 +199,23 @@ def _mode_cell(r: Row | None) -> str:
     if r is None:
         return "-"
     e = r.extra
+    tiles = f"x{e['prefetch_tiles']}" if e.get("prefetch_tiles") else ""
     return (f"{r.median_us:.1f} us, {r.throughput / 1e3:.2f} TB/s (splits={e['num_splits']}, "
-            f"{e['block_n']}x{e['num_warps']}x{e['num_stages']})")
+            f"{e['block_n']}x{e['num_warps']}x{e['num_stages']}{tiles})")
 
 
 def parse_configs(text: str) -> tuple[DecodeConfig, ...]:
-    """``"32x2x3,64x4x3"`` -> DecodeConfigs (tokens per tile x warps x stages)."""
+    """``"32x2x3,64x4x3x1"`` -> DecodeConfigs (tokens per tile x warps x stages, and
+    optionally x tiles a prefetch asks L2 for: 0, the default, is the whole chunk)."""
     try:
         parts = [[int(v) for v in item.split("x")] for item in text.split(",") if item]
-        if not parts or any(len(p) != 3 for p in parts):
-            raise ValueError("three numbers per config")
-        return tuple(DecodeConfig(n, w, s) for n, w, s in parts)
+        if not parts or any(len(p) not in (3, 4) for p in parts):
+            raise ValueError("three or four numbers per config")
+        return tuple(DecodeConfig(p[0], p[1], p[2], prefetch_tiles=p[3] if len(p) == 4 else 0)
+                     for p in parts)
     except ValueError as e:
-        raise SystemExit(f"--configs: expected BLOCK_NxWARPSxSTAGES,..., got {text!r}") from e
+        raise SystemExit(f"--configs: expected BLOCK_NxWARPSxSTAGES[xPREFETCH_TILES],..., "
+                         f"got {text!r}") from e
 
 
 def main(argv: list[str] | None = None) -> int:
