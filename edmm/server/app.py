@@ -69,9 +69,34 @@ def build_app(state: ServerState) -> FastAPI:
     _add_error_handlers(app)
     _add_openai_routes(app, state)
     _add_edmm_routes(app, state)
+    if docs:
+        _document_chat_body(app)
     app.add_middleware(RequestGuard, allowed_hosts=state.config.hosts,  # type: ignore[arg-type]
                        max_body_bytes=state.config.max_body_bytes)
     return app
+
+
+def _document_chat_body(app: FastAPI) -> None:
+    """Show the chat route's body in the API docs: the route parses it itself (`parse_body`),
+    so FastAPI does not know its schema."""
+    generate = app.openapi
+
+    def openapi() -> dict[str, Any]:
+        if app.openapi_schema is None:
+            schema = generate()
+            body = ChatCompletionRequest.model_json_schema(
+                ref_template="#/components/schemas/{model}")
+            components = schema.setdefault("components", {}).setdefault("schemas", {})
+            for name, definition in body.pop("$defs", {}).items():
+                components.setdefault(name, definition)
+            components["ChatCompletionRequest"] = body
+            ref = {"$ref": "#/components/schemas/ChatCompletionRequest"}
+            schema["paths"]["/v1/chat/completions"]["post"]["requestBody"] = {
+                "required": True, "content": {"application/json": {"schema": ref}}}
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi  # type: ignore[method-assign]
 
 
 def _add_error_handlers(app: FastAPI) -> None:
@@ -137,8 +162,8 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
     async def metrics() -> Response:
         return Response(await serving.render_metrics(), media_type=CONTENT_TYPE_LATEST)
 
-    # The body is parsed by `parse_body` (one pass, FastAPI's errors), not by FastAPI (so
-    # the API docs do not show its schema).
+    # The body is parsed by `parse_body` (one pass, FastAPI's errors), not by FastAPI (the
+    # API docs get its schema from `_document_chat_body`).
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(request: Request,
                    x_session_id: str | None = Header(default=None, min_length=1,

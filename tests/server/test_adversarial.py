@@ -8,6 +8,7 @@ of `BODY_LIMIT`; the session server of conftest has the defaults (templates off,
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import time
@@ -390,3 +391,28 @@ def test_a_bad_tool_output_chunk_is_refused_before_it_is_stored(hardened: LiveSe
         assert ok.status_code == 200, ok.text
     httpx.delete(f"{hardened.url}/v1/edmm/sessions/{session_id}", timeout=10)
     _still_serves(hardened)
+
+
+def _refs(node: object) -> list[str]:
+    if isinstance(node, dict):
+        return [v for k, v in node.items() if k == "$ref"] + [
+            r for v in node.values() for r in _refs(v)]
+    if isinstance(node, list):
+        return [r for v in node for r in _refs(v)]
+    return []
+
+
+def test_api_docs_show_the_chat_body(tiny_dir: Path) -> None:
+    """With --api-docs the chat route's body schema is documented, though the route parses
+    the body itself, and every reference in the document resolves."""
+    config = dataclasses.replace(server_config(tiny_dir), api_docs=True)
+    with contextlib.contextmanager(serve)(ServerState(config)) as live:
+        doc = httpx.get(f"{live.url}/openapi.json", timeout=10).json()
+        assert httpx.get(f"{live.url}/docs", timeout=10).status_code == 200
+    body = doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]
+    ref = body["content"]["application/json"]["schema"]["$ref"]
+    chat = doc["components"]["schemas"][ref.rsplit("/", 1)[1]]
+    assert {"messages", "model", "tools", "stream"} <= set(chat["properties"])
+    assert "messages" in chat["required"]
+    names = set(doc["components"]["schemas"])
+    assert all(r.rsplit("/", 1)[1] in names for r in _refs(doc))
