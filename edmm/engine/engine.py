@@ -74,8 +74,13 @@ class Request:
     priority: float = 0.0
 
     def __post_init__(self) -> None:
-        if not math.isfinite(self.priority):
-            raise InvalidRequestError(f"priority must be a finite number, got {self.priority}")
+        check_priority(self.priority)
+
+
+def check_priority(priority: float) -> None:
+    """`InvalidRequestError` unless ``priority`` is a finite number."""
+    if not math.isfinite(priority):
+        raise InvalidRequestError(f"priority must be a finite number, got {priority}")
 
 
 @dataclass(frozen=True)
@@ -321,8 +326,7 @@ class Engine:
     def reprioritize(self, request_id: str, priority: float) -> bool:
         """Change a queued or running request's admission priority (`Request.priority`);
         False if it is unknown or finished."""
-        if not math.isfinite(priority):
-            raise InvalidRequestError(f"priority must be a finite number, got {priority}")
+        check_priority(priority)
         return self.scheduler.reprioritize(request_id, priority)
 
     def has_unfinished(self) -> bool:
