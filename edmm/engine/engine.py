@@ -101,6 +101,8 @@ class EngineStats:
     prompt_tokens_computed: int
     speculation_tokens_computed: int  # tokens prefilled by speculation (all branches)
     num_preemptions: int
+    memory_wait_steps: int  # steps whose admissions stopped because memory was short
+    memory_wait_running_pages: int  # pages running requests mapped then, summed over them
 
 
 @dataclass
@@ -402,7 +404,8 @@ class Engine:
             prompt_tokens_reused=c.prompt_tokens_reused,
             prompt_tokens_computed=c.prompt_tokens - c.prompt_tokens_reused,
             speculation_tokens_computed=sched.speculated_total,
-            num_preemptions=sched.num_preemptions)
+            num_preemptions=sched.num_preemptions, memory_wait_steps=sched.memory_waits.steps,
+            memory_wait_running_pages=sched.memory_waits.running_pages)
 
     def check_integrity(self) -> None:
         """Raise if the scheduler and the KV memory disagree, or the arena, the pool, the

@@ -84,6 +84,21 @@ class SchedulerConfig:
                 f"{self.max_num_seqs}: some running sequences could not decode in a step")
 
 
+@dataclass
+class MemoryWaits:
+    """Steps in which admission stopped because memory was short (the queue's head waited
+    while others ran), and the pages running requests mapped then: what holds the pool when
+    a turn waits for memory."""
+
+    steps: int = 0
+    running_pages: int = 0  # summed over those steps
+
+    def record(self, running_pages: int) -> None:
+        """One more step whose admission stopped for memory."""
+        self.steps += 1
+        self.running_pages += running_pages
+
+
 @dataclass(frozen=True)
 class ScheduledSeq:
     """One sequence's work in a step: compute ``token_ids`` at positions ``start..``."""
@@ -173,6 +188,7 @@ class Scheduler:
         self.spec_waiting: deque[Sequence] = deque()
         self.spec_running: list[Sequence] = []  # admission order
         self.num_preemptions = 0
+        self.memory_waits = MemoryWaits()
         self.speculated: Counter[str] = Counter()  # tag -> tokens computed by speculation
         self.speculated_total = 0  # tokens computed by speculation, since start
         self._seqs: dict[str, Sequence] = {}
@@ -325,6 +341,8 @@ class Scheduler:
             seq = self.waiting.peek()
             n = self._admit(seq, budget)
             if n == 0:
+                self.memory_waits.record(
+                    sum(self.kv.mapped_pages(s.slot) for s in self.running if s.slot is not None))
                 break
             self.waiting.pop()
             self.running.append(seq)

@@ -54,10 +54,16 @@ def test_wait_target_passes_on_a_big_enough_ratio() -> None:
                                                                          wait=1.9)]
     wait = next(c for c in check_targets(rows, 2.0, 1.0) if c.name.startswith("mean engine"))
     assert wait.status == "PASS" and wait.margin == "+5%"
-    rows.append(_row("edmm", 32, 250, oversub=1.0))
-    ttft = next(c for c in check_targets(rows, 2.0, 1.0) if "resume TTFT x2" in c.name)
+    assert "the most any policy" not in wait.measured  # no x1 run to bound it
+    rows.append(_row("edmm", 32, 250, wait=1.5, oversub=1.0))
+    rows[2].update(mem_wait_steps=7, mem_wait_running_share=0.96)
+    checks = check_targets(rows, 2.0, 1.0)
+    ttft = next(c for c in checks if "resume TTFT x2" in c.name)
     assert ttft.status == "PASS" and "1.20 (300 / 250 ms)" in ttft.measured
+    assert "in 7 steps, running turns holding 96% of the pool" in ttft.measured
     assert "at load 32 (lru sustains 32)" in ttft.name
+    wait = next(c for c in checks if c.name.startswith("mean engine"))
+    assert "lru / edmm at x1: 2.00x" in wait.measured  # 3.0 / 1.5: edmm with all memory
 
 
 def test_worst_metric_is_relative_to_the_best_baseline() -> None:

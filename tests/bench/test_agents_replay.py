@@ -119,6 +119,9 @@ def test_summary_rows_account_for_tool_time(matrix_runs) -> None:
         assert row["outputs_as_lru"] is True
         assert 0 <= row["prefix_hit_rate"] <= 1
         assert row["pages_used_max"] <= row["pages"]
+        share = row["mem_wait_running_share"]
+        assert (share is None) == (row["mem_wait_steps"] == 0)
+        assert share is None or 0 < share <= 1
         assert row["resume_ttft_p50_ms"] <= row["resume_ttft_p90_ms"] <= row["resume_ttft_p99_ms"]
 
 

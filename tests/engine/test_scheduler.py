@@ -139,6 +139,24 @@ def test_pool_pressure_preempts_the_latest_admitted(make_arena: MakeArena) -> No
     assert work(step(sched)) == [("a", 22, 1, True), ("c", 0, 16, True)]  # recomputed
 
 
+def test_memory_waits_count_steps_whose_admission_waited_and_what_ran(
+        make_arena: MakeArena) -> None:
+    arena = make_arena(6)  # 48 tokens, 8 a page
+    sched = scheduler(arena)
+    a, b, _ = add(sched, "a", 16), add(sched, "b", 16), add(sched, "c", 15)
+    step(sched)
+    assert step(sched).preempted == ["c"]  # c waits from here on
+    assert sched.memory_waits.steps == 0  # a step that preempts admits nothing
+    for i in range(1, 4):
+        step(sched)
+        held = arena.pool.capacity - arena.pool.num_free
+        assert sched.memory_waits.steps == i
+        assert sched.memory_waits.running_pages == i * held == i * 6  # a and b: 3 pages each
+    sched.finish(b, "stop")
+    step(sched)  # c is admitted: no wait
+    assert sched.memory_waits.steps == 3 and a.status == SequenceStatus.RUNNING
+
+
 def test_a_self_preempted_sequence_resumes_from_its_kv(make_arena: MakeArena) -> None:
     arena = make_arena(5)  # 40 tokens
     sched = scheduler(arena, caching=True)

@@ -28,6 +28,8 @@ class EngineCounters:
     restores: int  # copies back, over the engine's life
     restored_bytes: int
     restore_s: float
+    memory_wait_steps: int  # steps whose admissions waited for memory, over the engine's life
+    memory_wait_running_pages: int  # pages running requests held then, summed
 
 
 def pages_in_use(engine: Engine) -> int:
@@ -43,10 +45,12 @@ def pages_total(engine: Engine) -> int:
 def read_counters(agent: AgentEngine, reserved_pages: int = 0) -> EngineCounters:
     """The engine's counters now, less ``reserved_pages`` held by a `KVBallast` (host-copy
     totals are 0 without offload)."""
-    kv = agent.engine.stats().kv
+    stats = agent.engine.stats()
+    kv = stats.kv
     return EngineCounters(kv.pages_total - reserved_pages, kv.pages_in_use - reserved_pages,
                           kv.offload_bytes, kv.offloads, kv.offloaded_bytes_total, kv.offload_s,
-                          kv.restores, kv.restored_bytes_total, kv.restore_s)
+                          kv.restores, kv.restored_bytes_total, kv.restore_s,
+                          stats.memory_wait_steps, stats.memory_wait_running_pages)
 
 
 class KVBallast:

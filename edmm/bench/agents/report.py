@@ -41,6 +41,8 @@ def summarize_run(rec: RunRecord, reference: dict[str, str] | None) -> dict[str,
     off_b, res_b = a.offloaded_bytes - b.offloaded_bytes, a.restored_bytes - b.restored_bytes
     off_s, res_s = a.offload_s - b.offload_s, a.restore_s - b.restore_s
     pages = [p["pages_used"] for p in res.timeline]
+    waits = a.memory_wait_steps - b.memory_wait_steps
+    held = a.memory_wait_running_pages - b.memory_wait_running_pages
     minutes = res.makespan_s / 60
     row: dict[str, Any] = {
         "policy": cond.policy, "tools": cond.mix, "oversub": cond.oversubscription,
@@ -65,6 +67,8 @@ def summarize_run(rec: RunRecord, reference: dict[str, str] | None) -> dict[str,
         "restore_GiB_s": res_b / GIB / res_s if res_s > 0 else None,
         "pages_used_mean": mean(pages) if pages else None,
         "pages_used_max": max(pages) if pages else None,
+        "mem_wait_steps": waits,
+        "mem_wait_running_share": held / waits / rec.pages if waits else None,
         "makespan_s": res.makespan_s,
     }
     if reference is not None:
@@ -261,4 +265,8 @@ def _method_notes(cfg: AgentsBenchConfig) -> list[str]:
         "own time (CUDA: side-stream copies timed by events; CPU: synchronous)",
         "oversub_reached: working set / pool pages (a pool never holds less than one longest "
         "sequence); outputs_as_lru: greedy tokens of every turn identical to lru's",
+        "mem_wait_steps: engine steps in which a waiting turn could not be admitted for lack "
+        "of KV memory; mem_wait_running_share: the pool's share mapped by running turns in "
+        "those steps, averaged (near 1: memory is full of turns being computed, with no paused "
+        "session's KV left to offload or evict)",
     ]
