@@ -127,6 +127,9 @@ class ServerMetrics(Collector):
         yield self._counter("edmm_engine_steps", "Engine steps run.", snap.num_steps)
         yield self._counter("edmm_preemptions", "Sequences preempted for memory.",
                             snap.engine.num_preemptions)
+        yield self._counter("edmm_admission_memory_waits",
+                            "Engine steps in which a waiting request could not be admitted "
+                            "for lack of KV memory.", snap.engine.memory_wait_steps)
 
     def _request_metrics(self, snap: EngineSnapshot,
                          ) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:

@@ -39,3 +39,18 @@ def test_offload_counters_and_host_bytes(tiny_dir: Path) -> None:
     engine.reset_prefix_cache()
     assert engine.stats().kv.pages_in_use == 0
     engine.close()
+
+
+def test_admission_memory_waits_counter(tiny_dir: Path) -> None:
+    engine = Engine(EngineConfig(model=str(tiny_dir), dtype="float32", max_model_len=256,
+                                 num_slots=8, max_num_seqs=4, num_pages=64))
+    sessions = ServerSessions(AgentEngine(engine))
+    metrics = ServerMetrics("tiny")
+    text = metrics.render(EngineSnapshot.take(sessions, 0, 0)).decode()
+    assert _value(text, "edmm_admission_memory_waits_total") == 0
+    engine.scheduler.memory_waits.record(running_pages=12)
+    engine.scheduler.memory_waits.record(running_pages=10)
+    text = metrics.render(EngineSnapshot.take(sessions, 0, 0)).decode()
+    assert _value(text, "edmm_admission_memory_waits_total") == 2
+    assert engine.stats().memory_wait_running_pages == 22
+    engine.close()
