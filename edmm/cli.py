@@ -276,6 +276,9 @@ def build_parser() -> argparse.ArgumentParser:
                        help="main oversubscription (default: the first run's)")
     merge.add_argument("--check-oversub", type=float_at_least(1.0), default=None,
                        help="check oversubscription (default: the first run's)")
+    merge.add_argument("--mixed-trees", action="store_true",
+                       help="accept folders measured on different source trees (each one's "
+                            "tree is noted in the report; say in its README what differs)")
     return parser
 
 
@@ -532,7 +535,8 @@ def _bench(args: argparse.Namespace) -> int:
         from edmm.bench.agents.merge import MergeError, merge
 
         try:
-            paths = merge(args.folders, args.out, args.oversub, args.check_oversub)
+            paths = merge(args.folders, args.out, args.oversub, args.check_oversub,
+                          args.mixed_trees)
         except (MergeError, OSError, ValueError, KeyError) as e:  # ValueError: bad JSON
             print(f"edmm bench agents-merge: {type(e).__name__}: {e}", file=sys.stderr)
             return 2

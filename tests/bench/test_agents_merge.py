@@ -104,6 +104,14 @@ def test_merge_builds_one_report_and_refuses_mismatches(tmp_path: Path) -> None:
     twice = _folder(tmp_path, "d", [_row("lru", 32, 500)])
     with pytest.raises(MergeError, match="measured twice"):
         merge([a, twice], tmp_path / "out3")
+    newer = _folder(tmp_path, "e", [_row("ttl", 32, 400)])
+    doc = json.loads((newer / "agents.json").read_text())
+    doc["environment"]["git_commit"] = "def"
+    (newer / "agents.json").write_text(json.dumps(doc))
+    with pytest.raises(MergeError, match="source tree"):
+        merge([a, newer], tmp_path / "out4")
+    md = merge([a, newer], tmp_path / "out5", mixed_trees=True)["md"].read_text()
+    assert "different source trees (--mixed-trees): a: abc; e: def" in md
 
 
 def test_cli_subsets_merge_into_one_report(tmp_path: Path) -> None:

@@ -73,15 +73,16 @@ def read_part(folder: Path) -> Part:
     return Part(folder, doc, timeline, restore)
 
 
-def check_compatible(parts: Sequence[Part]) -> None:
-    """Raise `MergeError` unless the bench folders share trace, seed, settings and tree."""
+def check_compatible(parts: Sequence[Part], mixed_trees: bool = False) -> None:
+    """Raise `MergeError` unless the bench folders share trace, seed, settings and tree
+    (``mixed_trees``: the tree may differ; the report then lists each part's)."""
     bench = [p for p in parts if p.doc]
     if not bench:
         raise MergeError("no agents.json among the folders")
     first = bench[0]
     for p in bench[1:]:
         diff = [k for k in SHARED if p.meta.get(k) != first.meta.get(k)]
-        if p.tree != first.tree:
+        if p.tree != first.tree and not mixed_trees:
             diff.append(f"source tree {p.tree} vs {first.tree}")
         if diff:
             raise MergeError(f"{p.folder} differs from {first.folder}: {', '.join(map(str, diff))}")
@@ -94,16 +95,33 @@ def check_compatible(parts: Sequence[Part]) -> None:
             seen[key] = p.folder
 
 
+def _tree_notes(bench: Sequence[Part]) -> list[str]:
+    """One note naming each part's source tree, when they differ."""
+    trees = {p.tree for p in bench}
+    if len(trees) < 2:
+        return []
+    return ["parts measured on different source trees (--mixed-trees): " + "; ".join(
+        f"{p.folder.name}: {p.tree[0][:12]}{' (uncommitted changes)' if p.tree[1] else ''}"
+        for p in bench)]
+
+
+def _method_notes(part: Part) -> list[str]:
+    """The method notes of one run: its notes after the target lines."""
+    notes = part.doc.get("notes") or []
+    return notes[notes.index(MARGIN_NOTE) + 1:] if MARGIN_NOTE in notes else notes[-5:]
+
+
 def _sort_key(row: dict[str, Any]) -> tuple[Any, ...]:
     return (row["tools"], -float(row["oversub"]), row["policy"], float(row["load"]))
 
 
 def merge(folders: Sequence[Path], out: Path, oversub: float | None = None,
-          check_oversub: float | None = None) -> dict[str, Path]:
+          check_oversub: float | None = None, mixed_trees: bool = False) -> dict[str, Path]:
     """Merge ``folders`` into ``out``; return the files written. ``oversub`` / ``check_oversub``
-    default to the first run's main and check oversubscriptions."""
+    default to the first run's main and check oversubscriptions; ``mixed_trees`` accepts
+    parts measured on different source trees (each part's tree is then noted)."""
     parts = [read_part(f) for f in folders]
-    check_compatible(parts)
+    check_compatible(parts, mixed_trees)
     bench = [p for p in parts if p.doc]
     meta = bench[0].meta
     oversub = oversub if oversub is not None else float(meta["oversub"])
@@ -126,7 +144,7 @@ def merge(folders: Sequence[Path], out: Path, oversub: float | None = None,
              "merged from: " + "; ".join(
                  f"{p.folder.name} ({(p.doc.get('environment') or {}).get('command', '')})"
                  for p in bench),
-             *(bench[0].doc.get("notes") or [])[-5:]]  # the method notes of one run
+             *_tree_notes(bench), *_method_notes(bench[0])]
     paths = writer.write(rows, "Agent workloads: policies on one trace (merged runs)", notes,
                          meta={**meta, "oversub": oversub, "check_oversub": check_oversub,
                                "targets": [c.__dict__ for c in checks], "restore": restore})
