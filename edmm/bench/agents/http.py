@@ -27,10 +27,12 @@ and cached tokens, a digest of the output (greedy outputs compared with ``lru``'
 JCT and engine-wait (JCT minus tool time); from ``/metrics`` before and after: recomputed
 tokens, restores, offloads, preemptions, speculation outcomes, and KV pages in use (sampled).
 
-``overlap_tail``: the next policy's server starts once this run has no job left to start and
-at most that many running (0: once it ended). A trace's heavy tail leaves one job alone for
-minutes of tool time at the end of a run (wall clock, where the in-process run skips idle
-time); the next run's start then overlaps only those jobs (their turns are marked).
+Every policy's server starts and warms up first, all at once, before anything is measured;
+they then run one after the other. ``overlap_tail``: the next run starts once this run has no
+job left to start and at most that many running (0: once it ended). A trace's heavy tail
+leaves one job alone for minutes of tool time at the end of a run (wall clock, where the
+in-process run skips idle time); the next run then overlaps only those jobs (the turns they
+send meanwhile are counted, ``overlapped_turns``).
 """
 
 from __future__ import annotations
@@ -258,6 +260,12 @@ class _Client:
         n = max(1, round(tokens / self._per_word))
         return " ".join(rng.choice(_WORDS) for _ in range(n))
 
+    def close_session(self, sid: str) -> None:
+        """Delete a finished job's session (``DELETE /v1/edmm/sessions/{id}``)."""
+        r = self.http.delete(f"{self.url}/v1/edmm/sessions/{sid}")
+        if r.status_code != 200:
+            raise HttpBenchError(f"closing {sid} got HTTP {r.status_code}: {r.text[:300]}")
+
     def metrics(self) -> dict[str, float]:
         """The server's ``/metrics``, parsed."""
         return parse_metrics(self.http.get(f"{self.url}/metrics").text)
@@ -382,6 +390,7 @@ class _Run:
             tool_s += self._tool(client, sid, call_id, turn, result)
             messages.append({"role": "tool", "tool_call_id": call_id, "content": result})
         jct = time.perf_counter() - start
+        client.close_session(sid)  # its KV released, as the in-process replay does
         if record:
             self.jobs.append({"kind": "job", "policy": self.policy.name, "job": job.job_id,
                               "turns": len(job.turns), "jct_s": jct, "tool_s": tool_s,
@@ -458,10 +467,10 @@ def _untimed(jobs: Sequence[Job]) -> list[Job]:
 # ---------------------------------------------------------------- the bench
 
 
-def _live_config(cfg: HttpReplayConfig, args: Sequence[str]) -> LiveBenchConfig:
+def _live_config(cfg: HttpReplayConfig) -> LiveBenchConfig:
     b = cfg.bench
     live = LiveBenchConfig(model=b.model, tokenizer=cfg.tokenizer, device=b.device,
-                           server_args=(*args, *cfg.server_args),
+                           server_args=cfg.server_args,
                            start_timeout_s=cfg.start_timeout_s,
                            request_timeout_s=cfg.request_timeout_s)
     return resolve_tokenizer(live)
@@ -475,25 +484,30 @@ def _tokenizer(live: LiveBenchConfig) -> Any:
 
 def replay_http(cfg: HttpReplayConfig,
                 on_run: Callable[[list[_Run]], object] = lambda runs: None) -> list[_Run]:
-    """Every policy's replay, in order: each starts when the previous one ended (or reached
-    its tail, with `overlap_tail`); ``on_run`` gets the finished runs after each."""
-    mcfg = cfg.matrix_config()
-    matrix = Matrix(mcfg)
+    """Every policy's replay, in order. All servers start and warm up first, at once (nothing
+    is measured meanwhile); then each run starts when the previous one ended (or reached its
+    tail, with `overlap_tail`); ``on_run`` gets the finished runs after each."""
+    import httpx  # noqa: F401  (imported once here: lazy imports are not thread-safe)
+    import openai  # noqa: F401
+
+    matrix = Matrix(cfg.matrix_config())
     jobs = matrix.mixes["long"]
+    live = _live_config(cfg)
+    tok = _tokenizer(live)
     runs = [_Run(POLICIES.create(name), cfg) for name in cfg.policies]
     errors: list[BaseException] = []
     lock = threading.Lock()
+    ready = threading.Barrier(len(runs))
 
     def one(i: int) -> None:
-        if i > 0:
-            runs[i - 1].tail.wait()
-            runs[i - 1].overlapped.set()
         try:
-            _run_policy(runs[i], matrix, jobs, cfg)
+            _run_policy(runs[i], matrix, jobs, cfg, live, tok,
+                        lambda: _wait_turn(runs, i, ready))
             with lock:
                 on_run([r for r in runs if r.summary])
         except BaseException as e:  # reported after the join
             errors.append(e)
+            ready.abort()  # the others stop waiting for this server
         finally:
             runs[i].tail.set()
 
@@ -504,14 +518,22 @@ def replay_http(cfg: HttpReplayConfig,
     for t in threads:
         t.join()
     if errors:
-        raise errors[0]
+        raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)),
+                   errors[0])
     return runs
 
 
-def _run_policy(run: _Run, matrix: Matrix, jobs: list[Job], cfg: HttpReplayConfig) -> None:
+def _wait_turn(runs: Sequence[_Run], i: int, ready: threading.Barrier) -> None:
+    """Block until every server is warm, then until run ``i - 1`` ended or reached its tail."""
+    ready.wait()
+    if i > 0:
+        runs[i - 1].tail.wait()
+        runs[i - 1].overlapped.set()
+
+
+def _run_policy(run: _Run, matrix: Matrix, jobs: list[Job], cfg: HttpReplayConfig,
+                live: LiveBenchConfig, tok: Any, wait_turn: Callable[[], None]) -> None:
     engine = matrix.engine_config(run.policy.offload)
-    live = _live_config(cfg, ())
-    tok = _tokenizer(live)
     args = serve_args(run.policy, server_engine(engine, matrix.cfg, jobs, template_tokens(tok)),
                       matrix.cfg.prefetch_lead_s)
     live = dataclasses.replace(live, server_args=(*args, *live.server_args))
@@ -522,6 +544,7 @@ def _run_policy(run: _Run, matrix: Matrix, jobs: list[Job], cfg: HttpReplayConfi
         try:
             if matrix.cfg.warmup:  # as in process: the first two jobs, two at once
                 run.replay(client, _untimed(jobs[:2]), "warm", load=2)
+            wait_turn()
             before = client.metrics()
             pages = _Pages(client, cfg.sample_s)
             t1 = time.perf_counter()
@@ -688,9 +711,11 @@ def write_http_results(runs: Sequence[_Run], cfg: HttpReplayConfig, env: Environ
         "run; pages_used: /metrics samples; oversub_reached: the measured working set / pool; "
         "outputs_as_lru: every turn's greedy output (content and calls) equal to lru's",
         f"overlap_tail {cfg.overlap_tail}: " + (
-            "each policy's server starts after the previous run ended" if not cfg.overlap_tail
-            else f"the next policy's server starts once {cfg.overlap_tail} job(s) of this run "
-                 "are left; overlapped_turns: this run's turns sent while it was up"),
+            "each policy's run starts after the previous one ended" if not cfg.overlap_tail
+            else f"the next policy's run starts once {cfg.overlap_tail} job(s) of this run "
+                 "are left; overlapped_turns: this run's turns sent while it ran"),
+        "every server started and warmed up (the first two jobs, other text, no tool time) "
+        "before the first run; server_start_s: its start, in parallel with the others",
     ]
     paths = writer.write(summary, "Agent workloads over HTTP", notes,
                          meta={"seed": b.seed, "jobs": b.jobs, "token_scale": b.token_scale,
