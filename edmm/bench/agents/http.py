@@ -262,7 +262,11 @@ class _Client:
 
     def close_session(self, sid: str) -> None:
         """Delete a finished job's session (``DELETE /v1/edmm/sessions/{id}``)."""
-        r = self.http.delete(f"{self.url}/v1/edmm/sessions/{sid}")
+        for _ in range(100):  # 409 while the engine thread has not yet seen the turn end
+            r = self.http.delete(f"{self.url}/v1/edmm/sessions/{sid}")
+            if r.status_code != 409:
+                break
+            time.sleep(0.01)
         if r.status_code != 200:
             raise HttpBenchError(f"closing {sid} got HTTP {r.status_code}: {r.text[:300]}")
 
