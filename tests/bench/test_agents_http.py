@@ -119,3 +119,18 @@ def test_http_replay_of_lru_offload_edmm(tmp_path: Path) -> None:
     assert summary["lru"]["restores"] == summary["lru"]["offloads"] == 0
     assert summary["lru"]["spec_tokens"] == 0 and summary["edmm"]["spec_tokens"] > 0
     assert paths["md"].read_text().count("| edmm |") == 1
+
+
+def test_client_columns_are_the_in_process_definitions() -> None:
+    from edmm.bench.agents.http import client_columns
+
+    def row(resume: bool, call: bool, ttft: float, prompt: int, cached: int) -> dict[str, object]:
+        return {"resume": resume, "ends_in_call": call, "ttft_s": ttft,
+                "prompt_tokens": prompt, "cached_tokens": cached}
+
+    cols = client_columns([row(False, True, 9.0, 100, 0), row(True, True, 0.5, 200, 150),
+                           row(True, False, 0.1, 300, 200)])
+    assert cols["recomputed_tokens"] == 150  # (200 - 150) + (300 - 200); first turns left out
+    assert cols["prefix_hit_rate"] == pytest.approx(350 / 500)
+    assert cols["content_resume_ttft_p50_ms"] == pytest.approx(100.0)  # the content resume
+    assert cols["resume_ttft_p50_ms"] == pytest.approx(300.0)  # both resumes

@@ -24,8 +24,9 @@ last turn generates the trace's output length (EOS ignored). Results are appende
 first two jobs, two at once, with other text and no tool time).
 Measured at the client per turn: the streamed TTFT (first content or tool-call delta), prompt
 and cached tokens, a digest of the output (greedy outputs compared with ``lru``'s); per job the
-JCT and engine-wait (JCT minus tool time); from ``/metrics`` before and after: recomputed
+JCT and engine-wait (JCT minus tool time); from ``/metrics`` before and after: lost context
 tokens, restores, offloads, preemptions, speculation outcomes, and KV pages in use (sampled).
+Recomputed tokens and the prefix hit rate are the in-process matrix's (`client_columns`).
 
 Every policy's server starts and warms up first, all at once, before anything is measured;
 they then run one after the other. ``overlap_tail``: the next run starts once this run has no
@@ -74,7 +75,7 @@ _WORDS = ("agent", "tool", "memory", "result", "page", "cache", "token", "prefix
 _METRIC_RE = re.compile(r'^(edmm_\w+?)(?:_total)?(?:\{([^}]*)\})?\s+(\S+)$')
 _OUTCOME_RE = re.compile(r'outcome="(\w+)"')
 # /metrics counters kept per run (the change over the run) and the summary's names for them.
-COUNTERS = {"edmm_recomputed_tokens": "recomputed_tokens", "edmm_kv_restores": "restores",
+COUNTERS = {"edmm_recomputed_tokens": "lost_context_tokens", "edmm_kv_restores": "restores",
             "edmm_kv_offloads": "offloads", "edmm_preemptions": "preemptions",
             "edmm_speculated_tokens": "spec_tokens", "edmm_speculation_outcomes:hit": "spec_hit",
             "edmm_speculation_outcomes:partial": "spec_partial",
@@ -378,7 +379,8 @@ class _Run:
             if record:
                 self.turns.append({
                     "kind": "turn", "policy": self.policy.name, "job": job.job_id, "turn": i,
-                    "resume": i > 0, "ttft_s": reply.ttft_s, "total_s": reply.total_s,
+                    "resume": i > 0, "ends_in_call": turn.tool is not None,
+                    "ttft_s": reply.ttft_s, "total_s": reply.total_s,
                     "prompt_tokens": reply.prompt_tokens, "cached_tokens": reply.cached_tokens,
                     "completion_tokens": reply.completion_tokens, "output": reply.digest,
                     "overlapped": self.overlapped.is_set()})
@@ -564,6 +566,29 @@ def _run_policy(run: _Run, matrix: Matrix, jobs: list[Job], cfg: HttpReplayConfi
                            start_s)
 
 
+def client_columns(turns: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Summary columns of one run's turn rows, defined as the in-process matrix defines them:
+    resume TTFT percentiles (every resume; and those that stream content, whose first delta is
+    the first token, where a forced call's comes once its name is decoded), recomputed tokens
+    (prompt less cached tokens of resumes) and the prefix hit rate (cached / prompt of
+    resumes)."""
+    res = [t for t in turns if t["resume"]]
+    ttft = [t["ttft_s"] * 1e3 for t in res]
+    content = [t["ttft_s"] * 1e3 for t in res if not t["ends_in_call"]]
+    cached = sum(t["cached_tokens"] for t in res)
+    prompt = sum(t["prompt_tokens"] for t in res)
+    return {"resume_ttft_p50_ms": _pct(ttft, 50), "resume_ttft_p90_ms": _pct(ttft, 90),
+            "resume_ttft_p99_ms": _pct(ttft, 99),
+            "content_resume_ttft_p50_ms": _pct(content, 50),
+            "content_resume_ttft_p90_ms": _pct(content, 90),
+            "recomputed_tokens": prompt - cached,
+            "prefix_hit_rate": cached / prompt if prompt else None}
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    return percentile(xs, q) if xs else None
+
+
 def server_engine(engine: EngineConfig, cfg: AgentsBenchConfig, jobs: Sequence[Job],
                   template: int) -> EngineConfig:
     """``engine`` with room for a chat prompt: the template's ``template`` tokens where they
@@ -583,11 +608,7 @@ def _summary(run: _Run, matrix: Matrix, jobs: list[Job], engine: EngineConfig,
     cfg = matrix.cfg
     jct = [j["jct_s"] for j in run.jobs]
     wait = [j["engine_wait_s"] for j in run.jobs]
-    res = [t for t in run.turns if t["resume"]]
-    ttft = [t["ttft_s"] * 1e3 for t in res]
     delta = {v: after.get(k, 0.0) - before.get(k, 0.0) for k, v in COUNTERS.items()}
-    cached = sum(t["cached_tokens"] for t in res)
-    prompt = sum(t["prompt_tokens"] for t in res)
     # The working set as the server saw it: each job's largest context (last prompt + output).
     last: dict[int, int] = {}
     for t in run.turns:
@@ -603,17 +624,11 @@ def _summary(run: _Run, matrix: Matrix, jobs: list[Job], engine: EngineConfig,
         "jct_mean_s": mean(jct), "jct_p50_s": percentile(jct, 50),
         "jct_p90_s": percentile(jct, 90), "wait_mean_s": mean(wait),
         "wait_p50_s": percentile(wait, 50), "wait_p90_s": percentile(wait, 90),
-        "resume_ttft_p50_ms": percentile(ttft, 50) if ttft else None,
-        "resume_ttft_p90_ms": percentile(ttft, 90) if ttft else None,
-        "resume_ttft_p99_ms": percentile(ttft, 99) if ttft else None,
+        **client_columns(run.turns),
         "jobs_per_min": len(run.jobs) / minutes if minutes > 0 else None,
         "out_tok_per_s": sum(j["output_tokens"] for j in run.jobs) / makespan
         if makespan > 0 else None,
-        "recomputed_tokens": int(delta["recomputed_tokens"]),
-        "prefix_hit_rate": cached / (cached + delta["recomputed_tokens"])
-        if cached + delta["recomputed_tokens"] else None,
-        "cached_share": cached / prompt if prompt else None,
-        **{k: int(v) for k, v in delta.items() if k != "recomputed_tokens"},
+        **{k: int(v) for k, v in delta.items()},
         "pages_used_mean": mean(pages) if pages else None,
         "pages_used_max": max(pages) if pages else None,
         "makespan_s": makespan, "server_start_s": start_s,
@@ -703,16 +718,20 @@ def write_http_results(runs: Sequence[_Run], cfg: HttpReplayConfig, env: Environ
         f"{b.trace or f'generated, {b.jobs} jobs, seed {b.seed}'}; tokens x{b.token_scale:g}, "
         f"tool times x{b.time_scale:g}; KV pool and agent policy as the in-process matrix "
         f"at x{b.oversubscription:g} (edmm serve flags from `serve_args`)",
-        "resume TTFT: streamed, request sent to the first content or tool-call delta; "
-        "engine-wait = JCT minus tool time; prefix_hit_rate = cached / (cached + recomputed) "
-        "tokens of resumes (cached from usage, recomputed from /metrics); cached_share = "
-        "cached / prompt tokens of resumes",
+        "resume TTFT: streamed, request sent to the first content or tool-call delta (a "
+        "forced call's first delta comes once its name and the start of its arguments are "
+        "decoded); content_resume_ttft: the resumes that stream content (first delta = first "
+        "token); engine-wait = JCT minus tool time; recomputed_tokens = prompt less cached "
+        "tokens of resumes, prefix_hit_rate = cached / prompt tokens of resumes (usage, as in "
+        "process); lost_context_tokens: /metrics edmm_recomputed_tokens (a session's earlier "
+        "context computed again)",
         "tool-call turns are forced (call_tokens: the grammar's length); their results are "
         "padded by the trace's output tokens beyond it so contexts reach the trace's; the last "
         "turn generates the trace's output length; results appended (mid_prompt and "
         "reasoning_stripped not replayed)",
-        "restores, offloads, preemptions, spec_*: the change of the server's /metrics over the "
-        "run; pages_used: /metrics samples; oversub_reached: the measured working set / pool; "
+        "lost_context_tokens, restores, offloads, preemptions, spec_*: the change of the "
+        "server's /metrics over the run; pages_used: /metrics samples; oversub_reached: the "
+        "measured working set / pool; "
         "outputs_as_lru: every turn's greedy output (content and calls) equal to lru's",
         f"overlap_tail {cfg.overlap_tail}: " + (
             "each policy's run starts after the previous one ended" if not cfg.overlap_tail
