@@ -12,8 +12,12 @@ import sys
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from edmm import __version__
+
+if TYPE_CHECKING:
+    from edmm.bench.agents.matrix import AgentsBenchConfig
 from edmm.argparsing import (
     ArgumentParser,
     float_at_least,
@@ -282,6 +286,10 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+MATRIX_POLICIES = "lru,ttl,offload,rewarm,edmm"
+HTTP_POLICIES = "lru,offload,edmm"
+
+
 def _agents_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     agents = bsub.add_parser(
         "agents", help="many agent sessions replayed from a trace under KV policies (lru, "
@@ -306,8 +314,9 @@ def _agents_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[ty
                         help="multiply every token count (e.g. 0.02 for the tiny CPU model)")
     agents.add_argument("--time-scale", type=float_at_least(0.0), default=1.0,
                         help="multiply every tool time (a run that fits in minutes)")
-    agents.add_argument("--policies", default="lru,ttl,offload,rewarm,edmm",
-                        help="comma-separated; also edmm-no-<retention|offload|prefetch|"
+    agents.add_argument("--policies", default=None,
+                        help=f"comma-separated (default: {MATRIX_POLICIES}; with --http "
+                             f"{HTTP_POLICIES}); also edmm-no-<retention|offload|prefetch|"
                              "template|streamed|predicted|gate|admission>")
     agents.add_argument("--loads", type=_floats, default=(8, 32, 64),
                         help="concurrent sessions (closed loop) or jobs/s (open loop)")
@@ -352,8 +361,13 @@ def _agents_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     agents.add_argument("--host-page-size", type=int_at_least(4096), default=1 << 16,
                         help="page size of the host twin in bytes (CPU runs)")
     agents.add_argument("--http", action="store_true",
-                        help="replay over HTTP instead (edmm serve + the openai SDK; lru and "
-                             "edmm at the first load, wall clock; needs the server extras)")
+                        help="replay over HTTP instead: edmm serve + the openai SDK, at the "
+                             "first load and --oversub, the same trace, KV pool and policies "
+                             "as in process (all but rewarm), wall clock; writes "
+                             "agents-http.*; needs the server extras")
+    agents.add_argument("--http-overlap-tail", type=int_at_least(0), default=0,
+                        help="with --http: start the next policy's server once this many of "
+                             "the run's jobs are left (0: after the run)")
     agents.add_argument("--server-arg", action="append", default=[],
                         help="extra edmm serve option with --http, repeatable")
     agents.add_argument("--write-trace", type=Path, default=None,
@@ -494,7 +508,9 @@ def _bench_agents(args: argparse.Namespace) -> int:
         jobs=args.jobs, seed=args.seed,
         generator=dataclasses.replace(GeneratorConfig(), turns=tuple(args.turns)),
         token_scale=args.token_scale, time_scale=args.time_scale,
-        policies=tuple(p for p in args.policies.split(",") if p), loads=args.loads,
+        policies=tuple(p for p in (args.policies or (HTTP_POLICIES if args.http else
+                                                       MATRIX_POLICIES)).split(",") if p),
+        loads=args.loads,
         mode=args.mode, oversubscription=args.oversub,
         check_oversubscription=args.check_oversub or None, short_mix=not args.no_short_mix,
         working_set_sessions=args.working_set_sessions, clock=args.clock,
@@ -509,18 +525,26 @@ def _bench_agents(args: argparse.Namespace) -> int:
         return 0
     out = args.out or default_out_dir(_device_tag(args.device.startswith("cuda")))
     if args.http:
-        from edmm.bench.agents.http import SERVER_FLAGS, HttpReplayConfig, run_http_bench
-
-        hcfg = HttpReplayConfig(load=int(args.loads[0]), model=args.model, device=args.device,
-                                policies=tuple(p for p in cfg.policies if p in SERVER_FLAGS),
-                                server_args=tuple(args.server_arg))
-        paths = run_http_bench(load_trace(cfg)["long"], hcfg, out)
-        print(Path(paths["md"]).read_text())
-        return 0
+        return _bench_agents_http(args, cfg, out)
     import signal
 
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a time limit: files still written
     paths = run_agents_bench(cfg, out, log=lambda s: print(s, file=sys.stderr, flush=True))
+    print(Path(paths["md"]).read_text())
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 0
+
+
+def _bench_agents_http(args: argparse.Namespace, cfg: AgentsBenchConfig, out: Path) -> int:
+    from edmm.bench.agents.http import HttpBenchError, HttpReplayConfig, run_http_bench
+
+    try:
+        hcfg = HttpReplayConfig(bench=cfg, load=int(args.loads[0]), policies=cfg.policies,
+                                server_args=tuple(args.server_arg),
+                                overlap_tail=args.http_overlap_tail)
+    except HttpBenchError as e:
+        args.parser.error(str(e))
+    paths = run_http_bench(hcfg, out)
     print(Path(paths["md"]).read_text())
     print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 0

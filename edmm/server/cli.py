@@ -16,7 +16,12 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from edmm.argparsing import ArgumentParser, float_at_least, int_at_least
+from edmm.agent import AgentConfig
+from edmm.agent.gate import SpeculationGate
+from edmm.agent.retention import RETENTION_POLICIES
+from edmm.agent.speculation import SPECULATION_SOURCES
+from edmm.agent.types import ADMISSION_ORDERS
+from edmm.argparsing import ArgumentParser, float_at_least, int_at_least, int_list
 from edmm.server.collector import raise_threshold
 from edmm.server.http_guard import DEFAULT_MAX_BODY_BYTES
 from edmm.server.state import DEFAULT_MAX_TOOL_OUTPUT_BYTES, ServerConfig, ServerState
@@ -58,6 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="host memory for paused sessions' KV under pressure (default: off)")
     parser.add_argument("--no-execution-aware", action="store_true",
                         help="plain engine: prefix caching only, no agent sessions")
+    _engine_arguments(parser)
+    _agent_arguments(parser)
     parser.add_argument("--allow-client-chat-template", action="store_true",
                         help="accept a chat template in chat_template_kwargs (rendered in a "
                              "sandbox with a time and size limit; default: refused, 400)")
@@ -80,6 +87,58 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="server log level")
 
 
+def _engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """Engine sizes a benchmark sets to match an in-process run (`EngineConfig`)."""
+    parser.add_argument("--num-slots", type=int_at_least(1), default=None,
+                        help="KV slots (sequences, retained sessions and speculation "
+                             "branches; default: the engine's)")
+    parser.add_argument("--max-num-batched-tokens", type=int_at_least(1), default=None,
+                        help="the engine's token budget per step (default: the engine's)")
+    parser.add_argument("--cuda-graph-sizes", type=int_list, default=None,
+                        help="token counts of the captured mixed-batch CUDA graphs, "
+                             "comma-separated (default: the engine's)")
+    parser.add_argument("--host-page-size", type=int_at_least(4096), default=None,
+                        help="page size of the host twin in bytes (CPU; default: the "
+                             "engine's)")
+    parser.add_argument("--busy-spec-tokens", type=int_at_least(0), default=None,
+                        help="speculative tokens riding along busy steps (default: the "
+                             "engine's)")
+    parser.add_argument("--no-spec-in-padding", action="store_true",
+                        help="CUDA: speculation never fills the padding of busy steps")
+
+
+def _agent_arguments(parser: argparse.ArgumentParser) -> None:
+    """The agent layer's policy (`AgentConfig`; default: EDMM's, or EDMM off with
+    ``--no-execution-aware``); each option overrides that one field."""
+    parser.add_argument("--retention", choices=sorted(RETENTION_POLICIES),
+                        default=None, help="retention of paused sessions' KV")
+    parser.add_argument("--speculation", type=_sources, default=None,
+                        help="speculation sources, comma-separated, or 'none'")
+    parser.add_argument("--admission", choices=ADMISSION_ORDERS, default=None,
+                        help="order of waiting turns")
+    parser.add_argument("--no-prefetch", action="store_true",
+                        help="offloaded KV comes back at the resume only, not ahead of it")
+    parser.add_argument("--prefetch-lead-s", type=float_at_least(0.0), default=None,
+                        help="how long before a tool's expected return offloaded KV comes "
+                             "back")
+    parser.add_argument("--speculation-gate", action="store_true",
+                        help="start a speculation branch only where its expected saving "
+                             "exceeds its cost")
+    parser.add_argument("--tool-timeout-s", type=float_at_least(0.0), default=None,
+                        help="seconds a session may await its tool results (default: "
+                             f"{AgentConfig.tool_timeout_s:g})")
+
+
+def _sources(text: str) -> tuple[str, ...]:
+    names = () if text == "none" else tuple(n for n in text.split(",") if n)
+    unknown = [n for n in names if n not in SPECULATION_SOURCES]
+    if unknown:
+        raise argparse.ArgumentTypeError(
+            f"unknown speculation source(s) {unknown}; known: "
+            f"{sorted(SPECULATION_SOURCES)} or 'none'")
+    return names
+
+
 def build_parser() -> argparse.ArgumentParser:
     """A standalone parser of the ``serve`` options."""
     parser = ArgumentParser(prog="edmm serve",
@@ -98,6 +157,16 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
             engine[name] = getattr(args, name)
     if args.kv_offload_gib is not None:
         engine["kv_offload_bytes"] = int(args.kv_offload_gib * 2**30)
+    for flag, name in (("num_slots", "num_slots"),
+                       ("max_num_batched_tokens", "max_num_batched_tokens"),
+                       ("cuda_graph_sizes", "cuda_graph_token_sizes"),
+                       ("host_page_size", "host_page_size"),
+                       ("busy_spec_tokens", "speculative_tokens_when_busy")):
+        if getattr(args, flag) is not None:
+            engine[name] = getattr(args, flag)
+    if args.no_spec_in_padding:
+        engine["speculation_fills_padding"] = False
+    timeout = {} if args.tool_timeout_s is None else {"tool_timeout_s": args.tool_timeout_s}
     return ServerConfig(model=args.model, device=args.device, host=args.host, port=args.port,
                         served_model_name=args.served_model_name,
                         execution_aware=not args.no_execution_aware, engine=engine,
@@ -105,7 +174,20 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
                         max_body_bytes=int(args.max_body_mib * 2**20),
                         max_tool_output_bytes=int(args.max_tool_output_mib * 2**20),
                         cache_salt_per_key=args.cache_salt_per_key,
-                        allowed_hosts=args.allowed_hosts, api_docs=args.api_docs)
+                        allowed_hosts=args.allowed_hosts, api_docs=args.api_docs,
+                        agent=_agent_fields(args), **timeout)
+
+
+def _agent_fields(args: argparse.Namespace) -> dict[str, Any]:
+    agent: dict[str, Any] = {}
+    for name in ("retention", "speculation", "admission", "prefetch_lead_s"):
+        if getattr(args, name) is not None:
+            agent[name] = getattr(args, name)
+    if args.no_prefetch:
+        agent["prefetch"] = False
+    if args.speculation_gate:
+        agent["speculation_gate"] = SpeculationGate()
+    return agent
 
 
 class PortInUseError(OSError):

@@ -40,6 +40,8 @@ class ServerConfig:
         tool_timeout_s: seconds a session may await its tool results before it is abandoned
             and its KV reclaimed (`AgentConfig.tool_timeout_s`).
         engine: further `EngineConfig` fields (``max_model_len``, ``num_pages``, ``dtype``...).
+        agent: `AgentConfig` fields that override the default (``execution_aware``) or
+            `AgentConfig.off` (``retention``, ``speculation``, ``admission``...): a policy.
         allow_client_chat_template: accept ``chat_template_kwargs.chat_template`` (rendered
             in a sandbox within ``template_limits``); off: such a request is a 400.
         template_limits: the time, size and loop budget of one client template render.
@@ -62,6 +64,7 @@ class ServerConfig:
     execution_aware: bool = True
     tool_timeout_s: float = AgentConfig.tool_timeout_s
     engine: dict[str, Any] = field(default_factory=dict)
+    agent: dict[str, Any] = field(default_factory=dict)
     allow_client_chat_template: bool = False
     template_limits: TemplateLimits = field(default_factory=TemplateLimits)
     grammar_budget: GrammarBudget = field(default_factory=GrammarBudget)
@@ -77,6 +80,11 @@ class ServerConfig:
         if self.allowed_hosts is not None:
             return None if "*" in self.allowed_hosts else list(self.allowed_hosts)
         return default_allowed_hosts(self.host)
+
+    def agent_config(self) -> AgentConfig:
+        """The agent layer's config: EDMM's default or EDMM off, then ``agent``'s fields."""
+        base = AgentConfig() if self.execution_aware else AgentConfig.off()
+        return dataclasses.replace(base, tool_timeout_s=self.tool_timeout_s, **self.agent)
 
     @property
     def model_name(self) -> str:
@@ -94,10 +102,7 @@ class ServerState:
         self.engine = engine if engine is not None else build_engine(
             EngineConfig(model=config.model, device=config.device, **config.engine))
         tokenizer = copy.deepcopy(self.engine.tokenizer)  # the event loop's own instance
-        agent_config = dataclasses.replace(
-            AgentConfig() if config.execution_aware else AgentConfig.off(),
-            tool_timeout_s=config.tool_timeout_s)
-        self.sessions = ServerSessions(AgentEngine(self.engine, agent_config))
+        self.sessions = ServerSessions(AgentEngine(self.engine, config.agent_config()))
         self.loop: EngineLoop[ServerSessions] = EngineLoop(self.sessions,
                                                            on_idle=collect_young)
         self.metrics = ServerMetrics(config.model_name)

@@ -33,6 +33,38 @@ def test_options_map_to_the_config() -> None:
     assert more.engine == {"kv_offload_bytes": 1 << 29, "tokenizer": "/tok"}
 
 
+def test_policy_and_engine_size_options() -> None:
+    from edmm.agent import AgentConfig
+    from edmm.agent.gate import SpeculationGate
+
+    default = config_from_args(build_parser().parse_args([]))
+    assert default.agent_config() == AgentConfig() and default.engine == {}
+    off = config_from_args(build_parser().parse_args(["--no-execution-aware"]))
+    assert off.agent_config() == AgentConfig.off()
+    # offload: EDMM off, paused KV kept and copied to host, no prefetch
+    cfg = config_from_args(build_parser().parse_args([
+        "--no-execution-aware", "--retention", "keep", "--no-prefetch", "--kv-offload-gib",
+        "1", "--speculation", "template,prompt", "--admission", "program",
+        "--speculation-gate", "--prefetch-lead-s", "0.05", "--tool-timeout-s", "7",
+        "--num-slots", "9", "--max-num-batched-tokens", "512", "--cuda-graph-sizes",
+        "64,128", "--host-page-size", "16384", "--busy-spec-tokens", "4",
+        "--no-spec-in-padding"]))
+    assert cfg.agent_config() == AgentConfig(
+        speculation=("template", "prompt"), retention="keep", admission="program",
+        prefetch=False, prefetch_lead_s=0.05, tool_timeout_s=7.0,
+        speculation_gate=SpeculationGate())
+    assert cfg.engine == {"kv_offload_bytes": 1 << 30, "num_slots": 9,
+                          "max_num_batched_tokens": 512, "cuda_graph_token_sizes": (64, 128),
+                          "host_page_size": 16384, "speculative_tokens_when_busy": 4,
+                          "speculation_fills_padding": False}
+    none = config_from_args(build_parser().parse_args(["--speculation", "none"]))
+    assert none.agent_config().speculation == ()
+    for bad in (["--speculation", "template,psychic"], ["--retention", "forever"],
+                ["--admission", "random"]):
+        with pytest.raises(SystemExit):
+            build_parser().parse_args(bad)
+
+
 def test_hardening_options() -> None:
     default = config_from_args(build_parser().parse_args([]))
     assert not default.allow_client_chat_template and not default.api_docs

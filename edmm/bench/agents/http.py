@@ -1,190 +1,755 @@
-"""Replay a trace over HTTP at one load point: ``edmm serve`` + the ``openai`` SDK.
+"""Replay a trace over HTTP at one load point of the matrix: ``edmm serve`` + the ``openai`` SDK.
 
-Each job is a chat conversation: a system message of about the job's ``system_tokens`` words'
-worth of tokens, a user task, then per turn one ``chat.completions`` request with the session's
-``X-Session-Id``. A turn that ends in a tool call is forced to call the bench's tool (random
-weights would not emit one otherwise; its length is the grammar's, not the trace's); the client
-sleeps the tool's duration (wall clock) and sends the result as the ``tool`` message of about
-``result_tokens`` tokens; the last turn generates the trace's output length (EOS ignored).
-``load`` jobs run at once (closed loop, one thread each). Policies map to server flags:
-``lru`` is ``--no-execution-aware`` (EDMM off), ``edmm`` the default server (with
-``--kv-offload-gib`` when given).
+The same trace as the in-process matrix (`edmm.bench.agents.matrix.load_trace`: the same seed
+and scales), the same engine (`Matrix.engine_config` of a matrix of this one load and
+oversubscription: its KV pool is the in-process run's, host offload on where the policy uses
+it) and the same agent-layer policy (`Policy.agent_config`), both passed to ``edmm serve`` as
+flags (`serve_args`). Every policy whose mechanisms live in the server maps; ``rewarm`` does
+not (its re-sent history is a client's request, not a server setting).
 
-Measured per turn at the client: the non-streamed latency of each request (a resume's latency
-stands for its TTFT when a turn is short, as in ``edmm bench live``), prompt and cached tokens.
+Each job is a chat conversation: a system message of about the job's ``system_tokens`` (less
+the chat template's own tokens with the tool), a user task, then per turn one streamed
+``chat.completions`` request with the session's ``X-Session-Id``. A turn that ends in a tool
+call is forced to call the bench's tool (random weights would not emit one; its length is the
+grammar's, `call_tokens`), the client sleeps the tool's duration (wall clock; with ``streamed``
+the first half of the result is posted to ``/v1/edmm/sessions/{id}/tool_output`` half-way
+through a streamed call) and sends the result as the ``tool`` message: the trace's
+``result_tokens``, padded by the output tokens the trace's turn has beyond the forced call, so
+every prompt reaches the trace's context and the pool is as oversubscribed. With
+``predicted``, a predictable call's result is sent ahead as ``predicted_tool_results``. The
+last turn generates the trace's output length (EOS ignored). Results are appended (the trace's
+``mid_prompt`` and ``reasoning_stripped`` are not replayed: the chat template decides).
+
+``load`` jobs run at once (closed loop, one thread each), after a warm-up as in process (the
+first two jobs, two at once, with other text and no tool time).
+Measured at the client per turn: the streamed TTFT (first content or tool-call delta), prompt
+and cached tokens, a digest of the output (greedy outputs compared with ``lru``'s); per job the
+JCT and engine-wait (JCT minus tool time); from ``/metrics`` before and after: lost context
+tokens, restores, offloads, preemptions, speculation outcomes, and KV pages in use (sampled).
+Recomputed tokens and the prefix hit rate are the in-process matrix's (`client_columns`).
+
+Every policy's server starts and warms up first, all at once, before anything is measured;
+they then run one after the other. ``overlap_tail``: the next run starts once this run has no
+job left to start and at most that many running (0: once it ended). A trace's heavy tail
+leaves one job alone for minutes of tool time at the end of a run (wall clock, where the
+in-process run skips idle time); the next run then overlaps only those jobs (the turns they
+send meanwhile are counted, ``overlapped_turns``).
 """
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
+import json
+import math
 import queue
 import random
+import re
 import threading
 import time
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from edmm.bench.agents.trace import Job
-from edmm.bench.live import TOOL, TOOL_NAME, LiveBenchConfig, launched_server, load_tokenizer
-from edmm.bench.report import ResultWriter, collect_environment
+from edmm.bench.agents.matrix import AgentsBenchConfig, Matrix, page_size, token_bytes
+from edmm.bench.agents.policies import POLICIES, Policy
+from edmm.bench.agents.trace import Job, Turn
+from edmm.bench.live import (
+    TOOL,
+    TOOL_NAME,
+    LiveBenchConfig,
+    launched_server,
+    load_tokenizer,
+    resolve_tokenizer,
+)
+from edmm.bench.report import Environment, Progress, ResultWriter, collect_environment
 from edmm.bench.stats import mean, percentile
+from edmm.engine import EngineConfig
+from edmm.model.tiny import default_model
 
-SERVER_FLAGS: dict[str, tuple[str, ...]] = {"lru": ("--no-execution-aware",), "edmm": ()}
+NAME = "agents-http"
+CALL_MAX_TOKENS = 128  # a forced tool call's token limit
+TOOL_TIMEOUT_S = 1e6  # the in-process replay's (`ReplayConfig.tool_timeout_s`)
 _WORDS = ("agent", "tool", "memory", "result", "page", "cache", "token", "prefix", "branch")
+_METRIC_RE = re.compile(r'^(edmm_\w+?)(?:_total)?(?:\{([^}]*)\})?\s+(\S+)$')
+_OUTCOME_RE = re.compile(r'outcome="(\w+)"')
+# /metrics counters kept per run (the change over the run) and the summary's names for them.
+COUNTERS = {"edmm_recomputed_tokens": "lost_context_tokens", "edmm_kv_restores": "restores",
+            "edmm_kv_offloads": "offloads", "edmm_preemptions": "preemptions",
+            "edmm_speculated_tokens": "spec_tokens", "edmm_speculation_outcomes:hit": "spec_hit",
+            "edmm_speculation_outcomes:partial": "spec_partial",
+            "edmm_speculation_outcomes:miss": "spec_miss",
+            "edmm_session_resumes": "server_resumes"}
+
+
+class HttpBenchError(RuntimeError):
+    """A policy that cannot run over HTTP, or a turn that did not go as the replay needs."""
+
+
+def http_policies() -> list[str]:
+    """Names of `POLICIES` that map onto ``edmm serve`` flags (all but client-side ones)."""
+    return [n for n in POLICIES if not POLICIES.create(n).rewarm]
 
 
 @dataclass(frozen=True)
 class HttpReplayConfig:
-    """One load point over HTTP (see the module docstring)."""
+    """One load point over HTTP (see the module docstring): ``bench`` is the in-process
+    matrix's config (trace, scales, model, engine sizes, ``oversubscription``), ``load`` the
+    concurrent sessions."""
 
+    bench: AgentsBenchConfig = field(default_factory=AgentsBenchConfig)
     load: int = 2
-    policies: tuple[str, ...] = ("lru", "edmm")
-    model: str | None = None
-    device: str = "cpu"
+    policies: tuple[str, ...] = ("lru", "offload", "edmm")
+    tokenizer: str | None = None  # see `LiveBenchConfig.tokenizer`
     server_args: tuple[str, ...] = ()
     start_timeout_s: float = 300.0
     request_timeout_s: float = 600.0
+    overlap_tail: int = 0
+    sample_s: float = 0.25  # spacing of the /metrics samples of KV pages in use
 
     def __post_init__(self) -> None:
-        unknown = [p for p in self.policies if p not in SERVER_FLAGS]
+        allowed = http_policies()
+        unknown = [p for p in self.policies if p not in allowed]
         if unknown:
-            raise ValueError(f"over HTTP only {sorted(SERVER_FLAGS)} run, got {unknown}")
+            raise HttpBenchError(f"over HTTP only {allowed} run (rewarm re-sends the history "
+                                 f"from the client), got {unknown}")
+        if not self.policies:
+            raise HttpBenchError("no policy to run")
         if self.load < 1:
-            raise ValueError(f"load must be >= 1, got {self.load}")
+            raise HttpBenchError(f"load must be >= 1, got {self.load}")
+        if self.overlap_tail < 0:
+            raise HttpBenchError(f"overlap_tail must be >= 0, got {self.overlap_tail}")
+
+    def matrix_config(self) -> AgentsBenchConfig:
+        """The in-process matrix of this one load point (its pool is this run's)."""
+        return dataclasses.replace(self.bench, loads=(float(self.load),), policies=self.policies,
+                                   check_oversubscription=None, short_mix=False, mode="closed",
+                                   checks=False)
+
+
+# ---------------------------------------------------------------- server flags
+
+
+def serve_args(policy: Policy, engine: EngineConfig, prefetch_lead_s: float,
+               tool_timeout_s: float = TOOL_TIMEOUT_S) -> list[str]:
+    """``edmm serve`` flags that build ``engine`` and the agent layer of ``policy`` (what the
+    in-process matrix builds for it; `edmm.server.cli.config_from_args` reads them back)."""
+    agent = policy.agent_config(tool_timeout_s, prefetch_lead_s)
+    args = ["--retention", agent.retention,
+            "--speculation", ",".join(agent.speculation) or "none",
+            "--admission", agent.admission, "--prefetch-lead-s", repr(agent.prefetch_lead_s),
+            "--tool-timeout-s", repr(agent.tool_timeout_s)]
+    if not agent.prefetch:
+        args.append("--no-prefetch")
+    if agent.speculation_gate is not None:
+        args.append("--speculation-gate")
+    assert engine.num_pages is not None and engine.max_model_len is not None
+    args += ["--num-pages", str(engine.num_pages), "--num-slots", str(engine.num_slots),
+             "--max-model-len", str(engine.max_model_len),
+             "--max-num-batched-tokens", str(engine.max_num_batched_tokens),
+             "--max-num-seqs", str(engine.max_num_seqs),
+             "--cuda-graph-sizes", ",".join(str(n) for n in engine.cuda_graph_token_sizes),
+             "--host-page-size", str(engine.host_page_size)]
+    if engine.dtype is not None:
+        args += ["--dtype", str(engine.dtype)]
+    if engine.kv_offload_bytes:
+        args += ["--kv-offload-gib", repr(engine.kv_offload_bytes / 2**30)]
+    if engine.speculative_tokens_when_busy is not None:
+        args += ["--busy-spec-tokens", str(engine.speculative_tokens_when_busy)]
+    if not engine.speculation_fills_padding:
+        args.append("--no-spec-in-padding")
+    return args
+
+
+# ---------------------------------------------------------------- metrics
+
+
+def parse_metrics(text: str) -> dict[str, float]:
+    """``edmm_*`` samples of a Prometheus text page: ``name`` (``_total`` dropped), with
+    ``:outcome`` for the speculation outcomes."""
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        m = _METRIC_RE.match(line)
+        if not m:
+            continue
+        name, labels, value = m.group(1), m.group(2) or "", m.group(3)
+        outcome = _OUTCOME_RE.search(labels)
+        out[f"{name}:{outcome.group(1)}" if outcome else name] = float(value)
+    return out
+
+
+class _Pages:
+    """Samples ``edmm_kv_pages_in_use`` every ``every_s`` until stopped."""
+
+    def __init__(self, client: _Client, every_s: float) -> None:
+        self.samples: list[float] = []
+        self._client, self._every = client, every_s
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pages", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._every):
+            try:
+                self.samples.append(self._client.metrics()["edmm_kv_pages_in_use"])
+            except Exception:  # a sample lost to a busy server: the next one counts
+                continue
+
+    def stop(self) -> list[float]:
+        self._stop.set()
+        self._thread.join()
+        return self.samples
+
+
+# ---------------------------------------------------------------- the client
+
+
+@dataclass
+class _Reply:
+    """One streamed turn as the client saw it."""
+
+    ttft_s: float
+    total_s: float
+    content: str
+    tool_calls: list[dict[str, Any]]
+    prompt_tokens: int
+    cached_tokens: int
+    completion_tokens: int
+
+    @property
+    def digest(self) -> str:
+        """The output's greedy identity (content and calls, not the server's call ids)."""
+        calls = [(c["function"]["name"], c["function"]["arguments"]) for c in self.tool_calls]
+        return hashlib.sha1(repr((self.content, calls)).encode()).hexdigest()[:16]
+
+    def message(self) -> dict[str, Any]:
+        """The assistant message of the next request."""
+        msg: dict[str, Any] = {"role": "assistant", "content": self.content or None}
+        if self.tool_calls:
+            msg["tool_calls"] = self.tool_calls
+        return msg
 
 
 class _Client:
+    """The ``openai`` SDK (streamed turns) and httpx (metrics, tool output) on one server."""
+
+    API_KEY = "unused"  # sessions belong to the key: the SDK's calls and httpx's share it
+
     def __init__(self, url: str, timeout: float, tokenizer: Any) -> None:
+        import httpx
         import openai
 
-        self.openai = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0,
+        self.url = url
+        self.openai = openai.OpenAI(base_url=f"{url}/v1", api_key=self.API_KEY, max_retries=0,
                                     timeout=timeout)
+        self.http = httpx.Client(timeout=timeout,
+                                 headers={"Authorization": f"Bearer {self.API_KEY}"})
         self.model = self.openai.models.list().data[0].id
+        self.tok = tokenizer
         sample = " ".join(_WORDS * 20)
         self._per_word = len(tokenizer.encode(sample, add_special_tokens=False)) / (
             len(_WORDS) * 20)
+        self.template_tokens = template_tokens(tokenizer)
+
+    def close(self) -> None:
+        self.openai.close()
+        self.http.close()
 
     def text(self, rng: random.Random, tokens: int) -> str:
+        """Random words of about ``tokens`` tokens."""
         n = max(1, round(tokens / self._per_word))
         return " ".join(rng.choice(_WORDS) for _ in range(n))
 
-    def turn(self, sid: str, messages: list[dict[str, Any]], tool: bool,
-             output_tokens: int) -> tuple[Any, float]:
-        kw: dict[str, Any] = {"tool_choice": {"type": "function",
-                                              "function": {"name": TOOL_NAME}}} if tool else {
-            "tool_choice": "none",
+    def close_session(self, sid: str) -> None:
+        """Delete a finished job's session (``DELETE /v1/edmm/sessions/{id}``)."""
+        for _ in range(100):  # 409 while the engine thread has not yet seen the turn end
+            r = self.http.delete(f"{self.url}/v1/edmm/sessions/{sid}")
+            if r.status_code != 409:
+                break
+            time.sleep(0.01)
+        if r.status_code != 200:
+            raise HttpBenchError(f"closing {sid} got HTTP {r.status_code}: {r.text[:300]}")
+
+    def metrics(self) -> dict[str, float]:
+        """The server's ``/metrics``, parsed."""
+        return parse_metrics(self.http.get(f"{self.url}/metrics").text)
+
+    def feed(self, sid: str, call_id: str, chunk: str) -> None:
+        """Post part of a running tool's output (speculated as it arrives)."""
+        r = self.http.post(f"{self.url}/v1/edmm/sessions/{sid}/tool_output",
+                           json={"tool_call_id": call_id, "content": chunk, "final": False})
+        if r.status_code != 200:
+            raise HttpBenchError(f"tool_output of {sid} got HTTP {r.status_code}: "
+                                 f"{r.text[:300]}")
+
+    def turn(self, sid: str, messages: list[dict[str, Any]], tool: bool, output_tokens: int,
+             predicted: str | None) -> _Reply:
+        """One streamed turn: forced to call the tool, or ``output_tokens`` of content."""
+        kw: dict[str, Any] = {
+            "tool_choice": {"type": "function", "function": {"name": TOOL_NAME}},
+            "max_tokens": CALL_MAX_TOKENS} if tool else {
+            "tool_choice": "none", "max_tokens": output_tokens,
             "extra_body": {"ignore_eos": True, "min_tokens": output_tokens}}
-        create: Any = self.openai.chat.completions.create
+        if predicted is not None:
+            kw["extra_body"] = {"edmm": {"predicted_tool_results": {TOOL_NAME: predicted}}}
+        create: Any = self.openai.chat.completions.create  # messages are plain dicts
         t0 = time.perf_counter()
-        reply = create(model=self.model, messages=messages, tools=[TOOL], temperature=0,
-                       max_tokens=128 if tool else output_tokens,
-                       extra_headers={"X-Session-Id": sid}, **kw)
-        return reply, time.perf_counter() - t0
+        ttft: float | None = None
+        content: list[str] = []
+        calls: dict[int, dict[str, Any]] = {}
+        usage = None
+        for chunk in create(model=self.model, messages=messages, tools=[TOOL], temperature=0,
+                            stream=True, stream_options={"include_usage": True},
+                            extra_headers={"X-Session-Id": sid}, **kw):
+            if chunk.usage is not None:
+                usage = chunk.usage
+            if not chunk.choices:
+                continue
+            delta = chunk.choices[0].delta
+            if ttft is None and (delta.content or delta.tool_calls):
+                ttft = time.perf_counter() - t0
+            if delta.content:
+                content.append(delta.content)
+            for tc in delta.tool_calls or ():
+                _merge_call(calls.setdefault(tc.index, {}), tc)
+        total = time.perf_counter() - t0
+        if usage is None or ttft is None:
+            raise HttpBenchError(f"session {sid}: the stream sent no usage or no output")
+        details = usage.prompt_tokens_details
+        return _Reply(ttft, total, "".join(content), [calls[i] for i in sorted(calls)],
+                      usage.prompt_tokens, (details.cached_tokens or 0) if details else 0,
+                      usage.completion_tokens)
 
 
-def _run_job(client: _Client, job: Job, policy: str, turns: list[dict[str, Any]],
-             jobs: list[dict[str, Any]]) -> None:
-    rng = random.Random(job.job_id)
-    sid = f"{policy}-{job.job_id}"
-    messages: list[dict[str, Any]] = [
-        {"role": "system", "content": client.text(rng, job.system_tokens)},
-        {"role": "user", "content": "Work on the task; use the tool."}]
-    start, tool_s = time.perf_counter(), 0.0
-    for i, turn in enumerate(job.turns):
-        reply, latency = client.turn(sid, messages, turn.tool is not None, turn.output_tokens)
-        usage = reply.usage
-        details = usage.prompt_tokens_details if usage is not None else None
-        turns.append({"policy": policy, "job": job.job_id, "turn": i, "latency_s": latency,
-                      "prompt_tokens": usage.prompt_tokens if usage is not None else None,
-                      "cached_tokens": (details.cached_tokens or 0) if details else 0})
-        if turn.tool is None:
-            break
-        msg = reply.choices[0].message
-        if not msg.tool_calls:
-            raise RuntimeError(f"job {job.job_id} turn {i}: the forced tool call did not come")
-        messages.append(msg.model_dump(exclude_none=True))
-        time.sleep(turn.tool_s)
-        tool_s += turn.tool_s
-        messages.append({"role": "tool", "tool_call_id": msg.tool_calls[0].id,
-                         "content": client.text(rng, turn.result_tokens)})
-    jct = time.perf_counter() - start
-    jobs.append({"policy": policy, "job": job.job_id, "jct_s": jct, "tool_s": tool_s,
-                 "engine_wait_s": jct - tool_s})
+def template_tokens(tokenizer: Any) -> int:
+    """Prompt tokens of an empty conversation with the tool: what the chat template adds."""
+    bare = [{"role": "system", "content": ""}, {"role": "user", "content": TASK}]
+    text = tokenizer.apply_chat_template(bare, tools=[TOOL], tokenize=False,
+                                         add_generation_prompt=True)
+    return len(tokenizer.encode(text, add_special_tokens=False))
 
 
-def replay_http(jobs: list[Job], cfg: HttpReplayConfig) -> tuple[list[dict[str, Any]],
-                                                                  list[dict[str, Any]]]:
-    """Every policy's replay; ``(turn rows, job rows)``."""
-    tok = load_tokenizer(cfg.model)
-    longest = max(j.final_context for j in jobs)
-    turn_rows: list[dict[str, Any]] = []
-    job_rows: list[dict[str, Any]] = []
-    for policy in cfg.policies:
-        live = LiveBenchConfig(model=cfg.model, device=cfg.device,
-                               contexts=(max(4096, 2 * longest),),
-                               server_args=(*SERVER_FLAGS[policy], *cfg.server_args),
-                               start_timeout_s=cfg.start_timeout_s,
-                               request_timeout_s=cfg.request_timeout_s)
-        with launched_server(live) as url:
-            client = _Client(url, cfg.request_timeout_s, tok)
-            todo: queue.Queue[Job] = queue.Queue()
-            for job in jobs:
-                todo.put(job)
-            errors: list[BaseException] = []
+def _merge_call(into: dict[str, Any], delta: Any) -> None:
+    """Accumulate one streamed tool-call delta into an OpenAI ``tool_calls`` entry."""
+    fn = into.setdefault("function", {"name": "", "arguments": ""})
+    into["type"] = "function"
+    if delta.id:
+        into["id"] = delta.id
+    if delta.function is not None:
+        fn["name"] += delta.function.name or ""
+        fn["arguments"] += delta.function.arguments or ""
 
-            def worker(policy: str = policy, client: _Client = client,
-                       todo: queue.Queue[Job] = todo, errors: list[BaseException] = errors,
-                       ) -> None:
-                while not errors:
+
+TASK = "Work on the task; use the tool."
+
+
+# ---------------------------------------------------------------- one run
+
+
+@dataclass
+class _Run:
+    """One policy's replay: its rows and the tail signal of `overlap_tail`."""
+
+    policy: Policy
+    cfg: HttpReplayConfig
+    call_tokens: int = 0  # tokens of the forced tool call (measured in the warm-up)
+    turns: list[dict[str, Any]] = field(default_factory=list)
+    jobs: list[dict[str, Any]] = field(default_factory=list)
+    summary: dict[str, Any] = field(default_factory=dict)
+    tail: threading.Event = field(default_factory=threading.Event)
+    overlapped: threading.Event = field(default_factory=threading.Event)  # next one started
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    running: int = 0
+
+    def job(self, client: _Client, job: Job, tag: str, record: bool = True) -> None:
+        """Replay one job (``tag`` salts its session id and text)."""
+        rng = random.Random(f"{tag}/{job.job_id}")
+        sid = f"{self.policy.name}-{tag}-{job.job_id}"
+        system = client.text(rng, max(1, job.system_tokens - client.template_tokens))
+        messages: list[dict[str, Any]] = [{"role": "system", "content": system},
+                                          {"role": "user", "content": TASK}]
+        start, tool_s, out_tokens = time.perf_counter(), 0.0, 0
+        for i, turn in enumerate(job.turns):
+            result = self._result(client, job, turn, tag) if turn.tool is not None else ""
+            predicted = result if self.policy.predicted and turn.predictable and result else None
+            reply = client.turn(sid, messages, turn.tool is not None, turn.output_tokens,
+                                predicted)
+            out_tokens += reply.completion_tokens
+            if record:
+                self.turns.append({
+                    "kind": "turn", "policy": self.policy.name, "job": job.job_id, "turn": i,
+                    "resume": i > 0, "ends_in_call": turn.tool is not None,
+                    "ttft_s": reply.ttft_s, "total_s": reply.total_s,
+                    "prompt_tokens": reply.prompt_tokens, "cached_tokens": reply.cached_tokens,
+                    "completion_tokens": reply.completion_tokens, "output": reply.digest,
+                    "overlapped": self.overlapped.is_set()})
+            if turn.tool is None:
+                break
+            if not reply.tool_calls:
+                raise HttpBenchError(f"job {job.job_id} turn {i}: the forced tool call did "
+                                     "not come")
+            if not self.call_tokens:
+                self.call_tokens = reply.completion_tokens
+            messages.append(reply.message())
+            call_id = reply.tool_calls[0]["id"]
+            tool_s += self._tool(client, sid, call_id, turn, result)
+            messages.append({"role": "tool", "tool_call_id": call_id, "content": result})
+        jct = time.perf_counter() - start
+        client.close_session(sid)  # its KV released, as the in-process replay does
+        if record:
+            self.jobs.append({"kind": "job", "policy": self.policy.name, "job": job.job_id,
+                              "turns": len(job.turns), "jct_s": jct, "tool_s": tool_s,
+                              "engine_wait_s": jct - tool_s, "output_tokens": out_tokens})
+
+    def _result(self, client: _Client, job: Job, turn: Turn, tag: str) -> str:
+        """The tool's result text: the trace's tokens plus the turn's output beyond the forced
+        call's (a cacheable call's text is the same in every job, as in process)."""
+        salt = "cacheable" if turn.cacheable else f"{tag}/{job.job_id}"
+        rng = random.Random(f"{turn.tool}{turn.arguments}|{salt}")
+        pad = max(0, turn.output_tokens - self.call_tokens)
+        return client.text(rng, turn.result_tokens + pad)
+
+    def _tool(self, client: _Client, sid: str, call_id: str, turn: Turn, result: str) -> float:
+        """Wait the tool's duration out (feeding half its output half-way if streamed)."""
+        t0 = time.perf_counter()
+        if self.policy.streamed and turn.streamed:
+            time.sleep(turn.tool_s / 2)
+            words = result.split(" ")
+            client.feed(sid, call_id, " ".join(words[: len(words) // 2]))
+            time.sleep(max(0.0, turn.tool_s - (time.perf_counter() - t0)))
+        else:
+            time.sleep(turn.tool_s)
+        return time.perf_counter() - t0
+
+    def replay(self, client: _Client, jobs: Sequence[Job], tag: str = "run",
+               load: int | None = None) -> None:
+        """Every job, ``load`` (default: the config's) at a time. The measured run
+        (``tag`` "run") records its rows and, with `overlap_tail`, sets ``tail`` once at most
+        that many jobs run and none is left to start."""
+        todo: queue.Queue[Job] = queue.Queue()
+        for job in jobs:
+            todo.put(job)
+        errors: list[BaseException] = []
+        record = tag == "run"
+        progress = Progress(f"http {self.policy.name} {tag}", len(jobs))
+        overlap = self.cfg.overlap_tail
+
+        def worker() -> None:
+            while not errors:
+                with self.lock:
                     try:
                         job = todo.get_nowait()
                     except queue.Empty:
                         return
-                    try:
-                        _run_job(client, job, policy, turn_rows, job_rows)
-                    except BaseException as e:  # reported after the join
-                        errors.append(e)
+                    self.running += 1
+                try:
+                    self.job(client, job, tag, record)
+                    progress.step(f"job {job.job_id}")
+                except BaseException as e:  # reported after the join
+                    errors.append(e)
+                finally:
+                    with self.lock:
+                        self.running -= 1
+                        if record and overlap and todo.empty() and self.running <= overlap:
+                            self.tail.set()
 
-            threads = [threading.Thread(target=worker) for _ in range(cfg.load)]
-            for t in threads:
-                t.start()
-            for t in threads:
-                t.join()
-            client.openai.close()
-            if errors:
-                raise errors[0]
-    return turn_rows, job_rows
-
-
-def summarize_http(turns: list[dict[str, Any]], jobs: list[dict[str, Any]],
-                   load: int) -> list[dict[str, Any]]:
-    """One row per policy."""
-    out = []
-    for policy in dict.fromkeys(r["policy"] for r in jobs):
-        js = [j for j in jobs if j["policy"] == policy]
-        res = [t for t in turns if t["policy"] == policy and t["turn"] > 0]
-        lat = [t["latency_s"] * 1e3 for t in res]
-        prompt = sum(t["prompt_tokens"] or 0 for t in res)
-        cached = sum(t["cached_tokens"] for t in res)
-        out.append({"policy": policy, "load": load, "jobs": len(js),
-                    "jct_mean_s": mean(j["jct_s"] for j in js),
-                    "jct_p90_s": percentile([j["jct_s"] for j in js], 90),
-                    "wait_mean_s": mean(j["engine_wait_s"] for j in js),
-                    "resume_latency_p50_ms": percentile(lat, 50) if lat else None,
-                    "resume_latency_p90_ms": percentile(lat, 90) if lat else None,
-                    "resume_latency_p99_ms": percentile(lat, 99) if lat else None,
-                    "prefix_hit_rate": cached / prompt if prompt else None})
-    return out
+        threads = [threading.Thread(target=worker, name=f"{tag}-{i}")
+                   for i in range(load or self.cfg.load)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
 
 
-def run_http_bench(jobs: list[Job], cfg: HttpReplayConfig, out_dir: Path) -> dict[str, Path]:
-    """Replay over HTTP and write ``agents-http.{csv,json,md}``."""
-    turns, job_rows = replay_http(jobs, cfg)
-    writer = ResultWriter(out_dir, "agents-http", collect_environment(cfg.device))
-    writer.add_rows([{"kind": "job", **j} for j in job_rows])
-    writer.add_rows([{"kind": "turn", **t} for t in turns])
-    notes = ["edmm serve + the openai SDK, closed loop, wall clock; lru = --no-execution-aware",
-             "tool-call turns are forced (their length is the grammar's); the last turn "
-             "generates the trace's output length; latency = non-streamed request time"]
-    return writer.write(summarize_http(turns, job_rows, cfg.load),
-                        "Agent workloads over HTTP", notes)
+def _untimed(jobs: Sequence[Job]) -> list[Job]:
+    """The warm-up: ``jobs`` with no tool time (it compiles and captures, nothing else)."""
+    return [dataclasses.replace(j, turns=tuple(dataclasses.replace(t, tool_s=0.0)
+                                               for t in j.turns)) for j in jobs]
+
+
+# ---------------------------------------------------------------- the bench
+
+
+def _live_config(cfg: HttpReplayConfig) -> LiveBenchConfig:
+    b = cfg.bench
+    live = LiveBenchConfig(model=b.model, tokenizer=cfg.tokenizer, device=b.device,
+                           server_args=cfg.server_args,
+                           start_timeout_s=cfg.start_timeout_s,
+                           request_timeout_s=cfg.request_timeout_s)
+    return resolve_tokenizer(live)
+
+
+def _tokenizer(live: LiveBenchConfig) -> Any:
+    """The server's chat tokenizer (the embedded tool model's without a model)."""
+    folder = live.tokenizer or live.model
+    return load_tokenizer(folder if folder is not None else str(default_model()))
+
+
+def replay_http(cfg: HttpReplayConfig,
+                on_run: Callable[[list[_Run]], object] = lambda runs: None) -> list[_Run]:
+    """Every policy's replay, in order. All servers start and warm up first, at once (nothing
+    is measured meanwhile); then each run starts when the previous one ended (or reached its
+    tail, with `overlap_tail`); ``on_run`` gets the finished runs after each."""
+    import httpx  # noqa: F401  (imported once here: lazy imports are not thread-safe)
+    import openai  # noqa: F401
+
+    matrix = Matrix(cfg.matrix_config())
+    jobs = matrix.mixes["long"]
+    live = _live_config(cfg)
+    tok = _tokenizer(live)
+    runs = [_Run(POLICIES.create(name), cfg) for name in cfg.policies]
+    errors: list[BaseException] = []
+    lock = threading.Lock()
+    ready = threading.Barrier(len(runs))
+
+    def one(i: int) -> None:
+        try:
+            _run_policy(runs[i], matrix, jobs, cfg, live, tok,
+                        lambda: _wait_turn(runs, i, ready))
+            with lock:
+                on_run([r for r in runs if r.summary])
+        except BaseException as e:  # reported after the join
+            errors.append(e)
+            ready.abort()  # the others stop waiting for this server
+        finally:
+            runs[i].tail.set()
+
+    threads = [threading.Thread(target=one, args=(i,), name=f"policy-{i}")
+               for i in range(len(runs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise next((e for e in errors if not isinstance(e, threading.BrokenBarrierError)),
+                   errors[0])
+    return runs
+
+
+def _wait_turn(runs: Sequence[_Run], i: int, ready: threading.Barrier) -> None:
+    """Block until every server is warm, then until run ``i - 1`` ended or reached its tail."""
+    ready.wait()
+    if i > 0:
+        runs[i - 1].tail.wait()
+        runs[i - 1].overlapped.set()
+
+
+def _run_policy(run: _Run, matrix: Matrix, jobs: list[Job], cfg: HttpReplayConfig,
+                live: LiveBenchConfig, tok: Any, wait_turn: Callable[[], None]) -> None:
+    engine = matrix.engine_config(run.policy.offload)
+    args = serve_args(run.policy, server_engine(engine, matrix.cfg, jobs, template_tokens(tok)),
+                      matrix.cfg.prefetch_lead_s)
+    live = dataclasses.replace(live, server_args=(*args, *live.server_args))
+    t0 = time.perf_counter()
+    with launched_server(live) as url:
+        start_s = time.perf_counter() - t0
+        client = _Client(url, cfg.request_timeout_s, tok)
+        try:
+            if matrix.cfg.warmup:  # as in process: the first two jobs, two at once
+                run.replay(client, _untimed(jobs[:2]), "warm", load=2)
+            wait_turn()
+            before = client.metrics()
+            pages = _Pages(client, cfg.sample_s)
+            t1 = time.perf_counter()
+            try:
+                run.replay(client, jobs)
+            finally:
+                samples = pages.stop()
+            makespan = time.perf_counter() - t1
+            after = client.metrics()
+        finally:
+            client.close()
+    run.summary = _summary(run, matrix, jobs, engine, before, after, samples, makespan,
+                           start_s)
+
+
+def client_columns(turns: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
+    """Summary columns of one run's turn rows, defined as the in-process matrix defines them:
+    resume TTFT percentiles (every resume; and those that stream content, whose first delta is
+    the first token, where a forced call's comes once its name is decoded), recomputed tokens
+    (prompt less cached tokens of resumes) and the prefix hit rate (cached / prompt of
+    resumes)."""
+    res = [t for t in turns if t["resume"]]
+    ttft = [t["ttft_s"] * 1e3 for t in res]
+    content = [t["ttft_s"] * 1e3 for t in res if not t["ends_in_call"]]
+    cached = sum(t["cached_tokens"] for t in res)
+    prompt = sum(t["prompt_tokens"] for t in res)
+    return {"resume_ttft_p50_ms": _pct(ttft, 50), "resume_ttft_p90_ms": _pct(ttft, 90),
+            "resume_ttft_p99_ms": _pct(ttft, 99),
+            "content_resume_ttft_p50_ms": _pct(content, 50),
+            "content_resume_ttft_p90_ms": _pct(content, 90),
+            "recomputed_tokens": prompt - cached,
+            "prefix_hit_rate": cached / prompt if prompt else None}
+
+
+def _pct(xs: list[float], q: float) -> float | None:
+    return percentile(xs, q) if xs else None
+
+
+def server_engine(engine: EngineConfig, cfg: AgentsBenchConfig, jobs: Sequence[Job],
+                  template: int) -> EngineConfig:
+    """``engine`` with room for a chat prompt: the template's ``template`` tokens where they
+    exceed a job's system prompt (tiny traces), a forced call's token limit; the pool then
+    holds at least one such sequence (as `pool_pages` keeps one longest sequence)."""
+    assert engine.max_model_len is not None and engine.num_pages is not None
+    extra = max(0, template - min(j.system_tokens for j in jobs)) + CALL_MAX_TOKENS
+    longest = -(-(engine.max_model_len + extra) // 64) * 64
+    per_seq = math.ceil(longest * token_bytes(cfg) / page_size(cfg))
+    return dataclasses.replace(engine, max_model_len=longest,
+                               num_pages=max(engine.num_pages, per_seq + 2))
+
+
+def _summary(run: _Run, matrix: Matrix, jobs: list[Job], engine: EngineConfig,
+             before: Mapping[str, float], after: Mapping[str, float], pages: list[float],
+             makespan: float, start_s: float) -> dict[str, Any]:
+    cfg = matrix.cfg
+    jct = [j["jct_s"] for j in run.jobs]
+    wait = [j["engine_wait_s"] for j in run.jobs]
+    delta = {v: after.get(k, 0.0) - before.get(k, 0.0) for k, v in COUNTERS.items()}
+    # The working set as the server saw it: each job's largest context (last prompt + output).
+    last: dict[int, int] = {}
+    for t in run.turns:
+        last[t["job"]] = max(last.get(t["job"], 0), t["prompt_tokens"] + t["completion_tokens"])
+    ws_pages = run.cfg.load * mean(last.values()) * token_bytes(cfg) / page_size(cfg)
+    assert engine.num_pages is not None
+    pool = engine.num_pages - 1  # the in-process run's pool (one page: the graphs' pad)
+    minutes = makespan / 60
+    return {
+        "policy": run.policy.name, "tools": "long", "oversub": cfg.oversubscription,
+        "oversub_reached": round(ws_pages / pool, 2), "load": float(run.cfg.load),
+        "jobs": len(run.jobs), "pages": pool,
+        "jct_mean_s": mean(jct), "jct_p50_s": percentile(jct, 50),
+        "jct_p90_s": percentile(jct, 90), "wait_mean_s": mean(wait),
+        "wait_p50_s": percentile(wait, 50), "wait_p90_s": percentile(wait, 90),
+        **client_columns(run.turns),
+        "jobs_per_min": len(run.jobs) / minutes if minutes > 0 else None,
+        "out_tok_per_s": sum(j["output_tokens"] for j in run.jobs) / makespan
+        if makespan > 0 else None,
+        **{k: int(v) for k, v in delta.items()},
+        "pages_used_mean": mean(pages) if pages else None,
+        "pages_used_max": max(pages) if pages else None,
+        "makespan_s": makespan, "server_start_s": start_s,
+        "overlapped_turns": sum(1 for t in run.turns if t["overlapped"]),
+        "call_tokens": run.call_tokens,
+    }
+
+
+def _identity(runs: Sequence[_Run]) -> None:
+    """``outputs_as_lru``: every turn's output digest equal to ``lru``'s of the same turn."""
+    ref = next((r for r in runs if r.policy.name == "lru"), None)
+    if ref is None:
+        return
+    want = {(t["job"], t["turn"]): t["output"] for t in ref.turns}
+    for r in runs:
+        got = {(t["job"], t["turn"]): t["output"] for t in r.turns}
+        r.summary["outputs_as_lru"] = got == want
+
+
+def in_process_rows(out_dir: Path, cfg: HttpReplayConfig) -> list[dict[str, Any]]:
+    """The in-process summary rows of the same load point (``agents.json`` in ``out_dir``,
+    same trace), one per policy run over HTTP; none if there is no such file."""
+    path = out_dir / "agents.json"
+    if not path.is_file():
+        return []
+    doc = json.loads(path.read_text())
+    b = cfg.bench
+    meta = doc.get("meta") or {}
+    if (meta.get("seed"), meta.get("jobs"), meta.get("token_scale"), meta.get("time_scale")) != (
+            b.seed, b.jobs, b.token_scale, b.time_scale):
+        return []
+    return [r for r in doc["summary"] if r.get("tools") == "long" and r.get("load") == cfg.load
+            and r.get("oversub") == b.oversubscription and r.get("policy") in cfg.policies]
+
+
+COMPARED = ("resume_ttft_p50_ms", "resume_ttft_p90_ms", "wait_mean_s", "jct_mean_s",
+            "recomputed_tokens", "prefix_hit_rate")
+
+
+def comparison_lines(http_rows: Sequence[Mapping[str, Any]],
+                     inproc: Sequence[Mapping[str, Any]]) -> list[str]:
+    """A Markdown table: each metric over HTTP beside in process, per policy."""
+    by_policy = {r["policy"]: r for r in inproc}
+    rows = [r for r in http_rows if r["policy"] in by_policy]
+    if not rows:
+        return []
+    head = "| policy | " + " | ".join(f"{m} (HTTP / in process)" for m in COMPARED) + " |"
+    lines = ["", "## Beside the in-process run of the same load point (`agents.json`)", "",
+             head, "|" + "---|" * (len(COMPARED) + 1)]
+    for r in rows:
+        cells = [f"{_fmt(r.get(m))} / {_fmt(by_policy[r['policy']].get(m))}" for m in COMPARED]
+        lines.append(f"| {r['policy']} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def _fmt(x: Any) -> str:
+    if isinstance(x, float):
+        return f"{x:.3g}" if abs(x) < 1000 else f"{x:.0f}"
+    return "" if x is None else str(x)
+
+
+def run_http_bench(cfg: HttpReplayConfig, out_dir: Path) -> dict[str, Path]:
+    """Replay over HTTP and write ``agents-http.{csv,json,md}`` after each policy (with the
+    in-process rows of the same load point beside, when ``out_dir`` holds them)."""
+    env = collect_environment(cfg.bench.device)
+    paths: dict[str, Path] = {}
+
+    def write(runs: list[_Run]) -> None:
+        paths.update(write_http_results(runs, cfg, env, out_dir))
+
+    write(replay_http(cfg, on_run=write))
+    return paths
+
+
+def write_http_results(runs: Sequence[_Run], cfg: HttpReplayConfig, env: Environment,
+                       out_dir: Path) -> dict[str, Path]:
+    """The three files of the finished ``runs``."""
+    _identity(runs)
+    b = cfg.bench
+    writer = ResultWriter(out_dir, NAME, env)
+    for r in runs:
+        writer.add_rows(r.jobs)
+        writer.add_rows(r.turns)
+    summary = [r.summary for r in runs]
+    notes = [
+        f"edmm serve + the openai SDK, closed loop of {cfg.load} sessions, wall clock; trace: "
+        f"{b.trace or f'generated, {b.jobs} jobs, seed {b.seed}'}; tokens x{b.token_scale:g}, "
+        f"tool times x{b.time_scale:g}; KV pool and agent policy as the in-process matrix "
+        f"at x{b.oversubscription:g} (edmm serve flags from `serve_args`)",
+        "resume TTFT: streamed, request sent to the first content or tool-call delta (a "
+        "forced call's first delta comes once its name and the start of its arguments are "
+        "decoded); content_resume_ttft: the resumes that stream content (first delta = first "
+        "token); engine-wait = JCT minus tool time; recomputed_tokens = prompt less cached "
+        "tokens of resumes, prefix_hit_rate = cached / prompt tokens of resumes (usage, as in "
+        "process); lost_context_tokens: /metrics edmm_recomputed_tokens (a session's earlier "
+        "context computed again)",
+        "tool-call turns are forced (call_tokens: the grammar's length); their results are "
+        "padded by the trace's output tokens beyond it so contexts reach the trace's; the last "
+        "turn generates the trace's output length; results appended (mid_prompt and "
+        "reasoning_stripped not replayed)",
+        "lost_context_tokens, restores, offloads, preemptions, spec_*: the change of the "
+        "server's /metrics over the run; pages_used: /metrics samples; oversub_reached: the "
+        "measured working set / pool; "
+        "outputs_as_lru: every turn's greedy output (content and calls) equal to lru's",
+        f"overlap_tail {cfg.overlap_tail}: " + (
+            "each policy's run starts after the previous one ended" if not cfg.overlap_tail
+            else f"the next policy's run starts once {cfg.overlap_tail} job(s) of this run "
+                 "are left; overlapped_turns: this run's turns sent while it ran"),
+        "every server started and warmed up (the first two jobs, other text, no tool time) "
+        "before the first run; server_start_s: its start, in parallel with the others",
+    ]
+    paths = writer.write(summary, "Agent workloads over HTTP", notes,
+                         meta={"seed": b.seed, "jobs": b.jobs, "token_scale": b.token_scale,
+                               "time_scale": b.time_scale, "model": b.model,
+                               "load": cfg.load, "oversub": b.oversubscription})
+    extra = comparison_lines(summary, in_process_rows(out_dir, cfg))
+    if extra:
+        with paths["md"].open("a", encoding="utf-8") as f:
+            f.write("\n".join(extra) + "\n")
+    return paths
+
+
+__all__ = ["HttpBenchError", "HttpReplayConfig", "comparison_lines", "http_policies",
+           "in_process_rows", "parse_metrics", "replay_http", "run_http_bench", "serve_args"]
