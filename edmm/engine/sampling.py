@@ -16,6 +16,7 @@ import enum
 import math
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 
@@ -201,12 +202,25 @@ def is_stop(
     return None
 
 
+class LogitsBatch(Protocol):
+    """Applies several rows' logits processors of one kind in one pass: a processor offers
+    one as its ``batch`` attribute, and the processors of one step that share it are applied
+    together (e.g. grammar masks: one host-to-device copy for all rows instead of one each)."""
+
+    def apply(self, procs: Sequence[Any], outputs: Sequence[Sequence[int]],
+              logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` ``[k, V]`` of ``procs``' rows processed (``outputs``: each row's
+        generated tokens)."""
+        ...
+
+
 def apply_logits_processors(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
     output_token_ids: Sequence[Sequence[int]],
 ) -> torch.Tensor:
-    """Run each row's ``logits_processors`` on it.
+    """Run each row's ``logits_processors`` on it, in their order; at each place in that
+    order the processors that share a ``batch`` (`LogitsBatch`) run in one call.
 
     Args:
         logits: ``[B, V]`` float32 logits (changed in place for rows with processors).
@@ -216,9 +230,27 @@ def apply_logits_processors(
     Returns:
         ``logits`` ``[B, V]``.
     """
-    for i, p in enumerate(params):
-        for proc in p.logits_processors:
-            logits[i] = proc(output_token_ids[i], logits[i])  # [V]
+    depth = max((len(p.logits_processors) for p in params), default=0)
+    for j in range(depth):
+        groups: dict[int, tuple[LogitsBatch, list[int]]] = {}
+        for i, p in enumerate(params):
+            if j >= len(p.logits_processors):
+                continue
+            proc = p.logits_processors[j]
+            batch = getattr(proc, "batch", None)
+            if batch is None:
+                logits[i] = proc(output_token_ids[i], logits[i])  # [V]
+            else:
+                groups.setdefault(id(batch), (batch, []))[1].append(i)
+        for batch, rows in groups.values():
+            procs = [params[i].logits_processors[j] for i in rows]
+            outputs = [output_token_ids[i] for i in rows]
+            if rows == list(range(rows[0], rows[0] + len(rows))):  # a slice: no copies
+                sl = slice(rows[0], rows[0] + len(rows))
+                logits[sl] = batch.apply(procs, outputs, logits[sl])
+            else:
+                idx = torch.tensor(rows, device=logits.device)  # [k]
+                logits[idx] = batch.apply(procs, outputs, logits[idx])
     return logits
 
 

@@ -61,7 +61,8 @@ from edmm.server.protocol import ChatCompletionRequest, FunctionDefinition, Name
 from edmm.server.tool_parser import TOOL_CALL_END, TOOL_CALL_START
 
 __all__ = ["Grammar", "GrammarBudget", "GrammarLimits", "GrammarLogitsProcessor",
-           "GuidedDecoding", "clean_message"]
+           "GrammarMasks", "GuidedDecoding", "apply_bitmask", "clean_message",
+           "unpack_bitmask", "unpack_bitmask_host"]
 
 # Applied to every schema (a schema's own "x-guidance" may override them).
 _JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False,
@@ -97,17 +98,79 @@ class Grammar:
         return self.text, self.costed
 
 
+class GrammarMasks:
+    """Applies the token masks of one step's grammar rows together (the engine's
+    `LogitsBatch`): each row's matcher fills its row of one int32 bitmask ``[k, ceil(V / 32)]``
+    on the host, one copy moves it to the logits' device, and one pass there unpacks it and
+    masks the ``[k, V]`` logits. Per row the cost is then the matcher's own mask fill; unpacking
+    and masking row by row on the host took ~0.5 ms more per row at Qwen2.5's 151,669 tokens.
+
+    One per `GuidedDecoding`, shared by its processors; it keeps the host bitmask buffer
+    (pinned for a GPU's logits), grown to the largest batch seen.
+    """
+
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+        self._words = (vocab_size + 31) // 32
+        self._buffer: torch.Tensor | None = None  # [rows, words] int32, host
+
+    def apply(self, procs: Sequence[GrammarLogitsProcessor],
+              outputs: Sequence[Sequence[int]], logits: torch.Tensor) -> torch.Tensor:
+        """``logits`` ``[k, V]`` of ``procs``' rows (``outputs``: each row's tokens so far)
+        with every token their grammars forbid set to ``-inf``."""
+        bits = self._rows(len(procs), logits.device)  # [k, words]
+        for i, (proc, out) in enumerate(zip(procs, outputs, strict=True)):
+            proc.fill_row(out, bits[i].numpy())
+        return apply_bitmask(logits, bits)
+
+    def _rows(self, k: int, device: torch.device) -> torch.Tensor:
+        pin = device.type == "cuda"
+        buf = self._buffer
+        if buf is None or buf.shape[0] < k or buf.is_pinned() != pin:
+            buf = torch.empty((max(k, 8), self._words), dtype=torch.int32, pin_memory=pin)
+            self._buffer = buf
+        return buf[:k]
+
+
+def apply_bitmask(logits: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """``logits`` ``[k, V]`` (in place) with ``-inf`` wherever ``bits`` ``[k, ceil(V / 32)]``
+    (int32, host; bit ``j`` of word ``w`` is token ``32 w + j``) is 0. On a GPU the words are
+    copied once and unpacked there; on the CPU numpy unpacks them."""
+    vocab = logits.shape[1]
+    if logits.device.type == "cpu":
+        allowed = unpack_bitmask_host(bits, vocab)
+    else:
+        allowed = unpack_bitmask(bits.to(logits.device), vocab)
+    return logits.masked_fill_(~allowed, float("-inf"))
+
+
+def unpack_bitmask(words: torch.Tensor, vocab: int) -> torch.Tensor:
+    """``[k, V]`` bool from int32 ``words`` ``[k, ceil(V / 32)]``, with torch ops on their
+    device (one pass over ``k x 32 x words`` elements)."""
+    k = words.shape[0]
+    shifts = torch.arange(32, dtype=torch.int32, device=words.device)
+    return ((words.unsqueeze(-1) >> shifts) & 1).view(k, -1)[:, :vocab].bool()
+
+
+def unpack_bitmask_host(words: torch.Tensor, vocab: int) -> torch.Tensor:
+    """`unpack_bitmask` of host ``words`` through numpy (faster there)."""
+    unpacked = np.unpackbits(words.numpy().view(np.uint8), axis=1, bitorder="little")
+    return torch.from_numpy(unpacked[:, :vocab].astype(np.bool_))
+
+
 class GrammarLogitsProcessor:
     """Masks the tokens a grammar forbids next; one per request (it is stateful).
 
     Called by the engine before each sampled token with the request's outputs so far; it feeds
     the matcher the tokens it has not seen, then keeps only the allowed tokens' logits. Once the
-    grammar is complete only EOS is allowed, so the request stops there.
+    grammar is complete only EOS is allowed, so the request stops there. The engine applies
+    the processors of one step's rows together through their shared ``batch``
+    (`GrammarMasks`); called alone it masks one row the same way.
     """
 
     def __init__(self, matcher: llguidance.LLMatcher, vocab_size: int,
                  eos_token_id: int, budget: GrammarBudget | None = None,
-                 param: str | None = None) -> None:
+                 param: str | None = None, batch: GrammarMasks | None = None) -> None:
         self._matcher = matcher
         self._vocab_size = vocab_size
         self._eos = eos_token_id
@@ -118,21 +181,36 @@ class GrammarLogitsProcessor:
         self._mask_time_s = 0.0
         self.failure: str | None = None  # why the processor stopped (its masks cost too much)
         self.param = param  # the request parameter the grammar comes from
+        self.batch = batch if batch is not None else GrammarMasks(vocab_size)
 
     def __call__(self, output_token_ids: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
         """``logits`` ``[V]`` with the forbidden tokens set to ``-inf`` (once the processor has
         stopped: everything but EOS, at no cost)."""
+        return self.batch.apply([self], [output_token_ids], logits.unsqueeze(0))[0]
+
+    def fill_row(self, output_token_ids: Sequence[int], row: np.ndarray) -> None:
+        """Feed the matcher the tokens it has not seen, then write the allowed next tokens
+        into ``row`` (``[ceil(V / 32)]`` int32): only EOS once the processor has stopped, or
+        when the grammar allows nothing else."""
         if self.failure is not None:
-            return self._only_eos(logits)
+            self._only_eos(row)
+            return
         for token in output_token_ids[self._consumed:]:
             self._matcher.consume_token(token)
         self._consumed = len(output_token_ids)
         t0 = time.perf_counter()
-        allowed = self._allowed()  # [V] bool, None: no mask
-        self._spend(time.perf_counter() - t0)
-        if allowed is None:  # the matcher went over the parser's limits
-            return self._only_eos(logits)
-        return logits.masked_fill_(~allowed.to(logits.device), float("-inf"))
+        fill_next_token_bitmask(self._matcher, row.reshape(1, -1))
+        self._spend(time.perf_counter() - t0)  # a mask over the budget still applies
+        if self._matcher.is_error():  # masks never allow a wrong token: over the limits
+            self.failure = (f"the grammar is too costly to enforce: "
+                            f"{clean_message(self._matcher.get_error())}")
+            self._only_eos(row)
+        elif not row.any():
+            self._only_eos(row)
+
+    def _only_eos(self, row: np.ndarray) -> None:
+        row[:] = 0
+        row.view(np.uint32)[self._eos // 32] = np.uint32(1 << (self._eos % 32))
 
     def prepare(self) -> None:
         """Compute the mask of the grammar's start (its lexer states are built here, not on
@@ -154,28 +232,10 @@ class GrammarLogitsProcessor:
                             f"{self._mask_time_s / self._masks * 1e3:.1f} ms each on average, "
                             f"over the budget of {budget.mask_s * 1e3:g} ms")
 
-    def _only_eos(self, logits: torch.Tensor) -> torch.Tensor:
-        eos = logits[self._eos].clone()
-        logits.fill_(float("-inf"))
-        logits[self._eos] = eos
-        return logits
-
     @property
     def error(self) -> str:
         """Why the matcher rejected a token ("" while all is well)."""
         return str(self._matcher.get_error())
-
-    def _allowed(self) -> torch.Tensor | None:
-        fill_next_token_bitmask(self._matcher, self._bitmask)
-        if self._matcher.is_error():  # masks never allow a wrong token: over the limits
-            self.failure = (f"the grammar is too costly to enforce: "
-                            f"{clean_message(self._matcher.get_error())}")
-            return None
-        bits = np.unpackbits(self._bitmask.view(np.uint8), bitorder="little")
-        allowed = torch.from_numpy(bits[:self._vocab_size].astype(np.bool_))
-        if not allowed.any():
-            allowed[self._eos] = True
-        return allowed
 
 
 class GuidedDecoding:
@@ -197,6 +257,7 @@ class GuidedDecoding:
         self._lock = threading.Lock()  # verdicts are read and written from several threads
         self._vocab_size = vocab_size
         self._eos = eos_token_id
+        self._mask_batch = GrammarMasks(vocab_size)  # shared by this decoding's processors
         self._start_id = _single_token(tokenizer, TOOL_CALL_START)
         self._end_id = _single_token(tokenizer, TOOL_CALL_END)
 
@@ -312,7 +373,7 @@ class GuidedDecoding:
             raise BadRequestError(f"invalid JSON schema: {clean_message(matcher.get_error())}",
                                   param=grammar.param)
         processor = GrammarLogitsProcessor(matcher, self._vocab_size, self._eos, self.budget,
-                                           grammar.param)
+                                           grammar.param, self._mask_batch)
         try:
             processor.prepare()
         except BadRequestError:
