@@ -744,7 +744,10 @@ def _write_stages(stages: list[dict[str, Any]], env: Any, out_dir: Path) -> dict
              "client_sent -> client_wire is the openai SDK's own work (it converts the "
              "messages and writes the body's JSON); client_wire -> received is HTTP (the "
              "body's transfer); received -> arrive the framework's routing; arrive -> "
-             "parsed the body's parsing and validation; ... -> first_event is the server's; "
+             "parsed the body's parsing and validation; ... -> first_event is the server's "
+             "(begun -> step_start: the engine thread's wait for its next step; step_start -> "
+             "output_put: its steps up to the first output, the engine's own time; "
+             "output_put -> first_output: the hand-back to the event loop); "
              "first_event -> client_first is the way back (streamed) or "
              "the response's serialisation and transfer (whole)",
              "mode stream: to the first content delta; whole: to the whole response; raw: "

@@ -325,7 +325,7 @@ class OpenAIServing:
         """Run a queued chat turn to the end: the whole response."""
         try:
             async for out in self._outputs(turn.stream):
-                _mark(turn.stages, "first_output")
+                _mark_first_output(turn)
                 turn.last = out
                 _check_grammar(turn.engine_request)
         except BaseException:
@@ -358,7 +358,7 @@ class OpenAIServing:
         parser = StreamingToolParser() if turn.parse_tools else None
         sent = 0
         async for out in self._outputs(turn.stream):
-            _mark(turn.stages, "first_output")
+            _mark_first_output(turn)
             turn.last = out
             _check_grammar(turn.engine_request)
             text = _stable_text(out, turn.engine_request.params.stop)  # all of it at the end
@@ -651,6 +651,18 @@ def _discard(future: asyncio.Future[Any]) -> None:
 def _mark(timer: StageTimer | None, stage: str) -> None:
     if timer is not None:
         timer.mark(stage)
+
+
+def _mark_first_output(turn: ChatTurn) -> None:
+    """Mark the first output's arrival on the event loop, and (first) the engine thread's
+    times of its steps (`OutputStream.engine_ns`)."""
+    timer = turn.stages
+    if timer is None or "first_output" in timer.marks:
+        return
+    for stage, ns in zip(("step_start", "output_put"), turn.stream.engine_ns, strict=True):
+        if ns is not None:
+            timer.marks.setdefault(stage, ns)
+    timer.mark("first_output")
 
 
 def _begin(backend: ServerSessions, turn: Turn, timer: StageTimer | None) -> Any:

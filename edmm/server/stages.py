@@ -13,10 +13,16 @@ request appends one JSON line ``{"id": <chatcmpl id>, "stream": bool, "prompt_to
   on the tokenizing thread: ids checked, sampling params);
 - ``request_made``: the request has its grammars (if any) and cache salt;
 - ``engine_picked``: the engine thread took the submission; ``begun``: the session matched and
-  the request queued; ``submitted``: the event loop knows it;
-- ``first_output``: the first output reached the event loop (prefill, step, hand-back);
+  the request queued;
+- ``step_start``: the engine thread began its first step after that; ``output_put``: it
+  handed the first output to the event loop (the steps until then: the engine's own time);
+- ``first_output``: the first output reached the event loop (the hand-back);
 - ``first_event``: the first content event is serialised (streamed), or the response object
   is built (not streamed).
+
+``submitted`` (the event loop learnt that the request is queued) is recorded too but is no
+stage of the chain: the engine steps meanwhile, so it lies beside ``step_start``, not before
+it.
 
 Wall-clock nanoseconds (``time.time_ns``) so that a client on the same host can put its own
 send and receive times beside them (`edmm bench live --stages`).
@@ -32,8 +38,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 STAGES = ("received", "arrive", "parsed", "validated", "render_start", "rendered", "tokenized",
-          "back", "request_made", "engine_picked", "begun", "submitted", "first_output",
-          "first_event")
+          "back", "request_made", "engine_picked", "begun", "step_start", "output_put",
+          "first_output", "first_event")
 ENV = "EDMM_STAGE_LOG"
 
 

@@ -172,7 +172,8 @@ def test_stage_breakdown(tmp_path: Path) -> None:
     assert [k for k in by_mode["raw"] if "->" in k] == spans
     assert spans[-1] == "first_event->client_first"
     assert {"render_start->rendered", "rendered->tokenized", "engine_picked->begun",
-            "submitted->first_output"} <= set(spans)
+            "begun->step_start", "step_start->output_put",
+            "output_put->first_output"} <= set(spans)
     assert all(by_mode["stream"][k] >= 0 for k in spans)
     summary = json.loads(paths["json"].read_text())["summary"][0]
     # Medians of the parts need not add up exactly to the trimmed mean of the whole.

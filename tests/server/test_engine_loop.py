@@ -182,3 +182,22 @@ def test_failing_idle_hook_is_logged_and_the_loop_serves_on() -> None:
         assert lp.is_alive
     finally:
         lp.stop()
+
+
+def test_engine_times_of_the_first_step_and_output(loop: EngineLoop[FakeEngine]) -> None:
+    """`OutputStream.engine_ns`: the first step after the submission began after it, the
+    first output was handed over after that step began and before the loop read it."""
+    async def main() -> None:
+        before = time.time_ns()
+        _, stream = await loop.submit("t", lambda e: e.add("t"))
+        outputs = stream.outputs()
+        await outputs.__anext__()
+        read = time.time_ns()
+        step, put = stream.engine_ns
+        assert step is not None and put is not None
+        assert before <= step <= put <= read
+        async for _ in outputs:
+            pass
+        assert stream.engine_ns == (step, put)  # the first ones, kept
+
+    asyncio.run(main())
