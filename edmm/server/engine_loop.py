@@ -185,15 +185,13 @@ class EngineLoop(Generic[E]):
 
         An error of ``submit`` is raised here, and nothing was queued.
         """
-        stream = _Stream(request_id)
-        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        submission: Submission[E, T] = Submission(self, request_id)
+        submission.send(submit)
+        return await submission.result()
+
+    def _submission(self, stream: _Stream, submit: Callable[[E], T],
+                    future: concurrent.futures.Future[T]) -> None:
         self._put(lambda: self._submit(stream, submit, future))
-        try:
-            result = await asyncio.wrap_future(future)
-        except asyncio.CancelledError:  # the caller left: the request may be queued already
-            self._put(lambda: self._abort(request_id))
-            raise
-        return result, OutputStream(self, stream)
 
     def abort(self, request_id: str) -> None:
         """Abort a request (from any thread)."""
@@ -295,3 +293,40 @@ class EngineLoop(Generic[E]):
                 logger.exception("abort of %s failed", request_id)
             stream.put(error)
         self._streams.clear()
+
+
+class Submission(Generic[E, T]):
+    """One request's submission in two halves: made on an event loop (whose queue gets the
+    outputs), `send` from any thread (e.g. the tokenizing thread, straight to the engine
+    thread), `result` awaited on that event loop; `cancel` if `result` will not be awaited."""
+
+    def __init__(self, loop: EngineLoop[E], request_id: str) -> None:
+        self._loop = loop
+        self._stream = _Stream(request_id)
+        self._future: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+    @property
+    def request_id(self) -> str:
+        """The request's id."""
+        return self._stream.request_id
+
+    def send(self, submit: Callable[[E], T]) -> None:
+        """Queue ``submit(engine)`` for the engine thread (`ServiceUnavailableError` when the
+        loop is not running); any thread."""
+        self._loop._submission(self._stream, submit, self._future)
+
+    async def result(self) -> tuple[T, OutputStream]:
+        """``submit``'s result and the request's output stream (its error raised here, and
+        nothing was queued); leaving (cancelled) aborts the request."""
+        try:
+            result = await asyncio.wrap_future(self._future)
+        except asyncio.CancelledError:  # the caller left: the request may be queued already
+            self.cancel()
+            raise
+        return result, OutputStream(self._loop, self._stream)
+
+    def cancel(self) -> None:
+        """Nothing is queued if ``submit`` has not run yet; else the request is aborted."""
+        if not self._future.cancel():
+            with contextlib.suppress(ServiceUnavailableError):
+                self._loop.abort(self._stream.request_id)

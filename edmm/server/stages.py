@@ -11,7 +11,9 @@ request appends one JSON line ``{"id": <chatcmpl id>, "stream": bool, "prompt_to
 - ``render_start``: the tokenizing thread took the job; ``rendered``: the chat template ran;
   ``tokenized``: the ids are there; ``back``: the event loop has the engine request (made
   on the tokenizing thread: ids checked, sampling params);
-- ``request_made``: the request has its grammars (if any) and cache salt;
+- ``request_made``: the request has its grammars (if any) and cache salt (a chat with no
+  grammar: on the tokenizing thread, which sends it to the engine thread itself, so it has
+  no ``back``);
 - ``engine_picked``: the engine thread took the submission; ``begun``: the session matched and
   the request queued;
 - ``step_start``: the engine thread began its first step after that; ``output_put``: it
