@@ -326,7 +326,10 @@ class Submission(Generic[E, T]):
         return result, OutputStream(self._loop, self._stream)
 
     def cancel(self) -> None:
-        """Nothing is queued if ``submit`` has not run yet; else the request is aborted."""
-        if not self._future.cancel():
-            with contextlib.suppress(ServiceUnavailableError):
-                self._loop.abort(self._stream.request_id)
+        """Nothing is queued if ``submit`` has not run yet (or failed); else the request is
+        aborted."""
+        future = self._future
+        if future.cancel() or (future.done() and future.exception() is not None):
+            return
+        with contextlib.suppress(ServiceUnavailableError):
+            self._loop.abort(self._stream.request_id)

@@ -243,3 +243,23 @@ def test_cancelled_submission_queues_nothing_or_aborts(loop: EngineLoop[FakeEngi
 
     asyncio.run(main())
     assert loop.engine.added == ["late"] and loop.engine.aborted == ["late"]
+
+
+def test_failed_submission_is_not_aborted(loop: EngineLoop[FakeEngine]) -> None:
+    """A submission whose ``submit`` failed queued nothing: cancelling it aborts nothing."""
+    async def main() -> None:
+        loop.engine.gate.clear()  # "taken" stays unfinished
+        _, stream = await loop.submit("taken", lambda e: e.add("taken"))
+        again: Submission[FakeEngine, None] = Submission(loop, "taken")
+        again.send(lambda e: e.add("taken"))
+        with pytest.raises(ValueError, match="duplicate"):
+            await again.result()
+        again.cancel()
+        await asyncio.sleep(0.05)  # an abort, had one been sent, would have run by now
+        assert loop.engine.aborted == []
+        loop.engine.gate.set()
+        texts = [o.outputs[0].text async for o in stream.outputs()]
+        assert texts == ["x", "xx", "xxx"]
+
+    asyncio.run(main())
+    assert loop.engine.aborted == []
