@@ -557,16 +557,20 @@ def _sdk_ms(resume: _Resume) -> float | None:
 def stage_rows(rows: list[dict[str, Any]], log: dict[str, dict[str, Any]],
                ) -> list[dict[str, Any]]:
     """Per context, group and mode: the median milliseconds of each stage of the resume, from
-    the client's send to its first content (streamed) or the whole response (not streamed)."""
+    the client's send to its first content (streamed) or the whole response (not streamed),
+    their sum, and the garbage collections that ran inside the resumes' server time (all
+    resumes together, `edmm.server.stages`)."""
     from edmm.server.stages import spans_ms
 
     spans: dict[tuple[int, str, str], dict[str, list[float]]] = {}
+    collections: Counter[tuple[int, str, str]] = Counter()
     for r in rows:
         for mode, resume in r["_timed"].items():
             rec = log.get(resume.response_id)
             if rec is None:
                 continue
             key = (r["context_tokens"], r["group"], mode)
+            collections[key] += sum(rec.get("gc") or ())
             for name, ms in spans_ms(rec["marks"], resume.sent_ns, resume.first_ns,
                                      resume.wire_ns).items():
                 spans.setdefault(key, {}).setdefault(name, []).append(ms)
@@ -575,6 +579,7 @@ def stage_rows(rows: list[dict[str, Any]], log: dict[str, dict[str, Any]],
         row: dict[str, Any] = {"context_tokens": ctx, "group": group, "mode": mode}
         row.update({name: round(summarize(v).median, 3) for name, v in by_span.items()})
         row["sum_ms"] = round(sum(v for k, v in row.items() if "->" in k), 3)
+        row["gc_collections"] = collections[(ctx, group, mode)]
         out.append(row)
     return out
 
@@ -744,7 +749,12 @@ def _write_stages(stages: list[dict[str, Any]], env: Any, out_dir: Path) -> dict
              "client_sent -> client_wire is the openai SDK's own work (it converts the "
              "messages and writes the body's JSON); client_wire -> received is HTTP (the "
              "body's transfer); received -> arrive the framework's routing; arrive -> "
-             "parsed the body's parsing and validation; ... -> first_event is the server's; "
+             "parsed the body's parsing and validation; ... -> first_event is the server's "
+             "(begun -> step_start: the engine thread's wait for its next step; step_start -> "
+             "output_put: its steps up to the first output, the engine's own time; "
+             "output_put -> first_output: the hand-back to the event loop); "
+             "gc_collections: garbage collections that ran between arrive and first_event, "
+             "all of the row's resumes together; "
              "first_event -> client_first is the way back (streamed) or "
              "the response's serialisation and transfer (whole)",
              "mode stream: to the first content delta; whole: to the whole response; raw: "

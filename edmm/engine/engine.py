@@ -152,7 +152,7 @@ class RequestValidator:
             # checked on the twin in one pass, the ints taken as they are.
             lo, hi = torch.frombuffer(prompt.packed, dtype=torch.int64).aminmax()
             if int(lo) >= 0 and int(hi) < vocab:
-                return list(prompt)
+                return prompt[:]  # a plain list (list() of a subclass goes item by item)
         elif isinstance(prompt, array) and prompt.typecode == "q" and prompt:
             # Packed ids (`PromptEncoder.encode_array`): bounds checked in one pass.
             lo, hi = torch.frombuffer(prompt, dtype=torch.int64).aminmax()

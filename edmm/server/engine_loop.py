@@ -22,6 +22,7 @@ import contextlib
 import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any, Generic, Protocol, TypeVar
 
@@ -52,15 +53,23 @@ _Item = RequestOutput | BaseException
 
 
 class _Stream:
-    """The outputs of one request, handed from the engine thread to its event loop."""
+    """The outputs of one request, handed from the engine thread to its event loop.
+
+    ``step_ns``: the wall clock (``time.time_ns``) when the engine thread began its first step
+    after the request was queued; ``put_ns``: when it handed over the first output (both set
+    on the engine thread, for `edmm.server.stages`)."""
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[_Item] = asyncio.Queue()
+        self.step_ns: int | None = None
+        self.put_ns: int | None = None
 
     def put(self, item: _Item) -> None:
         """Thread-safe; a closed event loop (its client is gone) drops the item."""
+        if self.put_ns is None:
+            self.put_ns = time.time_ns()
         with contextlib.suppress(RuntimeError):
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
@@ -78,6 +87,12 @@ class OutputStream:
     def request_id(self) -> str:
         """The request's id."""
         return self._stream.request_id
+
+    @property
+    def engine_ns(self) -> tuple[int | None, int | None]:
+        """Wall-clock nanoseconds on the engine thread: the start of its first step after the
+        request was queued, and the hand-over of the first output (None until then)."""
+        return self._stream.step_ns, self._stream.put_ns
 
     async def outputs(self) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs until it finishes; an engine error is raised here.
@@ -115,6 +130,7 @@ class EngineLoop(Generic[E]):
         self._on_idle = on_idle
         self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}  # engine thread only
+        self._unstepped: list[_Stream] = []  # queued since the last step (engine thread)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._stopping = False
         self.error: BaseException | None = None  # set if the thread died
@@ -169,15 +185,13 @@ class EngineLoop(Generic[E]):
 
         An error of ``submit`` is raised here, and nothing was queued.
         """
-        stream = _Stream(request_id)
-        future: concurrent.futures.Future[T] = concurrent.futures.Future()
+        submission: Submission[E, T] = Submission(self, request_id)
+        submission.send(submit)
+        return await submission.result()
+
+    def _submission(self, stream: _Stream, submit: Callable[[E], T],
+                    future: concurrent.futures.Future[T]) -> None:
         self._put(lambda: self._submit(stream, submit, future))
-        try:
-            result = await asyncio.wrap_future(future)
-        except asyncio.CancelledError:  # the caller left: the request may be queued already
-            self._put(lambda: self._abort(request_id))
-            raise
-        return result, OutputStream(self, stream)
 
     def abort(self, request_id: str) -> None:
         """Abort a request (from any thread)."""
@@ -232,6 +246,11 @@ class EngineLoop(Generic[E]):
             return
 
     def _step(self) -> None:
+        if self._unstepped:
+            now = time.time_ns()
+            for waiting in self._unstepped:
+                waiting.step_ns = now
+            self._unstepped.clear()
         try:
             outputs = self.engine.step()
         except Exception as e:
@@ -257,13 +276,16 @@ class EngineLoop(Generic[E]):
             future.set_exception(e)
             return
         self._streams[stream.request_id] = stream
+        self._unstepped.append(stream)
         future.set_result(result)
 
     def _abort(self, request_id: str) -> None:
         self._streams.pop(request_id, None)
+        self._unstepped = [s for s in self._unstepped if s.request_id != request_id]
         self.engine.abort(request_id)
 
     def _fail_all(self, error: BaseException) -> None:
+        self._unstepped.clear()
         for request_id, stream in list(self._streams.items()):
             try:
                 self.engine.abort(request_id)
@@ -271,3 +293,43 @@ class EngineLoop(Generic[E]):
                 logger.exception("abort of %s failed", request_id)
             stream.put(error)
         self._streams.clear()
+
+
+class Submission(Generic[E, T]):
+    """One request's submission in two halves: made on an event loop (whose queue gets the
+    outputs), `send` from any thread (e.g. the tokenizing thread, straight to the engine
+    thread), `result` awaited on that event loop; `cancel` if `result` will not be awaited."""
+
+    def __init__(self, loop: EngineLoop[E], request_id: str) -> None:
+        self._loop = loop
+        self._stream = _Stream(request_id)
+        self._future: concurrent.futures.Future[T] = concurrent.futures.Future()
+
+    @property
+    def request_id(self) -> str:
+        """The request's id."""
+        return self._stream.request_id
+
+    def send(self, submit: Callable[[E], T]) -> None:
+        """Queue ``submit(engine)`` for the engine thread (`ServiceUnavailableError` when the
+        loop is not running); any thread."""
+        self._loop._submission(self._stream, submit, self._future)
+
+    async def result(self) -> tuple[T, OutputStream]:
+        """``submit``'s result and the request's output stream (its error raised here, and
+        nothing was queued); leaving (cancelled) aborts the request."""
+        try:
+            result = await asyncio.wrap_future(self._future)
+        except asyncio.CancelledError:  # the caller left: the request may be queued already
+            self.cancel()
+            raise
+        return result, OutputStream(self._loop, self._stream)
+
+    def cancel(self) -> None:
+        """Nothing is queued if ``submit`` has not run yet (or failed); else the request is
+        aborted."""
+        future = self._future
+        if future.cancel() or (future.done() and future.exception() is not None):
+            return
+        with contextlib.suppress(ServiceUnavailableError):
+            self._loop.abort(self._stream.request_id)

@@ -344,6 +344,15 @@ class GuidedDecoding:
                 self._remember(g.key, verdict)
             _raise_for(g, verdict)
 
+    def known_to_pass(self, grammars: Sequence[Grammar]) -> bool:
+        """Whether ``grammars`` are all checked only (none enforced) and passed their check
+        before: a request with them needs neither a check nor a processor."""
+        for g in grammars:
+            verdict = self._known(g)
+            if g.enforced or verdict is None or verdict.problem is not None:
+                return False
+        return True
+
     async def check_isolated(self, grammars: Sequence[Grammar]) -> None:
         """`check`, with the grammars not checked before sent to the probe process (the
         caller waits; nothing runs in this process). Without a probe: `check` on a thread."""

@@ -3,7 +3,9 @@
 `OpenAIServing` validates a request, renders and tokenizes its prompt on its tokenizing thread
 (the `Request` is built once, by the engine's immutable `RequestValidator`), queues it on
 the engine thread (through `ServerSessions`, for chat) and turns the engine's outputs into
-OpenAI responses or server-sent-event chunks.
+OpenAI responses or server-sent-event chunks. A chat with no grammar to compile or check
+(an agent's resume) is sent to the engine thread by the tokenizing thread itself, without a
+hop back to the event loop in between (`OpenAIServing._start_direct`).
 
 Work whose cost the client controls runs where it cannot hold anyone else up: the model's own
 chat template and the tokenizer on the one tokenizing thread, with the context check made while
@@ -37,7 +39,7 @@ from edmm.engine.sampling import LogitsProcessor
 from edmm.model.errors import PromptTooLongError
 from edmm.model.prompt_encoder import PromptEncoder
 from edmm.server.chat_prompts import ChatPrompts
-from edmm.server.engine_loop import EngineLoop, OutputStream
+from edmm.server.engine_loop import EngineLoop, OutputStream, Submission
 from edmm.server.errors import (
     APIError,
     BadRequestError,
@@ -254,6 +256,8 @@ class OpenAIServing:
         messages = template_messages(req.messages)
         tools = template_tools(req.tools)
         _mark(timer, "validated")
+        if self._goes_direct(req):
+            return await self._start_direct(req, messages, tools, session_header, owner, timer)
         # The grammars compile on the isolated pool while the prompt renders (neither needs
         # the other); a rendering error is still the one reported.
         processors = asyncio.ensure_future(self._chat_processors(req))
@@ -272,14 +276,64 @@ class OpenAIServing:
             made = dataclasses.replace(made, params=params)
         request = self._salted(made, req.cache_salt, owner)
         _mark(timer, "request_made")
-        ext = req.edmm
-        turn = Turn(request, session_header or (ext.session_id if ext else None),
-                    trailing_tool_results(req.messages), owner)
+        turn = _turn(req, request, session_header, owner)
         session_id, stream = await self.loop.submit(request.request_id,
                                                     lambda b: _begin(b, turn, timer))
         _mark(timer, "submitted")
         return ChatTurn(random_id("chatcmpl"), req, request, session_id, messages, tools,
                         parses_tools(req), stream, stages=timer)
+
+    def _goes_direct(self, req: ChatCompletionRequest) -> bool:
+        """Whether `_start_direct` may queue ``req``: the model's template renders it, and it
+        has no grammar to enforce or to check (none, or only checks passed before)."""
+        if client_template(req.chat_template_kwargs, self.client_templates) is not None:
+            return False
+        if self.guided is None:
+            return not _constrains(req)  # else the usual way refuses it
+        try:
+            return self.guided.known_to_pass(self.guided.chat_grammars(req))
+        except APIError:  # the usual way reports it, in its order
+            return False
+
+    async def _start_direct(self, req: ChatCompletionRequest, messages: list[dict[str, Any]],
+                            tools: list[dict[str, Any]] | None, session_header: str | None,
+                            owner: str, timer: StageTimer | None) -> ChatTurn:
+        """`start_chat` for a request `_goes_direct` admits: the tokenizing thread makes the
+        engine request and sends it to the engine thread itself (`_queue_rendered`), with no
+        hop back to the event loop between; an error of the rendering, the request or its
+        session is raised here, and nothing stays queued."""
+        submission: Submission[ServerSessions, str] = Submission(self.loop,
+                                                                 _new_request_id())
+        limit = prompt_limit(self.max_model_len, req.completion_limit)
+        try:
+            made = await self._tokenize(self._queue_rendered, submission, timer, req,
+                                        messages, tools, limit, session_header, owner)
+            if isinstance(made, APIError):
+                raise made
+            session_id, stream = await submission.result()
+        except BaseException:
+            submission.cancel()
+            raise
+        _mark(timer, "submitted")
+        return ChatTurn(random_id("chatcmpl"), req, made, session_id, messages, tools,
+                        parses_tools(req), stream, stages=timer)
+
+    def _queue_rendered(self, submission: Submission[ServerSessions, str],
+                        timer: StageTimer | None, req: ChatCompletionRequest,
+                        messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                        limit: int, session_header: str | None,
+                        owner: str) -> Request | APIError:
+        """On the tokenizing thread: `_rendered_request`, salted, sent to the engine thread
+        (`_begin`); or the error it gets instead, and nothing is sent."""
+        made = self._rendered_request(timer, req, messages, tools, limit,
+                                      submission.request_id)
+        if isinstance(made, APIError):
+            return made
+        request = self._salted(made, req.cache_salt, owner)
+        _mark(timer, "request_made")
+        turn = _turn(req, request, session_header, owner)
+        submission.send(lambda b: _begin(b, turn, timer))
+        return request
 
     async def _chat_request(self, timer: StageTimer | None, req: ChatCompletionRequest,
                             messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
@@ -298,19 +352,20 @@ class OpenAIServing:
 
     def _rendered_request(self, timer: StageTimer | None, req: ChatCompletionRequest,
                           messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                          limit: int) -> Request | APIError:
+                          limit: int, request_id: str | None = None) -> Request | APIError:
         ids = self._render_chat(timer, messages, tools, req.chat_template_kwargs, limit)
-        return self._request_of(req, ids)
+        return self._request_of(req, ids, request_id)
 
     def _encoded_request(self, req: ChatCompletionRequest, text: str,
                          limit: int) -> Request | APIError:
         return self._request_of(req, encode_prompt(self.tokenizer, self.encoder, text, limit))
 
-    def _request_of(self, req: ChatCompletionRequest, ids: Sequence[int]) -> Request | APIError:
+    def _request_of(self, req: ChatCompletionRequest, ids: Sequence[int],
+                    request_id: str | None = None) -> Request | APIError:
         """The validated request of ``ids`` (no grammars), or the 400 it gets."""
         try:
             params = sampling_params(req, req.completion_limit, len(ids), self.max_model_len)
-            return self._make_request(ids, params)
+            return self._make_request(ids, params, request_id)
         except APIError as e:
             return e
 
@@ -325,7 +380,7 @@ class OpenAIServing:
         """Run a queued chat turn to the end: the whole response."""
         try:
             async for out in self._outputs(turn.stream):
-                _mark(turn.stages, "first_output")
+                _mark_first_output(turn)
                 turn.last = out
                 _check_grammar(turn.engine_request)
         except BaseException:
@@ -358,7 +413,7 @@ class OpenAIServing:
         parser = StreamingToolParser() if turn.parse_tools else None
         sent = 0
         async for out in self._outputs(turn.stream):
-            _mark(turn.stages, "first_output")
+            _mark_first_output(turn)
             turn.last = out
             _check_grammar(turn.engine_request)
             text = _stable_text(out, turn.engine_request.params.stop)  # all of it at the end
@@ -464,8 +519,7 @@ class OpenAIServing:
         schema is checked, whatever the choice). New grammars are checked in the probe
         process; the enforced one is then compiled on the isolated pool."""
         if self.guided is None:
-            if req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice) or (
-                    req.response_format is not None and req.response_format.type != "text"):
+            if _constrains(req):
                 self._guided()  # the 400
             return []
         guided = self.guided
@@ -603,10 +657,12 @@ class OpenAIServing:
             salt = f"{owner}\x00{salt or ''}"
         return request if salt is None else dataclasses.replace(request, cache_salt=salt)
 
-    def _make_request(self, ids: Sequence[int], params: Any) -> Request:
-        """Validate a tokenized request (token ids in the vocabulary, length); any thread."""
+    def _make_request(self, ids: Sequence[int], params: Any,
+                      request_id: str | None = None) -> Request:
+        """Validate a tokenized request (token ids in the vocabulary, length; a new id unless
+        ``request_id``); any thread."""
         try:
-            return self.validator.make(f"req-{uuid.uuid4().hex}", ids, params)
+            return self.validator.make(request_id or _new_request_id(), ids, params)
         except EngineContextLengthError as e:
             raise ContextLengthError(str(e)) from e
         except InvalidRequestError as e:
@@ -651,6 +707,36 @@ def _discard(future: asyncio.Future[Any]) -> None:
 def _mark(timer: StageTimer | None, stage: str) -> None:
     if timer is not None:
         timer.mark(stage)
+
+
+def _new_request_id() -> str:
+    return f"req-{uuid.uuid4().hex}"
+
+
+def _constrains(req: ChatCompletionRequest) -> bool:
+    """Whether ``req`` asks for constrained decoding (a forced tool call or JSON)."""
+    return req.tool_choice == "required" or isinstance(req.tool_choice, NamedToolChoice) or (
+        req.response_format is not None and req.response_format.type != "text")
+
+
+def _turn(req: ChatCompletionRequest, request: Request, session_header: str | None,
+          owner: str) -> Turn:
+    """The `Turn` that names ``request``'s session (the header first, then the body's)."""
+    ext = req.edmm
+    return Turn(request, session_header or (ext.session_id if ext else None),
+                trailing_tool_results(req.messages), owner)
+
+
+def _mark_first_output(turn: ChatTurn) -> None:
+    """Mark the first output's arrival on the event loop, and (first) the engine thread's
+    times of its steps (`OutputStream.engine_ns`)."""
+    timer = turn.stages
+    if timer is None or "first_output" in timer.marks:
+        return
+    for stage, ns in zip(("step_start", "output_put"), turn.stream.engine_ns, strict=True):
+        if ns is not None:
+            timer.marks.setdefault(stage, ns)
+    timer.mark("first_output")
 
 
 def _begin(backend: ServerSessions, turn: Turn, timer: StageTimer | None) -> Any:

@@ -11,12 +11,24 @@ request appends one JSON line ``{"id": <chatcmpl id>, "stream": bool, "prompt_to
 - ``render_start``: the tokenizing thread took the job; ``rendered``: the chat template ran;
   ``tokenized``: the ids are there; ``back``: the event loop has the engine request (made
   on the tokenizing thread: ids checked, sampling params);
-- ``request_made``: the request has its grammars (if any) and cache salt;
+- ``request_made``: the request has its grammars (if any) and cache salt (a chat with no
+  grammar: on the tokenizing thread, which sends it to the engine thread itself, so it has
+  no ``back``);
 - ``engine_picked``: the engine thread took the submission; ``begun``: the session matched and
-  the request queued; ``submitted``: the event loop knows it;
-- ``first_output``: the first output reached the event loop (prefill, step, hand-back);
+  the request queued;
+- ``step_start``: the engine thread began its first step after that; ``output_put``: it
+  handed the first output to the event loop (the steps until then: the engine's own time);
+- ``first_output``: the first output reached the event loop (the hand-back);
 - ``first_event``: the first content event is serialised (streamed), or the response object
   is built (not streamed).
+
+``submitted`` (the event loop learnt that the request is queued) is recorded too but is no
+stage of the chain: the engine steps meanwhile, so it lies beside ``step_start``, not before
+it.
+
+Each record also says how many garbage collections (per generation) ran anywhere in the
+process between ``arrive`` and ``first_event`` (``"gc"``): a collection inside a request's
+time to first token stalls every thread.
 
 Wall-clock nanoseconds (``time.time_ns``) so that a client on the same host can put its own
 send and receive times beside them (`edmm bench live --stages`).
@@ -24,6 +36,7 @@ send and receive times beside them (`edmm bench live --stages`).
 
 from __future__ import annotations
 
+import gc
 import itertools
 import json
 import os
@@ -32,20 +45,34 @@ from dataclasses import dataclass, field
 from typing import Any
 
 STAGES = ("received", "arrive", "parsed", "validated", "render_start", "rendered", "tokenized",
-          "back", "request_made", "engine_picked", "begun", "submitted", "first_output",
-          "first_event")
+          "back", "request_made", "engine_picked", "begun", "step_start", "output_put",
+          "first_output", "first_event")
 ENV = "EDMM_STAGE_LOG"
+
+
+LAST = STAGES[-1]
+
+
+def _collections() -> list[int]:
+    return [generation["collections"] for generation in gc.get_stats()]
 
 
 @dataclass
 class StageTimer:
-    """The marks of one request (first mark of a stage wins; any thread may mark)."""
+    """The marks of one request (first mark of a stage wins; any thread may mark) and the
+    garbage collections from its creation to its last stage (`LAST`)."""
 
     marks: dict[str, int] = field(default_factory=dict)
+    gc_before: list[int] = field(default_factory=_collections)
+    gc_during: list[int] | None = None  # set when `LAST` is marked
 
     def mark(self, stage: str) -> None:
         """Record ``stage`` now, unless it was recorded already."""
-        self.marks.setdefault(stage, time.time_ns())
+        if stage not in self.marks:
+            self.marks[stage] = time.time_ns()
+            if stage == LAST:
+                self.gc_during = [b - a for a, b in zip(self.gc_before, _collections(),
+                                                        strict=True)]
 
 
 class StageLog:
@@ -81,7 +108,7 @@ class StageLog:
         if timer is None or self.path is None:
             return
         record = {"id": request_id, "stream": stream, "prompt_tokens": prompt_tokens,
-                  "marks": timer.marks}
+                  "marks": timer.marks, "gc": timer.gc_during}
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
 

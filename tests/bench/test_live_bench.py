@@ -172,8 +172,11 @@ def test_stage_breakdown(tmp_path: Path) -> None:
     assert [k for k in by_mode["raw"] if "->" in k] == spans
     assert spans[-1] == "first_event->client_first"
     assert {"render_start->rendered", "rendered->tokenized", "engine_picked->begun",
-            "submitted->first_output"} <= set(spans)
+            "begun->step_start", "step_start->output_put",
+            "output_put->first_output"} <= set(spans)
     assert all(by_mode["stream"][k] >= 0 for k in spans)
+    assert all(isinstance(r["gc_collections"], int) and r["gc_collections"] >= 0
+               for r in by_mode.values())
     summary = json.loads(paths["json"].read_text())["summary"][0]
     # Medians of the parts need not add up exactly to the trimmed mean of the whole.
     assert 0.5 * summary["ttft_median_ms"] < by_mode["stream"]["sum_ms"] < (

@@ -21,3 +21,19 @@ def test_every_stage_is_timed(tiny_dir: Path) -> None:
                       "request"]
     assert all(r["min_ms"] > 0 and r["n"] == 2 for r in rows)
     assert abs(rows[0]["prompt_tokens"] - 2048) < 80
+
+
+def test_body_transfer_parts(tiny_dir: Path) -> None:
+    """`edmm.bench.scripts.body_transfer`: every part of the body's way is timed, in order."""
+    pytest.importorskip("uvicorn")
+    from edmm.bench.live import _free_port
+    from edmm.bench.scripts.body_transfer import measure, resume_body
+
+    body = resume_body(load_tokenizer(str(tiny_dir)), 2048)
+    parts = measure(body, 2, _free_port())
+    assert all(len(v) == 2 for v in parts.values())
+    first = [max(parts[p]) for p in ("httpx before its first write", "first bytes at the server",
+                                     "app called", "body read")]
+    assert all(x > 0 for x in first)
+    assert all(a <= b for a, b in zip(parts["app called"], parts["body read"], strict=True))
+    assert min(parts["writes"]) >= 2 and min(parts["reads"]) >= 1

@@ -77,3 +77,22 @@ def test_the_server_collects_what_a_turn_left_once_its_engine_is_idle(
     left = state.loop.call(lambda e: list(range(16_384))).result(10)
     state.loop.call(lambda e: None).result(10)
     assert not _young(left)
+
+
+def test_stage_timer_counts_collections_up_to_its_last_stage() -> None:
+    """`StageTimer`: the collections between its creation and its last stage, per
+    generation; none counted after that."""
+    import gc
+
+    from edmm.server.stages import LAST, StageTimer
+
+    timer = StageTimer()
+    gc.collect(0)
+    timer.mark("arrive")
+    assert timer.gc_during is None
+    timer.mark(LAST)
+    assert timer.gc_during is not None and timer.gc_during[0] >= 1
+    during = list(timer.gc_during)
+    gc.collect(0)
+    timer.mark(LAST)  # marked already: nothing changes
+    assert timer.gc_during == during

@@ -7,11 +7,12 @@ import contextlib
 import threading
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import pytest
 
 from edmm.engine import CompletionOutput, RequestOutput
-from edmm.server.engine_loop import EngineLoop
+from edmm.server.engine_loop import EngineLoop, Submission
 from edmm.server.errors import EngineStepError, ServiceUnavailableError
 
 
@@ -21,6 +22,7 @@ class FakeEngine:
     def __init__(self, length: int = 3) -> None:
         self.length = length
         self.requests: dict[str, int] = {}
+        self.added: list[str] = []
         self.aborted: list[str] = []
         self.fail_next = False
         self.reclaims = 0
@@ -31,6 +33,7 @@ class FakeEngine:
         if request_id in self.requests:
             raise ValueError(f"duplicate {request_id}")
         self.requests[request_id] = 0
+        self.added.append(request_id)
 
     def step(self) -> list[RequestOutput]:
         if not self.gate.is_set():  # paused: no progress
@@ -182,3 +185,81 @@ def test_failing_idle_hook_is_logged_and_the_loop_serves_on() -> None:
         assert lp.is_alive
     finally:
         lp.stop()
+
+
+def test_engine_times_of_the_first_step_and_output(loop: EngineLoop[FakeEngine]) -> None:
+    """`OutputStream.engine_ns`: the first step after the submission began after it, the
+    first output was handed over after that step began and before the loop read it."""
+    async def main() -> None:
+        before = time.time_ns()
+        _, stream = await loop.submit("t", lambda e: e.add("t"))
+        outputs = stream.outputs()
+        await outputs.__anext__()
+        read = time.time_ns()
+        step, put = stream.engine_ns
+        assert step is not None and put is not None
+        assert before <= step <= put <= read
+        async for _ in outputs:
+            pass
+        assert stream.engine_ns == (step, put)  # the first ones, kept
+
+    asyncio.run(main())
+
+
+def _until(condition: Any, timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out"
+        time.sleep(0.001)
+
+
+def test_submission_sent_from_another_thread(loop: EngineLoop[FakeEngine]) -> None:
+    """`Submission`: made on the event loop, sent from another thread, awaited there."""
+    async def main() -> list[str]:
+        submission: Submission[FakeEngine, None] = Submission(loop, "s")
+        sender = threading.Thread(target=submission.send, args=(lambda e: e.add("s"),))
+        sender.start()
+        sender.join()
+        _, stream = await submission.result()
+        return [out.outputs[0].text async for out in stream.outputs()]
+
+    assert asyncio.run(main()) == ["x", "xx", "xxx"]
+
+
+def test_cancelled_submission_queues_nothing_or_aborts(loop: EngineLoop[FakeEngine]) -> None:
+    """Cancelled before it is sent: the engine never sees it; after it was queued: it is
+    aborted."""
+    async def main() -> None:
+        early: Submission[FakeEngine, None] = Submission(loop, "early")
+        early.cancel()
+        early.send(lambda e: e.add("early"))
+        late: Submission[FakeEngine, None] = Submission(loop, "late")
+        loop.engine.gate.clear()  # no progress: "late" stays unfinished
+        late.send(lambda e: e.add("late"))
+        await asyncio.to_thread(_until, lambda: "late" in loop.engine.requests)
+        late.cancel()
+        await asyncio.to_thread(_until, lambda: "late" in loop.engine.aborted)
+        loop.engine.gate.set()
+
+    asyncio.run(main())
+    assert loop.engine.added == ["late"] and loop.engine.aborted == ["late"]
+
+
+def test_failed_submission_is_not_aborted(loop: EngineLoop[FakeEngine]) -> None:
+    """A submission whose ``submit`` failed queued nothing: cancelling it aborts nothing."""
+    async def main() -> None:
+        loop.engine.gate.clear()  # "taken" stays unfinished
+        _, stream = await loop.submit("taken", lambda e: e.add("taken"))
+        again: Submission[FakeEngine, None] = Submission(loop, "taken")
+        again.send(lambda e: e.add("taken"))
+        with pytest.raises(ValueError, match="duplicate"):
+            await again.result()
+        again.cancel()
+        await asyncio.sleep(0.05)  # an abort, had one been sent, would have run by now
+        assert loop.engine.aborted == []
+        loop.engine.gate.set()
+        texts = [o.outputs[0].text async for o in stream.outputs()]
+        assert texts == ["x", "xx", "xxx"]
+
+    asyncio.run(main())
+    assert loop.engine.aborted == []

@@ -133,3 +133,29 @@ def test_rendering_does_not_block_the_event_loop(server: LiveServer,
         assert httpx.get(f"{server.url}/v1/models", timeout=10).status_code == 200
         assert time.monotonic() - t0 < 0.5  # not queued behind the 1 s rendering
         assert slow_reply.result().status_code == 200
+
+
+def test_plain_chat_is_queued_by_the_tokenizing_thread(server: LiveServer,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A chat with no grammar goes from the tokenizing thread straight to the engine thread
+    (`OpenAIServing._queue_rendered`); a forced tool call goes back to the event loop first
+    (its grammar compiles meanwhile). Both are answered."""
+    threads: list[str] = []
+    original = serving.OpenAIServing._queue_rendered
+
+    def spy(self: Any, *args: Any, **kwargs: Any) -> Any:
+        threads.append(threading.current_thread().name)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(serving.OpenAIServing, "_queue_rendered", spy)
+    url = f"{server.url}/v1/chat/completions"
+    body = {"model": MODEL, "messages": USER, "max_tokens": 2, "temperature": 0}
+    assert httpx.post(url, json=body, timeout=30).status_code == 200
+    assert len(threads) == 1 and threads[0].startswith("edmm-tokenize")
+    tool = {"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "properties": {"a": {"type": "string"}}}}}
+    forced = {**body, "max_tokens": 30, "tools": [tool],
+              "tool_choice": {"type": "function", "function": {"name": "f"}}}
+    reply = httpx.post(url, json=forced, timeout=30)
+    assert reply.status_code == 200, reply.text
+    assert len(threads) == 1  # not the direct way
