@@ -25,18 +25,17 @@ script, not server code). Writes body-transfer.{csv,json,md} into ``--out``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import multiprocessing
 import random
 import statistics
 import sys
 import time
-from pathlib import Path
 from typing import Any
 
 from edmm.bench.live import TOOL, LiveBenchConfig, Prompts, load_tokenizer
 from edmm.bench.report import ResultWriter, collect_environment
+from edmm.bench.scripts import live_script_parser
 from edmm.bench.scripts.live_host_stages import CALL
 
 WARMUP = 5
@@ -166,14 +165,7 @@ def _parts(wire: int, writes: list[tuple[int, int]],
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--tokenizer", required=True, type=Path,
-                        help="tokenizer folder with a chat template (e.g. edmm tokenizer "
-                             "build-qwen DIR)")
-    parser.add_argument("--contexts", default="16384,31744")
-    parser.add_argument("--runs", type=int, default=30)
-    parser.add_argument("--out", type=Path, default=Path("."))
-    args = parser.parse_args()
+    args = live_script_parser(30).parse_args()
     from edmm.bench.live import _free_port
 
     tok = load_tokenizer(str(args.tokenizer))

@@ -26,16 +26,15 @@ Writes live-host-stages.{csv,json,md} into ``--out``.
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 from edmm.bench.live import TOOL, TOOL_NAME, LiveBenchConfig, Prompts, load_tokenizer
 from edmm.bench.report import ResultWriter, collect_environment
+from edmm.bench.scripts import live_script_parser
 from edmm.bench.stats import summarize
 from edmm.engine import RequestValidator, SamplingParams
 from edmm.model.prompt_encoder import PromptEncoder
@@ -131,14 +130,7 @@ def measure(tok: Any, context: int, runs: int) -> list[dict[str, Any]]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser()
-    parser.add_argument("--tokenizer", required=True, type=Path,
-                        help="tokenizer folder with a chat template (e.g. edmm tokenizer "
-                             "build-qwen DIR)")
-    parser.add_argument("--contexts", default="16384,31744")
-    parser.add_argument("--runs", type=int, default=15)
-    parser.add_argument("--out", type=Path, default=Path("."))
-    args = parser.parse_args()
+    args = live_script_parser(15).parse_args()
     tok = load_tokenizer(str(args.tokenizer))
     rows = [row for c in args.contexts.split(",") for row in measure(tok, int(c), args.runs)]
     writer = ResultWriter(args.out, "live-host-stages", collect_environment("cpu"))
