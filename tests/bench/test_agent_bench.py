@@ -28,8 +28,12 @@ def test_agent_groups_write_rows_and_ratios(tmp_path: Path, tiny_dir: Path) -> N
         assert int(by[n, "B"]["prefilled_tokens"]) == n - p
         assert (by[n, "C"]["speculation"], by[n, "C"]["prefilled_tokens"]) == ("hit", "1")
     doc = json.loads(paths["json"].read_text())
-    ratios = {(s["context_tokens"], s["group"]): s["ratio_to_A"] for s in doc["summary"]}
-    assert ratios[128, "A"] == 1.0 and ratios[128, "B"] > 1.0
+    summary = {(s["context_tokens"], s["group"]): s for s in doc["summary"]}
+    for n in (64, 128):  # each group's TTFT over A's of the same context (no timing claim:
+        a = summary[n, "A"]["ttft_trimmed_mean_ms"]  # two tiny CPU runs are too noisy)
+        for g in "ABC":
+            want = summary[n, g]["ttft_trimmed_mean_ms"] / a
+            assert summary[n, g]["ratio_to_A"] == pytest.approx(want, rel=1e-3)
     assert any("8.21x / 4.18x" in note for note in doc["notes"])
     assert "ttft_trimmed_mean_ms" in paths["md"].read_text()
 
