@@ -103,7 +103,8 @@ def test_http_replay_of_lru_offload_edmm(tmp_path: Path) -> None:
     from edmm.bench.agents.http import HttpReplayConfig, run_http_bench
 
     cfg = HttpReplayConfig(bench=_bench(), load=2, policies=("lru", "offload", "edmm"),
-                           start_timeout_s=120, request_timeout_s=60, overlap_tail=1)
+                           start_timeout_s=120, request_timeout_s=60, overlap_tail=1,
+                           clients=2)  # one session in each of two client processes
     paths = run_http_bench(cfg, tmp_path)
     doc = json.loads(paths["json"].read_text())
     summary = {r["policy"]: r for r in doc["summary"]}
@@ -115,6 +116,7 @@ def test_http_replay_of_lru_offload_edmm(tmp_path: Path) -> None:
         assert r["jobs"] == 3 and r["wait_mean_s"] > 0 and r["resume_ttft_p50_ms"] > 0
         assert r["outputs_as_lru"] is True  # EDMM on and off: the same greedy outputs
         assert r["server_resumes"] == sum(len(j.turns) - 1 for j in jobs)
+        assert r["client_procs"] == 2 and 0 < r["client_cpu_max"] <= 1.5
     assert all(t["ttft_s"] <= t["total_s"] for t in turns)
     assert summary["lru"]["restores"] == summary["lru"]["offloads"] == 0
     assert summary["lru"]["spec_tokens"] == 0 and summary["edmm"]["spec_tokens"] > 0
@@ -134,3 +136,30 @@ def test_client_columns_are_the_in_process_definitions() -> None:
     assert cols["prefix_hit_rate"] == pytest.approx(350 / 500)
     assert cols["content_resume_ttft_p50_ms"] == pytest.approx(100.0)  # the content resume
     assert cols["resume_ttft_p50_ms"] == pytest.approx(300.0)  # both resumes
+
+
+def test_client_processes_split_the_sessions() -> None:
+    from edmm.bench.agents.http_client import client_processes
+
+    assert client_processes(32, 0) == 8  # one per four sessions by default
+    assert client_processes(2, 0) == 1
+    assert client_processes(3, 5) == 3  # never more processes than sessions
+    assert client_processes(32, 1) == 1
+
+
+def test_a_failing_client_process_is_a_typed_error_not_a_hang() -> None:
+    pytest.importorskip("openai")
+    from edmm.bench.agents.http import HttpReplayConfig
+    from edmm.bench.agents.http_client import (
+        ClientSpec,
+        HttpBenchError,
+        new_event,
+        replay_clients,
+    )
+
+    jobs = Matrix(HttpReplayConfig(bench=_bench()).matrix_config()).mixes["long"]
+    spec = ClientSpec("http://127.0.0.1:9", None, "lru", 5.0, "run")  # nothing listens
+    started: list[str] = []
+    with pytest.raises(HttpBenchError, match="a client process failed"):
+        replay_clients(spec, jobs, 2, 2, new_event(), started.append, lambda r: None)
+    assert started == []  # no job was handed out

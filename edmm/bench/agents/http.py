@@ -20,8 +20,10 @@ every prompt reaches the trace's context and the pool is as oversubscribed. With
 last turn generates the trace's output length (EOS ignored). Results are appended (the trace's
 ``mid_prompt`` and ``reasoning_stripped`` are not replayed: the chat template decides).
 
-``load`` jobs run at once (closed loop, one thread each), after a warm-up as in process (the
-first two jobs, two at once, with other text and no tool time).
+``load`` jobs run at once (closed loop), in client processes of a few sessions each
+(`edmm.bench.agents.http_client`: one process of 32 threads made the load generator, not the
+server, set the pace), after a warm-up as in process (the first two jobs, two at once, with
+other text and no tool time).
 Measured at the client per turn: the streamed TTFT (first content or tool-call delta), prompt
 and cached tokens, a digest of the output (greedy outputs compared with ``lru``'s); per job the
 JCT and engine-wait (JCT minus tool time); from ``/metrics`` before and after: lost context
@@ -39,11 +41,8 @@ send meanwhile are counted, ``overlapped_turns``).
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import math
-import queue
-import random
 import re
 import threading
 import time
@@ -52,26 +51,28 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from edmm.bench.agents.http_client import (
+    CALL_MAX_TOKENS,
+    ClientSpec,
+    ClientStats,
+    HttpBenchError,
+    JobResult,
+    client_processes,
+    new_event,
+    replay_clients,
+    template_tokens,
+)
 from edmm.bench.agents.matrix import AgentsBenchConfig, Matrix, page_size, token_bytes
 from edmm.bench.agents.policies import POLICIES, Policy
-from edmm.bench.agents.trace import Job, Turn
-from edmm.bench.live import (
-    TOOL,
-    TOOL_NAME,
-    LiveBenchConfig,
-    launched_server,
-    load_tokenizer,
-    resolve_tokenizer,
-)
+from edmm.bench.agents.trace import Job
+from edmm.bench.live import LiveBenchConfig, launched_server, load_tokenizer, resolve_tokenizer
 from edmm.bench.report import Environment, Progress, ResultWriter, collect_environment
 from edmm.bench.stats import mean, percentile
 from edmm.engine import EngineConfig
 from edmm.model.tiny import default_model
 
 NAME = "agents-http"
-CALL_MAX_TOKENS = 128  # a forced tool call's token limit
 TOOL_TIMEOUT_S = 1e6  # the in-process replay's (`ReplayConfig.tool_timeout_s`)
-_WORDS = ("agent", "tool", "memory", "result", "page", "cache", "token", "prefix", "branch")
 _METRIC_RE = re.compile(r'^(edmm_\w+?)(?:_total)?(?:\{([^}]*)\})?\s+(\S+)$')
 _OUTCOME_RE = re.compile(r'outcome="(\w+)"')
 # /metrics counters kept per run (the change over the run) and the summary's names for them.
@@ -81,10 +82,6 @@ COUNTERS = {"edmm_recomputed_tokens": "lost_context_tokens", "edmm_kv_restores":
             "edmm_speculation_outcomes:partial": "spec_partial",
             "edmm_speculation_outcomes:miss": "spec_miss",
             "edmm_session_resumes": "server_resumes"}
-
-
-class HttpBenchError(RuntimeError):
-    """A policy that cannot run over HTTP, or a turn that did not go as the replay needs."""
 
 
 def http_policies() -> list[str]:
@@ -107,6 +104,7 @@ class HttpReplayConfig:
     request_timeout_s: float = 600.0
     overlap_tail: int = 0
     sample_s: float = 0.25  # spacing of the /metrics samples of KV pages in use
+    clients: int = 0  # client processes (0: one per `SESSIONS_PER_CLIENT` sessions)
 
     def __post_init__(self) -> None:
         allowed = http_policies()
@@ -120,6 +118,8 @@ class HttpReplayConfig:
             raise HttpBenchError(f"load must be >= 1, got {self.load}")
         if self.overlap_tail < 0:
             raise HttpBenchError(f"overlap_tail must be >= 0, got {self.overlap_tail}")
+        if self.clients < 0:
+            raise HttpBenchError(f"clients must be >= 0, got {self.clients}")
 
     def matrix_config(self) -> AgentsBenchConfig:
         """The in-process matrix of this one load point (its pool is this run's)."""
@@ -182,7 +182,7 @@ def parse_metrics(text: str) -> dict[str, float]:
 class _Pages:
     """Samples ``edmm_kv_pages_in_use`` every ``every_s`` until stopped."""
 
-    def __init__(self, client: _Client, every_s: float) -> None:
+    def __init__(self, client: _Probe, every_s: float) -> None:
         self.samples: list[float] = []
         self._client, self._every = client, every_s
         self._stop = threading.Event()
@@ -202,146 +202,24 @@ class _Pages:
         return self.samples
 
 
-# ---------------------------------------------------------------- the client
+# ---------------------------------------------------------------- the server's metrics
 
 
-@dataclass
-class _Reply:
-    """One streamed turn as the client saw it."""
+class _Probe:
+    """The server's ``/metrics`` (httpx), from the bench's own process."""
 
-    ttft_s: float
-    total_s: float
-    content: str
-    tool_calls: list[dict[str, Any]]
-    prompt_tokens: int
-    cached_tokens: int
-    completion_tokens: int
-
-    @property
-    def digest(self) -> str:
-        """The output's greedy identity (content and calls, not the server's call ids)."""
-        calls = [(c["function"]["name"], c["function"]["arguments"]) for c in self.tool_calls]
-        return hashlib.sha1(repr((self.content, calls)).encode()).hexdigest()[:16]
-
-    def message(self) -> dict[str, Any]:
-        """The assistant message of the next request."""
-        msg: dict[str, Any] = {"role": "assistant", "content": self.content or None}
-        if self.tool_calls:
-            msg["tool_calls"] = self.tool_calls
-        return msg
-
-
-class _Client:
-    """The ``openai`` SDK (streamed turns) and httpx (metrics, tool output) on one server."""
-
-    API_KEY = "unused"  # sessions belong to the key: the SDK's calls and httpx's share it
-
-    def __init__(self, url: str, timeout: float, tokenizer: Any) -> None:
+    def __init__(self, url: str, timeout: float) -> None:
         import httpx
-        import openai
 
         self.url = url
-        self.openai = openai.OpenAI(base_url=f"{url}/v1", api_key=self.API_KEY, max_retries=0,
-                                    timeout=timeout)
-        self.http = httpx.Client(timeout=timeout,
-                                 headers={"Authorization": f"Bearer {self.API_KEY}"})
-        self.model = self.openai.models.list().data[0].id
-        self.tok = tokenizer
-        sample = " ".join(_WORDS * 20)
-        self._per_word = len(tokenizer.encode(sample, add_special_tokens=False)) / (
-            len(_WORDS) * 20)
-        self.template_tokens = template_tokens(tokenizer)
+        self.http = httpx.Client(timeout=timeout)
 
     def close(self) -> None:
-        self.openai.close()
         self.http.close()
-
-    def text(self, rng: random.Random, tokens: int) -> str:
-        """Random words of about ``tokens`` tokens."""
-        n = max(1, round(tokens / self._per_word))
-        return " ".join(rng.choice(_WORDS) for _ in range(n))
-
-    def close_session(self, sid: str) -> None:
-        """Delete a finished job's session (``DELETE /v1/edmm/sessions/{id}``)."""
-        for _ in range(100):  # 409 while the engine thread has not yet seen the turn end
-            r = self.http.delete(f"{self.url}/v1/edmm/sessions/{sid}")
-            if r.status_code != 409:
-                break
-            time.sleep(0.01)
-        if r.status_code != 200:
-            raise HttpBenchError(f"closing {sid} got HTTP {r.status_code}: {r.text[:300]}")
 
     def metrics(self) -> dict[str, float]:
         """The server's ``/metrics``, parsed."""
         return parse_metrics(self.http.get(f"{self.url}/metrics").text)
-
-    def feed(self, sid: str, call_id: str, chunk: str) -> None:
-        """Post part of a running tool's output (speculated as it arrives)."""
-        r = self.http.post(f"{self.url}/v1/edmm/sessions/{sid}/tool_output",
-                           json={"tool_call_id": call_id, "content": chunk, "final": False})
-        if r.status_code != 200:
-            raise HttpBenchError(f"tool_output of {sid} got HTTP {r.status_code}: "
-                                 f"{r.text[:300]}")
-
-    def turn(self, sid: str, messages: list[dict[str, Any]], tool: bool, output_tokens: int,
-             predicted: str | None) -> _Reply:
-        """One streamed turn: forced to call the tool, or ``output_tokens`` of content."""
-        kw: dict[str, Any] = {
-            "tool_choice": {"type": "function", "function": {"name": TOOL_NAME}},
-            "max_tokens": CALL_MAX_TOKENS} if tool else {
-            "tool_choice": "none", "max_tokens": output_tokens,
-            "extra_body": {"ignore_eos": True, "min_tokens": output_tokens}}
-        if predicted is not None:
-            kw["extra_body"] = {"edmm": {"predicted_tool_results": {TOOL_NAME: predicted}}}
-        create: Any = self.openai.chat.completions.create  # messages are plain dicts
-        t0 = time.perf_counter()
-        ttft: float | None = None
-        content: list[str] = []
-        calls: dict[int, dict[str, Any]] = {}
-        usage = None
-        for chunk in create(model=self.model, messages=messages, tools=[TOOL], temperature=0,
-                            stream=True, stream_options={"include_usage": True},
-                            extra_headers={"X-Session-Id": sid}, **kw):
-            if chunk.usage is not None:
-                usage = chunk.usage
-            if not chunk.choices:
-                continue
-            delta = chunk.choices[0].delta
-            if ttft is None and (delta.content or delta.tool_calls):
-                ttft = time.perf_counter() - t0
-            if delta.content:
-                content.append(delta.content)
-            for tc in delta.tool_calls or ():
-                _merge_call(calls.setdefault(tc.index, {}), tc)
-        total = time.perf_counter() - t0
-        if usage is None or ttft is None:
-            raise HttpBenchError(f"session {sid}: the stream sent no usage or no output")
-        details = usage.prompt_tokens_details
-        return _Reply(ttft, total, "".join(content), [calls[i] for i in sorted(calls)],
-                      usage.prompt_tokens, (details.cached_tokens or 0) if details else 0,
-                      usage.completion_tokens)
-
-
-def template_tokens(tokenizer: Any) -> int:
-    """Prompt tokens of an empty conversation with the tool: what the chat template adds."""
-    bare = [{"role": "system", "content": ""}, {"role": "user", "content": TASK}]
-    text = tokenizer.apply_chat_template(bare, tools=[TOOL], tokenize=False,
-                                         add_generation_prompt=True)
-    return len(tokenizer.encode(text, add_special_tokens=False))
-
-
-def _merge_call(into: dict[str, Any], delta: Any) -> None:
-    """Accumulate one streamed tool-call delta into an OpenAI ``tool_calls`` entry."""
-    fn = into.setdefault("function", {"name": "", "arguments": ""})
-    into["type"] = "function"
-    if delta.id:
-        into["id"] = delta.id
-    if delta.function is not None:
-        fn["name"] += delta.function.name or ""
-        fn["arguments"] += delta.function.arguments or ""
-
-
-TASK = "Work on the task; use the tool."
 
 
 # ---------------------------------------------------------------- one run
@@ -349,7 +227,7 @@ TASK = "Work on the task; use the tool."
 
 @dataclass
 class _Run:
-    """One policy's replay: its rows and the tail signal of `overlap_tail`."""
+    """One policy's replay: its rows, its client side and the tail signal of `overlap_tail`."""
 
     policy: Policy
     cfg: HttpReplayConfig
@@ -357,111 +235,46 @@ class _Run:
     turns: list[dict[str, Any]] = field(default_factory=list)
     jobs: list[dict[str, Any]] = field(default_factory=list)
     summary: dict[str, Any] = field(default_factory=dict)
+    clients: ClientStats | None = None  # the measured run's
     tail: threading.Event = field(default_factory=threading.Event)
-    overlapped: threading.Event = field(default_factory=threading.Event)  # next one started
-    lock: threading.Lock = field(default_factory=threading.Lock)
-    running: int = 0
+    overlapped: Any = field(default_factory=new_event)  # the next run started (processes read it)
 
-    def job(self, client: _Client, job: Job, tag: str, record: bool = True) -> None:
-        """Replay one job (``tag`` salts its session id and text)."""
-        rng = random.Random(f"{tag}/{job.job_id}")
-        sid = f"{self.policy.name}-{tag}-{job.job_id}"
-        system = client.text(rng, max(1, job.system_tokens - client.template_tokens))
-        messages: list[dict[str, Any]] = [{"role": "system", "content": system},
-                                          {"role": "user", "content": TASK}]
-        start, tool_s, out_tokens = time.perf_counter(), 0.0, 0
-        for i, turn in enumerate(job.turns):
-            result = self._result(client, job, turn, tag) if turn.tool is not None else ""
-            predicted = result if self.policy.predicted and turn.predictable and result else None
-            reply = client.turn(sid, messages, turn.tool is not None, turn.output_tokens,
-                                predicted)
-            out_tokens += reply.completion_tokens
-            if record:
-                self.turns.append({
-                    "kind": "turn", "policy": self.policy.name, "job": job.job_id, "turn": i,
-                    "resume": i > 0, "ends_in_call": turn.tool is not None,
-                    "ttft_s": reply.ttft_s, "total_s": reply.total_s,
-                    "prompt_tokens": reply.prompt_tokens, "cached_tokens": reply.cached_tokens,
-                    "completion_tokens": reply.completion_tokens, "output": reply.digest,
-                    "overlapped": self.overlapped.is_set()})
-            if turn.tool is None:
-                break
-            if not reply.tool_calls:
-                raise HttpBenchError(f"job {job.job_id} turn {i}: the forced tool call did "
-                                     "not come")
-            if not self.call_tokens:
-                self.call_tokens = reply.completion_tokens
-            messages.append(reply.message())
-            call_id = reply.tool_calls[0]["id"]
-            tool_s += self._tool(client, sid, call_id, turn, result)
-            messages.append({"role": "tool", "tool_call_id": call_id, "content": result})
-        jct = time.perf_counter() - start
-        client.close_session(sid)  # its KV released, as the in-process replay does
-        if record:
-            self.jobs.append({"kind": "job", "policy": self.policy.name, "job": job.job_id,
-                              "turns": len(job.turns), "jct_s": jct, "tool_s": tool_s,
-                              "engine_wait_s": jct - tool_s, "output_tokens": out_tokens})
-
-    def _result(self, client: _Client, job: Job, turn: Turn, tag: str) -> str:
-        """The tool's result text: the trace's tokens plus the turn's output beyond the forced
-        call's (a cacheable call's text is the same in every job, as in process)."""
-        salt = "cacheable" if turn.cacheable else f"{tag}/{job.job_id}"
-        rng = random.Random(f"{turn.tool}{turn.arguments}|{salt}")
-        pad = max(0, turn.output_tokens - self.call_tokens)
-        return client.text(rng, turn.result_tokens + pad)
-
-    def _tool(self, client: _Client, sid: str, call_id: str, turn: Turn, result: str) -> float:
-        """Wait the tool's duration out (feeding half its output half-way if streamed)."""
-        t0 = time.perf_counter()
-        if self.policy.streamed and turn.streamed:
-            time.sleep(turn.tool_s / 2)
-            words = result.split(" ")
-            client.feed(sid, call_id, " ".join(words[: len(words) // 2]))
-            time.sleep(max(0.0, turn.tool_s - (time.perf_counter() - t0)))
-        else:
-            time.sleep(turn.tool_s)
-        return time.perf_counter() - t0
-
-    def replay(self, client: _Client, jobs: Sequence[Job], tag: str = "run",
+    def replay(self, url: str, tokenizer: str | None, jobs: Sequence[Job], tag: str = "run",
                load: int | None = None) -> None:
-        """Every job, ``load`` (default: the config's) at a time. The measured run
-        (``tag`` "run") records its rows and, with `overlap_tail`, sets ``tail`` once at most
-        that many jobs run and none is left to start."""
-        todo: queue.Queue[Job] = queue.Queue()
-        for job in jobs:
-            todo.put(job)
-        errors: list[BaseException] = []
-        record = tag == "run"
+        """Every job, ``load`` (default: the config's) at a time, in client processes. The
+        measured run (``tag`` "run") records its rows and its client side and, with
+        `overlap_tail`, sets ``tail`` once at most that many jobs run and none is left to
+        start."""
+        load = load or self.cfg.load
+        record, overlap = tag == "run", self.cfg.overlap_tail
+        spec = ClientSpec(url, tokenizer, self.policy.name, self.cfg.request_timeout_s, tag,
+                          self.call_tokens)
         progress = Progress(f"http {self.policy.name} {tag}", len(jobs))
-        overlap = self.cfg.overlap_tail
+        count = {"started": 0, "running": 0}
 
-        def worker() -> None:
-            while not errors:
-                with self.lock:
-                    try:
-                        job = todo.get_nowait()
-                    except queue.Empty:
-                        return
-                    self.running += 1
-                try:
-                    self.job(client, job, tag, record)
-                    progress.step(f"job {job.job_id}")
-                except BaseException as e:  # reported after the join
-                    errors.append(e)
-                finally:
-                    with self.lock:
-                        self.running -= 1
-                        if record and overlap and todo.empty() and self.running <= overlap:
-                            self.tail.set()
+        def check_tail() -> None:
+            if (record and overlap and count["started"] == len(jobs)
+                    and count["running"] <= overlap):
+                self.tail.set()
 
-        threads = [threading.Thread(target=worker, name=f"{tag}-{i}")
-                   for i in range(load or self.cfg.load)]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
+        def on_start(job_id: str) -> None:
+            count["started"] += 1
+            count["running"] += 1
+            check_tail()
+
+        def on_done(result: JobResult) -> None:
+            count["running"] -= 1
+            self.call_tokens = self.call_tokens or result.call_tokens
+            if record:
+                self.jobs.append(result.job)
+                self.turns.extend(result.turns)
+            progress.step(f"job {result.job['job']}")
+            check_tail()
+
+        stats = replay_clients(spec, jobs, load, client_processes(load, self.cfg.clients),
+                               self.overlapped, on_start, on_done)
+        if record:
+            self.clients = stats
 
 
 def _untimed(jobs: Sequence[Job]) -> list[Job]:
@@ -494,7 +307,6 @@ def replay_http(cfg: HttpReplayConfig,
     is measured meanwhile); then each run starts when the previous one ended (or reached its
     tail, with `overlap_tail`); ``on_run`` gets the finished runs after each."""
     import httpx  # noqa: F401  (imported once here: lazy imports are not thread-safe)
-    import openai  # noqa: F401
 
     matrix = Matrix(cfg.matrix_config())
     jobs = matrix.mixes["long"]
@@ -539,6 +351,7 @@ def _wait_turn(runs: Sequence[_Run], i: int, ready: threading.Barrier) -> None:
 
 def _run_policy(run: _Run, matrix: Matrix, jobs: list[Job], cfg: HttpReplayConfig,
                 live: LiveBenchConfig, tok: Any, wait_turn: Callable[[], None]) -> None:
+    folder = live.tokenizer or live.model  # the client processes load the same tokenizer
     engine = matrix.engine_config(run.policy.offload)
     args = serve_args(run.policy, server_engine(engine, matrix.cfg, jobs, template_tokens(tok)),
                       matrix.cfg.prefetch_lead_s)
@@ -546,24 +359,23 @@ def _run_policy(run: _Run, matrix: Matrix, jobs: list[Job], cfg: HttpReplayConfi
     t0 = time.perf_counter()
     with launched_server(live) as url:
         start_s = time.perf_counter() - t0
-        client = _Client(url, cfg.request_timeout_s, tok)
+        probe = _Probe(url, cfg.request_timeout_s)
         try:
             if matrix.cfg.warmup:  # as in process: the first two jobs, two at once
-                run.replay(client, _untimed(jobs[:2]), "warm", load=2)
+                run.replay(url, folder, _untimed(jobs[:2]), "warm", load=2)
             wait_turn()
-            before = client.metrics()
-            pages = _Pages(client, cfg.sample_s)
-            t1 = time.perf_counter()
+            before = probe.metrics()
+            pages = _Pages(probe, cfg.sample_s)
             try:
-                run.replay(client, jobs)
+                run.replay(url, folder, jobs)
             finally:
                 samples = pages.stop()
-            makespan = time.perf_counter() - t1
-            after = client.metrics()
+            after = probe.metrics()
         finally:
-            client.close()
-    run.summary = _summary(run, matrix, jobs, engine, before, after, samples, makespan,
-                           start_s)
+            probe.close()
+    assert run.clients is not None
+    run.summary = _summary(run, matrix, jobs, engine, before, after, samples,
+                           run.clients.makespan_s, start_s)
 
 
 def client_columns(turns: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -634,6 +446,8 @@ def _summary(run: _Run, matrix: Matrix, jobs: list[Job], engine: EngineConfig,
         "makespan_s": makespan, "server_start_s": start_s,
         "overlapped_turns": sum(1 for t in run.turns if t["overlapped"]),
         "call_tokens": run.call_tokens,
+        "client_procs": run.clients.processes if run.clients else None,
+        "client_cpu_max": run.clients.cpu_max if run.clients else None,
     }
 
 
@@ -739,6 +553,10 @@ def write_http_results(runs: Sequence[_Run], cfg: HttpReplayConfig, env: Environ
                  "are left; overlapped_turns: this run's turns sent while it ran"),
         "every server started and warmed up (the first two jobs, other text, no tool time) "
         "before the first run; server_start_s: its start, in parallel with the others",
+        "client_procs: the client processes the sessions ran in (the openai SDK, one thread "
+        "a session); client_cpu_max: the busiest one's CPU time over its wall time (near 1.0 "
+        "its threads, which share one GIL, waited on the client, not the server); makespan_s "
+        "from every client ready to the last job's end",
     ]
     paths = writer.write(summary, "Agent workloads over HTTP", notes,
                          meta={"seed": b.seed, "jobs": b.jobs, "token_scale": b.token_scale,
