@@ -81,7 +81,8 @@ COUNTERS = {"edmm_recomputed_tokens": "lost_context_tokens", "edmm_kv_restores":
             "edmm_speculated_tokens": "spec_tokens", "edmm_speculation_outcomes:hit": "spec_hit",
             "edmm_speculation_outcomes:partial": "spec_partial",
             "edmm_speculation_outcomes:miss": "spec_miss",
-            "edmm_session_resumes": "server_resumes"}
+            "edmm_session_resumes": "server_resumes", "edmm_engine_steps": "engine_steps",
+            "edmm_admission_memory_waits": "memory_wait_steps"}
 
 
 def http_policies() -> list[str]:
@@ -543,8 +544,9 @@ def write_http_results(runs: Sequence[_Run], cfg: HttpReplayConfig, env: Environ
         "padded by the trace's output tokens beyond it so contexts reach the trace's; the last "
         "turn generates the trace's output length; results appended (mid_prompt and "
         "reasoning_stripped not replayed)",
-        "lost_context_tokens, restores, offloads, preemptions, spec_*: the change of the "
-        "server's /metrics over the run; pages_used: /metrics samples; oversub_reached: the "
+        "lost_context_tokens, restores, offloads, preemptions, spec_*, engine_steps, "
+        "memory_wait_steps (steps whose admissions stopped for lack of KV memory): the change "
+        "of the server's /metrics over the run; pages_used: /metrics samples; oversub_reached: the "
         "measured working set / pool; "
         "outputs_as_lru: every turn's greedy output (content and calls) equal to lru's",
         f"overlap_tail {cfg.overlap_tail}: " + (
