@@ -63,7 +63,11 @@ class DecodeConfig:
     only the chunk's first that many tiles (0: the whole chunk). early_launch: with pdl, each
     launch lets the next one start as soon as its programs start, not after their wait (the
     next one's programs then take SM slots as this one frees them, and read their metadata
-    and prefetch early).
+    and prefetch early). balanced: each split gets an equal share of its sequence's tokens, not
+    a multiple of block_n (split counts that are no power of two, e.g. a multiple of the SM
+    count, then keep every split busy). tma: the full tiles are loaded by the copy engine
+    through a tensor descriptor (Hopper and later, or the interpreter, where the arena's
+    strides allow it: see `decode_tma_usable`; elsewhere ignored).
     """
 
     block_n: int = 64
@@ -74,6 +78,8 @@ class DecodeConfig:
     prefetch: bool = False
     prefetch_tiles: int = 0
     early_launch: bool = False
+    balanced: bool = False
+    tma: bool = False
 
     def __post_init__(self) -> None:
         if self.prefetch_tiles < 0:
@@ -173,6 +179,24 @@ def pdl_usable(device: torch.device) -> bool:
     take the inline PTX of `DecodeConfig.prefetch`): a CUDA GPU of compute capability 9.0 or
     later (not the interpreter: no inline asm)."""
     return device.type == "cuda" and _capability_major(device) >= 9
+
+
+def decode_tma_usable(kv: torch.Tensor) -> bool:
+    """Whether the decode kernel can read the layer view ``kv`` [S, M, 2, Hkv, D] through one
+    tensor descriptor of its token rows [S, M, 2 * Hkv * D]: a Hopper-or-later GPU (or the
+    interpreter), each token's K and V heads contiguous, and TMA's 16-byte rules (base and
+    the slot and token strides multiples of 16 bytes)."""
+    dev = kv.device
+    if dev.type == "cpu":
+        if os.environ.get("TRITON_INTERPRET") != "1":
+            return False
+    elif not (dev.type == "cuda" and _capability_major(dev) >= 9):
+        return False
+    _, _, two, heads, dim = kv.shape
+    size = kv.element_size()
+    return (kv.stride(4) == 1 and kv.stride(3) == dim and kv.stride(2) == heads * dim
+            and two == 2 and kv.data_ptr() % 16 == 0
+            and all(st * size % 16 == 0 for st in kv.stride()[:2]))
 
 
 @functools.cache

@@ -16,6 +16,15 @@ With one split the split kernel writes the final output itself and nothing merge
 VARLEN, q and out are a packed [T, Hq, D] batch: sequence b's query is row cu_q[b], and
 sequences with other than exactly one query are skipped (the prefill kernel computes those).
 
+BALANCED: each split of a sequence gets an equal share of its tokens (within one), not a
+multiple of BLOCK_N, so split counts that are no power of two (a multiple of the SM count)
+keep every split busy; the last tile of each chunk is masked.
+
+TMA (Hopper and later): the full tiles of a chunk are loaded through a host-built tensor
+descriptor of the layer's token rows (each row the K and V of every KV head, contiguous), the
+masked last tile by pointer loads: the descriptor spans every token of the slot, and tokens
+past the context may be unmapped, so no TMA box ever reaches past ``end``.
+
 PDL (Hopper and later; not in the interpreter, which has no inline assembly): the kernels are
 launched with programmatic dependent launch, so a kernel's programs start while the kernel
 before it drains. Before ``gdc_wait`` a program reads only the batch metadata (cu_q,
@@ -64,6 +73,7 @@ def _query_row(cu_q_ptr, b, VARLEN: tl.constexpr):
 @triton.jit(do_not_specialize=["num_splits", "qk_scale"])
 def decode_split_kernel(
     q_ptr, kv_ptr, slot_ids_ptr, ctx_lens_ptr, out_ptr, part_o_ptr, part_lse_ptr, cu_q_ptr,
+    kv_desc,  # TMA: descriptor of the layer view as [S, M, 2 * Hkv * D], box [1, BLOCK_N, D]
     count_ptr,  # FUSED: int32 [B * Hkv] counters, zero on entry and on exit
     num_splits,  # a runtime value: no recompile per batch size
     qk_scale,  # softmax scale * log2(e)
@@ -76,7 +86,8 @@ def decode_split_kernel(
     BLOCK_N: tl.constexpr, SINGLE_SPLIT: tl.constexpr, DOT_PRECISION: tl.constexpr,
     VARLEN: tl.constexpr, FUSED: tl.constexpr, MERGE_G: tl.constexpr, MERGE_S: tl.constexpr,
     LSE_S: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr, PREFETCH: tl.constexpr,
-    PREFETCH_TOKENS: tl.constexpr, ELEM_BYTES: tl.constexpr,
+    PREFETCH_TOKENS: tl.constexpr, ELEM_BYTES: tl.constexpr, BALANCED: tl.constexpr,
+    TMA: tl.constexpr,
 ):
     """One (sequence, KV head, split): attention of the group's queries over its token chunk;
     with FUSED, the last split of a (sequence, KV head) to finish merges them all."""
@@ -88,8 +99,11 @@ def decode_split_kernel(
     row_q = _query_row(cu_q_ptr, b, VARLEN)
     slot = tl.load(slot_ids_ptr + b).to(tl.int64)
     ctx = tl.load(ctx_lens_ptr + b).to(tl.int32)
-    # Per-sequence chunking: every split of this sequence gets a multiple of BLOCK_N tokens.
-    chunk = tl.cdiv(tl.cdiv(ctx, num_splits), BLOCK_N) * BLOCK_N
+    # Per-sequence chunking: every split of this sequence gets a multiple of BLOCK_N tokens,
+    # or with BALANCED an equal share (within one token), its last tile masked.
+    chunk = tl.cdiv(ctx, num_splits)
+    if not BALANCED:
+        chunk = tl.cdiv(chunk, BLOCK_N) * BLOCK_N
     start = split * chunk
     end = tl.minimum(start + chunk, ctx)  # never past the context: beyond it is unmapped
     k_base = kv_ptr + slot * stride_ks + kvh * stride_kh
@@ -117,20 +131,23 @@ def decode_split_kernel(
     m_i = tl.full([GROUP_PAD], NEG_INIT, tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-    for n0 in range(start, end, BLOCK_N):
+    tail = start  # first token of the masked tiles: all of them without TMA
+    if TMA:  # the chunk's full tiles by TMA (never past ``end``: beyond ctx is unmapped)
+        tail = start + tl.maximum(end - start, 0) // BLOCK_N * BLOCK_N
+        k_col = kvh * stride_kh
+        for n0 in range(start, tail, BLOCK_N):
+            k = kv_desc.load([slot.to(tl.int32), n0, k_col]).reshape(BLOCK_N, HEAD_DIM)
+            v = kv_desc.load([slot.to(tl.int32), n0, k_col + stride_kkv]).reshape(BLOCK_N,
+                                                                                  HEAD_DIM)
+            m_i, l_i, acc = _attend_tile(q, k, v, offs_n < BLOCK_N, m_i, l_i, acc, qk_scale,
+                                         DOT_PRECISION)
+    for n0 in range(tail, end, BLOCK_N):
         offs = n0 + offs_n  # [BLOCK_N] token indices
         n_mask = offs < end
         tok = offs.to(tl.int64)[:, None] * stride_kt + offs_d[None, :]
         k = tl.load(k_base + tok, mask=n_mask[:, None], other=0.0)  # [BLOCK_N, D]
         v = tl.load(v_base + tok, mask=n_mask[:, None], other=0.0)  # [BLOCK_N, D]
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        s = tl.where(n_mask[None, :], s, float("-inf"))  # [GROUP_PAD, BLOCK_N]
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-        m_i = m_new
+        m_i, l_i, acc = _attend_tile(q, k, v, n_mask, m_i, l_i, acc, qk_scale, DOT_PRECISION)
 
     has = l_i > 0.0  # False for an empty split (or an empty context)
     o = acc / tl.where(has, l_i, 1.0)[:, None]  # [GROUP_PAD, D]
@@ -153,6 +170,21 @@ def decode_split_kernel(
                 _merge(part_o_ptr, part_lse_ptr, out_ptr, b, row_q, kvh * GROUP, num_splits,
                        stride_pb, stride_ph, stride_ps, stride_lb, stride_lh, stride_ob,
                        stride_oh, GROUP, MERGE_G, MERGE_S, LSE_S, HEAD_DIM)
+
+
+@triton.jit
+def _attend_tile(q, k, v, n_mask, m_i, l_i, acc, qk_scale, DOT_PRECISION: tl.constexpr):
+    """One tile of online softmax: the running max ``m_i`` and sum ``l_i`` [GROUP_PAD] and
+    output ``acc`` [GROUP_PAD, D] of queries ``q`` [GROUP_PAD, D] after keys ``k`` and values
+    ``v`` [BLOCK_N, D] (tokens where ``n_mask`` [BLOCK_N] is False count for nothing)."""
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+    s = tl.where(n_mask[None, :], s, float("-inf"))  # [GROUP_PAD, BLOCK_N]
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
 
 
 @triton.jit

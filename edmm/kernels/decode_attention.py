@@ -21,6 +21,7 @@ from edmm.kernels._common import (
     KernelInputError,
     cdiv,
     check_index,
+    decode_tma_usable,
     dot_precision,
     kv_layer_view,
     next_pow2,
@@ -207,9 +208,11 @@ def _launch_split(q: torch.Tensor, kv: torch.Tensor, slot_ids: torch.Tensor,
                              // (merge_g * head_dim)))
         lse_s = min(next_pow2(num_splits), MERGE_LSE_SPLITS)
     grid = (slot_ids.shape[0], num_kv_heads, num_splits)
+    tma = cfg.tma and decode_tma_usable(kv)
     tk.decode_split_kernel[grid](
         q, kv, slot_ids, context_lens, out, part_o, part_lse,
         cu_q if cu_q is not None else slot_ids,  # unused without VARLEN
+        _kv_descriptor(kv, cfg.block_n) if tma else kv,  # unused without TMA
         counters, num_splits,
         scale * math.log2(math.e),
         q.stride(0), q.stride(1),
@@ -222,9 +225,19 @@ def _launch_split(q: torch.Tensor, kv: torch.Tensor, slot_ids: torch.Tensor,
         VARLEN=cu_q is not None, FUSED=fused, MERGE_G=merge_g, MERGE_S=merge_s, LSE_S=lse_s,
         PDL=pdl, EARLY=cfg.early_launch, PREFETCH=prefetch,
         PREFETCH_TOKENS=cfg.prefetch_tiles * cfg.block_n,
-        ELEM_BYTES=q.element_size(),
+        ELEM_BYTES=q.element_size(), BALANCED=cfg.balanced, TMA=tma,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_pdl_launch(pdl),
     )
+
+
+def _kv_descriptor(kv: torch.Tensor, block_n: int) -> object:
+    """Host tensor descriptor of the layer view ``kv`` [S, M, 2, Hkv, D] as token rows
+    [S, M, 2 * Hkv * D] (see `decode_tma_usable`), box [1, block_n, D]: one head's K or V tile."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    slots, tokens, two, heads, dim = kv.shape
+    return TensorDescriptor(kv, [slots, tokens, two * heads * dim], [kv.stride(0), kv.stride(1), 1],
+                            [1, block_n, dim])
 
 
 def _pdl_launch(pdl: bool) -> dict[str, bool]:

@@ -103,3 +103,23 @@ def test_prefetch_depth_configs_run_only_in_prefetch_modes() -> None:
     row = _row("triton-sweep", 1, 10.0, splits=64)
     row.extra |= {"fused": True, "pdl": True, "prefetch": True, "prefetch_tiles": 1}
     assert "64x4x3x1)" in sweep.markdown([row], sweep.routes([row]), "# t")
+
+
+def test_balanced_and_tma_config_letters() -> None:
+    """``b`` and ``t`` after a config's numbers set `DecodeConfig.balanced` and ``tma``; the
+    route keeps them and the mode table shows them."""
+    sweep = _script()
+    assert sweep.parse_configs("64x2x3bt,32x2x4x1b,64x2x3t") == (
+        DecodeConfig(64, 2, 3, balanced=True, tma=True),
+        DecodeConfig(32, 2, 4, prefetch_tiles=1, balanced=True), DecodeConfig(64, 2, 3, tma=True))
+    for bad in ("64x2x3bb", "64x2x3q", "b"):
+        try:
+            sweep.parse_configs(bad)
+        except SystemExit:
+            continue
+        raise AssertionError(f"{bad!r} was accepted")
+    row = _row("triton-sweep", 1, 10.0, splits=66)
+    row.extra |= {"pdl": True, "balanced": True, "tma": True}
+    table = sweep.routes([row])
+    assert table[0]["balanced"] and table[0]["tma"] and table[0]["num_splits"] == 66
+    assert "64x4x3bt)" in sweep.markdown([row], table, "# t")

@@ -21,7 +21,7 @@ from edmm.kernels import (
     silu_mul,
     triton_available,
 )
-from edmm.kernels._common import CounterWorkspace
+from edmm.kernels._common import CounterWorkspace, decode_tma_usable
 from edmm.kernels.fused_sdpa import (
     AttendLSE,
     cudnn_attend,
@@ -156,7 +156,22 @@ FUSED_DECODE = [(96, DecodeConfig(64, 2, 3, fused=True, pdl=True)),
                 (64, DecodeConfig(64, 2, 4, pdl=True, early_launch=True, prefetch=True,
                                   prefetch_tiles=1)),
                 (32, DecodeConfig(64, 4, 4, fused=True, pdl=True, early_launch=True,
-                                  prefetch=True, prefetch_tiles=2))]
+                                  prefetch=True, prefetch_tiles=2)),
+                # balanced splits (multiples of 132 SMs over 4 KV heads), TMA full tiles
+                (66, DecodeConfig(64, 2, 3, pdl=True, balanced=True)),
+                (66, DecodeConfig(64, 2, 3, pdl=True, balanced=True, tma=True)),
+                (33, DecodeConfig(32, 2, 4, pdl=True, tma=True)),
+                (64, DecodeConfig(64, 2, 3, tma=True)),
+                (132, DecodeConfig(64, 4, 3, fused=True, pdl=True, balanced=True, tma=True)),
+                (99, DecodeConfig(32, 2, 5, pdl=True, prefetch=True, prefetch_tiles=1,
+                                  balanced=True, tma=True))]
+
+
+def test_arena_layers_take_tma_loads(arena: KVArena) -> None:
+    """The arena's layer views meet TMA's rules on the GPU: the ``tma`` configs above really
+    load through a descriptor (a view with a gap between heads does not)."""
+    assert all(decode_tma_usable(arena.kv[:, :, layer]) for layer in LAYERS)
+    assert not decode_tma_usable(arena.kv[:, :, 0, :, ::2])
 
 
 @pytest.mark.parametrize(("num_splits", "config"), FUSED_DECODE)

@@ -41,9 +41,10 @@ SCRIPT = textwrap.dedent("""
             "x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "part_ptr": "*fp32"}
     CUOBJDUMP = os.path.join(os.path.dirname(nv.__file__), "bin", "cuobjdump")
 
-    def compile_sm90(fn, constexprs, **options):
+    def compile_sm90(fn, constexprs, types=None, **options):
         names = fn.arg_names
-        sig = {n: "constexpr" if n in constexprs else PTRS.get(n, "i32") for n in names}
+        types = {**PTRS, **(types or {})}
+        sig = {n: "constexpr" if n in constexprs else types.get(n, "i32") for n in names}
         aligned = {(i,): [["tt.divisibility", 16]] for i, n in enumerate(names)
                    if n not in constexprs and (n.endswith("_ptr") or n.startswith("stride"))}
         src = ASTSource(fn, sig, {(names.index(k),): v for k, v in constexprs.items()}, aligned)
@@ -61,11 +62,12 @@ SCRIPT = textwrap.dedent("""
                 "trigger_first": 0 <= ptx.find("griddepcontrol.launch_dependents")
                                  < ptx.find("griddepcontrol.wait"),
                 "prefetch": "prefetch.global.L2" in ptx,
+                "tma": "cp.async.bulk.tensor" in ptx,
                 "warps": k.metadata.num_warps}
 
     d, p, ws, sk = DecodeConfig(), PrefillConfig(), PREFILL, SkinnyConfig()
     split = dict(GROUP=7, GROUP_PAD=16, HEAD_DIM=128, SINGLE_SPLIT=False, DOT_PRECISION="tf32",
-                 VARLEN=False, MERGE_G=8, LSE_S=64)
+                 VARLEN=False, MERGE_G=8, LSE_S=64, BALANCED=False, TMA=False)
     out = {
         "decode": compile_sm90(
             td.decode_split_kernel,
@@ -82,6 +84,14 @@ SCRIPT = textwrap.dedent("""
                ("decode_fused", 32, 2, 2, True, 0), ("decode_fused_w8", 128, 8, 8, True, 1),
                ("decode_fused_w4", 64, 4, 4, True, 2),
                ("decode_pdl_prefetch", 64, 2, 1, False, 1))},
+        **{name: compile_sm90(  # full tiles by TMA, the masked tail by pointers
+            td.decode_split_kernel,
+            dict(split, BLOCK_N=block_n, FUSED=False, MERGE_S=1, PDL=True, EARLY=False,
+                 PREFETCH=False, PREFETCH_TOKENS=0, ELEM_BYTES=2, BALANCED=True, TMA=True),
+            types={"kv_desc": f"tensordesc<bf16[1, {block_n}, 128]>"},
+            num_warps=warps, num_stages=stages, launch_pdl=True)
+           for name, block_n, warps, stages in (("decode_tma", 64, 2, 3),
+                                                ("decode_tma_32x4", 32, 2, 4))},
         "rope_trigger": compile_sm90(
             tr.rope_store_kernel, dict(HQ_PAD=32, HKV_PAD=4, HALF=64, TRIGGER=True),
             num_warps=4),
@@ -129,6 +139,8 @@ def test_default_configs_compile_for_sm90_without_spills() -> None:
     for name in ("decode_fused", "decode_fused_w8", "decode_fused_w4", "decode_pdl_prefetch"):
         assert report[name]["prefetch"], report[name]
     assert not report["decode_pdl_prefetch"]["atomic"] and not report["decode"]["prefetch"]
+    assert report["decode_tma"]["tma"] and report["decode_tma_32x4"]["tma"]
+    assert not report["decode"]["tma"]
     assert report["decode_reduce_pdl"]["griddepcontrol"] and report["rope_trigger"]["trigger"]
     # early launch: the dependents may launch before this kernel's own wait
     assert report["decode_reduce_pdl"]["trigger_first"]

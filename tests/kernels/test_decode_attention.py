@@ -17,7 +17,7 @@ from edmm.kernels import (
     decode_attention_varlen,
     default_num_splits,
 )
-from edmm.kernels._common import CounterWorkspace
+from edmm.kernels._common import CounterWorkspace, decode_tma_usable
 from edmm.kernels.decode_attention import MAX_FUSED_SPLITS
 from edmm.kernels.reference import decode_attention_reference
 
@@ -261,6 +261,46 @@ def test_pdl_is_ignored_off_hopper(make_cache: MakeCache, check_close: CheckClos
         check_close(out, ref, torch.float32)
 
 
+# ---------------------------------------------------------------------------- balanced, TMA
+BALANCED_TMA = [DecodeConfig(16, 2, 2, balanced=True), DecodeConfig(16, 2, 2, tma=True),
+                DecodeConfig(32, 2, 2, balanced=True, tma=True),
+                DecodeConfig(16, 2, 2, balanced=True, tma=True, fused=True)]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("config", BALANCED_TMA, ids=["balanced", "tma", "both", "both-fused"])
+@pytest.mark.parametrize("num_splits", [1, 3, 33])
+def test_balanced_and_tma_match_reference(make_cache: MakeCache, check_close: CheckClose,
+                                          dtype: torch.dtype, config: DecodeConfig,
+                                          num_splits: int) -> None:
+    """Equal token shares per split (tiles starting mid-tile, 33 splits past short contexts)
+    and descriptor loads of the full tiles: ragged contexts, NaN past each one (a TMA box
+    reaching past a context shows), an empty slot gives zeros."""
+    cache = make_cache(LENS, dtype=dtype, num_slots=6, max_tokens=MAX_TOKENS)
+    assert decode_tma_usable(cache.kv[:, :, 1])  # the descriptor path really runs
+    slots = [1, 3, 0, 5, 4, 2]  # slot 5 holds no token
+    q = torch.randn(len(slots), 14, 32).to(dtype)
+    out, ref = _run(cache, q, slots, num_splits=num_splits, config=config,
+                    workspace=CounterWorkspace())
+    check_close(out, ref, dtype)
+    assert not out[3].any()
+
+
+def test_tma_needs_contiguous_heads(make_cache: MakeCache, check_close: CheckClose) -> None:
+    """A cache whose KV heads are not contiguous within a token has no row descriptor: the
+    kernel loads by pointers instead, with the same result."""
+    cache = make_cache(LENS, dtype=torch.float32, num_slots=5, max_tokens=MAX_TOKENS,
+                       kv_heads=4)
+    kv = cache.kv[:, :, :, :, ::2]  # [S, M, L, 2, 2, D]: every other head, a gap between
+    assert not decode_tma_usable(kv[:, :, 1]) and decode_tma_usable(cache.kv[:, :, 1])
+    q = torch.randn(2, 4, 32)
+    slots, lens = [1, 2], [LENS[1], LENS[2]]
+    out = decode_attention(q, kv, 1, torch.tensor(slots), torch.tensor(lens), 0.2,
+                           num_splits=4, config=DecodeConfig(16, 2, 2, tma=True))
+    ref = decode_attention_reference(q, kv, 1, slots, lens, 0.2, dtype=torch.float64)
+    check_close(out, ref, torch.float32)
+
+
 def test_rejects_bad_index_tensors() -> None:
     kv = torch.zeros(1, 4, 1, 2, 1, 16)
     q = torch.zeros(2, 1, 16)
@@ -291,5 +331,30 @@ def test_decode_parts_calls_run_the_routed_kernel() -> None:
     part_o = fns["split only"](2)  # [1, 28, 3, 128] fp32 partials
     assert part_o.shape == (1, 28, 3, 128) and bool(part_o.isfinite().all())
     assert bool((fns["launch floor"](0) == 1.0).all())  # one per program of (1, 4, 3)
-    assert fns["read floor"](0).dtype == torch.float32
+
+
+def test_read_floor_kernel_reads_exactly_the_layer_bytes() -> None:
+    """The streaming-read floor of `decode_parts` sums each program's share of the K+V bytes
+    of slots 0 .. B - 1, tokens < context, of one layer: whole token rows, or per KV head as
+    the decode kernel reads them; over the arena's view or a contiguous copy of the same
+    shape. Every program's sum against torch's."""
+    from edmm.bench.scripts.decode_parts import Floor, stream_fns
+
+    torch.manual_seed(0)
+    kv = torch.randn(3, 50, 4, 2, 4, 16)  # [S, M, L, 2, Hkv, D]
+    kv[:, 45:] = float("nan")  # past the context: never read
+    kv[2] = float("nan")  # past the batch
+    floors = (Floor(3, 4, 2, 2), Floor(7, 8, 2, 2, per_head=True))
+    for f, fn in stream_fns(kv, 2, 45, floors, contiguous=False).items():
+        rows = kv[:2, :45, 1].reshape(90, 2, 4, 16)  # [(slot, token), 2, Hkv, D]
+        share = -(-90 // f.programs)
+        if f.per_head:  # [Hkv, programs]
+            want = torch.stack([torch.stack([rows[p * share:(p + 1) * share, :, h].sum()
+                                             for p in range(f.programs)]) for h in range(4)])
+        else:
+            want = torch.stack([rows[p * share:(p + 1) * share].sum()
+                                for p in range(f.programs)])
+        torch.testing.assert_close(fn(5).view_as(want), want, atol=1e-4, rtol=1e-4)
+    for fn in stream_fns(kv, 2, 45, floors, contiguous=True).values():
+        assert bool(fn(1).isfinite().all())  # a fresh buffer per layer, no NaN read
 

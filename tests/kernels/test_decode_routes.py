@@ -63,6 +63,9 @@ def test_table_file_round_trip_and_bad_files(tmp_path: Path) -> None:
         flagged | {"prefetch": True, "prefetch_tiles": 2, "early_launch": True}]}))
     assert DecodeRoutes.from_json(path).routes[0].config == DecodeConfig(
         32, 2, 3, True, True, prefetch=True, prefetch_tiles=2, early_launch=True)
+    path.write_text(json.dumps({"routes": [flagged | {"balanced": True, "tma": True}]}))
+    assert DecodeRoutes.from_json(path).routes[0].config == DecodeConfig(
+        32, 2, 3, True, True, balanced=True, tma=True)
     path.write_text(json.dumps({"routes": [flagged | {"prefetch_tiles": -1}]}))
     with pytest.raises(DecodeRoutesError, match="prefetch_tiles"):
         DecodeRoutes.from_json(path)

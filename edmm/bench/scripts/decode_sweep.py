@@ -13,7 +13,9 @@ replays, CUDA events, a GPU sleep before each so launch latency stays out):
   and without programmatic dependent launch (``pdl``: each launch starts while the one before
   drains; ``early``: as soon as it starts), and an L2 prefetch of each program's whole chunk
   (``prefetch``), or of its first tiles (a config's fourth number, ``64x2x3x1``: in the modes
-  without prefetch it is 64x2x3);
+  without prefetch it is 64x2x3); a config's letters ``b`` (balanced: equal token shares per
+  split, for split counts such as 33, 66, 99, 132 that are multiples of the SM count over the
+  4 KV heads) and ``t`` (TMA loads of the full tiles), ``64x2x3bt``;
 - SDPA on the strided view (equal lengths only: the engine cannot route a CUDA-graph batch of
   unequal lengths to it without reading past each context, so it is a yardstick).
 Every candidate's output is checked against SDPA's (relative error in the table).
@@ -65,7 +67,7 @@ from edmm.kernels import DecodeConfig, default_num_splits, triton_usable
 from edmm.kernels._common import CounterWorkspace
 from edmm.kernels.decode_attention import MAX_FUSED_SPLITS, MAX_SPLITS
 
-SPLITS = (8, 16, 32, 48, 64, 96, 128, 192, 256, 384, 512)
+SPLITS = (8, 16, 32, 33, 48, 64, 66, 96, 99, 128, 132, 192, 256, 384, 512)
 CONFIGS = (DecodeConfig(32, 4, 4), DecodeConfig(32, 2, 3), DecodeConfig(64, 4, 2),
            DecodeConfig(64, 4, 3), DecodeConfig(64, 8, 3), DecodeConfig(64, 2, 3),
            DecodeConfig(128, 4, 2), DecodeConfig(128, 8, 3))
@@ -76,6 +78,7 @@ MODES = {  # launch mode -> DecodeConfig flags (early launch only with pdl)
     {"fused": fused, "pdl": pdl, "prefetch": pre, "early_launch": early}
     for fused in (False, True) for pdl in (False, True) for early in (False, True)
     for pre in (False, True) if pdl or not early}
+SUFFIXES = "bt"  # config flags: balanced splits, TMA loads
 TARGET_TBS = 3.0  # issue 20: decode attention >= 3 TB/s at batch 1 and 8, 16K
 
 
@@ -201,20 +204,28 @@ def _mode_cell(r: Row | None) -> str:
     e = r.extra
     tiles = f"x{e['prefetch_tiles']}" if e.get("prefetch_tiles") else ""
     return (f"{r.median_us:.1f} us, {r.throughput / 1e3:.2f} TB/s (splits={e['num_splits']}, "
-            f"{e['block_n']}x{e['num_warps']}x{e['num_stages']}{tiles})")
+            f"{e['block_n']}x{e['num_warps']}x{e['num_stages']}{tiles}"
+            f"{'b' if e.get('balanced') else ''}{'t' if e.get('tma') else ''})")
 
 
 def parse_configs(text: str) -> tuple[DecodeConfig, ...]:
-    """``"32x2x3,64x4x3x1"`` -> DecodeConfigs (tokens per tile x warps x stages, and
-    optionally x tiles a prefetch asks L2 for: 0, the default, is the whole chunk)."""
+    """``"32x2x3,64x4x3x1,64x2x3bt"`` -> DecodeConfigs (tokens per tile x warps x stages,
+    optionally x tiles a prefetch asks L2 for: 0, the default, is the whole chunk; then
+    optionally ``b``, balanced splits, and ``t``, TMA loads: `DecodeConfig`'s flags)."""
     try:
-        parts = [[int(v) for v in item.split("x")] for item in text.split(",") if item]
-        if not parts or any(len(p) not in (3, 4) for p in parts):
-            raise ValueError("three or four numbers per config")
-        return tuple(DecodeConfig(p[0], p[1], p[2], prefetch_tiles=p[3] if len(p) == 4 else 0)
-                     for p in parts)
+        configs = []
+        for item in (i for i in text.split(",") if i):
+            flags = item[len(item.rstrip(SUFFIXES)):]
+            p = [int(v) for v in item[:len(item) - len(flags)].split("x")]
+            if len(p) not in (3, 4) or len(set(flags)) != len(flags):
+                raise ValueError("three or four numbers per config, each flag once")
+            configs.append(DecodeConfig(p[0], p[1], p[2], prefetch_tiles=p[3] if len(p) == 4
+                                        else 0, balanced="b" in flags, tma="t" in flags))
+        if not configs:
+            raise ValueError("no config")
+        return tuple(configs)
     except ValueError as e:
-        raise SystemExit(f"--configs: expected BLOCK_NxWARPSxSTAGES[xPREFETCH_TILES],..., "
+        raise SystemExit(f"--configs: expected BLOCK_NxWARPSxSTAGES[xPREFETCH_TILES][b][t],..., "
                          f"got {text!r}") from e
 
 
