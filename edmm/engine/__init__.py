@@ -12,7 +12,7 @@ from edmm.engine.errors import (
 )
 from edmm.engine.kv_manager import KVCacheManager, KVStats
 from edmm.engine.kv_policy import AdoptionCost
-from edmm.engine.outputs import CompletionOutput, RequestOutput
+from edmm.engine.outputs import CompletionOutput, RequestOutput, RequestTiming
 from edmm.engine.prefix_cache import EntryRank, PrefixCache, PrefixHit
 from edmm.engine.runner import ModelInputs, ModelRunner
 from edmm.engine.sampling import FinishReason, SamplingParams
@@ -40,6 +40,7 @@ __all__ = [
     "PrefixHit",
     "Request",
     "RequestOutput",
+    "RequestTiming",
     "RequestValidator",
     "SamplingParams",
     "ScheduledBatch",

@@ -33,7 +33,7 @@ from edmm.engine.errors import (
 )
 from edmm.engine.hooks import ParallelHooks
 from edmm.engine.kv_manager import KVCacheManager, KVStats
-from edmm.engine.outputs import CompletionOutput, RequestOutput
+from edmm.engine.outputs import CompletionOutput, RequestOutput, RequestTiming
 from edmm.engine.prefix_cache import PrefixCache
 from edmm.engine.runner import ModelRunner
 from edmm.engine.sampling import FinishReason, Sampler, SamplingParams, is_stop
@@ -459,7 +459,8 @@ def _output(seq: Seq, state: _RequestState) -> RequestOutput:
     req = state.request
     completion = CompletionOutput(0, state.text, seq.output_token_ids, seq.finish_reason)
     return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion],
-                         seq.is_finished, seq.num_cached_tokens, seq.prefix_hit)
+                         seq.is_finished, seq.num_cached_tokens, seq.prefix_hit,
+                         RequestTiming(seq.first_scheduled_ns, seq.memory_wait_steps))
 
 
 def _model_folder(model: str | None) -> Path | None:

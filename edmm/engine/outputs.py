@@ -22,6 +22,17 @@ class CompletionOutput:
         return self.finish_reason is not None
 
 
+@dataclass(frozen=True)
+class RequestTiming:
+    """Where a request's time went inside the engine (for profiles; `edmm.server.stages`):
+    ``first_scheduled_ns``, the wall clock (``time.time_ns``) when the scheduler first admitted
+    it (None: not yet); ``memory_wait_steps``, the steps it headed the waiting queue and was not
+    admitted because KV memory was short."""
+
+    first_scheduled_ns: int | None
+    memory_wait_steps: int
+
+
 @dataclass
 class RequestOutput:
     """A request's state after a step (or at the end of `LLM.generate`)."""
@@ -33,3 +44,4 @@ class RequestOutput:
     finished: bool
     num_cached_tokens: int  # prompt tokens whose KV came from the prefix cache
     prefix_hit: PrefixHit | None = None  # where that KV came from (None: computed from token 0)
+    timing: RequestTiming | None = None  # the engine's times of it (None: not recorded)

@@ -343,7 +343,10 @@ class Scheduler:
             if n == 0:
                 self.memory_waits.record(
                     sum(self.kv.mapped_pages(s.slot) for s in self.running if s.slot is not None))
+                seq.memory_wait_steps += 1
                 break
+            if seq.first_scheduled_ns is None:
+                seq.first_scheduled_ns = time.time_ns()
             self.waiting.pop()
             self.running.append(seq)
             seq.status = SequenceStatus.RUNNING

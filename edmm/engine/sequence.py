@@ -82,6 +82,8 @@ class Sequence:
     prefix_hit: PrefixHit | None = None  # how the first admission found its KV
     priority: float = 0.0  # admission order among waiting requests: lower first (`Request`)
     arrival: int = -1  # when the scheduler first queued it (its admission order among equals)
+    first_scheduled_ns: int | None = None  # wall clock (time.time_ns) of its first admission
+    memory_wait_steps: int = 0  # steps it headed the queue and was not admitted: memory short
 
     @classmethod
     def new(cls, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,

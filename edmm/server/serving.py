@@ -380,7 +380,7 @@ class OpenAIServing:
         """Run a queued chat turn to the end: the whole response."""
         try:
             async for out in self._outputs(turn.stream):
-                _mark_first_output(turn)
+                _mark_first_output(turn, out)
                 turn.last = out
                 _check_grammar(turn.engine_request)
         except BaseException:
@@ -413,7 +413,7 @@ class OpenAIServing:
         parser = StreamingToolParser() if turn.parse_tools else None
         sent = 0
         async for out in self._outputs(turn.stream):
-            _mark_first_output(turn)
+            _mark_first_output(turn, out)
             turn.last = out
             _check_grammar(turn.engine_request)
             text = _stable_text(out, turn.engine_request.params.stop)  # all of it at the end
@@ -727,15 +727,20 @@ def _turn(req: ChatCompletionRequest, request: Request, session_header: str | No
                 trailing_tool_results(req.messages), owner)
 
 
-def _mark_first_output(turn: ChatTurn) -> None:
+def _mark_first_output(turn: ChatTurn, out: RequestOutput) -> None:
     """Mark the first output's arrival on the event loop, and (first) the engine thread's
-    times of its steps (`OutputStream.engine_ns`)."""
+    times of its steps (`OutputStream.engine_ns`) and the scheduler's of ``out`` (its first
+    admission, its steps waiting for memory: `RequestTiming`)."""
     timer = turn.stages
     if timer is None or "first_output" in timer.marks:
         return
     for stage, ns in zip(("step_start", "output_put"), turn.stream.engine_ns, strict=True):
         if ns is not None:
             timer.marks.setdefault(stage, ns)
+    if out.timing is not None:
+        if out.timing.first_scheduled_ns is not None:
+            timer.marks.setdefault("scheduled", out.timing.first_scheduled_ns)
+        timer.counts["memory_wait_steps"] = out.timing.memory_wait_steps
     timer.mark("first_output")
 
 

@@ -24,7 +24,11 @@ request appends one JSON line ``{"id": <chatcmpl id>, "stream": bool, "prompt_to
 
 ``submitted`` (the event loop learnt that the request is queued) is recorded too but is no
 stage of the chain: the engine steps meanwhile, so it lies beside ``step_start``, not before
-it.
+it. Nor is ``scheduled``, the scheduler's first admission of the request (`RequestTiming`),
+which lies inside ``step_start->output_put``: before it the request waited (for memory, the
+token budget or a sequence place), after it the engine computed its first token. The
+record's ``counts`` has ``memory_wait_steps``: the steps the request headed the queue and was
+not admitted for lack of KV memory.
 
 Each record also says how many garbage collections (per generation) ran anywhere in the
 process between ``arrive`` and ``first_event`` (``"gc"``): a collection inside a request's
@@ -65,6 +69,7 @@ class StageTimer:
     marks: dict[str, int] = field(default_factory=dict)
     gc_before: list[int] = field(default_factory=_collections)
     gc_during: list[int] | None = None  # set when `LAST` is marked
+    counts: dict[str, int] = field(default_factory=dict)  # per-request counters (``counts``)
 
     def mark(self, stage: str) -> None:
         """Record ``stage`` now, unless it was recorded already."""
@@ -108,7 +113,7 @@ class StageLog:
         if timer is None or self.path is None:
             return
         record = {"id": request_id, "stream": stream, "prompt_tokens": prompt_tokens,
-                  "marks": timer.marks, "gc": timer.gc_during}
+                  "marks": timer.marks, "gc": timer.gc_during, "counts": timer.counts}
         with open(self.path, "a", encoding="utf-8") as f:
             f.write(json.dumps(record) + "\n")
 

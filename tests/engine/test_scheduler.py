@@ -3,6 +3,7 @@ preemption victims and resume, exact slot mappings."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -143,18 +144,24 @@ def test_memory_waits_count_steps_whose_admission_waited_and_what_ran(
         make_arena: MakeArena) -> None:
     arena = make_arena(6)  # 48 tokens, 8 a page
     sched = scheduler(arena)
-    a, b, _ = add(sched, "a", 16), add(sched, "b", 16), add(sched, "c", 15)
+    a, b, c = add(sched, "a", 16), add(sched, "b", 16), add(sched, "c", 15)
+    before = time.time_ns()
     step(sched)
+    assert all(s.first_scheduled_ns is not None and s.first_scheduled_ns >= before
+               for s in (a, b, c))
+    first_c = c.first_scheduled_ns
     assert step(sched).preempted == ["c"]  # c waits from here on
     assert sched.memory_waits.steps == 0  # a step that preempts admits nothing
     for i in range(1, 4):
         step(sched)
         held = arena.pool.capacity - arena.pool.num_free
-        assert sched.memory_waits.steps == i
+        assert sched.memory_waits.steps == i == c.memory_wait_steps  # c headed the queue
         assert sched.memory_waits.running_pages == i * held == i * 6  # a and b: 3 pages each
     sched.finish(b, "stop")
     step(sched)  # c is admitted: no wait
     assert sched.memory_waits.steps == 3 and a.status == SequenceStatus.RUNNING
+    assert c.first_scheduled_ns == first_c  # its first admission, not the re-admission
+    assert a.memory_wait_steps == b.memory_wait_steps == 0
 
 
 def test_a_self_preempted_sequence_resumes_from_its_kv(make_arena: MakeArena) -> None:
