@@ -521,7 +521,7 @@ class AgentEngine:
         session.previous = session.context  # compared with the prompt when the turn ends
         session.request_id = request.request_id
         session.cache_salt = request.cache_salt
-        session.context = list(prompt)
+        session.context = prompt  # the request's own list, never changed: no copy of it
         session.prompt_len = len(prompt)
         self._by_request[request.request_id] = session.id
 

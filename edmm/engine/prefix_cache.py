@@ -609,9 +609,14 @@ class PrefixCache:
 def common_prefix_len(a: list[int], b: list[int], limit: int | None = None) -> int:
     """Length of the longest common prefix of ``a`` and ``b`` (at most ``limit``).
 
-    Compares slices of 256 tokens at C speed, then the mismatching slice token by token.
+    Two lists equal over the whole range (a resume whose prompt a speculation predicted,
+    a session's own context) are compared in one pass at C speed, without copying a list
+    that holds exactly the range; otherwise slices of 256 tokens are compared, then the
+    mismatching slice token by token.
     """
     n = min(len(a), len(b)) if limit is None else min(len(a), len(b), limit)
+    if n and a[n - 1] == b[n - 1] and _head(a, n) == _head(b, n):
+        return n
     step = 256
     i = 0
     while i + step <= n and a[i:i + step] == b[i:i + step]:
@@ -620,6 +625,11 @@ def common_prefix_len(a: list[int], b: list[int], limit: int | None = None) -> i
     while i < end and a[i] == b[i]:
         i += 1
     return i
+
+
+def _head(tokens: list[int], n: int) -> list[int]:
+    """``tokens[:n]``, without a copy when that is all of ``tokens``."""
+    return tokens if len(tokens) == n else tokens[:n]
 
 
 def _chain(prev: int, block: list[int]) -> int:
