@@ -521,7 +521,7 @@ class AgentEngine:
         session.previous = session.context  # compared with the prompt when the turn ends
         session.request_id = request.request_id
         session.cache_salt = request.cache_salt
-        session.context = list(prompt)
+        session.context = prompt  # the request's own list, never changed: no copy of it
         session.prompt_len = len(prompt)
         self._by_request[request.request_id] = session.id
 
@@ -708,8 +708,7 @@ class AgentEngine:
             self._durations[call.name] = elapsed if old is None else \
                 DURATION_EMA * elapsed + (1 - DURATION_EMA) * old
             spec = self._tools.get(call.name)
-            key = call.memo_key()
-            if spec is not None and spec.cacheable and key is not None:
+            if spec is not None and spec.cacheable and (key := call.memo_key()) is not None:
                 self._memo[key] = r.content
 
     def _spec_ids(self, session_id: str, keys: Iterable[str]) -> set[str]:

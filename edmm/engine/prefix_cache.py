@@ -515,17 +515,24 @@ class PrefixCache:
     def _best_claimed(self, tokens: list[int], max_tokens: int, tags: set[str],
                       own_tag: str | None, seed: int) -> tuple[int, int] | None:
         """``(slot, n)`` of the claimed entry sharing the longest prefix with ``tokens``; on a
-        tie the own-tagged entry wins (nothing to retire), then the most recent one."""
-        best: tuple[int, int] | None = None
-        best_key = (-1, False)
+        tie the own-tagged entry wins (nothing to retire), then the most recent one. The
+        longest entries are compared first, and one too short to reach the best match so far
+        is not compared at all (a speculation hit's branch spares the session's own entry)."""
         limit = min(len(tokens), max_tokens)
-        for slot, entry in self._lru.items():
+        candidates = []  # (the most it can share, LRU order, slot, own-tagged)
+        for order, (slot, entry) in enumerate(self._lru.items()):
             src = self._sources[slot]
-            if entry.tag not in tags or src.seed != seed:
-                continue
-            n = common_prefix_len(src.tokens, tokens, min(limit, src.num_tokens))
-            key = (n, entry.tag == own_tag)
-            if key >= best_key:
+            if entry.tag in tags and src.seed == seed:
+                candidates.append((min(limit, src.num_tokens), order, slot, entry.tag == own_tag))
+        candidates.sort(reverse=True)
+        best: tuple[int, int] | None = None
+        best_key = (-1, False, -1)
+        for most, order, slot, own in candidates:
+            if most < best_key[0]:
+                break  # neither it nor any after it can match as far
+            n = common_prefix_len(self._sources[slot].tokens, tokens, most)
+            key = (n, own, order)
+            if key > best_key:
                 best, best_key = (slot, n), key
         return best
 
@@ -609,9 +616,15 @@ class PrefixCache:
 def common_prefix_len(a: list[int], b: list[int], limit: int | None = None) -> int:
     """Length of the longest common prefix of ``a`` and ``b`` (at most ``limit``).
 
-    Compares slices of 256 tokens at C speed, then the mismatching slice token by token.
+    Two lists equal over the whole range (a resume whose prompt a speculation predicted,
+    a session's own context) are compared in one pass at C speed, without a copy when both
+    are equal throughout or a list holds exactly the range; otherwise slices of 256 tokens
+    are compared, then the mismatching slice token by token.
     """
     n = min(len(a), len(b)) if limit is None else min(len(a), len(b), limit)
+    if n and a[n - 1] == b[n - 1] and ((len(a) == len(b) and a == b)
+                                       or _head(a, n) == _head(b, n)):
+        return n
     step = 256
     i = 0
     while i + step <= n and a[i:i + step] == b[i:i + step]:
@@ -620,6 +633,11 @@ def common_prefix_len(a: list[int], b: list[int], limit: int | None = None) -> i
     while i < end and a[i] == b[i]:
         i += 1
     return i
+
+
+def _head(tokens: list[int], n: int) -> list[int]:
+    """``tokens[:n]``, without a copy when that is all of ``tokens``."""
+    return tokens if len(tokens) == n else tokens[:n]
 
 
 def _chain(prev: int, block: list[int]) -> int:

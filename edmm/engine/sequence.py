@@ -90,7 +90,9 @@ class Sequence:
             kind: SequenceKind = SequenceKind.REQUEST, hints: SlotHints | None = None,
             priority: float = 0.0) -> Sequence:
         """A waiting sequence for a prompt, with its own random state."""
-        return cls(request_id, list(prompt_token_ids), len(prompt_token_ids), params,
+        # A slice copies a list (a `TokenIds` too) in one pass; list() walks a subclass.
+        ids = prompt_token_ids[:] if isinstance(prompt_token_ids, list) else list(prompt_token_ids)
+        return cls(request_id, ids, len(prompt_token_ids), params,
                    RequestRng.for_params(params), kind=kind,
                    hints=hints if hints is not None else SlotHints(), priority=priority)
 

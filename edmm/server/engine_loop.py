@@ -10,6 +10,13 @@ last request finishes or the last command (e.g. a session's DELETE) runs; then i
 request's
 outputs go to an `asyncio.Queue` on the event loop that asked for them (``call_soon_threadsafe``).
 
+A step that gives some request its first output waits (up to ``handback_wait_s``) until that
+request's consumer on the event loop took it and came back for the next one (a streamed
+response: its first event written) before the thread steps on: the next step's Python would
+otherwise hold the GIL against the event loop at each of its wake-ups, a switch interval each
+(`edmm.server.cli.SWITCH_INTERVAL_S`), on the way of the request's first token. The requests
+in flight wait that long once per new request.
+
 An exception out of `step` fails the requests in flight (each gets an `EngineStepError` and is
 aborted) and the loop carries on serving; it never takes the server down.
 """
@@ -50,6 +57,7 @@ class SteppableEngine(Protocol):
 
 E = TypeVar("E", bound=SteppableEngine)
 _Item = RequestOutput | BaseException
+HANDBACK_WAIT_S = 0.001  # `EngineLoop`'s default bound on waiting for first outputs taken
 
 
 class _Stream:
@@ -57,7 +65,8 @@ class _Stream:
 
     ``step_ns``: the wall clock (``time.time_ns``) when the engine thread began its first step
     after the request was queued; ``put_ns``: when it handed over the first output (both set
-    on the engine thread, for `edmm.server.stages`)."""
+    on the engine thread, for `edmm.server.stages`). ``taken``: set on the event loop once
+    the consumer took the first item and asked for the next (or left)."""
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
@@ -65,13 +74,19 @@ class _Stream:
         self.queue: asyncio.Queue[_Item] = asyncio.Queue()
         self.step_ns: int | None = None
         self.put_ns: int | None = None
+        self.taken = threading.Event()
 
-    def put(self, item: _Item) -> None:
-        """Thread-safe; a closed event loop (its client is gone) drops the item."""
-        if self.put_ns is None:
+    def put(self, item: _Item) -> bool:
+        """Thread-safe; a closed event loop (its client is gone) drops the item. True for
+        the first item."""
+        first = self.put_ns is None
+        if first:
             self.put_ns = time.time_ns()
-        with contextlib.suppress(RuntimeError):
+        try:
             self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        except RuntimeError:
+            self.taken.set()  # nobody will take it
+        return first
 
 
 class OutputStream:
@@ -100,6 +115,7 @@ class OutputStream:
         Leaving early (the client disconnected, the consumer was cancelled) aborts the request
         and frees its memory.
         """
+        taken = self._stream.taken
         try:
             while not self.finished:
                 item = await self._stream.queue.get()
@@ -108,7 +124,10 @@ class OutputStream:
                     raise item
                 self.finished = item.finished
                 yield item
+                if not taken.is_set():  # the first item is dealt with: the engine steps on
+                    taken.set()
         finally:
+            taken.set()
             if not self.finished:
                 self.abort()
 
@@ -122,11 +141,15 @@ class OutputStream:
 
 class EngineLoop(Generic[E]):
     """Runs ``engine`` on its own thread; see the module docstring. ``on_idle``: called on
-    that thread whenever it is about to sleep for want of work (errors are logged)."""
+    that thread whenever it is about to sleep for want of work (errors are logged);
+    ``handback_wait_s``: the most a step waits for its first outputs to be taken (0: never
+    waits)."""
 
     def __init__(self, engine: E, name: str = "edmm-engine",
-                 on_idle: Callable[[], object] | None = None) -> None:
+                 on_idle: Callable[[], object] | None = None,
+                 handback_wait_s: float = HANDBACK_WAIT_S) -> None:
         self.engine = engine
+        self._handback_wait_s = handback_wait_s
         self._on_idle = on_idle
         self._commands: queue.SimpleQueue[Callable[[], None] | None] = queue.SimpleQueue()
         self._streams: dict[str, _Stream] = {}  # engine thread only
@@ -258,13 +281,17 @@ class EngineLoop(Generic[E]):
             self._fail_all(EngineStepError(f"the engine failed: {e}"))
             return
         self.num_steps += 1
+        firsts = []
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue  # a request nobody listens to (e.g. speculation)
             if out.finished:
                 del self._streams[out.request_id]
-            stream.put(out)
+            if stream.put(out):
+                firsts.append(stream)
+        if firsts and self._handback_wait_s > 0:
+            _await_taken(firsts, self._handback_wait_s)
 
     def _submit(self, stream: _Stream, submit: Callable[[E], T],
                 future: concurrent.futures.Future[T]) -> None:
@@ -293,6 +320,16 @@ class EngineLoop(Generic[E]):
                 logger.exception("abort of %s failed", request_id)
             stream.put(error)
         self._streams.clear()
+
+
+def _await_taken(streams: list[_Stream], bound_s: float) -> None:
+    """Wait until the consumers took the first outputs of ``streams`` (the GIL is free for
+    the event loop meanwhile), at most ``bound_s`` in all."""
+    deadline = time.monotonic() + bound_s
+    for stream in streams:
+        left = deadline - time.monotonic()
+        if left <= 0 or not stream.taken.wait(left):
+            return
 
 
 class Submission(Generic[E, T]):

@@ -83,12 +83,15 @@ class _Rendered:
 
 @dataclass
 class RenderStats:
-    """Messages rendered (windows and full renders) and taken from earlier prompts' text."""
+    """Messages rendered (windows and full renders) and taken from earlier prompts' text;
+    ``same_prompts``: prompts whose every message, tools and kwargs an earlier prompt had
+    (its text taken whole)."""
 
     rendered_messages: int = 0
     reused_messages: int = 0
     full_renders: int = 0
     window_renders: int = 0
+    same_prompts: int = 0
 
 
 class IncrementalChatRenderer:
@@ -139,7 +142,9 @@ class IncrementalChatRenderer:
                     kwargs: dict[str, Any] | None = None) -> str:
         """The prompt text (generation prompt added), equal to ``render(messages, tools,
         kwargs, True)``."""
-        entry = self._incremental(messages, tools, kwargs)
+        entry = self._take_same(messages, tools, kwargs)
+        if entry is None:
+            entry = self._incremental(messages, tools, kwargs)
         if entry is None:
             entry = _Rendered(list(messages), tools, kwargs,
                               self._render(messages, tools, kwargs, True))
@@ -162,6 +167,22 @@ class IncrementalChatRenderer:
         if j is None or j <= self._header_len(entry.messages):
             return False
         return self._start(entry, j) is not None
+
+    def _take_same(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                   kwargs: dict[str, Any] | None) -> _Rendered | None:
+        """The recent prompt of exactly these messages, tools and kwargs (e.g. the predicted
+        next request that a speculation-hit resume sends): its text is this one's, nothing
+        is rendered. Taken out of the recent prompts (`render_text` puts it back last)."""
+        for i in range(len(self._recent) - 1, -1, -1):
+            entry = self._recent[i]
+            if (len(entry.messages) == len(messages) and entry.tools == tools
+                    and entry.kwargs == kwargs
+                    and _shared_prefix(entry.messages, messages) == len(messages)):
+                del self._recent[i]
+                self.stats.reused_messages += len(messages)
+                self.stats.same_prompts += 1
+                return entry
+        return None
 
     def _incremental(self, messages: list[dict[str, Any]],
                      tools: list[dict[str, Any]] | None,

@@ -204,6 +204,26 @@ def test_predicted_prompt_prefills_a_result_anywhere(make_agent: MakeAgent) -> N
     assert run(plain)["t1"].num_cached_tokens == 40
 
 
+def test_predicted_prompt_changed_at_an_earlier_token_is_a_partial_hit(
+        make_agent: MakeAgent) -> None:
+    """A resume that differs from the predicted prompt only at one earlier token (same
+    length, same last token) commits the branch up to that token and recomputes the rest."""
+    agent = make_agent(AgentConfig(speculation=("prompt",)))
+    context = first_turn(agent)
+    prompt = [*context[:40], *RESULT, *context[42:], *SUFFIX]
+    agent.await_tools("s", [ToolCall("c1", "f")])
+    agent.predict_prompt("s", prompt)
+    drain(agent)
+    sent = list(prompt)
+    sent[50] = 5  # inside the result: an earlier token than the last, which is the same
+    agent.resume("s", "t1", [ToolResult("c1", RESULT)], greedy(), prompt=sent)
+    out = run(agent)["t1"]
+    assert out.num_cached_tokens == 50
+    m = agent.session_metrics("s")
+    assert (m.spec_hits, m.spec_partial, m.spec_misses) == (0, 1, 0)
+    assert out.outputs[0].token_ids == reference_tokens(make_agent, sent)
+
+
 def test_streamed_output_is_prefilled_incrementally(make_agent: MakeAgent) -> None:
     agent = make_agent(AgentConfig(speculation=("streamed",)))
     context = first_turn(agent)

@@ -37,3 +37,15 @@ def test_body_transfer_parts(tiny_dir: Path) -> None:
     assert all(x > 0 for x in first)
     assert all(a <= b for a, b in zip(parts["app called"], parts["body read"], strict=True))
     assert min(parts["writes"]) >= 2 and min(parts["reads"]) >= 1
+
+
+def test_resume_engine_path_times_a_speculation_hit(tiny_dir: Path) -> None:
+    """`edmm.bench.scripts.resume_engine_path`: every part of a C resume on the engine thread
+    is timed, each run a speculation hit (the script checks it)."""
+    from edmm.bench.scripts.resume_engine_path import measure as engine_path
+
+    rows = engine_path(str(tiny_dir), 2048, runs=2)
+    assert [r["part"] for r in rows] == ["begin", "cache match", "first step"]
+    assert all(r["min_ms"] > 0 and r["n"] == 2 for r in rows)
+    by_part = {r["part"]: r["min_ms"] for r in rows}
+    assert by_part["cache match"] < by_part["first step"]  # the match is part of the step

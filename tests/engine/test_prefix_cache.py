@@ -146,3 +146,23 @@ def test_entries_of_another_cache_salt_never_match(arena: KVArena, collide: bool
     hit = cache.acquire([*a, 0], 100, salt="tenant-b")
     assert hit is None
     cache.check_integrity()
+
+
+def test_common_prefix_len_of_equal_and_changed_lists() -> None:
+    """The one-pass comparison of lists equal over the range, and the fall-back: a token
+    changed anywhere before the end (the last one equal) is found where it is."""
+    from edmm.engine.prefix_cache import common_prefix_len
+    from edmm.model.prompt_encoder import TokenIds
+
+    base = [(i * 7919) % 150000 for i in range(4099)]
+    assert common_prefix_len(base, list(base)) == 4099
+    assert common_prefix_len(base, [*base, 5, 6]) == 4099
+    assert common_prefix_len([*base, 5], [*base, 6]) == 4099
+    assert common_prefix_len(base, list(base), 1000) == 1000
+    assert common_prefix_len([], base) == 0
+    packed = TokenIds(base, __import__("array").array("q", base))
+    for i in (0, 1, 255, 256, 2048, 4097):
+        changed = list(base)
+        changed[i] += 1
+        assert common_prefix_len(changed, base) == i
+        assert common_prefix_len(packed, changed, 4099) == i

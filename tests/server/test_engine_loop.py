@@ -263,3 +263,63 @@ def test_failed_submission_is_not_aborted(loop: EngineLoop[FakeEngine]) -> None:
 
     asyncio.run(main())
     assert loop.engine.aborted == []
+
+
+class _TimedEngine(FakeEngine):
+    """`FakeEngine` that records when each step began."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.step_ns: list[int] = []
+
+    def step(self) -> list[RequestOutput]:
+        self.step_ns.append(time.time_ns())
+        return super().step()
+
+
+def test_the_step_after_a_first_output_waits_until_it_is_taken() -> None:
+    """The engine thread steps on only once the consumer dealt with the first output and
+    asked for the next (the GIL left to the event loop meanwhile); later outputs are not
+    waited for."""
+    engine = _TimedEngine()
+    lp = EngineLoop(engine, handback_wait_s=30.0)
+    lp.start()
+
+    async def main() -> int:
+        _, stream = await lp.submit("h", lambda e: e.add("h"))
+        outputs = stream.outputs()
+        await outputs.__anext__()
+        await asyncio.sleep(0.05)  # the consumer is busy: the engine must not step
+        back = time.time_ns()
+        async for _ in outputs:
+            pass
+        return back
+
+    try:
+        back = asyncio.run(main())
+    finally:
+        lp.stop()
+    assert len(engine.step_ns) == 3 and engine.step_ns[1] >= back
+
+
+def test_a_consumer_that_does_not_come_back_holds_the_engine_at_most_the_bound() -> None:
+    """``handback_wait_s`` bounds the wait: the request runs to its end while its consumer
+    sleeps on its first output."""
+    engine = _TimedEngine()
+    lp = EngineLoop(engine, handback_wait_s=0.02)
+    lp.start()
+
+    async def main() -> None:
+        _, stream = await lp.submit("s", lambda e: e.add("s"))
+        outputs = stream.outputs()
+        await outputs.__anext__()
+        await asyncio.to_thread(_until, lambda: not engine.requests)
+        async for _ in outputs:
+            pass
+
+    try:
+        asyncio.run(main())
+    finally:
+        lp.stop()
+    gap = (engine.step_ns[1] - engine.step_ns[0]) / 1e9
+    assert len(engine.step_ns) == 3 and gap >= 0.02

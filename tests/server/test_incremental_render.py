@@ -112,6 +112,32 @@ def test_a_resume_renders_only_the_new_messages(tok: Any) -> None:
     assert renderer.stats.window_renders == 2 and renderer.stats.full_renders == 1
 
 
+def test_the_same_prompt_again_renders_nothing_and_a_changed_message_is_seen(
+        tok: Any) -> None:
+    """A request of exactly an earlier prompt's messages (a speculation-hit resume sends
+    the predicted ones) takes that prompt's text whole; one changed earlier message, or
+    other tools, is rendered (the full render's text either way)."""
+    full = _full(tok)
+    renderer = IncrementalChatRenderer(full, verify=True)
+    convo: list[dict[str, Any]] = [{"role": "system", "content": "Be brief."}]
+    for i in range(6):
+        convo += [{"role": "user", "content": f"padding {i}"},
+                  {"role": "assistant", "content": "Noted."}]
+    convo.append({"role": "user", "content": "Look it up."})
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {}}}]
+    renderer.render_text(convo, tools)
+    rendered = renderer.stats.rendered_messages
+    same = [dict(m) for m in convo]  # equal, not the same objects
+    assert renderer.render_text(same, tools) == full(convo, tools, None, True)
+    assert renderer.stats.same_prompts == 1 and renderer.stats.rendered_messages == rendered
+    changed = [dict(m) for m in convo]
+    changed[3]["content"] += "\n\n<memory>\nkept\n</memory>"
+    assert renderer.render_text(changed, tools) == full(changed, tools, None, True)
+    assert renderer.render_text(convo, None) == full(convo, None, None, True)
+    assert renderer.stats.same_prompts == 1
+    assert renderer.stats.rendered_messages > rendered
+
+
 def test_a_changed_first_message_renders_in_full(tok: Any) -> None:
     full = _full(tok)
     renderer = IncrementalChatRenderer(full)
@@ -194,3 +220,8 @@ def test_a_32k_bench_resume_takes_the_incremental_route(tok: Any, group: str) ->
     new_tokens = len(ids) - (encoder.reused_tokens - reused)
     limit = 700 if group == "A" else 0.6 * len(ids)  # C: from the memory block on
     assert len(ids) > 20000 and new_tokens < limit
+    # C's resume sends the predicted messages again: their text is taken whole.
+    again = chat.ids([dict(m) for m in resume], [TOOL], None, None)
+    assert chat.stats.same_prompts == 1 and chat.stats.window_renders == windows + (
+        1 if group == "A" else 2)
+    assert list(again) == list(ids)
