@@ -363,56 +363,63 @@ def replay_clients(spec: ClientSpec, jobs: Sequence[Job], load: int, processes: 
              for i, n in enumerate(shares)]
     for p in procs:
         p.start()
-    errors: list[str] = []
-    stats = ClientStats(processes, 0.0)
+    watch = _Watch(procs, events, stop, ClientStats(processes, 0.0))
     try:
-        exits = _wait_ready(procs, events, errors, stop, stats)
+        _wait_ready(watch)
         t0 = time.perf_counter()
-        if not errors:
+        if not watch.errors:
             for job in jobs:
                 todo.put(job)
         for _ in range(load):
             todo.put(None)
-        while exits < len(procs):
-            kind, payload = _next_event(procs, events, exits)
+        while watch.exits < len(procs):
+            kind, payload = watch.next()
             if kind == "start":
                 on_start(payload)
             elif kind == "done":
                 on_done(payload)
-            elif kind == "error":
-                errors.append(payload)
-                stop.set()
-            elif kind == "exit":
-                exits += 1
-                stats.add_exit(*payload)
-        stats.makespan_s = time.perf_counter() - t0
+        watch.stats.makespan_s = time.perf_counter() - t0
     finally:
         for p in procs:
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
         todo.cancel_join_thread()
-    if errors:
-        raise HttpBenchError(f"a client process failed:\n{errors[0]}")
-    return stats
+    if watch.errors:
+        raise HttpBenchError(f"a client process failed:\n{watch.errors[0]}")
+    return watch.stats
 
 
-def _wait_ready(procs: Sequence[Any], events: Any, errors: list[str], stop: Any,
-                stats: ClientStats) -> int:
-    """Block until every process posted ``ready`` or failed (an error stops them all);
-    return how many already exited (those that failed to start)."""
-    ready = exits = 0
-    while ready + exits < len(procs):
-        kind, payload = _next_event(procs, events, exits)
-        if kind == "ready":
-            ready += 1
-        elif kind == "error":
-            errors.append(payload)
-            stop.set()
+@dataclass
+class _Watch:
+    """The parent's view of its client processes: their events, errors and goodbyes."""
+
+    procs: Sequence[Any]
+    events: Any
+    stop: Any
+    stats: ClientStats
+    errors: list[str] = field(default_factory=list)
+    exits: int = 0
+
+    def next(self) -> tuple[str, Any]:
+        """The next event; an ``error`` is kept and stops every process, an ``exit`` counted
+        (its CPU and wall seconds into `stats`)."""
+        kind, payload = _next_event(self.procs, self.events, self.exits)
+        if kind == "error":
+            self.errors.append(payload)
+            self.stop.set()
         elif kind == "exit":
-            exits += 1
-            stats.add_exit(*payload)
-    return exits
+            self.exits += 1
+            self.stats.add_exit(*payload)
+        return kind, payload
+
+
+def _wait_ready(watch: _Watch) -> None:
+    """Block until every process posted ``ready`` or exited (one that failed to start)."""
+    ready = 0
+    while ready + watch.exits < len(watch.procs):
+        if watch.next()[0] == "ready":
+            ready += 1
 
 
 def _next_event(procs: Sequence[Any], events: Any, exits: int) -> tuple[str, Any]:
