@@ -368,6 +368,9 @@ def _agents_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     agents.add_argument("--http-overlap-tail", type=int_at_least(0), default=0,
                         help="with --http: start the next policy's server once this many of "
                              "the run's jobs are left (0: after the run)")
+    agents.add_argument("--http-stages", action="store_true",
+                        help="with --http: each server logs its requests' stages "
+                             "(EDMM_STAGE_LOG); writes agents-http-stages.*")
     agents.add_argument("--http-clients", type=int_at_least(0), default=0,
                         help="with --http: client processes the sessions run in, one thread a "
                              "session (0: one per 4 sessions)")
@@ -545,7 +548,7 @@ def _bench_agents_http(args: argparse.Namespace, cfg: AgentsBenchConfig, out: Pa
         hcfg = HttpReplayConfig(bench=cfg, load=int(args.loads[0]), policies=cfg.policies,
                                 server_args=tuple(args.server_arg),
                                 overlap_tail=args.http_overlap_tail,
-                                clients=args.http_clients)
+                                clients=args.http_clients, stages=args.http_stages)
     except HttpBenchError as e:
         args.parser.error(str(e))
     paths = run_http_bench(hcfg, out)

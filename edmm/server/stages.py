@@ -135,6 +135,18 @@ def spans_ms(marks: dict[str, int], client_sent_ns: int | None = None,
     return {f"{a}->{b}": (tb - ta) / 1e6 for (a, ta), (b, tb) in itertools.pairwise(points)}
 
 
+ENGINE_SPLIT = (("step_start", "scheduled"), ("scheduled", "output_put"))
+
+
+def engine_split_ms(marks: dict[str, int]) -> dict[str, float]:
+    """``step_start->output_put`` split at the scheduler's first admission (``scheduled``):
+    the wait before it (memory, the token budget, a sequence place) and the engine's compute
+    after it, in milliseconds (``(a->b)``, not stages of the chain); empty without the marks."""
+    if not all(s in marks for pair in ENGINE_SPLIT for s in pair):
+        return {}
+    return {f"({a}->{b})": (marks[b] - marks[a]) / 1e6 for a, b in ENGINE_SPLIT}
+
+
 def read_log(path: str) -> dict[str, dict[str, Any]]:
     """The records of a stage log by request id."""
     out: dict[str, dict[str, Any]] = {}

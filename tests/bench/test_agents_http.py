@@ -104,7 +104,8 @@ def test_http_replay_of_lru_offload_edmm(tmp_path: Path) -> None:
 
     cfg = HttpReplayConfig(bench=_bench(), load=2, policies=("lru", "offload", "edmm"),
                            start_timeout_s=120, request_timeout_s=60, overlap_tail=1,
-                           clients=2)  # one session in each of two client processes
+                           clients=2,  # one session in each of two client processes
+                           stages=True)
     paths = run_http_bench(cfg, tmp_path)
     doc = json.loads(paths["json"].read_text())
     summary = {r["policy"]: r for r in doc["summary"]}
@@ -121,6 +122,14 @@ def test_http_replay_of_lru_offload_edmm(tmp_path: Path) -> None:
     assert summary["lru"]["restores"] == summary["lru"]["offloads"] == 0
     assert summary["lru"]["spec_tokens"] == 0 and summary["edmm"]["spec_tokens"] > 0
     assert paths["md"].read_text().count("| edmm |") == 1
+    stages = json.loads(paths["stages_json"].read_text())
+    per_turn = {p: sum(1 for t in turns if t["policy"] == p) for p in summary}
+    for p, n in per_turn.items():  # every measured request, none of the warm-up's
+        assert sum(1 for r in stages["rows"] if r["policy"] == p) == n
+        spans = {r["span"]: r for r in stages["summary"] if r["policy"] == p}
+        assert spans["step_start->output_put"]["n"] == n
+        split = spans["(step_start->scheduled)"]["p50"] + spans["(scheduled->output_put)"]["p50"]
+        assert split > 0 and spans["memory_wait_steps (count)"]["n"] == n
 
 
 def test_client_columns_are_the_in_process_definitions() -> None:

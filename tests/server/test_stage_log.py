@@ -34,3 +34,13 @@ def test_stage_records_hold_the_scheduler_admission(
     assert marks["step_start"] <= marks["scheduled"] <= marks["output_put"]
     assert record["counts"] == {"memory_wait_steps": 0}  # nothing else held the pool
     assert record["stream"] is stream
+
+
+def test_engine_split_needs_every_mark() -> None:
+    from edmm.server.stages import engine_split_ms
+
+    marks = {"step_start": 1_000_000, "scheduled": 4_000_000, "output_put": 10_000_000}
+    assert engine_split_ms(marks) == {"(step_start->scheduled)": 3.0,
+                                      "(scheduled->output_put)": 6.0}
+    del marks["scheduled"]  # a record from before the scheduler's mark
+    assert engine_split_ms(marks) == {}

@@ -40,10 +40,12 @@ send meanwhile are counted, ``overlapped_turns``).
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import math
 import re
+import tempfile
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -70,6 +72,7 @@ from edmm.bench.report import Environment, Progress, ResultWriter, collect_envir
 from edmm.bench.stats import mean, percentile
 from edmm.engine import EngineConfig
 from edmm.model.tiny import default_model
+from edmm.server.stages import engine_split_ms, read_log, spans_ms
 
 NAME = "agents-http"
 TOOL_TIMEOUT_S = 1e6  # the in-process replay's (`ReplayConfig.tool_timeout_s`)
@@ -106,6 +109,7 @@ class HttpReplayConfig:
     overlap_tail: int = 0
     sample_s: float = 0.25  # spacing of the /metrics samples of KV pages in use
     clients: int = 0  # client processes (0: one per `SESSIONS_PER_CLIENT` sessions)
+    stages: bool = False  # each server logs its requests' stages (`edmm.server.stages`)
 
     def __post_init__(self) -> None:
         allowed = http_policies()
@@ -237,6 +241,7 @@ class _Run:
     jobs: list[dict[str, Any]] = field(default_factory=list)
     summary: dict[str, Any] = field(default_factory=dict)
     clients: ClientStats | None = None  # the measured run's
+    stage_records: list[dict[str, Any]] = field(default_factory=list)  # the measured run's
     tail: threading.Event = field(default_factory=threading.Event)
     overlapped: Any = field(default_factory=new_event)  # the next run started (processes read it)
 
@@ -358,22 +363,28 @@ def _run_policy(run: _Run, matrix: Matrix, jobs: list[Job], cfg: HttpReplayConfi
                       matrix.cfg.prefetch_lead_s)
     live = dataclasses.replace(live, server_args=(*args, *live.server_args))
     t0 = time.perf_counter()
-    with launched_server(live) as url:
+    with contextlib.ExitStack() as stack:
+        log = None
+        if cfg.stages:
+            log = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "stages.jsonl"
+        url = stack.enter_context(launched_server(live, log))
         start_s = time.perf_counter() - t0
         probe = _Probe(url, cfg.request_timeout_s)
+        stack.callback(probe.close)
+        if matrix.cfg.warmup:  # as in process: the first two jobs, two at once
+            run.replay(url, folder, _untimed(jobs[:2]), "warm", load=2)
+        wait_turn()
+        before = probe.metrics()
+        pages = _Pages(probe, cfg.sample_s)
+        measured_ns = time.time_ns()
         try:
-            if matrix.cfg.warmup:  # as in process: the first two jobs, two at once
-                run.replay(url, folder, _untimed(jobs[:2]), "warm", load=2)
-            wait_turn()
-            before = probe.metrics()
-            pages = _Pages(probe, cfg.sample_s)
-            try:
-                run.replay(url, folder, jobs)
-            finally:
-                samples = pages.stop()
-            after = probe.metrics()
+            run.replay(url, folder, jobs)
         finally:
-            probe.close()
+            samples = pages.stop()
+        after = probe.metrics()
+        if log is not None and log.exists():  # the measured run's requests, not the warm-up's
+            run.stage_records = [r for r in read_log(str(log)).values()
+                                 if r["marks"].get("arrive", 0) >= measured_ns]
     assert run.clients is not None
     run.summary = _summary(run, matrix, jobs, engine, before, after, samples,
                            run.clients.makespan_s, start_s)
@@ -568,7 +579,47 @@ def write_http_results(runs: Sequence[_Run], cfg: HttpReplayConfig, env: Environ
     if extra:
         with paths["md"].open("a", encoding="utf-8") as f:
             f.write("\n".join(extra) + "\n")
+    if any(r.stage_records for r in runs):
+        paths.update({f"stages_{k}": v for k, v in _write_stages(runs, env, out_dir).items()})
     return paths
+
+
+def stage_summary(policy: str, records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """One row per stage span of ``records`` (one run's stage log): its count, median, p90
+    and largest milliseconds; then the engine span split at the scheduler's admission
+    (`engine_split_ms`) and the requests' steps waiting for memory."""
+    spans: dict[str, list[float]] = {}
+    for rec in records:
+        marks = rec["marks"]
+        for name, ms in {**spans_ms(marks), **engine_split_ms(marks)}.items():
+            spans.setdefault(name, []).append(ms)
+        waits = (rec.get("counts") or {}).get("memory_wait_steps")
+        if waits is not None:
+            spans.setdefault("memory_wait_steps (count)", []).append(float(waits))
+    return [{"policy": policy, "span": name, "n": len(xs), "p50": percentile(xs, 50),
+             "p90": percentile(xs, 90), "max": max(xs)} for name, xs in spans.items()]
+
+
+def _write_stages(runs: Sequence[_Run], env: Environment, out_dir: Path) -> dict[str, Path]:
+    """``agents-http-stages.{csv,json,md}``: each policy's stage spans (`stage_summary`)."""
+    writer = ResultWriter(out_dir, f"{NAME}-stages", env)
+    summary: list[dict[str, Any]] = []
+    for r in runs:
+        writer.add_rows([{"policy": r.policy.name, **rec} for rec in r.stage_records])
+        summary += stage_summary(r.policy.name, r.stage_records)
+    notes = ["every chat request of the measured run (not the warm-up), as the server logged "
+             "it (`EDMM_STAGE_LOG`, edmm.server.stages); p50 / p90 / max in milliseconds "
+             "from one stage to the next",
+             "step_start -> output_put: from the engine's first step after the request was "
+             "queued to its first output; (step_start -> scheduled): the part before the "
+             "scheduler admitted it (waiting for KV memory, the token budget or a place among "
+             "the running sequences), (scheduled -> output_put): the engine's work after it; "
+             "memory_wait_steps: the steps a request headed the queue and was not admitted "
+             "for lack of KV memory",
+             "first_output -> first_event of a forced tool call: the tool parser waits for "
+             "the call's name and the start of its arguments"]
+    return writer.write(summary, "Agent workloads over HTTP: where each request's time goes",
+                        notes)
 
 
 __all__ = ["HttpBenchError", "HttpReplayConfig", "comparison_lines", "http_policies",
