@@ -355,7 +355,7 @@ def replay_clients(spec: ClientSpec, jobs: Sequence[Job], load: int, processes: 
     split as evenly as they go). The jobs are queued once every process is ready, so process
     start-up is outside the makespan. ``on_start`` / ``on_done`` run in this thread per job.
     ``overlapped``: an event of the spawn context the turns' rows read."""
-    processes = max(1, min(processes, load))
+    processes = client_processes(load, processes)
     shares = [load // processes + (1 if i < load % processes else 0) for i in range(processes)]
     todo, events, stop = _CTX.Queue(), _CTX.Queue(), _CTX.Event()
     procs = [_CTX.Process(target=_client_main, name=f"edmm-client-{i}", daemon=True,
