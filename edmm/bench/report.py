@@ -457,7 +457,8 @@ def plot_bars(
     ax.set_xticklabels([str(v) for v in xs])
     ax.set_xlabel(x_label or x)
     ax.set_ylabel(y_label or y)
-    ax.set_title("\n".join(textwrap.wrap(title, 90)), fontsize=10)
+    # Wrapped within the axes: the legend stands beside them, up to the figure's top.
+    ax.set_title("\n".join(textwrap.wrap(title, 70)), fontsize=10)
     if group is not None:
         fig.legend(title=legend_title or group, loc="outside right upper", fontsize=8,
                    title_fontsize=8)
