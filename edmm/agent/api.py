@@ -157,6 +157,8 @@ class AgentEngine:
         for session in self._sessions.values():
             if session.state == S.AWAITING_TOOL:
                 self._apply_retention(session)
+            elif session.ended_at is not None:
+                self._hold(session)
         return outputs
 
     def has_unfinished(self) -> bool:
@@ -224,9 +226,20 @@ class AgentEngine:
         window.predictions.update(self._memoised(calls.values()))
         window.predictions.update(predictions or {})
         session.window = window
+        session.ended_at = None  # reported: the window's retention replaces the hold
         session.transition(S.AWAITING_TOOL)
         self._apply_retention(session)
         self._run_sources(session, lambda src: src.on_await(window))
+
+    def end_turn(self, session_id: str) -> None:
+        """The session's last turn ended without tool calls: its KV, held since the turn
+        ended (`AgentConfig.report_window_s`), becomes an ordinary prefix-cache entry. A no-op
+        once reported or past the window; `SessionStateError` unless the session's turn has
+        finished."""
+        session = self._get(session_id)
+        session.require(S.FINISHED, "end_turn")
+        if session.ended_at is not None:
+            self._release(session)
 
     def feed_tool_output(self, session_id: str, call_id: str, chunk: ToolContent, *,
                          final: bool = False) -> None:
@@ -518,6 +531,7 @@ class AgentEngine:
         self.engine.submit(request, SlotHints(_session_tag(session.id), rank, priority, claim,
                                               stale_tag=_lost_tag(session.id)))
         prompt = request.prompt_token_ids
+        session.ended_at = None
         session.previous = session.context  # compared with the prompt when the turn ends
         session.request_id = request.request_id
         session.cache_salt = request.cache_salt
@@ -547,6 +561,9 @@ class AgentEngine:
                 session.previous, out.prompt_token_ids, out.num_cached_tokens)
             session.previous = []
             session.transition(S.FINISHED)
+            if self.config.report_window_s > 0:
+                session.ended_at = self._clock()
+                self._hold(session)
 
     def _on_resumed(self, session: Session, out: RequestOutput) -> None:
         """First token of a resume: record what was reused, drop the losing branches."""
@@ -659,6 +676,25 @@ class AgentEngine:
                 session.window = None
                 session.metrics.abandoned = True
                 session.transition(S.ABANDONED)
+
+    def _hold(self, session: Session) -> None:
+        """A finished turn whose end is not reported yet: retained as a paused session of
+        unknown tool time that started when the turn ended; released past the window."""
+        assert session.ended_at is not None
+        waited = self._clock() - session.ended_at
+        if waited > self.config.report_window_s:
+            self._release(session)
+            return
+        rank, priority = self._retention.retention(
+            PausedSession(len(session.context), True, None, waited))
+        self.engine.kv.set_retention(_session_tag(session.id), rank, priority)
+
+    def _release(self, session: Session) -> None:
+        """End a finished turn's hold: its KV is what a turn without tool calls leaves."""
+        session.ended_at = None
+        rank, priority = self._retention.retention(
+            PausedSession(len(session.context), False, None))
+        self.engine.kv.set_retention(_session_tag(session.id), rank, priority)
 
     def _apply_retention(self, session: Session) -> None:
         window = session.window

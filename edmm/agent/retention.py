@@ -23,7 +23,10 @@ class PausedSession:
     """What a retention policy sees of a session."""
 
     num_tokens: int  # context tokens (their KV is what retention saves)
-    awaiting_tool: bool  # False: the last turn ended and no tool call was reported (yet)
+    # True also for a turn that just ended whose tool calls are not reported yet
+    # (`AgentConfig.report_window_s`: a tool of unknown duration that started then);
+    # False: a running turn, or one that ended without tool calls.
+    awaiting_tool: bool
     expected_remaining_s: float | None  # predicted seconds until the tool returns
     waited_s: float = 0.0  # seconds the tool has run so far
 

@@ -40,6 +40,7 @@ class Session:
     owner: str | None = None  # the client it belongs to (opaque to the agent layer)
     cache_salt: str | None = None  # its last turn's (`Request.cache_salt`): speculation's too
     ordinal: int = 0  # the order it started in among the agent engine's sessions
+    ended_at: float | None = None  # FINISHED, its end not reported yet: clock time it ended
     metrics: SessionMetrics = field(init=False)
 
     def __post_init__(self) -> None:
@@ -67,5 +68,7 @@ class Session:
             raise AgentError(f"session {self.id!r}: {self.state} with window {self.window}")
         if (self.state == S.RESUMING) != (self.resume_started is not None):
             raise AgentError(f"session {self.id!r}: resume clock set in {self.state}")
+        if self.ended_at is not None and self.state != S.FINISHED:
+            raise AgentError(f"session {self.id!r}: an unreported turn end in {self.state}")
         if self.state == S.AWAITING_TOOL and self.window is not None and not self.window.calls:
             raise AgentError(f"session {self.id!r} awaits no tool call")

@@ -182,6 +182,12 @@ class AgentConfig:
             ``"resumes-first"``: resumes (whose context has KV resident, on the host or in a
             branch: a short prefill) ahead of new turns (a cold prompt), arrival order within
             each.
+        report_window_s: a session whose turn just finished is held like one awaiting a tool
+            of unknown duration for up to this many seconds, until its caller reports how the
+            turn ended (`AgentEngine.await_tools`, or `AgentEngine.end_turn`: no tool call).
+            A server knows only once it has parsed the reply, one or two engine steps later;
+            without the hold the session's KV is an ordinary entry meanwhile, the first to be
+            evicted (and not offloaded) when other sessions' KV is retained. 0: not held.
         admission_bound_s: under the ``program`` and ``resumes-first`` orders, a turn that has
             waited this many seconds for its first token goes ahead of every turn that has not
             (arrival order among them): a bound on how long an order that favours some
@@ -200,6 +206,7 @@ class AgentConfig:
     speculation_gate: SpeculationGate | None = None
     admission: str = "program"
     admission_bound_s: float | None = 0.5
+    report_window_s: float = 5.0
 
     @classmethod
     def off(cls) -> AgentConfig:
@@ -214,6 +221,8 @@ class AgentConfig:
         if self.admission_bound_s is not None and not self.admission_bound_s > 0:
             raise EngineConfigError(
                 f"admission_bound_s must be > 0 or None, got {self.admission_bound_s}")
+        if self.report_window_s < 0:
+            raise EngineConfigError(f"report_window_s must be >= 0, got {self.report_window_s}")
         if self.max_sessions < 1:
             raise EngineConfigError(f"max_sessions must be >= 1, got {self.max_sessions}")
         if self.prefetch_lead_s < 0:

@@ -18,6 +18,7 @@ separate pool.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import dataclasses
 import json
@@ -45,6 +46,7 @@ from edmm.server.errors import (
     BadRequestError,
     ContextLengthError,
     ModelNotFoundError,
+    ServiceUnavailableError,
 )
 from edmm.server.guided import GrammarLogitsProcessor, GuidedDecoding
 from edmm.server.metrics import EngineSnapshot, ServerMetrics
@@ -474,6 +476,11 @@ class OpenAIServing:
             # Shielded: once the reply exists its session must await the calls, even if the
             # client leaves now.
             await asyncio.shield(self._end_turn(turn, content))
+        else:  # its KV is no longer held for tool calls; nothing waits for that
+            end = TurnEnd(session_id=turn.session_id,
+                          request_id=turn.engine_request.request_id, tool_calls=())
+            with contextlib.suppress(ServiceUnavailableError):  # the server is closing
+                self.loop.call(lambda b: b.end(end)).add_done_callback(_log_failure)
         reason = "tool_calls" if awaits else _reason(completion.finish_reason)
         self._count_finished(out, reason)
         return reason
@@ -696,6 +703,12 @@ def _check_grammar(request: Request) -> None:
         if isinstance(processor, GrammarLogitsProcessor) and processor.failure is not None:
             raise BadRequestError(processor.failure, param=processor.param,
                                   code="grammar_too_costly")
+
+
+def _log_failure(future: concurrent.futures.Future[Any]) -> None:
+    """Log the error of a call on the engine thread that nobody waits for."""
+    if not future.cancelled() and (error := future.exception()) is not None:
+        logger.warning("engine call failed: %r", error)
 
 
 def _discard(future: asyncio.Future[Any]) -> None:

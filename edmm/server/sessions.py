@@ -110,14 +110,17 @@ class ServerSessions:
         return session_id
 
     def end(self, end: TurnEnd) -> None:
-        """A finished turn ended in tool calls: its session awaits them (speculation starts).
+        """A turn finished: with tool calls its session awaits them (speculation starts),
+        without, its KV becomes an ordinary cache entry (`AgentEngine.end_turn`).
 
         Ignored if the session moved on (closed, or a newer turn started meanwhile).
         """
         agent, sid = self.agent, end.session_id
-        if (not end.tool_calls or not agent.has_session(sid)
-                or agent.session_state(sid) != SessionState.FINISHED
+        if (not agent.has_session(sid) or agent.session_state(sid) != SessionState.FINISHED
                 or agent.finished_request(sid) != end.request_id):
+            return
+        if not end.tool_calls:
+            agent.end_turn(sid)
             return
         calls = [ToolCall(c.id, c.name, c.arguments) for c in end.tool_calls]
         predictions = {c.id: text for c in end.tool_calls

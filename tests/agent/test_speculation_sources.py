@@ -9,7 +9,7 @@ import pytest
 from agent_helpers import FakeClock, MakeAgent, drain, greedy, run
 
 from edmm.agent import AgentConfig, AgentEngine, TokenLayout, ToolCall, ToolResult, ToolSpec
-from edmm.agent.errors import UnknownPolicyError
+from edmm.agent.errors import SessionStateError, UnknownPolicyError
 from edmm.agent.render import TemplateRenderer, TokenRenderer, assistant_message
 from edmm.agent.retention import RETENTION_POLICIES, PausedSession
 from edmm.agent.speculation import SPECULATION_SOURCES
@@ -382,3 +382,55 @@ def test_ttl_keeps_a_session_for_its_tools_expected_time(awaiting: bool,
                                                          rank: EntryRank) -> None:
     policy = RETENTION_POLICIES.create("ttl")
     assert policy.retention(PausedSession(100, awaiting, remaining)) == (rank, 0.0)
+
+
+@pytest.mark.parametrize("window_s", [5.0, 0.0])
+def test_a_finished_turn_is_held_until_its_end_is_reported(make_agent: MakeAgent,
+                                                           window_s: float) -> None:
+    """A server reports a turn's tool calls only after parsing the reply, steps later. Until
+    then the session's KV is held like a paused session's (`AgentConfig.report_window_s`):
+    pressure offloads it instead of dropping it, and the resume reuses all of it. Without the
+    hold it is a plain entry, the first to go, and the resume recomputes everything."""
+    agent = make_agent(AgentConfig(speculation=(), retention="keep",
+                                   report_window_s=window_s),
+                       num_pages=36, kv_offload_bytes=1 << 20)
+    context = first_turn(agent)  # 9 pages; its end not reported yet
+    agent.add_request("big", list(range(200, 450)), greedy(4))  # 32 pages: the session goes
+    run(agent)
+    cache = agent.engine.kv.index
+    assert cache.offloaded_total == (1 if window_s else 0)
+    agent.await_tools("s", [ToolCall("c1", "f")])  # reported now
+    out = resume_and_run(agent, RESULT)
+    assert out.num_cached_tokens == (len(context) - 1 if window_s else 0)
+    assert out.outputs[0].token_ids == reference_tokens(
+        make_agent, agent.session_context("s")[:-len(out.outputs[0].token_ids)])
+
+
+def test_end_turn_and_the_window_release_the_hold(make_agent: MakeAgent) -> None:
+    """`end_turn` (no tool calls) makes the held KV a plain entry at once; an end never
+    reported is released once the window has passed. Plain entries go before held ones."""
+    clock = FakeClock()
+    agent = make_agent(AgentConfig(speculation=(), retention="keep", report_window_s=2.0),
+                       clock=clock, num_pages=48)
+    cache = agent.engine.kv.index
+
+    def rank(session_id: str) -> EntryRank:
+        (slot,) = cache.tagged(f'["session", "{session_id}"]')
+        plain = slot in cache.entry_slots(max_rank=EntryRank.PLAIN)
+        return EntryRank.PLAIN if plain else EntryRank.RETAINED
+
+    first_turn(agent, "a")
+    first_turn(agent, "b", prompt=list(range(300, 360)))
+    first_turn(agent, "c", prompt=list(range(400, 460)))
+    assert rank("a") == rank("b") == rank("c") == EntryRank.RETAINED
+    agent.end_turn("b")
+    assert rank("b") == EntryRank.PLAIN
+    agent.end_turn("b")  # reported already: nothing changes
+    clock.advance(2.5)
+    agent.step()  # past the window: "a" and "c" released too
+    assert rank("a") == rank("c") == EntryRank.PLAIN
+    agent.await_tools("a", [ToolCall("c1", "f")])
+    assert rank("a") == EntryRank.RETAINED
+    with pytest.raises(SessionStateError):
+        agent.end_turn("a")  # awaiting its tools, not finished
+    agent.check_integrity()

@@ -141,6 +141,44 @@ def test_explicit_session_and_prefix_lookup(server: LiveServer, client: openai.O
     assert httpx.get(f"{server.url}/v1/edmm/sessions/unknown", headers=AUTH).status_code == 404
 
 
+def _held(server: LiveServer, session_id: str) -> bool:
+    """Whether the session's KV is held above plain cache entries (retained)."""
+    from edmm.engine import EntryRank
+
+    def held(b: Any) -> bool:
+        index = b.engine.kv.index
+        slots = index.tagged(json.dumps(["session", session_id]))
+        plain = set(index.entry_slots(max_rank=EntryRank.PLAIN))
+        return bool(slots) and not set(slots) <= plain
+
+    return bool(server.state.loop.call(held).result(10))
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_turn_without_tool_calls_releases_its_hold(server: LiveServer,
+                                                     client: openai.OpenAI,
+                                                     stream: bool) -> None:
+    """The agent layer holds a finished turn's KV until the server reports how it ended
+    (`AgentConfig.report_window_s`): with tool calls it stays held (awaiting them), without
+    it becomes a plain cache entry right after the reply, not a window later."""
+    if not server.state.execution_aware:
+        pytest.skip("needs the agent layer")
+    sid = f"plain-{stream}"
+    reply = client.chat.completions.create(
+        model=MODEL, messages=QUESTION, temperature=0, max_tokens=4, stream=stream,
+        extra_headers={"X-Session-Id": sid})
+    if stream:
+        for _ in reply:  # type: ignore[attr-defined]
+            pass
+    deadline = time.monotonic() + 10
+    while _held(server, sid):  # the release is queued after the reply, not awaited
+        assert time.monotonic() < deadline, "the finished turn stayed held"
+        time.sleep(0.01)
+    assert _state(server, sid) == "finished"
+    called, _, _ = _call(client)
+    assert _state(server, called) == "awaiting_tool" and _held(server, called)
+
+
 def test_sessions_by_state_metric(server: LiveServer, client: openai.OpenAI) -> None:
     before = server.metric("edmm_sessions", state="awaiting_tool")
     _call(client)
