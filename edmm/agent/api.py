@@ -685,15 +685,16 @@ class AgentEngine:
         if waited > self.config.report_window_s:
             self._release(session)
             return
-        rank, priority = self._retention.retention(
-            PausedSession(len(session.context), True, None, waited))
-        self.engine.kv.set_retention(_session_tag(session.id), rank, priority)
+        self._retain(session, PausedSession(len(session.context), True, None, waited))
 
     def _release(self, session: Session) -> None:
         """End a finished turn's hold: its KV is what a turn without tool calls leaves."""
         session.ended_at = None
-        rank, priority = self._retention.retention(
-            PausedSession(len(session.context), False, None))
+        self._retain(session, PausedSession(len(session.context), False, None))
+
+    def _retain(self, session: Session, paused: PausedSession) -> None:
+        """Rank the session's KV as the retention policy ranks ``paused``."""
+        rank, priority = self._retention.retention(paused)
         self.engine.kv.set_retention(_session_tag(session.id), rank, priority)
 
     def _apply_retention(self, session: Session) -> None:
@@ -701,10 +702,8 @@ class AgentEngine:
         assert window is not None
         waited = self._clock() - window.started
         remaining = None if window.expected_s is None else window.expected_s - waited
-        rank, priority = self._retention.retention(
-            PausedSession(len(session.context), True, remaining, waited))
+        self._retain(session, PausedSession(len(session.context), True, remaining, waited))
         tag = _session_tag(session.id)
-        self.engine.kv.set_retention(tag, rank, priority)
         lead = self.config.prefetch_lead_s
         # Prefetch in the window around the expected return only: a call well past it is
         # not coming back any sooner for that, and restoring it whenever pages are free
