@@ -519,8 +519,9 @@ def measure(client: LiveClient, prompts: Prompts, cfg: LiveBenchConfig,
         conversation = prompts.conversation(ctx)
         for i in range(cfg.warmup + cfg.iterations):
             for group in cfg.groups:
-                result = prompts.text(cfg.result_tokens)  # new every time: no stale cache hits
-                timed = {mode: _session(client, prompts, group, conversation, result, mode)
+                # A result of its own per session: no mode reuses another's encoded text.
+                timed = {mode: _session(client, prompts, group, conversation,
+                                        prompts.text(cfg.result_tokens), mode)
                          for mode in cfg.modes}
                 progress.step(f"context {ctx} group {group} iteration {i + 1}")
                 if i >= cfg.warmup:
@@ -713,7 +714,8 @@ def _write_results(cfg: LiveBenchConfig, rows: list[dict[str, Any]], stage_log: 
     notes = [f"client: openai {_version('openai')} over HTTP against {server}; model "
              f"{served} ({cfg.model or 'tiny, embedded'}), tokenizer "
              f"{_tokenizer_note(cfg, tokenizer)}, device {cfg.device}",
-             f"result: ~{cfg.result_tokens} tokens of random words, new each iteration; B/C put "
+             f"result: ~{cfg.result_tokens} tokens of random words, new for each session "
+             "(none reuses another's encoded text); B/C put "
              f"it in a <memory> block in the message at {cfg.insert_fraction:.2f} of the "
              "conversation (0: the system message)",
              "C: B's resume messages but the reply sent in advance as the edmm extension "

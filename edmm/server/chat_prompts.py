@@ -77,14 +77,13 @@ class ChatPrompts:
             timer.mark("tokenized")
         return ids
 
-
-    def prepare_resume(self) -> None:
-        """Idle-time work for the resume of the latest prompt
-        (`IncrementalChatRenderer.prepare_resume`); any failure only leaves it to the
+    def prepare_resume(self, messages: list[dict[str, Any]] | None = None) -> None:
+        """Idle-time work for the resume of the prompt of ``messages`` (else the latest;
+        `IncrementalChatRenderer.prepare_resume`); any failure only leaves it to the
         resume."""
         if self._renderer is not None:
             try:
-                self._renderer.prepare_resume()
+                self._renderer.prepare_resume(messages)
             except Exception:  # the resume renders it, or falls back to a full render
                 logger.debug("preparing the resume failed", exc_info=True)
 

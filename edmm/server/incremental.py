@@ -155,18 +155,27 @@ class IncrementalChatRenderer:
         self._recent.append(entry)
         return entry.text
 
-    def prepare_resume(self) -> bool:
-        """Find, ahead of time, where the latest prompt's last user query starts in its text
+    def prepare_resume(self, messages: Sequence[dict[str, Any]] | None = None) -> bool:
+        """Find, ahead of time, where a recent prompt's last user query starts in its text
         (what a resume of it, which shares every message up to that query, needs: otherwise
         its render renders that window of the earlier prompt too); return whether it is known.
-        Meant for idle time on the owning thread, after the latest prompt was answered."""
-        if not self._recent:
+        ``messages``: the prompt's (the turn that just ended; other sessions' prompts may
+        have come after it), else the latest prompt. Meant for idle time on the owning
+        thread, after that prompt was answered."""
+        entry = self._find(messages)
+        if entry is None:
             return False
-        entry = self._recent[-1]
         j = _last_user_before(entry.messages, len(entry.messages))
         if j is None or j <= self._header_len(entry.messages):
             return False
         return self._start(entry, j) is not None
+
+    def _find(self, messages: Sequence[dict[str, Any]] | None) -> _Rendered | None:
+        """The latest recent prompt of exactly ``messages`` (any tools), or the latest."""
+        if messages is None:
+            return self._recent[-1] if self._recent else None
+        return next((e for e in reversed(self._recent) if len(e.messages) == len(messages)
+                     and _shared_prefix(e.messages, messages) == len(messages)), None)
 
     def _take_same(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                    kwargs: dict[str, Any] | None) -> _Rendered | None:

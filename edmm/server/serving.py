@@ -500,7 +500,7 @@ class OpenAIServing:
         await self.loop.run(lambda b: b.end(end))
         # While the tool runs: what the resume's incremental render would do first.
         with contextlib.suppress(RuntimeError):  # the server is closing
-            self._tokenizing.submit(self.prompts.prepare_resume)
+            self._tokenizing.submit(self.prompts.prepare_resume, turn.messages)
 
     async def _predicted_prompt(self, turn: ChatTurn, content: str | None) -> Sequence[int]:
         """Token ids of the client's predicted next request with this turn's reply

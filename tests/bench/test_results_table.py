@@ -188,3 +188,26 @@ def test_the_live_table_with_raw_http(tmp_path: Path) -> None:
     assert row[9] == "40.0 ms / 12.0 ms (0.30)"
     assert row[10] == (f"{40.0 - alone[(16384, 'A')]:.1f} ms / "
                        f"{12.0 - alone[(16384, 'C')]:.1f} ms")
+
+
+def test_live_contexts_from_several_calls(tmp_path: Path) -> None:
+    """A results folder whose calls measured one live context each (and the in-process
+    groups in one of them): one live table with both contexts, each beside the groups; a
+    context in two folders is the first folder's."""
+    def live(ctx: int, a: float) -> list[dict]:
+        return [{"context_tokens": ctx, "group": g, "prompt_tokens": 9, "cached_tokens": 8,
+                 "ttft_trimmed_mean_ms": t, "total_trimmed_mean_ms": t,
+                 "raw_ttft_trimmed_mean_ms": t - 5.0}
+                for g, t in (("A", a), ("B", 10 * a), ("C", a / 4))]
+    first, second = tmp_path / "call1", tmp_path / "call2"
+    for folder, rows in ((first, live(16384, 40.0)),
+                         (second, live(16384, 99.0) + live(32768, 60.0))):
+        folder.mkdir()
+        (folder / "agent-ttft-live.json").write_text(json.dumps({"summary": rows}))
+    (second / "agent-ttft.json").write_text((H200 / "agent-ttft.json").read_text())
+    table = render([first, second])
+    alone = {(r["context_tokens"], r["group"]): r["ttft_trimmed_mean_ms"]
+             for r in _summary("agent-ttft.json")}
+    assert _row(table, "16K")[1] == "40.0 ms"  # the first folder's 16K
+    assert _row(table, "32K")[1] == "60.0 ms"
+    assert _row(table, "16K")[7].startswith(f"{40.0 - alone[(16384, 'A')]:.1f} ms")

@@ -12,7 +12,13 @@ from transformers import AutoTokenizer
 
 from edmm.model import prompt_encoder
 from edmm.model.errors import PromptTooLongError
-from edmm.model.prompt_encoder import PromptEncoder, shared_prefix_len
+from edmm.model.prompt_encoder import (
+    LLAMA3_SPLIT,
+    PromptEncoder,
+    cut_points,
+    cuttable,
+    shared_prefix_len,
+)
 
 WORDS = ["agent", "tool", " memory", "result\n", "  page", "<tool_call>", "</tool_call>", "{",
          '"key": 1', "}", "<think>", "é", "数据", "\t", "", "<|im_end|>", "<|im_start|>"]
@@ -218,3 +224,102 @@ def test_a_prompt_seen_before_is_not_encoded_again(tokenizer: Any) -> None:
     assert again is not first and encoder.reused_tokens >= len(want)
     with pytest.raises(PromptTooLongError):
         encoder.encode_ids(text, limit=len(want) - 1)
+
+
+# Text around the places `cut_points` cuts at (a space between ASCII letters) and those it
+# must not: contractions, digits (Llama 3 groups three), non-ASCII letters, combining marks,
+# runs of whitespace, an added token.
+CUT_PIECES = ["a", "Zy", " ", "  ", " b", "'s", "'re", "'LL", "e", "\u0301", "\u00e9", "数据",
+              "\n", " \n", "1", "2345", ",", "!?", "\t", "<|im_end|>", "x y"]
+
+
+def _llama3_style_tokenizer(tmp_path: Path) -> Any:
+    """A small byte-level BPE trained with Llama 3's pre-tokenizer pattern."""
+    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(LLAMA3_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    trainer = trainers.BpeTrainer(vocab_size=400, special_tokens=["<|im_end|>"],
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(["a cut between letters, it's 12345 words: Zy b x y"] * 20,
+                            trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok)
+
+
+@pytest.fixture(scope="module")
+def llama3_style(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    return _llama3_style_tokenizer(tmp_path_factory.mktemp("llama3"))
+
+
+@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                    HealthCheck.function_scoped_fixture])
+@given(text=st.lists(st.sampled_from(CUT_PIECES), max_size=60).map("".join),
+       every=st.integers(1, 8), which=st.sampled_from(["qwen2", "llama3"]))
+def test_text_cut_between_letters_encodes_as_a_whole(
+        tokenizer: Any, llama3_style: Any, text: str, every: int, which: str,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under both patterns of `CUTTABLE_SPLITS`, text cut wherever `cut_points` allows
+    (pieces of a few characters) encodes to the whole text's ids."""
+    tok = tokenizer if which == "qwen2" else llama3_style
+    monkeypatch.setattr(prompt_encoder, "CUT_CHARS", every)
+    encoder = PromptEncoder(tok)
+    assert encoder._cut
+    assert encoder.encode(text) == tok.encode(text, add_special_tokens=False)
+
+
+def test_a_long_piece_is_encoded_in_cut_pieces(tokenizer: Any,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """A tool result of ~3,000 characters between two added tokens goes to the tokenizer as
+    pieces of about `CUT_CHARS` (each cut at a space between letters), not as one."""
+    encoder = PromptEncoder(tokenizer)
+    batches: list[list[str]] = []
+    inner = encoder._encode_batch
+    monkeypatch.setattr(encoder, "_encode_batch",
+                        lambda pieces: batches.append(pieces) or inner(pieces))
+    text = "<|im_start|>user\n" + "agent tool memory page " * 130 + "<|im_end|>\n"
+    assert encoder.encode(text) == tokenizer.encode(text, add_special_tokens=False)
+    pieces = batches[0]
+    long = [p for p in pieces if len(p) > 20]
+    assert len(long) >= len(text) // prompt_encoder.CUT_CHARS - 1
+    assert all(len(p) <= prompt_encoder.CUT_CHARS + 10 for p in long)
+    assert all(p.startswith(" ") and p[1].isalpha() for p in long[1:])
+
+
+def test_cut_points_lie_between_ascii_letters() -> None:
+    text = "ab cd  ef,  gh é i 数 据 jk lm"
+    cuts = cut_points(text, 0, len(text), 1)
+    assert cuts == [2, 25]  # "ab| cd", "jk| lm": not before two spaces, a comma, "é" or "据"
+    assert cut_points(text, 0, len(text), 100) == []
+    assert cut_points(text, 3, 10, 1) == []  # only within [start, end)
+
+
+def test_other_pipelines_are_not_cut(tiny_dir: Path) -> None:
+    """A pre-tokenizer, normaliser or model other than those `cuttable` reasons about is
+    encoded piece by piece at added tokens only."""
+    from tokenizers import normalizers, pre_tokenizers
+
+    fast = AutoTokenizer.from_pretrained(tiny_dir)._tokenizer
+    assert cuttable(fast)
+    changes = [
+        ("normalizer", normalizers.NFKC()),
+        ("normalizer", normalizers.Lowercase()),
+        ("pre_tokenizer", pre_tokenizers.ByteLevel(add_prefix_space=False)),  # GPT-2's regex
+        ("pre_tokenizer", pre_tokenizers.Sequence([
+            pre_tokenizers.Split(" ", behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])),
+        ("pre_tokenizer", pre_tokenizers.Metaspace()),
+    ]
+    for attr, value in changes:
+        tok = AutoTokenizer.from_pretrained(tiny_dir)._tokenizer
+        setattr(tok, attr, value)
+        assert not cuttable(tok), (attr, value)
+    level = AutoTokenizer.from_pretrained(tiny_dir)._tokenizer
+    steps = level.pre_tokenizer
+    level.pre_tokenizer = pre_tokenizers.Sequence([
+        steps[0], pre_tokenizers.ByteLevel(add_prefix_space=True, use_regex=False)])
+    assert not cuttable(level)
+    assert not cuttable(object())

@@ -16,10 +16,10 @@ from conversations import conversations, tool_lists
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
+from edmm.model.prompt_encoder import QWEN2_SPLIT
 from edmm.model.qwen_vocab import (
     ADDED_TOKENS,
     NUM_RANKS,
-    QWEN2_PATTERN,
     QWEN_CHAT_TEMPLATE,
     QwenVocabError,
     bpe_merges,
@@ -67,7 +67,7 @@ def reference_encode(ranks: dict[bytes, int], text: str) -> list[int]:
     pos = 0
     for m in [*_ADDED.finditer(text), None]:
         part = text[pos:m.start() if m is not None else len(text)]
-        for piece in regex.findall(QWEN2_PATTERN, unicodedata.normalize("NFC", part)):
+        for piece in regex.findall(QWEN2_SPLIT, unicodedata.normalize("NFC", part)):
             out += reference_bpe(ranks, piece.encode("utf-8"))
         if m is not None:
             out.append(added[m.group()])
@@ -198,3 +198,25 @@ def test_prompt_encoder_equals_the_tokenizer_on_the_real_vocabulary(
             assert encoder.encode(candidate) == qwen_tok.encode(candidate,
                                                                 add_special_tokens=False)
         prompt += text
+
+
+# Pieces around the places `cut_points` cuts at (a space between ASCII letters) and those it
+# must not: contractions, digits, non-ASCII letters, combining marks, runs of whitespace.
+_CUT_PIECES = ["a", "Zy", " ", "  ", " b", "'s", "'re", "e", "\u0301", "\u00e9", "数据",
+               "\n", " \n", "1", "23", ",", "!?", "\t", "<|im_end|>", "x y"]
+
+
+@settings(max_examples=200, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=st.lists(st.sampled_from(_CUT_PIECES), max_size=60).map("".join),
+       every=st.integers(1, 8))
+def test_text_cut_between_letters_encodes_as_a_whole_on_the_real_vocabulary(
+        qwen_tok: Any, text: str, every: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Qwen's vocabulary passes `cuttable`; its text cut at every place `cut_points` allows
+    (pieces of a few characters) encodes to the whole text's ids."""
+    from edmm.model import prompt_encoder
+
+    monkeypatch.setattr(prompt_encoder, "CUT_CHARS", every)
+    encoder = prompt_encoder.PromptEncoder(qwen_tok)
+    assert encoder._cut
+    assert encoder.encode(text) == qwen_tok.encode(text, add_special_tokens=False)

@@ -110,6 +110,16 @@ def test_a_resume_renders_only_the_new_messages(tok: Any) -> None:
     assert renderer.render_text(resume, None) == full(resume, None, None, True)
     assert renderer.stats.rendered_messages == len(convo) + 2 + (1 + 3)
     assert renderer.stats.window_renders == 2 and renderer.stats.full_renders == 1
+    # Prepared by its messages: the turn that ended, though another session's came after.
+    renderer = IncrementalChatRenderer(full, verify=True)
+    other = [convo[0], {"role": "user", "content": "another session"}]
+    renderer.render_text(convo, None)
+    renderer.render_text(other, None)
+    assert renderer.prepare_resume(convo)
+    windows = renderer.stats.window_renders
+    assert renderer.render_text(resume, None) == full(resume, None, None, True)
+    assert renderer.stats.window_renders == windows + 1  # its own window only
+    assert not renderer.prepare_resume([*convo, call])  # no such prompt
 
 
 def test_the_same_prompt_again_renders_nothing_and_a_changed_message_is_seen(

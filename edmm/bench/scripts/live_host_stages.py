@@ -17,7 +17,8 @@ resume is timed, each stage alone, min and median of ``--runs``:
 - ``render+tokenize``: the prompt ids on the tokenizing thread (`ChatPrompts.ids`: the
   incremental render and `PromptEncoder`), each run after the first turn and the
   `ChatPrompts.prepare_resume` the server runs while the tool runs; ``... unprepared``:
-  without it;
+  without it; ``... uncut``: the tool result encoded as one piece (`PromptEncoder`'s cuts
+  off), as before they were made;
 - ``full render+tokenize``: the same conversation rendered whole (`render_chat`), for scale;
 - ``request``: the engine's `RequestValidator` on those ids.
 
@@ -93,8 +94,10 @@ def measure(tok: Any, context: int, runs: int) -> list[dict[str, Any]]:
         template_messages(req.messages)
         template_tools(req.tools)
 
-    def incremental(prepared: bool = True) -> Any:
-        chat = ChatPrompts(tok, PromptEncoder(tok))
+    def incremental(prepared: bool = True, cut: bool = True) -> Any:
+        encoder = PromptEncoder(tok)
+        encoder._cut = encoder._cut and cut
+        chat = ChatPrompts(tok, encoder)
         chat.ids(first_msgs, tools, None, None)  # the first turn, as the server saw it
         if prepared:
             chat.prepare_resume()
@@ -122,6 +125,7 @@ def measure(tok: Any, context: int, runs: int) -> list[dict[str, Any]]:
                   req.model_dump(by_alias=True, exclude_defaults=True)), runs),
               "render+tokenize": [incremental()[1] for _ in range(runs)],
               "render+tokenize unprepared": [incremental(False)[1] for _ in range(runs)],
+              "render+tokenize uncut": [incremental(cut=False)[1] for _ in range(runs)],
               "full render+tokenize": [full() for _ in range(runs)],
               "request": _times(lambda: validator.make("r", ids, SamplingParams()), runs)}
     return [{"context_tokens": context, "prompt_tokens": len(ids), "stage": name,
