@@ -87,7 +87,8 @@ def live_rows(folders: Sequence[Path]) -> tuple[list[Row] | None, list[Row] | No
         new = [r for r in got if r["context_tokens"] not in seen]
         seen |= {r["context_tokens"] for r in got}
         rows += new
-    return rows, load_summary(live_folders, "agent-ttft.json")
+    groups = load_summary(live_folders, "agent-ttft.json")
+    return rows, list(groups) if groups is not None else None
 
 
 def ms(x: float) -> str:
