@@ -75,8 +75,12 @@ class TokenIds(list[int]):
         self.packed = packed
 
 
-@dataclass
-class _Encoded:
+@dataclass(eq=False)
+class EncodedText:
+    """A prompt text's ids as `PromptEncoder` keeps them: a handle that a caller may keep
+    and pass back (`PromptEncoder.encode_text`'s ``hint``) so that a later text sharing its
+    prefix reuses its ids though it left the encoder's recent prompts. Read-only."""
+
     text: str
     ids: array  # token ids (int64)
     cuts: list[tuple[int, int]]  # (char offset, token index) of each added token, in order
@@ -105,7 +109,7 @@ class PromptEncoder:
                          if self._fast is not None and added and plain else None)
         self._longest_added = max((len(t.content) for t in added), default=0)
         self._cut = self._pattern is not None and cuttable(self._fast)
-        self._recent: deque[_Encoded] = deque(maxlen=capacity)
+        self._recent: deque[EncodedText] = deque(maxlen=capacity)
         self.reused_tokens = 0  # ids taken from earlier prompts, over the encoder's life
         self.encoded_tokens = 0  # ids produced by the tokenizer
 
@@ -130,21 +134,34 @@ class PromptEncoder:
     def encode_ids(self, text: str, limit: int | None = None) -> TokenIds:
         """`encode` as `TokenIds` (the caller's own list and array): its ``packed`` twin lets
         `edmm.engine.RequestValidator` check the bounds in one pass."""
+        return self.encode_text(text, limit)[0]
+
+    def encode_text(self, text: str, limit: int | None = None,
+                    hint: EncodedText | None = None,
+                    keep: bool = True) -> tuple[TokenIds, EncodedText | None]:
+        """`encode_ids` and the handle of ``text``'s ids (None when not `incremental`).
+
+        Args:
+            hint: an earlier text's handle, looked at first (a prompt that a resume extends,
+                kept by its caller however many prompts came since).
+            keep: add ``text`` to the recent prompts (else only its handle has it).
+        """
         if self._pattern is None:
             if limit is not None:
                 self.check_fits(text, limit)
             ids = self._tokenizer.encode(text, add_special_tokens=False)
             self.encoded_tokens += len(ids)
             _check_count(len(ids), limit)
-            return TokenIds(ids, array("q", ids))
-        same = next((e for e in reversed(self._recent) if e.text == text), None)
+            return TokenIds(ids, array("q", ids)), None
+        candidates = self._candidates(hint)
+        same = next((e for e in candidates if e.text == text), None)
         if same is not None:  # a prompt seen before (a predicted one, a retry): no encode
             _check_count(len(same.ids), limit)
-            self._recent.remove(same)
-            self._recent.append(same)
+            if keep:
+                self._keep(same)
             self.reused_tokens += len(same.ids)
-            return TokenIds(same.ids_list, same.ids[:])
-        base, char, tok = self._longest_prefix(text)
+            return TokenIds(same.ids_list, same.ids[:]), same
+        base, char, tok = self._longest_prefix(text, candidates)
         if limit is not None:
             _check_count(tok, limit)
             self.check_fits(text[char:], limit - tok, tok)
@@ -154,14 +171,26 @@ class PromptEncoder:
         tail_ids, tail_cuts = self._encode_part(text, char, tok)
         packed.fromlist(tail_ids)  # in place: one copy of the shared prefix per list, not two
         ids_list += tail_ids
-        entry = _Encoded(text, packed, cuts + tail_cuts, ids_list)
+        entry = EncodedText(text, packed, cuts + tail_cuts, ids_list)
         _check_count(len(entry.ids), limit)
-        if base is not None and base.text == text:  # the same prompt again: kept once
-            self._recent.remove(base)
-        self._recent.append(entry)
+        if keep:
+            self._keep(entry)
         self.reused_tokens += tok
         self.encoded_tokens += len(tail_ids)
-        return TokenIds(entry.ids_list, entry.ids[:])
+        return TokenIds(entry.ids_list, entry.ids[:]), entry
+
+    def _candidates(self, hint: EncodedText | None) -> list[EncodedText]:
+        """The texts a new one may extend: ``hint``, then the recent prompts, latest first."""
+        recent = [e for e in reversed(self._recent) if e is not hint]
+        return [hint, *recent] if hint is not None else recent
+
+    def _keep(self, entry: EncodedText) -> None:
+        """Make ``entry`` the latest recent prompt (the only one of its text)."""
+        for i, e in enumerate(self._recent):
+            if e is entry or e.text == entry.text:
+                del self._recent[i]
+                break
+        self._recent.append(entry)
 
     def check_fits(self, text: str, limit: int, before: int = 0) -> None:
         """Raise `PromptTooLongError` if ``text`` certainly has more than ``limit`` tokens,
@@ -179,13 +208,14 @@ class PromptEncoder:
             if at_least > limit:
                 raise PromptTooLongError(limit + before, at_least + before)
 
-    def _longest_prefix(self, text: str) -> tuple[_Encoded | None, int, int]:
-        """The recent prompt sharing the longest prefix with ``text`` that ends where both hold
+    def _longest_prefix(self, text: str, candidates: list[EncodedText],
+                        ) -> tuple[EncodedText | None, int, int]:
+        """The candidate sharing the longest prefix with ``text`` that ends where both hold
         an added token (each cut of an entry is one), that place and its token index."""
         assert self._pattern is not None
-        best: tuple[_Encoded | None, int, int] = (None, 0, 0)
+        best: tuple[EncodedText | None, int, int] = (None, 0, 0)
         most = -1  # the longest shared prefix compared so far
-        for entry in reversed(self._recent):
+        for entry in candidates:
             if most >= 0 and self._no_longer(entry.text, text, most):
                 continue
             shared = shared_prefix_len(entry.text, text)

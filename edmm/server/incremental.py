@@ -21,12 +21,24 @@ step that could go wrong for another template is checked on the texts (the windo
 is the header alone rendered; the earlier prompt ends with its own window's text), and falls
 back to a full render if not; ``verify=True`` also compares with a full render every time.
 
+**Awaited resumes.** When a turn ends in tool calls, `await_resume` prepares the resume that
+answers them (the prompt, the reply, one tool message per call, in order) as text *around* the
+results: the window is rendered twice with random placeholder results (of two lengths, with
+whitespace at both ends) and must come out as the same pieces around them, each placeholder
+verbatim. The resume that carries exactly those messages is then the pieces joined with its
+results: no template runs. `slots_exact` probes this route on the template (results with
+markup, whitespace and JSON) before a server trusts it. Awaited prompts (also a predicted next
+request, `expect`) are kept by the first call id their resume answers, out of the recent
+prompts, so that a resume finds its prompt however many other sessions' prompts came since;
+the oldest are dropped past ``awaited`` sessions.
+
 Not thread-safe: one thread (the server's tokenizing thread) owns it.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import secrets
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -59,8 +71,9 @@ _BASE: list[dict[str, Any]] = [
 _TURN: list[dict[str, Any]] = [
     {"role": "assistant", "content": "", "reasoning_content": "Look both up.",
      "tool_calls": [_CALL, _CALL2]},
-    {"role": "tool", "tool_call_id": "probe_1", "content": "one"},
-    {"role": "tool", "tool_call_id": "probe_2", "content": "two"}]
+    {"role": "tool", "tool_call_id": "probe_1", "content": " one\n"},
+    {"role": "tool", "tool_call_id": "probe_2",
+     "content": '{"key": "<tool_response>two</tool_response>"}\t'}]
 _MEMORY = {"role": "user", "content": "Second question.\n\n<memory>\nkept\n</memory>"}
 PROBE_REQUESTS: tuple[list[dict[str, Any]], ...] = (
     _BASE,
@@ -72,26 +85,65 @@ PROBE_REQUESTS: tuple[list[dict[str, Any]], ...] = (
 )
 
 
-@dataclass
-class _Rendered:
+@dataclass(eq=False)
+class RenderedPrompt:
+    """A rendered prompt: its messages, tools, kwargs and text; ``starts``: where its user
+    queries start in the text (those found so far); ``encoded``: what its caller derived from
+    the text (`edmm.server.chat_prompts.ChatPrompts` keeps its ids' handle there)."""
+
     messages: list[dict[str, Any]]
     tools: list[dict[str, Any]] | None
     kwargs: dict[str, Any] | None
     text: str
     starts: dict[int, int] = field(default_factory=dict)  # user message index -> char offset
+    encoded: Any = None
+
+
+@dataclass(eq=False)
+class ResumeSlots:
+    """The text of an awaited resume around its results: ``pieces[0] + result_0 + pieces[1]
+    + ... + pieces[n]`` for the ``head`` messages (the prompt and its reply) and one tool
+    message per call id, in order; ``encoded``: the caller's handle of ``pieces[0]``."""
+
+    head: list[dict[str, Any]]
+    call_ids: list[str]
+    tools: list[dict[str, Any]] | None
+    kwargs: dict[str, Any] | None
+    pieces: list[str]
+    query: tuple[int, int]  # the last user query: its message index, its char offset
+    encoded: Any = None
+
+    def fill(self, messages: Sequence[dict[str, Any]]) -> str | None:
+        """The text of ``messages`` if they are the awaited resume, else None."""
+        h = len(self.head)
+        if len(messages) != h + len(self.call_ids) or _shared_prefix(self.head, messages) != h:
+            return None
+        parts = [self.pieces[0]]
+        for k, m in enumerate(messages[h:]):
+            content = m.get("content")
+            if (m.keys() != _TOOL_KEYS or m["role"] != "tool" or not isinstance(content, str)
+                    or m["tool_call_id"] != self.call_ids[k]):
+                return None
+            parts += (content, self.pieces[k + 1])
+        return "".join(parts)
+
+
+_TOOL_KEYS = frozenset({"role", "content", "tool_call_id"})  # a tool message's, as templated
+Awaited = RenderedPrompt | ResumeSlots
 
 
 @dataclass
 class RenderStats:
     """Messages rendered (windows and full renders) and taken from earlier prompts' text;
     ``same_prompts``: prompts whose every message, tools and kwargs an earlier prompt had
-    (its text taken whole)."""
+    (its text taken whole); ``slot_renders``: awaited resumes joined from their pieces."""
 
     rendered_messages: int = 0
     reused_messages: int = 0
     full_renders: int = 0
     window_renders: int = 0
     same_prompts: int = 0
+    slot_renders: int = 0  # awaited resumes joined from their pieces (no template run)
 
 
 class IncrementalChatRenderer:
@@ -105,15 +157,21 @@ class IncrementalChatRenderer:
             ids of the shared text prefix); used by `render_ids`.
         capacity: recent prompts kept (the oldest dropped first).
         verify: also render in full and raise `IncrementalRenderError` on a difference.
+        awaited: sessions whose awaited resume is kept (the oldest dropped first).
+        slots: prepare awaited resumes as pieces around their results (`await_resume`).
     """
 
     def __init__(self, render: RenderFn, encode: Callable[[str], list[int]] | None = None,
-                 capacity: int = 16, verify: bool = False) -> None:
+                 capacity: int = 16, verify: bool = False, awaited: int = 256,
+                 slots: bool = True) -> None:
         self._render = render
         self._encode = encode
-        self._recent: deque[_Rendered] = deque(maxlen=capacity)
+        self._recent: deque[RenderedPrompt] = deque(maxlen=capacity)
         self._verify = verify
         self._last_header: tuple[tuple[Any, ...], str] | None = None
+        self._awaited: OrderedDict[str, list[Awaited]] = OrderedDict()
+        self._awaited_capacity = awaited
+        self.slots = slots
         self.stats = RenderStats()
 
     def is_exact(self) -> bool:
@@ -122,7 +180,7 @@ class IncrementalChatRenderer:
         a message depends on more than the module docstring says, or it refuses the probe)
         should be rendered in full. The probe is not kept among the recent prompts."""
         checker = IncrementalChatRenderer(self._render, capacity=len(PROBE_REQUESTS),
-                                          verify=True)
+                                          verify=True, slots=False)
         try:
             for tools in (_PROBE_TOOLS, None):
                 for messages in PROBE_REQUESTS:
@@ -130,6 +188,22 @@ class IncrementalChatRenderer:
         except Exception:  # a difference, or a template that refuses the probe
             return False
         return checker.stats.reused_messages > 0
+
+    def slots_exact(self) -> bool:
+        """True when awaited resumes joined from their pieces (`await_resume`) give the full
+        render's text on the probe's tool turn (two parallel calls, results with markup,
+        JSON and whitespace at their ends), with a tool and without; else a server should
+        set `slots` False (the window route stays)."""
+        checker = IncrementalChatRenderer(self._render, verify=True)
+        try:
+            for tools in (_PROBE_TOOLS, None):
+                base = checker.render(_BASE, tools)[0]
+                if checker.await_resume(base, _TURN[0]) is None:
+                    return False
+                checker.render_text([*_BASE, *_TURN], tools)
+        except Exception:  # a difference, or a template that refuses the probe
+            return False
+        return checker.stats.slot_renders == 2
 
     def render_ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                    kwargs: dict[str, Any] | None = None) -> list[int]:
@@ -142,45 +216,140 @@ class IncrementalChatRenderer:
                     kwargs: dict[str, Any] | None = None) -> str:
         """The prompt text (generation prompt added), equal to ``render(messages, tools,
         kwargs, True)``."""
-        entry = self._take_same(messages, tools, kwargs)
-        if entry is None:
-            entry = self._incremental(messages, tools, kwargs)
-        if entry is None:
-            entry = _Rendered(list(messages), tools, kwargs,
-                              self._render(messages, tools, kwargs, True))
+        return self.render(messages, tools, kwargs)[0].text
+
+    def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+               kwargs: dict[str, Any] | None = None) -> tuple[RenderedPrompt, Any]:
+        """`render_text`'s prompt, and the ``encoded`` handle of an earlier text that shares
+        its prefix (the prompt it was made from; None if rendered in full)."""
+        found = self._take_awaited(messages, tools, kwargs)
+        if found is None:
+            same = self._take_same(messages, tools, kwargs)
+            found = (same, same.encoded) if same is not None else None
+        if found is None:
+            found = self._incremental(messages, tools, kwargs)
+        if found is None:
+            found = (RenderedPrompt(list(messages), tools, kwargs,
+                                    self._render(messages, tools, kwargs, True)), None)
             self.stats.full_renders += 1
             self.stats.rendered_messages += len(messages)
-        elif self._verify and entry.text != self._render(messages, tools, kwargs, True):
+        elif self._verify and found[0].text != self._render(messages, tools, kwargs, True):
             raise IncrementalRenderError("the incremental render differs from the full one")
-        self._recent.append(entry)
-        return entry.text
+        self._recent.append(found[0])
+        return found
 
-    def prepare_resume(self, messages: Sequence[dict[str, Any]] | None = None) -> bool:
-        """Find, ahead of time, where a recent prompt's last user query starts in its text
-        (what a resume of it, which shares every message up to that query, needs: otherwise
-        its render renders that window of the earlier prompt too); return whether it is known.
-        ``messages``: the prompt's (the turn that just ended; other sessions' prompts may
-        have come after it), else the latest prompt. Meant for idle time on the owning
-        thread, after that prompt was answered."""
-        entry = self._find(messages)
-        if entry is None:
-            return False
-        j = _last_user_before(entry.messages, len(entry.messages))
-        if j is None or j <= self._header_len(entry.messages):
-            return False
-        return self._start(entry, j) is not None
+    def prepare_resume(self, prompt: RenderedPrompt | Sequence[dict[str, Any]] | None = None,
+                       ) -> bool:
+        """Find, ahead of time, where a prompt's last user query starts in its text (what a
+        resume of it, which shares every message up to that query, needs: otherwise its
+        render renders that window of the earlier prompt too); return whether it is known.
+        ``prompt``: the turn that just ended (`render`'s), or the latest recent prompt of
+        its messages (other sessions' prompts may have come after it), else the latest
+        prompt. Meant for idle time on the owning thread, after that prompt was answered."""
+        entry = prompt if isinstance(prompt, RenderedPrompt) else self._find(prompt)
+        return entry is not None and self._query(entry) is not None
 
-    def _find(self, messages: Sequence[dict[str, Any]] | None) -> _Rendered | None:
+    def await_resume(self, prompt: RenderedPrompt, reply: dict[str, Any],
+                     ) -> ResumeSlots | None:
+        """`prepare_resume`, and the pieces of the resume that answers ``reply``'s tool calls
+        (see the module docstring), kept for that resume; None when `slots` is off, the reply
+        calls no tool, or the template does not render placeholder results verbatim."""
+        query = self._query(prompt)
+        calls = reply.get("tool_calls") or []
+        ids: list[str] = [c["id"] for c in calls
+                          if isinstance(c, dict) and isinstance(c.get("id"), str)]
+        if (not self.slots or query is None or not ids or len(ids) != len(calls)
+                or len(set(ids)) != len(ids)):
+            return None
+        head = [*prompt.messages, reply]
+        pieces: list[list[str]] = []
+        for size in (8, 20):  # two lengths: a template that reads a result's length fails
+            marks = [f" \n\t{secrets.token_hex(size)}\t\n " for _ in ids]
+            rendered = self._on_base(prompt, [*head, *(
+                {"role": "tool", "content": m, "tool_call_id": i} for m, i in zip(marks, ids,
+                                                                                    strict=True))],
+                                     query[0], prompt.tools, prompt.kwargs)
+            split = _split(rendered[0].text, marks) if rendered is not None else None
+            if split is None:
+                return None
+            pieces.append(split)
+        if pieces[0] != pieces[1]:
+            return None
+        slots = ResumeSlots(head, ids, prompt.tools, prompt.kwargs, pieces[0], query)
+        self._keep_awaited(ids[0], slots)
+        return slots
+
+    def expect(self, prompt: RenderedPrompt) -> bool:
+        """Keep ``prompt`` (e.g. a predicted next request) for the resume that sends its
+        messages, by the first call id of its trailing tool messages; False if it has none."""
+        n = _trailing_tools(prompt.messages)
+        if n == 0:
+            return False
+        self._keep_awaited(prompt.messages[-n]["tool_call_id"], prompt)
+        return True
+
+    def _keep_awaited(self, call_id: str, item: Awaited) -> None:
+        self._awaited.setdefault(call_id, []).append(item)
+        self._awaited.move_to_end(call_id)
+        while len(self._awaited) > self._awaited_capacity:
+            self._awaited.popitem(last=False)
+
+    def _take_awaited(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
+                      kwargs: dict[str, Any] | None) -> tuple[RenderedPrompt, Any] | None:
+        """The awaited prompt these messages send (its resume's), found by the call id they
+        answer first; that session's awaited prompts are dropped (it resumed)."""
+        n = _trailing_tools(messages)
+        key = messages[-n].get("tool_call_id") if n else None
+        if not isinstance(key, str):
+            return None
+        for item in self._awaited.get(key, ()):
+            if item.tools != tools or item.kwargs != kwargs:
+                continue
+            if isinstance(item, RenderedPrompt):
+                if not _same(item.messages, messages):
+                    continue
+                self._forget(item)
+                self.stats.same_prompts += 1
+                found = (item, item.encoded)
+            else:
+                text = item.fill(messages)
+                if text is None:
+                    continue
+                j, start = item.query
+                self.stats.slot_renders += 1
+                found = (RenderedPrompt(list(messages), tools, kwargs, text, {j: start}),
+                         item.encoded)
+            del self._awaited[key]
+            self.stats.reused_messages += len(messages)
+            return found
+        return None
+
+    def _forget(self, entry: RenderedPrompt) -> None:
+        """Take ``entry`` out of the recent prompts (`render` puts it back last)."""
+        for i, e in enumerate(self._recent):
+            if e is entry:
+                del self._recent[i]
+                return
+
+    def _find(self, messages: Sequence[dict[str, Any]] | None) -> RenderedPrompt | None:
         """The latest recent prompt of exactly ``messages`` (any tools), or the latest."""
         if messages is None:
             return self._recent[-1] if self._recent else None
         return next((e for e in reversed(self._recent) if _same(e.messages, messages)), None)
 
+    def _query(self, entry: RenderedPrompt) -> tuple[int, int] | None:
+        """The index of ``entry``'s last user query and where it starts in its text."""
+        j = _last_user_before(entry.messages, len(entry.messages))
+        if j is None or j <= self._header_len(entry.messages):
+            return None
+        start = self._start(entry, j)
+        return (j, start) if start is not None else None
+
     def _take_same(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                   kwargs: dict[str, Any] | None) -> _Rendered | None:
-        """The recent prompt of exactly these messages, tools and kwargs (e.g. the predicted
-        next request that a speculation-hit resume sends): its text is this one's, nothing
-        is rendered. Taken out of the recent prompts (`render_text` puts it back last)."""
+                   kwargs: dict[str, Any] | None) -> RenderedPrompt | None:
+        """The recent prompt of exactly these messages, tools and kwargs (e.g. a retry): its
+        text is this one's, nothing is rendered. Taken out of the recent prompts (`render`
+        puts it back last)."""
         for i in range(len(self._recent) - 1, -1, -1):
             entry = self._recent[i]
             if (entry.tools == tools and entry.kwargs == kwargs
@@ -193,10 +362,17 @@ class IncrementalChatRenderer:
 
     def _incremental(self, messages: list[dict[str, Any]],
                      tools: list[dict[str, Any]] | None,
-                     kwargs: dict[str, Any] | None) -> _Rendered | None:
+                     kwargs: dict[str, Any] | None) -> tuple[RenderedPrompt, Any] | None:
         base, j = self._best_base(messages, tools, kwargs)
         if base is None:
             return None
+        return self._on_base(base, messages, j, tools, kwargs)
+
+    def _on_base(self, base: RenderedPrompt, messages: list[dict[str, Any]], j: int,
+                 tools: list[dict[str, Any]] | None,
+                 kwargs: dict[str, Any] | None) -> tuple[RenderedPrompt, Any] | None:
+        """``messages`` rendered from user query ``j`` on, ``base``'s text before it (the two
+        share every message before ``j``), and ``base``'s handle."""
         start = self._start(base, j)
         if start is None:
             return None
@@ -204,12 +380,13 @@ class IncrementalChatRenderer:
         if body is None:
             return None
         self.stats.reused_messages += j - self._header_len(messages)
-        return _Rendered(list(messages), tools, kwargs, base.text[:start] + body, {j: start})
+        return (RenderedPrompt(list(messages), tools, kwargs, base.text[:start] + body,
+                               {j: start}), base.encoded)
 
     def _best_base(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                   kwargs: dict[str, Any] | None) -> tuple[_Rendered | None, int]:
+                   kwargs: dict[str, Any] | None) -> tuple[RenderedPrompt | None, int]:
         """The recent prompt whose shared messages reach the latest user query (its index)."""
-        best: tuple[_Rendered | None, int] = (None, 0)
+        best: tuple[RenderedPrompt | None, int] = (None, 0)
         most = _last_user_before(messages, len(messages))  # no base can do better
         for entry in reversed(self._recent):
             if entry.tools != tools or entry.kwargs != kwargs:
@@ -222,7 +399,7 @@ class IncrementalChatRenderer:
                     break
         return best
 
-    def _start(self, entry: _Rendered, j: int) -> int | None:
+    def _start(self, entry: RenderedPrompt, j: int) -> int | None:
         """Where user message ``j`` starts in ``entry``'s text, from a window render of the
         entry (checked: its text ends with the window's)."""
         if j in entry.starts:
@@ -293,3 +470,24 @@ def _last_user_before(messages: Sequence[dict[str, Any]], end: int) -> int | Non
                 content.startswith("<tool_response>") and content.endswith("</tool_response>")):
             return i
     return None
+
+
+def _trailing_tools(messages: Sequence[dict[str, Any]]) -> int:
+    """How many tool messages end ``messages``."""
+    n = 0
+    while n < len(messages) and messages[-1 - n].get("role") == "tool":
+        n += 1
+    return n
+
+
+def _split(text: str, marks: Sequence[str]) -> list[str] | None:
+    """``text`` cut around ``marks`` (each once in it, in order), else None."""
+    pieces, pos = [], 0
+    for mark in marks:
+        k = text.find(mark, pos)
+        if k < 0 or text.count(mark) != 1:
+            return None
+        pieces.append(text[pos:k])
+        pos = k + len(mark)
+    pieces.append(text[pos:])
+    return pieces

@@ -9,7 +9,7 @@ from typing import Any
 from edmm.engine import SamplingParams
 from edmm.engine.sampling import InvalidSamplingParams, LogitsProcessor
 from edmm.model.errors import PromptTooLongError
-from edmm.model.prompt_encoder import PromptEncoder, TokenIds
+from edmm.model.prompt_encoder import EncodedText, PromptEncoder, TokenIds
 from edmm.server.errors import BadRequestError, ContextLengthError
 from edmm.server.protocol import (
     AssistantMessage,
@@ -186,15 +186,23 @@ def encode_prompt(tokenizer: Any, encoder: PromptEncoder | None, text: str,
     """Prompt token ids of a rendered chat ``text`` (`TokenIds`: bounds checked at C speed by
     the engine's validator, the shared prefix's ints reused); with a ``limit``, 400 as soon as
     it is certainly over ``limit`` tokens (the whole text is not tokenized then)."""
+    return encode_prompt_text(tokenizer, encoder, text, limit)[0]
+
+
+def encode_prompt_text(tokenizer: Any, encoder: PromptEncoder | None, text: str,
+                       limit: int | None = None, hint: EncodedText | None = None,
+                       keep: bool = True) -> tuple[TokenIds, EncodedText | None]:
+    """`encode_prompt` and the handle of the text's ids (`PromptEncoder.encode_text`, whose
+    ``hint`` and ``keep`` these are; None without an incremental encoder)."""
     try:
         if encoder is not None:
-            return encoder.encode_ids(text, limit)
+            return encoder.encode_text(text, limit, hint, keep)
         ids: list[int] = tokenizer.encode(text, add_special_tokens=False)
     except PromptTooLongError as e:
         raise prompt_too_long(e) from None
     if limit is not None and len(ids) > limit:
         raise prompt_too_long(PromptTooLongError(limit, len(ids)))
-    return TokenIds(ids, array("q", ids))
+    return TokenIds(ids, array("q", ids)), None
 
 
 def prompt_too_long(e: PromptTooLongError, param: str = "messages") -> ContextLengthError:

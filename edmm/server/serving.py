@@ -39,7 +39,7 @@ from edmm.engine import Engine, InvalidRequestError, Request, RequestOutput
 from edmm.engine.sampling import LogitsProcessor
 from edmm.model.errors import PromptTooLongError
 from edmm.model.prompt_encoder import PromptEncoder
-from edmm.server.chat_prompts import ChatPrompts
+from edmm.server.chat_prompts import ChatPrompt, ChatPrompts
 from edmm.server.engine_loop import EngineLoop, OutputStream, Submission
 from edmm.server.errors import (
     APIError,
@@ -49,6 +49,7 @@ from edmm.server.errors import (
     ServiceUnavailableError,
 )
 from edmm.server.guided import GrammarLogitsProcessor, GuidedDecoding
+from edmm.server.incremental import RenderedPrompt
 from edmm.server.metrics import EngineSnapshot, ServerMetrics
 from edmm.server.prompts import (
     assistant_message,
@@ -96,6 +97,7 @@ from edmm.server.validation import check_conversation, check_text, check_tool_na
 
 SSE_DONE = "data: [DONE]\n\n"
 T = TypeVar("T")
+Rendered = tuple[Request, RenderedPrompt | None]  # an engine request and its prompt's handle
 logger = logging.getLogger(__name__)
 TEMPLATE_NICENESS = 10  # the client-template process yields the CPU to the server
 
@@ -123,6 +125,7 @@ class ChatTurn:
     calls: list[ParsedToolCall] = field(default_factory=list)
     cut: bool = False  # the reply ended inside a tool-call block (see tool_parser)
     stages: StageTimer | None = None  # with $EDMM_STAGE_LOG (edmm.server.stages)
+    prompt: RenderedPrompt | None = None  # its prompt's handle (`ChatPrompts.prepare_resume`)
 
 
 class OpenAIServing:
@@ -195,13 +198,15 @@ class OpenAIServing:
 
     async def _chat_ids(self, timer: StageTimer | None, messages: list[dict[str, Any]],
                         tools: list[dict[str, Any]] | None, kwargs: dict[str, Any] | None,
-                        limit: int) -> Sequence[int]:
+                        limit: int, awaited: bool = False) -> Sequence[int]:
         """Prompt ids of a conversation, refused past ``limit`` tokens; a client's template
         renders on the isolated pool (which reads the tokenizer's special tokens, never runs
-        it), the model's on the tokenizing thread."""
+        it), the model's on the tokenizing thread (``awaited``: kept for the resume that
+        sends it, `ChatPrompts.render`)."""
         if client_template(kwargs, self.client_templates) is None:
-            return await self._tokenize(self._render_chat, timer, messages, tools, kwargs,
-                                        limit)
+            rendered = await self._tokenize(self._render_chat, timer, messages, tools, kwargs,
+                                            limit, awaited)
+            return rendered.ids
         text = await self._client_template(messages, tools, kwargs)
         return await self._tokenize(encode_prompt, self.tokenizer, self.encoder, text, limit)
 
@@ -264,14 +269,15 @@ class OpenAIServing:
         # the other); a rendering error is still the one reported.
         processors = asyncio.ensure_future(self._chat_processors(req))
         try:
-            made = await self._chat_request(timer, req, messages, tools)
+            rendered = await self._chat_request(timer, req, messages, tools)
         except BaseException:
             _discard(processors)
             raise
         _mark(timer, "back")
         procs = await processors  # its error comes before the request's
-        if isinstance(made, APIError):
-            raise made
+        if isinstance(rendered, APIError):
+            raise rendered
+        made, prompt = rendered
         if procs:
             params = sampling_params(req, req.completion_limit,
                                      len(made.prompt_token_ids), self.max_model_len, procs)
@@ -283,7 +289,7 @@ class OpenAIServing:
                                                     lambda b: _begin(b, turn, timer))
         _mark(timer, "submitted")
         return ChatTurn(random_id("chatcmpl"), req, request, session_id, messages, tools,
-                        parses_tools(req), stream, stages=timer)
+                        parses_tools(req), stream, stages=timer, prompt=prompt)
 
     def _goes_direct(self, req: ChatCompletionRequest) -> bool:
         """Whether `_start_direct` may queue ``req``: the model's template renders it, and it
@@ -308,55 +314,58 @@ class OpenAIServing:
                                                                  _new_request_id())
         limit = prompt_limit(self.max_model_len, req.completion_limit)
         try:
-            made = await self._tokenize(self._queue_rendered, submission, timer, req,
-                                        messages, tools, limit, session_header, owner)
-            if isinstance(made, APIError):
-                raise made
+            rendered = await self._tokenize(self._queue_rendered, submission, timer, req,
+                                            messages, tools, limit, session_header, owner)
+            if isinstance(rendered, APIError):
+                raise rendered
+            made, prompt = rendered
             session_id, stream = await submission.result()
         except BaseException:
             submission.cancel()
             raise
         _mark(timer, "submitted")
         return ChatTurn(random_id("chatcmpl"), req, made, session_id, messages, tools,
-                        parses_tools(req), stream, stages=timer)
+                        parses_tools(req), stream, stages=timer, prompt=prompt)
 
     def _queue_rendered(self, submission: Submission[ServerSessions, str],
                         timer: StageTimer | None, req: ChatCompletionRequest,
                         messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                         limit: int, session_header: str | None,
-                        owner: str) -> Request | APIError:
+                        owner: str) -> Rendered | APIError:
         """On the tokenizing thread: `_rendered_request`, salted, sent to the engine thread
         (`_begin`); or the error it gets instead, and nothing is sent."""
-        made = self._rendered_request(timer, req, messages, tools, limit,
-                                      submission.request_id)
-        if isinstance(made, APIError):
-            return made
-        request = self._salted(made, req.cache_salt, owner)
+        rendered = self._rendered_request(timer, req, messages, tools, limit,
+                                          submission.request_id)
+        if isinstance(rendered, APIError):
+            return rendered
+        request = self._salted(rendered[0], req.cache_salt, owner)
         _mark(timer, "request_made")
         turn = _turn(req, request, session_header, owner)
         submission.send(lambda b: _begin(b, turn, timer))
-        return request
+        return request, rendered[1]
 
     async def _chat_request(self, timer: StageTimer | None, req: ChatCompletionRequest,
                             messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                            ) -> Request | APIError:
-        """The engine request of a chat (without its grammars), made on the tokenizing thread
-        with its prompt ids (no list of ids crosses threads but the request's); a rendering
-        error is raised, an error of the request's options or ids returned (it comes after
-        the grammars' errors)."""
+                            ) -> Rendered | APIError:
+        """The engine request of a chat (without its grammars) and its prompt's handle, made
+        on the tokenizing thread with its prompt ids (no list of ids crosses threads but the
+        request's); a rendering error is raised, an error of the request's options or ids
+        returned (it comes after the grammars' errors)."""
         kwargs = req.chat_template_kwargs
         limit = prompt_limit(self.max_model_len, req.completion_limit)
         if client_template(kwargs, self.client_templates) is None:
             return await self._tokenize(self._rendered_request, timer, req, messages, tools,
                                         limit)
         text = await self._client_template(messages, tools, kwargs)
-        return await self._tokenize(self._encoded_request, req, text, limit)
+        made = await self._tokenize(self._encoded_request, req, text, limit)
+        return made if isinstance(made, APIError) else (made, None)
 
     def _rendered_request(self, timer: StageTimer | None, req: ChatCompletionRequest,
                           messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
-                          limit: int, request_id: str | None = None) -> Request | APIError:
-        ids = self._render_chat(timer, messages, tools, req.chat_template_kwargs, limit)
-        return self._request_of(req, ids, request_id)
+                          limit: int, request_id: str | None = None) -> Rendered | APIError:
+        rendered = self._render_chat(timer, messages, tools, req.chat_template_kwargs, limit)
+        made = self._request_of(req, rendered.ids, request_id)
+        return made if isinstance(made, APIError) else (made, rendered.prompt)
 
     def _encoded_request(self, req: ChatCompletionRequest, text: str,
                          limit: int) -> Request | APIError:
@@ -373,10 +382,11 @@ class OpenAIServing:
 
     def _render_chat(self, timer: StageTimer | None, messages: list[dict[str, Any]],
                      tools: list[dict[str, Any]] | None,
-                     kwargs: dict[str, Any] | None, limit: int) -> Sequence[int]:
-        """`ChatPrompts.ids` on the tokenizing thread (incremental where exact; refused past
-        ``limit`` tokens); timed when ``timer`` is given."""
-        return self.prompts.ids(messages, tools, kwargs, limit, timer)
+                     kwargs: dict[str, Any] | None, limit: int,
+                     awaited: bool = False) -> ChatPrompt:
+        """`ChatPrompts.render` on the tokenizing thread (incremental where exact; refused
+        past ``limit`` tokens); timed when ``timer`` is given."""
+        return self.prompts.render(messages, tools, kwargs, limit, timer, awaited)
 
     async def chat_completion(self, turn: ChatTurn) -> ChatCompletion:
         """Run a queued chat turn to the end: the whole response."""
@@ -498,9 +508,11 @@ class OpenAIServing:
             predictions=ext.predicted_tool_results if ext else {},
             predicted_prompt=predicted)
         await self.loop.run(lambda b: b.end(end))
-        # While the tool runs: what the resume's incremental render would do first.
+        # While the tool runs: the resume's text around its results, the rest encoded.
         with contextlib.suppress(RuntimeError):  # the server is closing
-            self._tokenizing.submit(self.prompts.prepare_resume, turn.messages)
+            self._tokenizing.submit(self.prompts.prepare_resume,
+                                    turn.prompt or turn.messages,
+                                    assistant_message(content, turn.calls))
 
     async def _predicted_prompt(self, turn: ChatTurn, content: str | None) -> Sequence[int]:
         """Token ids of the client's predicted next request with this turn's reply
@@ -515,7 +527,8 @@ class OpenAIServing:
         messages = template_messages(predicted_messages(ext.predicted_next_messages, reply))
         try:
             return await self._chat_ids(None, messages, turn.tools,
-                                        turn.request.chat_template_kwargs, self.max_model_len)
+                                        turn.request.chat_template_kwargs, self.max_model_len,
+                                        awaited=True)
         except Exception as e:  # a hint that fails costs the hint only
             logger.info("session %s: predicted_next_messages ignored: %s", turn.session_id,
                         getattr(e, "message", None) or type(e).__name__)

@@ -17,7 +17,8 @@ def test_every_stage_is_timed(tiny_dir: Path) -> None:
     rows = measure(load_tokenizer(str(tiny_dir)), 2048, runs=2)
     stages = [r["stage"] for r in rows]
     assert stages == ["sdk", "parse", "parse, FastAPI's way", "convert", "surrogate check",
-                      "render+tokenize", "render+tokenize unprepared", "render+tokenize uncut",
+                      "render+tokenize", "render+tokenize window", "render+tokenize unprepared",
+                      "render+tokenize uncut",
                       "full render+tokenize", "request"]
     assert all(r["min_ms"] > 0 and r["n"] == 2 for r in rows)
     assert abs(rows[0]["prompt_tokens"] - 2048) < 80

@@ -323,3 +323,24 @@ def test_other_pipelines_are_not_cut(tiny_dir: Path) -> None:
         steps[0], pre_tokenizers.ByteLevel(add_prefix_space=True, use_regex=False)])
     assert not cuttable(level)
     assert not cuttable(object())
+
+
+def test_a_hint_reuses_a_prefix_that_left_the_recent_prompts(tokenizer: Any) -> None:
+    """`encode_text`'s handle, passed back as ``hint``, gives its ids to a text extending it
+    after the recent prompts dropped it; ``keep=False`` keeps a text out of them."""
+    encoder = PromptEncoder(tokenizer, capacity=2)
+    base = "<|im_start|>user\n" + "many words here " * 200 + "<|im_end|>\n"
+    _, handle = encoder.encode_text(base, keep=False)
+    assert handle is not None
+    for i in range(3):
+        encoder.encode_ids(f"<|im_start|>user\nother {i}<|im_end|>\n")
+    text = base + "<|im_start|>assistant\nmore words"
+    reused = encoder.reused_tokens
+    ids, _ = encoder.encode_text(text, hint=handle)
+    assert list(ids) == tokenizer.encode(text, add_special_tokens=False)
+    # Up to its last added token (the text after it is encoded again): without the hint,
+    # nothing (the two recent prompts share nothing with it).
+    assert encoder.reused_tokens - reused >= len(handle.ids) - 2
+    reused = encoder.reused_tokens
+    encoder.encode_ids(text + " and more")  # ``text`` was kept: its ids are reused
+    assert encoder.reused_tokens - reused >= len(handle.ids)

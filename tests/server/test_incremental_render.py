@@ -6,8 +6,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conversations import TEXT, conversations, tool_lists, user_message
-from hypothesis import HealthCheck, given, settings
+from conversations import TEXT, assistant_turn, conversations, tool_lists, user_message
+from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 
 from edmm.model.prompt_encoder import PromptEncoder
@@ -235,3 +235,145 @@ def test_a_32k_bench_resume_takes_the_incremental_route(tok: Any, group: str) ->
     assert chat.stats.same_prompts == 1 and chat.stats.window_renders == windows + (
         1 if group == "A" else 2)
     assert list(again) == list(ids)
+
+
+@st.composite
+def _awaited_turn(draw: st.DrawFn) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """A turn's prompt (a system message, then any conversation) and the reply that ends it
+    in one or more tool calls with their results (markup, whitespace, JSON)."""
+    convo = [{"role": "system", "content": draw(TEXT)}, *draw(conversations(max_turns=4))]
+    ids = [f"old_{i}" for i in range(100)]  # the new calls' ids differ from the earlier ones
+    turn = draw(assistant_turn(ids).filter(lambda t: len(t) > 1))
+    for message in turn[1:]:
+        message["content"] = draw(st.sampled_from(["", " ", "\n", "<tool_response>x",
+                                                   '{"a": [1, 2]}'])) + draw(TEXT)
+    return convo, turn
+
+
+@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(turn=_awaited_turn(), tools=tool_lists())
+def test_an_awaited_resume_joined_from_its_pieces_equals_the_full_render(
+        tok: Any, turn: tuple[list[dict[str, Any]], list[dict[str, Any]]],
+        tools: list[dict[str, Any]] | None) -> None:
+    """`await_resume`: the resume answering the reply's calls is its pieces joined with the
+    results (no template runs), equal to the full render; a resume that differs (another
+    reply, a result missing) takes the window route, equal too."""
+    full = _full(tok)
+    convo, (reply, *results) = turn
+    renderer = IncrementalChatRenderer(full, verify=True)
+    assert renderer.slots_exact()
+    prompt, _ = renderer.render(convo, tools)
+    assume(renderer.prepare_resume(prompt))  # the window route (e.g. not an empty system)
+    assert renderer.await_resume(prompt, reply) is not None
+    resume = [*convo, reply, *results]
+    windows = renderer.stats.window_renders
+    assert renderer.render_text(resume, tools) == full(resume, tools, None, True)
+    assert renderer.stats.slot_renders == 1 and renderer.stats.window_renders == windows
+    for other in ([*convo, {**reply, "content": "other"}, *results], [*convo, reply,
+                                                                       *results[:-1]]):
+        prompt, _ = renderer.render(convo, tools)
+        assert renderer.await_resume(prompt, reply) is not None
+        assert renderer.render_text(other, tools) == full(other, tools, None, True)
+        assert renderer.stats.slot_renders == 1
+
+
+def test_an_awaited_resume_outlasts_other_sessions_prompts(tok: Any) -> None:
+    """The awaited pieces are kept by call id, not among the recent prompts: 40 other
+    sessions' prompts rendered meanwhile do not drop them; past ``awaited`` sessions the
+    oldest is dropped, and its resume renders its window instead (the same text)."""
+    full = _full(tok)
+    renderer = IncrementalChatRenderer(full, verify=True, capacity=4, awaited=2)
+    sessions = []
+    for s in range(3):
+        convo = [{"role": "system", "content": "Be brief."},
+                 {"role": "user", "content": f"padding {s}"},
+                 {"role": "assistant", "content": "Noted."},
+                 {"role": "user", "content": f"Look {s} up."}]
+        reply = {"role": "assistant", "content": "", "tool_calls": [
+            {"id": f"c{s}", "type": "function",
+             "function": {"name": "lookup", "arguments": "{}"}}]}
+        assert renderer.await_resume(renderer.render(convo, None)[0], reply) is not None
+        sessions.append([*convo, reply, {"role": "tool", "tool_call_id": f"c{s}",
+                                         "content": f"found {s}"}])
+    for i in range(40):
+        renderer.render_text([{"role": "system", "content": "Be brief."},
+                              {"role": "user", "content": f"another session {i}"}], None)
+    for s in (2, 1, 0):
+        assert renderer.render_text(sessions[s], None) == full(sessions[s], None, None, True)
+    assert renderer.stats.slot_renders == 2  # session 0's pieces were dropped (awaited=2)
+
+
+def test_slots_are_refused_for_a_template_that_reads_a_result(tok: Any) -> None:
+    """`slots_exact` (and `await_resume`) refuse a template that strips a result, or whose
+    text depends on a result's length; the models' templates pass."""
+    assert IncrementalChatRenderer(_full(tok)).slots_exact()
+
+    def reading(strip: bool) -> Any:
+        def render(messages: list[dict[str, Any]], tools: Any, kwargs: Any, gen: bool) -> str:
+            def text(m: dict[str, Any]) -> str:
+                content = str(m.get("content") or "")
+                if m["role"] != "tool":
+                    return content
+                return content.strip() if strip else f"({len(content)}) {content}"
+            return "".join(f"<{m['role']}>{text(m)}</{m['role']}>" for m in messages) + (
+                "<assistant>" if gen else "")
+        return render
+
+    for strip in (True, False):
+        renderer = IncrementalChatRenderer(reading(strip))
+        assert renderer.is_exact() and not renderer.slots_exact()
+
+
+def test_a_prepared_a_resume_runs_no_template_and_encodes_only_its_result(tok: Any) -> None:
+    """`ChatPrompts.prepare_resume` with the turn's prompt and reply (as the server calls it
+    while the tool runs): after 40 other sessions' prompts (past both recent-prompt caches)
+    the bench's 16K A resume runs no template and tokenizes little more than its result;
+    the ids equal a full render's. Its C form (the predicted request, `awaited`) is found
+    the same way."""
+    import random
+
+    from edmm.bench.live import TOOL, LiveBenchConfig, Prompts
+    from edmm.server.chat_prompts import ChatPrompts
+    from edmm.server.prompts import render_chat
+
+    prompts = Prompts(tok, LiveBenchConfig(contexts=(16384,), result_tokens=512),
+                      random.Random(0))
+    first = prompts.conversation(16384)
+    reply = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "lookup",
+                                                      "arguments": '{"key": "record"}'}}]}
+    result = prompts.text(512)
+    chat = ChatPrompts(tok, PromptEncoder(tok))
+    turn = chat.render(first, [TOOL], None, None)
+    predicted = prompts.resume("C", first, reply, "c1", result)
+    chat.render(predicted, [TOOL], None, None, awaited=True)
+    assert turn.prompt is not None
+    chat.prepare_resume(turn.prompt, reply)
+    for i in range(40):
+        chat.ids([first[0], {"role": "user", "content": f"another session {i}"}], [TOOL],
+                 None, None)
+    encoder = chat.encoder
+    assert encoder is not None
+    reused, windows, fulls = encoder.reused_tokens, chat.stats.window_renders, \
+        chat.stats.full_renders
+    resume = prompts.resume("A", first, reply, "c1", result)
+    ids = chat.ids(resume, [TOOL], None, None)
+    assert list(ids) == render_chat(tok, resume, [TOOL], None)
+    assert chat.stats.slot_renders == 1 and chat.stats.window_renders == windows
+    assert chat.stats.full_renders == fulls
+    assert len(ids) > 15000 and len(ids) - (encoder.reused_tokens - reused) < 600
+    # The same session's C form was dropped with it; another session's is found whole.
+    turn2 = chat.render(first, [TOOL], None, None)
+    reply2 = {**reply, "tool_calls": [{**reply["tool_calls"][0], "id": "c2"}]}
+    predicted2 = prompts.resume("C", first, reply2, "c2", result)
+    chat.render(predicted2, [TOOL], None, None, awaited=True)
+    assert turn2.prompt is not None
+    chat.prepare_resume(turn2.prompt, reply2)
+    for i in range(40):
+        chat.ids([first[0], {"role": "user", "content": f"yet another {i}"}], [TOOL],
+                 None, None)
+    reused, same = encoder.reused_tokens, chat.stats.same_prompts
+    again = chat.ids([dict(m) for m in predicted2], [TOOL], None, None)
+    assert chat.stats.same_prompts == same + 1
+    assert encoder.reused_tokens - reused == len(again)  # nothing tokenized
+    assert list(again) == render_chat(tok, predicted2, [TOOL], None)

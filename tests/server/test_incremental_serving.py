@@ -70,3 +70,30 @@ def test_a_changed_prefix_falls_back_to_a_full_render(server: LiveServer) -> Non
     after = _stats(server)
     assert after.full_renders == before.full_renders + 1
     assert after.reused_messages == before.reused_messages
+
+
+def test_a_resume_answering_the_calls_runs_no_template(server: LiveServer) -> None:
+    """A turn that ends in a tool call prepares its resume while the tool runs: the resume
+    that sends the reply back as the response gave it, with the result, is joined from the
+    prepared pieces (no template runs, nothing rendered), with a full render's tokens."""
+    convo = _conversation()
+    body = {"model": MODEL, "messages": convo, "tools": TOOLS, "tool_choice": "required",
+            "parallel_tool_calls": False, "max_tokens": 48, "temperature": 0}
+    r = httpx.post(f"{server.url}/v1/chat/completions", json=body, headers=AUTH, timeout=60)
+    assert r.status_code == 200, r.text
+    reply = r.json()["choices"][0]["message"]
+    assert reply["tool_calls"]
+    sid = r.headers["x-session-id"]
+    # The preparation is queued on the tokenizing thread once the turn ended.
+    server.state.serving._tokenizing.submit(lambda: None).result()
+    before = _stats(server)
+    results = [{"role": "tool", "tool_call_id": c["id"], "content": " Sunny, 21 C.\n"}
+               for c in reply["tool_calls"]]
+    resume = [*convo, reply, *results]
+    assert _chat(server, resume) == _full_tokens(server, resume)
+    after = _stats(server)
+    assert after.slot_renders == before.slot_renders + 1
+    assert after.rendered_messages == before.rendered_messages
+    assert after.full_renders == before.full_renders
+    assert httpx.delete(f"{server.url}/v1/edmm/sessions/{sid}", headers=AUTH,
+                        timeout=30).status_code == 200

@@ -115,15 +115,15 @@ def test_rendering_does_not_block_the_event_loop(server: LiveServer,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """A slow chat rendering (a long conversation) runs on the tokenizing thread: meanwhile
     the server still answers other requests at once."""
-    original = serving.ChatPrompts.ids
+    original = serving.ChatPrompts.render
     rendering = threading.Event()
 
-    def slow(*args: Any, **kwargs: Any) -> list[int]:
+    def slow(*args: Any, **kwargs: Any) -> Any:
         rendering.set()
         time.sleep(1.0)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(serving.ChatPrompts, "ids", slow)
+    monkeypatch.setattr(serving.ChatPrompts, "render", slow)
     body = {"model": MODEL, "messages": USER, "max_tokens": 2, "temperature": 0}
     with ThreadPoolExecutor(1) as pool:
         slow_reply = pool.submit(httpx.post, f"{server.url}/v1/chat/completions", json=body,

@@ -16,9 +16,11 @@ resume is timed, each stage alone, min and median of ``--runs``:
   the whole request, which that parse spares;
 - ``render+tokenize``: the prompt ids on the tokenizing thread (`ChatPrompts.ids`: the
   incremental render and `PromptEncoder`), each run after the first turn and the
-  `ChatPrompts.prepare_resume` the server runs while the tool runs; ``... unprepared``:
-  without it; ``... uncut``: the tool result encoded as one piece (`PromptEncoder`'s cuts
-  off), as before they were made;
+  `ChatPrompts.prepare_resume` the server runs while the tool runs (with the turn's reply:
+  the resume is joined from its prepared pieces, no template runs); ``... window``: prepared
+  without the reply (the window from the last user query is rendered, as before the pieces
+  were made); ``... unprepared``: not prepared at all; ``... uncut``: the tool result
+  encoded as one piece (`PromptEncoder`'s cuts off), as before they were made;
 - ``full render+tokenize``: the same conversation rendered whole (`render_chat`), for scale;
 - ``request``: the engine's `RequestValidator` on those ids.
 
@@ -47,6 +49,7 @@ from edmm.server.validation import check_conversation, check_text
 
 CALL = {"id": "call_1", "type": "function",
         "function": {"name": TOOL_NAME, "arguments": '{"key": "record"}'}}
+REPLY = {"role": "assistant", "content": "", "tool_calls": [CALL]}
 
 
 def _times(fn: Callable[[], Any], runs: int) -> list[float]:
@@ -80,8 +83,7 @@ def measure(tok: Any, context: int, runs: int) -> list[dict[str, Any]]:
     cfg = LiveBenchConfig(contexts=(context,), result_tokens=512)
     prompts = Prompts(tok, cfg, random.Random(0))
     first = prompts.conversation(context)
-    resume = prompts.resume("A", first, {"role": "assistant", "content": "",
-                                         "tool_calls": [CALL]}, "call_1", prompts.text(512))
+    resume = prompts.resume("A", first, REPLY, "call_1", prompts.text(512))
     body = json.dumps({"model": "m", "messages": resume, "tools": [TOOL],
                        "tool_choice": "none", "max_tokens": 8, "stream": True}).encode()
     req = ChatCompletionRequest.model_validate_json(body)
@@ -94,13 +96,15 @@ def measure(tok: Any, context: int, runs: int) -> list[dict[str, Any]]:
         template_messages(req.messages)
         template_tools(req.tools)
 
-    def incremental(prepared: bool = True, cut: bool = True) -> Any:
+    def incremental(prepared: str = "slots", cut: bool = True) -> Any:
         encoder = PromptEncoder(tok)
         encoder._cut = encoder._cut and cut
         chat = ChatPrompts(tok, encoder)
-        chat.ids(first_msgs, tools, None, None)  # the first turn, as the server saw it
-        if prepared:
-            chat.prepare_resume()
+        turn = chat.render(first_msgs, tools, None, None)  # the first turn, as the server saw it
+        if prepared == "slots":  # as the server does when the turn ends in the call
+            chat.prepare_resume(turn.prompt, REPLY)
+        elif prepared == "window":
+            chat.prepare_resume(turn.prompt)
         t0 = time.perf_counter()
         ids = chat.ids(msgs, tools, None, None)
         return ids, (time.perf_counter() - t0) * 1e3
@@ -124,7 +128,8 @@ def measure(tok: Any, context: int, runs: int) -> list[dict[str, Any]]:
               "surrogate check": _times(lambda: check_text(
                   req.model_dump(by_alias=True, exclude_defaults=True)), runs),
               "render+tokenize": [incremental()[1] for _ in range(runs)],
-              "render+tokenize unprepared": [incremental(False)[1] for _ in range(runs)],
+              "render+tokenize window": [incremental("window")[1] for _ in range(runs)],
+              "render+tokenize unprepared": [incremental("no")[1] for _ in range(runs)],
               "render+tokenize uncut": [incremental(cut=False)[1] for _ in range(runs)],
               "full render+tokenize": [full() for _ in range(runs)],
               "request": _times(lambda: validator.make("r", ids, SamplingParams()), runs)}
