@@ -73,21 +73,26 @@ def load_summary(folders: Sequence[Path], name: str) -> list[dict[str, Any]] | N
 
 
 def live_rows(folders: Sequence[Path]) -> tuple[list[Row] | None, list[dict[str, Any]] | None]:
-    """The live rows of every folder with ``agent-ttft-live.json`` (a context measured in
-    several: the first folder's), and the in-process groups to set beside them: the
-    ``agent-ttft.json`` of those folders (the first that has one; a results folder's calls,
-    e.g. one live context per call and the groups in one of them)."""
+    """The live rows of every folder with ``agent-ttft-live.json``, and the in-process groups
+    to set beside them, from the ``agent-ttft.json`` of those folders; each context from the
+    first folder that measured it (a results folder's calls, e.g. one live context per call
+    and the groups in one of them; a newer call's context before an older one's)."""
     live_folders = [f for f in folders if (f / "agent-ttft-live.json").is_file()]
     if not live_folders:
         return None, None
-    rows: list[Row] = []
+    rows: list[Row] = list(_first_per_context(live_folders, "agent-ttft-live.json"))
+    return rows, _first_per_context(live_folders, "agent-ttft.json") or None
+
+
+def _first_per_context(folders: Sequence[Path], name: str) -> list[dict[str, Any]]:
+    """The summary rows of ``name`` in ``folders``, each context's from the first that has it."""
+    rows: list[dict[str, Any]] = []
     seen: set[Any] = set()
-    for folder in live_folders:
-        got = load_summary([folder], "agent-ttft-live.json") or []
-        new = [r for r in got if r["context_tokens"] not in seen]
+    for folder in folders:
+        got = load_summary([folder], name) or []
+        rows += [r for r in got if r["context_tokens"] not in seen]
         seen |= {r["context_tokens"] for r in got}
-        rows += new
-    return rows, load_summary(live_folders, "agent-ttft.json")
+    return rows
 
 
 def ms(x: float) -> str:

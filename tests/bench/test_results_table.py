@@ -211,3 +211,28 @@ def test_live_contexts_from_several_calls(tmp_path: Path) -> None:
     assert _row(table, "16K")[1] == "40.0 ms"  # the first folder's 16K
     assert _row(table, "32K")[1] == "60.0 ms"
     assert _row(table, "16K")[7].startswith(f"{40.0 - alone[(16384, 'A')]:.1f} ms")
+
+
+def test_each_live_context_beside_its_own_calls_groups(tmp_path: Path) -> None:
+    """A newer call measured 16K live and in process; an older one 16K and 32K. The 16K row
+    is the newer call's beside its own groups, the 32K row the older call's beside its own:
+    the in-process groups are taken per context, first folder first."""
+    def rows(ctx: int, a: float, key: str) -> list[dict]:
+        return [{"context_tokens": ctx, "group": g, "prompt_tokens": 9, "cached_tokens": 8,
+                 key: t, "total_trimmed_mean_ms": t} for g, t in (("A", a), ("B", 10 * a),
+                                                                 ("C", a / 4))]
+    new, old = tmp_path / "new", tmp_path / "old"
+    for folder, live, alone in ((new, rows(16384, 40.0, "ttft_trimmed_mean_ms"),
+                                 rows(16384, 30.0, "ttft_trimmed_mean_ms")),
+                                (old, rows(16384, 50.0, "ttft_trimmed_mean_ms")
+                                 + rows(32768, 70.0, "ttft_trimmed_mean_ms"),
+                                 rows(16384, 20.0, "ttft_trimmed_mean_ms")
+                                 + rows(32768, 64.0, "ttft_trimmed_mean_ms"))):
+        folder.mkdir()
+        (folder / "agent-ttft-live.json").write_text(json.dumps({"summary": live}))
+        (folder / "agent-ttft.json").write_text(json.dumps({"summary": alone}))
+    table = render([new, old])
+    assert _row(table, "16K")[1] == "40.0 ms"
+    assert _row(table, "16K")[7].startswith("10.0 ms")  # 40 - the newer call's 30
+    assert _row(table, "32K")[1] == "70.0 ms"
+    assert _row(table, "32K")[7].startswith("6.0 ms")  # 70 - the older call's 64
