@@ -30,7 +30,7 @@ results: no template runs. `slots_exact` probes this route on the template (resu
 markup, whitespace and JSON) before a server trusts it. Awaited prompts (also a predicted next
 request, `expect`) are kept by the first call id their resume answers, out of the recent
 prompts, so that a resume finds its prompt however many other sessions' prompts came since;
-the oldest are dropped past ``awaited`` sessions.
+the oldest are dropped past ``awaited`` sessions or ``awaited_chars`` characters of text.
 
 Not thread-safe: one thread (the server's tokenizing thread) owns it.
 """
@@ -132,6 +132,44 @@ _TOOL_KEYS = frozenset({"role", "content", "tool_call_id"})  # a tool message's,
 Awaited = RenderedPrompt | ResumeSlots
 
 
+class AwaitedPrompts:
+    """Awaited prompts by the first call id their resume answers, bounded by sessions (keys)
+    and by the characters of text held; the least recently added key is dropped first, the
+    latest is always kept."""
+
+    def __init__(self, sessions: int, chars: int) -> None:
+        self._items: OrderedDict[str, list[Awaited]] = OrderedDict()
+        self._sessions = sessions
+        self._max_chars = chars
+        self.chars = 0  # characters of text held
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def add(self, key: str, item: Awaited) -> None:
+        """Keep ``item`` under ``key`` (the latest), dropping the oldest keys past the bounds."""
+        self._items.setdefault(key, []).append(item)
+        self._items.move_to_end(key)
+        self.chars += _chars(item)
+        while len(self._items) > 1 and (len(self._items) > self._sessions
+                                        or self.chars > self._max_chars):
+            self._drop(next(iter(self._items)))
+
+    def get(self, key: str) -> Sequence[Awaited]:
+        return self._items.get(key, ())
+
+    def pop(self, key: str) -> None:
+        """Drop ``key``'s items (its session resumed)."""
+        self._drop(key)
+
+    def _drop(self, key: str) -> None:
+        self.chars -= sum(_chars(item) for item in self._items.pop(key, ()))
+
+
+def _chars(item: Awaited) -> int:
+    return len(item.text) if isinstance(item, RenderedPrompt) else sum(map(len, item.pieces))
+
+
 @dataclass
 class RenderStats:
     """Messages rendered (windows and full renders) and taken from earlier prompts' text;
@@ -158,19 +196,21 @@ class IncrementalChatRenderer:
         capacity: recent prompts kept (the oldest dropped first).
         verify: also render in full and raise `IncrementalRenderError` on a difference.
         awaited: sessions whose awaited resume is kept (the oldest dropped first).
+        awaited_chars: characters of awaited text kept, all sessions together (the oldest
+            dropped first; the latest is always kept). With its ids a character costs ~10
+            bytes, so the default (2**25) bounds the store near 350 MB whatever the contexts.
         slots: prepare awaited resumes as pieces around their results (`await_resume`).
     """
 
     def __init__(self, render: RenderFn, encode: Callable[[str], list[int]] | None = None,
                  capacity: int = 16, verify: bool = False, awaited: int = 256,
-                 slots: bool = True) -> None:
+                 awaited_chars: int = 1 << 25, slots: bool = True) -> None:
         self._render = render
         self._encode = encode
         self._recent: deque[RenderedPrompt] = deque(maxlen=capacity)
         self._verify = verify
         self._last_header: tuple[tuple[Any, ...], str] | None = None
-        self._awaited: OrderedDict[str, list[Awaited]] = OrderedDict()
-        self._awaited_capacity = awaited
+        self._awaited = AwaitedPrompts(awaited, awaited_chars)
         self.slots = slots
         self.stats = RenderStats()
 
@@ -276,7 +316,7 @@ class IncrementalChatRenderer:
         if pieces[0] != pieces[1]:
             return None
         slots = ResumeSlots(head, ids, prompt.tools, prompt.kwargs, pieces[0], query)
-        self._keep_awaited(ids[0], slots)
+        self._awaited.add(ids[0], slots)
         return slots
 
     def expect(self, prompt: RenderedPrompt) -> bool:
@@ -285,14 +325,8 @@ class IncrementalChatRenderer:
         n = _trailing_tools(prompt.messages)
         if n == 0:
             return False
-        self._keep_awaited(prompt.messages[-n]["tool_call_id"], prompt)
+        self._awaited.add(prompt.messages[-n]["tool_call_id"], prompt)
         return True
-
-    def _keep_awaited(self, call_id: str, item: Awaited) -> None:
-        self._awaited.setdefault(call_id, []).append(item)
-        self._awaited.move_to_end(call_id)
-        while len(self._awaited) > self._awaited_capacity:
-            self._awaited.popitem(last=False)
 
     def _take_awaited(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                       kwargs: dict[str, Any] | None) -> tuple[RenderedPrompt, Any] | None:
@@ -302,7 +336,7 @@ class IncrementalChatRenderer:
         key = messages[-n].get("tool_call_id") if n else None
         if not isinstance(key, str):
             return None
-        for item in self._awaited.get(key, ()):
+        for item in self._awaited.get(key):
             if item.tools != tools or item.kwargs != kwargs:
                 continue
             if isinstance(item, RenderedPrompt):
@@ -319,7 +353,7 @@ class IncrementalChatRenderer:
                 self.stats.slot_renders += 1
                 found = (RenderedPrompt(list(messages), tools, kwargs, text, {j: start}),
                          item.encoded)
-            del self._awaited[key]
+            self._awaited.pop(key)
             self.stats.reused_messages += len(messages)
             return found
         return None

@@ -377,3 +377,34 @@ def test_a_prepared_a_resume_runs_no_template_and_encodes_only_its_result(tok: A
     assert chat.stats.same_prompts == same + 1
     assert encoder.reused_tokens - reused == len(again)  # nothing tokenized
     assert list(again) == render_chat(tok, predicted2, [TOOL], None)
+
+
+@settings(max_examples=200, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["add", "pop"]), st.integers(0, 5),
+                              st.integers(1, 40)), max_size=40),
+       sessions=st.integers(1, 4), chars=st.integers(1, 100))
+def test_the_awaited_store_keeps_its_bounds(ops: list[tuple[str, int, int]], sessions: int,
+                                            chars: int) -> None:
+    """`AwaitedPrompts` against a plain model: keys in the order last added, the oldest
+    dropped while past ``sessions`` keys or ``chars`` characters (the latest always kept);
+    its character count is the sum of what it holds."""
+    from edmm.server.incremental import AwaitedPrompts, RenderedPrompt
+
+    store = AwaitedPrompts(sessions, chars)
+    model: dict[str, list[int]] = {}
+    for op, k, size in ops:
+        key = f"c{k}"
+        if op == "add":
+            store.add(key, RenderedPrompt([], None, None, "x" * size))
+            model.setdefault(key, []).append(size)
+            model[key] = model.pop(key)  # the latest key last
+            while len(model) > 1 and (len(model) > sessions
+                                      or sum(map(sum, model.values())) > chars):
+                del model[next(iter(model))]
+        else:
+            store.pop(key)
+            model.pop(key, None)
+        assert store.chars == sum(map(sum, model.values()))
+        assert len(store) == len(model)
+        for key, sizes in model.items():
+            assert [len(getattr(i, "text", "")) for i in store.get(key)] == sizes
