@@ -344,14 +344,21 @@ def test_a_prepared_a_resume_runs_no_template_and_encodes_only_its_result(tok: A
                                                       "arguments": '{"key": "record"}'}}]}
     result = prompts.text(512)
     chat = ChatPrompts(tok, PromptEncoder(tok))
-    turn = chat.render(first, [TOOL], None, None)
-    predicted = prompts.resume("C", first, reply, "c1", result)
-    chat.render(predicted, [TOOL], None, None, awaited=True)
-    assert turn.prompt is not None
-    chat.prepare_resume(turn.prompt, reply)
-    for i in range(40):
-        chat.ids([first[0], {"role": "user", "content": f"another session {i}"}], [TOOL],
-                 None, None)
+
+    def turn_ends_in(reply: dict[str, Any], call_id: str, others: str) -> list[dict[str, Any]]:
+        """The turn ends in ``reply``'s call with its predicted next request sent, the server
+        prepares the resume, then 40 other sessions' prompts come; the predicted request."""
+        turn = chat.render(first, [TOOL], None, None)
+        predicted = prompts.resume("C", first, reply, call_id, result)
+        chat.render(predicted, [TOOL], None, None, awaited=True)
+        assert turn.prompt is not None
+        chat.prepare_resume(turn.prompt, reply)
+        for i in range(40):
+            chat.ids([first[0], {"role": "user", "content": f"{others} {i}"}], [TOOL],
+                     None, None)
+        return predicted
+
+    turn_ends_in(reply, "c1", "another session")
     encoder = chat.encoder
     assert encoder is not None
     reused, windows, fulls = encoder.reused_tokens, chat.stats.window_renders, \
@@ -363,15 +370,8 @@ def test_a_prepared_a_resume_runs_no_template_and_encodes_only_its_result(tok: A
     assert chat.stats.full_renders == fulls
     assert len(ids) > 15000 and len(ids) - (encoder.reused_tokens - reused) < 600
     # The same session's C form was dropped with it; another session's is found whole.
-    turn2 = chat.render(first, [TOOL], None, None)
     reply2 = {**reply, "tool_calls": [{**reply["tool_calls"][0], "id": "c2"}]}
-    predicted2 = prompts.resume("C", first, reply2, "c2", result)
-    chat.render(predicted2, [TOOL], None, None, awaited=True)
-    assert turn2.prompt is not None
-    chat.prepare_resume(turn2.prompt, reply2)
-    for i in range(40):
-        chat.ids([first[0], {"role": "user", "content": f"yet another {i}"}], [TOOL],
-                 None, None)
+    predicted2 = turn_ends_in(reply2, "c2", "yet another")
     reused, same = encoder.reused_tokens, chat.stats.same_prompts
     again = chat.ids([dict(m) for m in predicted2], [TOOL], None, None)
     assert chat.stats.same_prompts == same + 1
