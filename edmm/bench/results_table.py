@@ -72,7 +72,8 @@ def load_summary(folders: Sequence[Path], name: str) -> list[dict[str, Any]] | N
     return list(doc["summary"])
 
 
-def live_rows(folders: Sequence[Path]) -> tuple[list[Row] | None, list[dict[str, Any]] | None]:
+def live_rows(folders: Sequence[Path],
+              ) -> tuple[list[dict[str, Any]] | None, list[dict[str, Any]] | None]:
     """The live rows of every folder with ``agent-ttft-live.json``, and the in-process groups
     to set beside them, from the ``agent-ttft.json`` of those folders; each context from the
     first folder that measured it (a results folder's calls, e.g. one live context per call
@@ -80,7 +81,7 @@ def live_rows(folders: Sequence[Path]) -> tuple[list[Row] | None, list[dict[str,
     live_folders = [f for f in folders if (f / "agent-ttft-live.json").is_file()]
     if not live_folders:
         return None, None
-    rows: list[Row] = list(_first_per_context(live_folders, "agent-ttft-live.json"))
+    rows = _first_per_context(live_folders, "agent-ttft-live.json")
     return rows, _first_per_context(live_folders, "agent-ttft.json") or None
 
 

@@ -43,6 +43,22 @@ def _full(tok: Any) -> Any:
     return render
 
 
+def _bench_conversation(tok: Any, context: int) -> tuple[Any, list[dict[str, Any]],
+                                                          dict[str, Any]]:
+    """`edmm bench live`'s prompts (seeded) at ``context`` tokens, its first conversation and
+    the reply that ends its turn in the call ``c1``."""
+    import random
+
+    from edmm.bench.live import LiveBenchConfig, Prompts
+
+    prompts = Prompts(tok, LiveBenchConfig(contexts=(context,), result_tokens=512),
+                      random.Random(0))
+    reply = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "lookup",
+                                                      "arguments": '{"key": "record"}'}}]}
+    return prompts, prompts.conversation(context), reply
+
+
 @st.composite
 def _turns(draw: st.DrawFn) -> list[list[dict[str, Any]]]:
     """Requests of one agent: each the previous plus new messages, sometimes with an earlier
@@ -199,18 +215,11 @@ def test_a_32k_bench_resume_takes_the_incremental_route(tok: Any, group: str) ->
     the server's `ChatPrompts`: its A resume (and C's predicted prompt after its first turn)
     renders only the new window and encodes only the text after the shared prefix; the ids
     equal a full render's."""
-    import random
-
-    from edmm.bench.live import TOOL, LiveBenchConfig, Prompts
+    from edmm.bench.live import TOOL
     from edmm.server.chat_prompts import ChatPrompts
     from edmm.server.prompts import render_chat
 
-    prompts = Prompts(tok, LiveBenchConfig(contexts=(31744,), result_tokens=512),
-                      random.Random(0))
-    first = prompts.conversation(31744)
-    call = {"role": "assistant", "content": "", "tool_calls": [
-        {"id": "c1", "type": "function", "function": {"name": "lookup",
-                                                      "arguments": '{"key": "record"}'}}]}
+    prompts, first, call = _bench_conversation(tok, 31744)
     # C: B's prompt, the memory block mid-prompt (the messages are shared up to it).
     resume = prompts.resume(group, first, call, "c1", prompts.text(512))
     assert len(resume) >= 66
@@ -330,18 +339,11 @@ def test_a_prepared_a_resume_runs_no_template_and_encodes_only_its_result(tok: A
     the bench's 16K A resume runs no template and tokenizes little more than its result;
     the ids equal a full render's. Its C form (the predicted request, `awaited`) is found
     the same way."""
-    import random
-
-    from edmm.bench.live import TOOL, LiveBenchConfig, Prompts
+    from edmm.bench.live import TOOL
     from edmm.server.chat_prompts import ChatPrompts
     from edmm.server.prompts import render_chat
 
-    prompts = Prompts(tok, LiveBenchConfig(contexts=(16384,), result_tokens=512),
-                      random.Random(0))
-    first = prompts.conversation(16384)
-    reply = {"role": "assistant", "content": "", "tool_calls": [
-        {"id": "c1", "type": "function", "function": {"name": "lookup",
-                                                      "arguments": '{"key": "record"}'}}]}
+    prompts, first, reply = _bench_conversation(tok, 16384)
     result = prompts.text(512)
     chat = ChatPrompts(tok, PromptEncoder(tok))
 
