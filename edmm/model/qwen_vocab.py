@@ -32,10 +32,10 @@ import shutil
 import tempfile
 import zipfile
 from collections.abc import Iterable, Mapping
-from functools import lru_cache
 from pathlib import Path
 from typing import Any
 
+from edmm.model.ascii_bpe import byte_alphabet
 from edmm.model.errors import ModelError
 from edmm.model.prompt_encoder import QWEN2_SPLIT
 from edmm.model.qwen_template import QWEN_CHAT_TEMPLATE
@@ -112,23 +112,9 @@ def parse_ranks(text: bytes) -> dict[bytes, int]:
     return ranks
 
 
-@lru_cache(maxsize=1)
-def _byte_to_unicode() -> tuple[str, ...]:
-    """GPT-2's byte-level alphabet: the printable character standing for each byte."""
-    keep = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-            *range(ord("®"), ord("ÿ") + 1)]
-    table: dict[int, str] = {b: chr(b) for b in keep}
-    extra = 0
-    for b in range(256):
-        if b not in table:
-            table[b] = chr(256 + extra)
-            extra += 1
-    return tuple(table[b] for b in range(256))
-
-
 def byte_level(token: bytes) -> str:
     """A token's bytes in the byte-level alphabet (how ``tokenizer.json`` spells it)."""
-    alphabet = _byte_to_unicode()
+    alphabet = byte_alphabet()
     return "".join(alphabet[b] for b in token)
 
 

@@ -11,9 +11,11 @@ from hypothesis import strategies as st
 from transformers import AutoTokenizer
 
 from edmm.model import prompt_encoder
+from edmm.model.ascii_bpe import AsciiBPE
 from edmm.model.errors import PromptTooLongError
 from edmm.model.prompt_encoder import (
     LLAMA3_SPLIT,
+    QWEN2_SPLIT,
     PromptEncoder,
     cut_points,
     cuttable,
@@ -277,9 +279,9 @@ def test_a_long_piece_is_encoded_in_cut_pieces(tokenizer: Any,
     pieces of about `CUT_CHARS` (each cut at a space between letters), not as one."""
     encoder = PromptEncoder(tokenizer)
     batches: list[list[str]] = []
-    inner = encoder._encode_batch
-    monkeypatch.setattr(encoder, "_encode_batch",
-                        lambda pieces: batches.append(pieces) or inner(pieces))
+    inner = encoder._encode_pieces
+    monkeypatch.setattr(encoder, "_encode_pieces",
+                        lambda pieces, added: batches.append(pieces) or inner(pieces, added))
     text = "<|im_start|>user\n" + "agent tool memory page " * 130 + "<|im_end|>\n"
     assert encoder.encode(text) == tokenizer.encode(text, add_special_tokens=False)
     pieces = batches[0]
@@ -344,3 +346,49 @@ def test_a_hint_reuses_a_prefix_that_left_the_recent_prompts(tokenizer: Any) -> 
     reused = encoder.reused_tokens
     encoder.encode_ids(text + " and more")  # ``text`` was kept: its ids are reused
     assert encoder.reused_tokens - reused >= len(handle.ids)
+
+
+def test_ascii_pieces_skip_the_tokenizer(tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the fast path, only added tokens and non-ASCII pieces reach the tokenizer's
+    batch; the ids are the tokenizer's all the same."""
+    encoder = PromptEncoder(tokenizer)
+    assert encoder._ascii is not None
+    batches: list[list[str]] = []
+    inner = encoder._encode_batch
+    monkeypatch.setattr(encoder, "_encode_batch",
+                        lambda pieces: batches.append(pieces) or inner(pieces))
+    text = "<|im_start|>tool\nagent tool 12 memory\n<|im_end|>\n数据 page<|im_end|>"
+    assert encoder.encode(text) == tokenizer.encode(text, add_special_tokens=False)
+    assert batches == [["<|im_start|>", "<|im_end|>", "\n数据 page", "<|im_end|>"]]
+
+
+def test_fast_bpe_off_or_refused(tokenizer: Any, tmp_path: Path) -> None:
+    """``fast_bpe=False`` keeps every piece on the tokenizer; a vocabulary whose merges do not
+    follow its ids (tiktoken's ranks) gets no fast path."""
+    import json
+
+    from tokenizers import Tokenizer
+
+    assert PromptEncoder(tokenizer, fast_bpe=False)._ascii is None
+    fast = tokenizer._tokenizer
+    assert AsciiBPE.of(fast, QWEN2_SPLIT) is not None
+    spec = json.loads(fast.to_str())
+    spec["model"]["merges"] = spec["model"]["merges"][::-1]
+    assert AsciiBPE.of(Tokenizer.from_str(json.dumps(spec)), QWEN2_SPLIT) is None
+
+
+@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+                                                                    HealthCheck.function_scoped_fixture])
+@given(text=st.text(alphabet=st.characters(min_codepoint=0, max_codepoint=127), max_size=120),
+       which=st.sampled_from(["qwen2", "llama3"]))
+def test_ascii_bpe_equals_the_tokenizer(tokenizer: Any, llama3_style: Any, text: str,
+                                        which: str) -> None:
+    """tiktoken over the ranks gives the tokenizer's ids on any ASCII text, for the tiny
+    model's vocabulary and one trained under Llama 3's pattern (merges as trained, one per
+    token)."""
+    tok = tokenizer if which == "qwen2" else llama3_style
+    bpe = AsciiBPE.of(tok._tokenizer, QWEN2_SPLIT if which == "qwen2" else LLAMA3_SPLIT)
+    assert bpe is not None
+    for added in tok.added_tokens_decoder.values():
+        text = text.replace(added.content, "")
+    assert bpe.encode(text) == tok.encode(text, add_special_tokens=False)
