@@ -109,7 +109,9 @@ class PromptEncoder:
                  fast_bpe: AsciiBPE | bool = True) -> None:
         self._tokenizer = tokenizer
         self._fast = getattr(tokenizer, "_tokenizer", None)
-        added = list(getattr(tokenizer, "added_tokens_decoder", {}).values())
+        decoder = getattr(tokenizer, "added_tokens_decoder", {})
+        added = list(decoder.values())
+        self._added_ids = {t.content: i for i, t in decoder.items()}
         plain = all(not (t.lstrip or t.rstrip or t.normalized or t.single_word) for t in added)
         self._pattern = (re.compile("|".join(re.escape(t.content) for t in
                                              sorted(added, key=lambda t: -len(t.content))))
@@ -297,24 +299,26 @@ class PromptEncoder:
         pieces.append(text[start:end])
 
     def _encode_pieces(self, pieces: list[str], added: set[int]) -> list[list[int]]:
-        """Ids of each piece: ASCII text through `AsciiBPE` (when there is one), the rest
-        (the ``added`` tokens' pieces among them) in one batch of the tokenizer."""
-        fast = [] if self._ascii is None else [i for i, p in enumerate(pieces)
-                                               if i not in added and p.isascii()]
-        if len(fast) == len(pieces):
-            return self._ascii_batch(pieces)
+        """Ids of each piece (``added``: the indices of the added tokens' pieces). With
+        `AsciiBPE`, an added token's piece is its id (a plain added token encodes alone to
+        itself) and ASCII text goes through tiktoken; the rest goes to the tokenizer in one
+        batch."""
+        if self._ascii is None:
+            return [enc.ids for enc in self._encode_batch(pieces)]
         out: list[list[int]] = [[] for _ in pieces]
-        taken = set(fast)
-        rest = [i for i in range(len(pieces)) if i not in taken]
-        for i, enc in zip(rest, self._encode_batch([pieces[i] for i in rest]), strict=True):
-            out[i] = enc.ids
-        for i, ids in zip(fast, self._ascii_batch([pieces[i] for i in fast]), strict=True):
-            out[i] = ids
+        rest = []
+        for i, piece in enumerate(pieces):
+            token = self._added_ids.get(piece) if i in added else None
+            if token is not None:
+                out[i] = [token]
+            elif i not in added and piece.isascii():
+                out[i] = self._ascii.encode(piece)
+            else:
+                rest.append(i)
+        if rest:
+            for i, enc in zip(rest, self._encode_batch([pieces[i] for i in rest]), strict=True):
+                out[i] = enc.ids
         return out
-
-    def _ascii_batch(self, pieces: list[str]) -> list[list[int]]:
-        assert self._ascii is not None
-        return [self._ascii.encode(p) for p in pieces]
 
     def _encode_batch(self, pieces: list[str]) -> list[Any]:
         assert self._fast is not None

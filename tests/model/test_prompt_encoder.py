@@ -349,8 +349,8 @@ def test_a_hint_reuses_a_prefix_that_left_the_recent_prompts(tokenizer: Any) -> 
 
 
 def test_ascii_pieces_skip_the_tokenizer(tokenizer: Any, monkeypatch: pytest.MonkeyPatch) -> None:
-    """With the fast path, only added tokens and non-ASCII pieces reach the tokenizer's
-    batch; the ids are the tokenizer's all the same."""
+    """With the fast path, only non-ASCII pieces reach the tokenizer's batch; the ids are
+    the tokenizer's all the same."""
     encoder = PromptEncoder(tokenizer)
     assert encoder._ascii is not None
     batches: list[list[str]] = []
@@ -359,7 +359,7 @@ def test_ascii_pieces_skip_the_tokenizer(tokenizer: Any, monkeypatch: pytest.Mon
                         lambda pieces: batches.append(pieces) or inner(pieces))
     text = "<|im_start|>tool\nagent tool 12 memory\n<|im_end|>\n数据 page<|im_end|>"
     assert encoder.encode(text) == tokenizer.encode(text, add_special_tokens=False)
-    assert batches == [["<|im_start|>", "<|im_end|>", "\n数据 page", "<|im_end|>"]]
+    assert batches == [["\n数据 page"]]  # an added token's piece is its id
 
 
 def test_fast_bpe_off_or_refused(tokenizer: Any, tmp_path: Path) -> None:
@@ -369,7 +369,10 @@ def test_fast_bpe_off_or_refused(tokenizer: Any, tmp_path: Path) -> None:
 
     from tokenizers import Tokenizer
 
-    assert PromptEncoder(tokenizer, fast_bpe=False)._ascii is None
+    off = PromptEncoder(tokenizer, fast_bpe=False)
+    assert off._ascii is None and off.incremental
+    text = "<|im_start|>tool\nagent tool 12\n<|im_end|>\n数据 page"
+    assert off.encode(text) == tokenizer.encode(text, add_special_tokens=False)
     fast = tokenizer._tokenizer
     assert AsciiBPE.of(fast, QWEN2_SPLIT) is not None
     spec = json.loads(fast.to_str())
