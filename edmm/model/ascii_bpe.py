@@ -7,7 +7,7 @@ the byte-level mapping and the encoding's token strings, much more than the BPE 
 themselves). ``tiktoken`` runs the same pipeline without that bookkeeping, ~6-8x faster on the
 same text.
 
-`AsciiBPE.of` takes that route only where it gives the tokenizer's ids:
+`AsciiBPE.of` takes that route only where the two pipelines are the same:
 
 - the pipeline is one `cuttable` tokenizer's: byte-level BPE (no dropout, no word prefix or
   suffix, no byte fallback) after the Qwen2 or Llama 3 split pattern, with NFC or no
@@ -21,12 +21,16 @@ same text.
   pattern's classes (``\\p{L}``, ``\\p{N}``, ``\\s``) mean the same to both regex engines;
   outside it their Unicode tables and normalisers may differ by version.
 
-What stays an assumption, not a proof: that tiktoken's rank order and Hugging Face's merge order
-pick the same pairs on every word. They agree by construction where every split of a token into
-two tokens is a listed merge (`edmm.model.qwen_vocab.bpe_merges`); a hand-made vocabulary can
-break it (three pieces whose concatenation is a token, no two of them one). The tests compare
-the two on random ASCII text, and `benchmarks/results/2026-12-03-cpu-ascii-bpe/` on ~75 MB of
-source files. ``PromptEncoder(fast_bpe=False)`` turns it off.
+What stays an assumption, not a proof: that the two pick the same merges on every word. Two
+ways they can part are known: tiktoken takes a pre-token that is itself a token whole,
+without merging (Hugging Face does so only with ``ignore_merges``), so a word whose merges
+stop short of it differs; and where two overlapping pairs make the same token, tiktoken
+merges the left one, Hugging Face the one listed first. Neither happened on ~41 M tokens of
+ASCII source files under Qwen's ranks, with every split of a token listed as a merge
+(`edmm.model.qwen_vocab.bpe_merges`) or with one recovered merge per token, the form of
+Qwen2.5's published tokenizer.json (`edmm.model.qwen_vocab.recovered_merges`;
+`benchmarks/results/2026-12-03-cpu-ascii-bpe/`). The tests compare the two on random ASCII
+text. ``PromptEncoder(fast_bpe=False)`` turns it off.
 """
 
 from __future__ import annotations

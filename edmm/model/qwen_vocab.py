@@ -135,9 +135,12 @@ def bpe_merges(ranks: Mapping[bytes, int]) -> list[tuple[bytes, bytes]]:
 # ---------------------------------------------------------------- the tokenizer
 
 
-def tokenizer_json(ranks: Mapping[bytes, int]) -> dict[str, Any]:
-    """The ``tokenizer.json`` document of Qwen2.5's tokenizer over ``ranks``."""
+def tokenizer_json(ranks: Mapping[bytes, int],
+                   merges: Iterable[tuple[bytes, bytes]] | None = None) -> dict[str, Any]:
+    """The ``tokenizer.json`` document of Qwen2.5's tokenizer over ``ranks`` (``merges``:
+    `bpe_merges` unless given, e.g. `recovered_merges`)."""
     n = len(ranks)
+    merges = bpe_merges(ranks) if merges is None else merges
     added = [{"id": n + i, "content": content, "single_word": False, "lstrip": False,
               "rstrip": False, "normalized": False, "special": special}
              for i, (content, special) in enumerate(ADDED_TOKENS)]
@@ -156,7 +159,7 @@ def tokenizer_json(ranks: Mapping[bytes, int]) -> dict[str, Any]:
                   "continuing_subword_prefix": None, "end_of_word_suffix": None,
                   "fuse_unk": False, "byte_fallback": False, "ignore_merges": False,
                   "vocab": {byte_level(t): r for t, r in ranks.items()},
-                  "merges": [[byte_level(a), byte_level(b)] for a, b in bpe_merges(ranks)]},
+                  "merges": [[byte_level(a), byte_level(b)] for a, b in merges]},
     }
 
 
@@ -213,6 +216,26 @@ def reference_bpe(ranks: Mapping[bytes, int], piece: bytes) -> list[int]:
     """tiktoken's byte-pair encoding of one pre-tokenized piece, in plain Python (a reference
     for tests): merge the adjacent pair whose concatenation ranks lowest (leftmost on ties)
     until no pair is a token."""
+    return [ranks[p] for p in _bpe_parts(ranks, piece)]
+
+
+def recovered_merges(ranks: Mapping[bytes, int]) -> list[tuple[bytes, bytes]]:
+    """One merge per token, in rank order: the two parts tiktoken's encoding of the token's
+    bytes stops at when only pairs ranked below it may merge (how conversions of tiktoken
+    vocabularies to ``tokenizer.json`` list them; Qwen2.5's published one has as many,
+    151,387). Tokens it cannot reach in two parts get none."""
+    merges = []
+    for token, rank in sorted(ranks.items(), key=lambda item: item[1]):
+        if len(token) > 1:
+            parts = _bpe_parts(ranks, token, rank)
+            if len(parts) == 2:
+                merges.append((parts[0], parts[1]))
+    return merges
+
+
+def _bpe_parts(ranks: Mapping[bytes, int], piece: bytes,
+               below: int | None = None) -> list[bytes]:
+    """`reference_bpe`'s parts, merging only pairs ranked below ``below`` when given."""
     parts = [piece[i:i + 1] for i in range(len(piece))]
     while len(parts) > 1:
         best: tuple[int, int] | None = None
@@ -220,11 +243,11 @@ def reference_bpe(ranks: Mapping[bytes, int], piece: bytes) -> list[int]:
             r = ranks.get(parts[i] + parts[i + 1])
             if r is not None and (best is None or r < best[0]):
                 best = (r, i)
-        if best is None:
+        if best is None or (below is not None and best[0] >= below):
             break
         i = best[1]
         parts[i:i + 2] = [parts[i] + parts[i + 1]]
-    return [ranks[p] for p in parts]
+    return parts
 
 
 def added_token_ids(names: Iterable[str] | None = None) -> dict[str, int]:

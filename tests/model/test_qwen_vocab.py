@@ -28,7 +28,9 @@ from edmm.model.qwen_vocab import (
     find_ranks_source,
     parse_ranks,
     read_ranks_text,
+    recovered_merges,
     reference_bpe,
+    tokenizer_json,
 )
 from edmm.model.tiny_assets import CHAT_TEMPLATE
 
@@ -247,7 +249,43 @@ def test_ascii_bpe_equals_the_tokenizer_on_the_real_vocabulary(
         qwen_tok: Any, qwen_bpe: AsciiBPE, text: str) -> None:
     """tiktoken over the vocabulary's ranks gives Hugging Face's ids on any ASCII text
     without added tokens (``benchmarks/results/2026-12-03-cpu-ascii-bpe/``: the same on
-    ~57 M tokens of source files)."""
+    ~41 M tokens of source files)."""
     if _ADDED.search(text):
         return
     assert qwen_bpe.encode(text) == qwen_tok.encode(text, add_special_tokens=False)
+
+
+@pytest.fixture(scope="module")
+def recovered_tok(ranks: dict[bytes, int]) -> Any:
+    """The same vocabulary with one merge per token (`recovered_merges`), the form of
+    Qwen2.5's published tokenizer.json."""
+    import json
+
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    merges = recovered_merges(ranks)
+    assert len(merges) == 151_387  # as many as Qwen2.5's published tokenizer.json lists
+    spec = json.dumps(tokenizer_json(ranks, merges))
+    return PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(spec))
+
+
+@pytest.fixture(scope="module")
+def recovered_bpe(recovered_tok: Any) -> AsciiBPE:
+    bpe = AsciiBPE.of(recovered_tok._tokenizer, QWEN2_SPLIT)
+    assert bpe is not None  # one merge per token, in rank order: the gate takes it
+    return bpe
+
+
+@settings(max_examples=200, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(text=st.one_of(_ASCII, st.lists(st.one_of(st.sampled_from(_ASCII_PIECES), _ASCII),
+                                       max_size=40).map("".join)))
+def test_ascii_bpe_equals_the_tokenizer_with_one_merge_per_token(
+        recovered_tok: Any, recovered_bpe: AsciiBPE, text: str) -> None:
+    """With one recovered merge per token the gate still takes the fast path, and tiktoken
+    still gives Hugging Face's ids (the corpus: ``2026-12-03-cpu-ascii-bpe/recovered/``)."""
+    if _ADDED.search(text):
+        return
+    assert recovered_bpe.encode(text) == recovered_tok.encode(text, add_special_tokens=False)
+
