@@ -16,8 +16,8 @@ pre-tokenizer certainly starts a new pre-token that does not depend on the text 
 (`cut_points`), and the pieces are encoded in one batch, which the tokenizer spreads over the
 CPU's cores: a tool result of 512 tokens is the whole of a resume's encoding, and one core
 takes ~0.5-1.9 ms over it. Pieces of ASCII text go through tiktoken with the tokenizer's own
-ranks where `edmm.model.ascii_bpe.AsciiBPE` finds that this gives the same ids (~0.2 ms for
-the same 512 tokens).
+ranks where `edmm.model.ascii_bpe.AsciiBPE.of` admits the tokenizer (~0.2 ms for the same 512
+tokens; its docstring says on what grounds), and an added token's piece is then its id.
 
 A caller's token limit (``limit``) bounds the work on a prompt far too long: a text with many
 more characters than the limit allows tokens is counted piece by piece first, and refused

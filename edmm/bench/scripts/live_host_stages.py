@@ -40,7 +40,8 @@ from edmm.bench.report import ResultWriter, collect_environment
 from edmm.bench.scripts import live_script_parser
 from edmm.bench.stats import summarize
 from edmm.engine import RequestValidator, SamplingParams
-from edmm.model.prompt_encoder import PromptEncoder
+from edmm.model.ascii_bpe import AsciiBPE
+from edmm.model.prompt_encoder import PromptEncoder, cuttable_split
 from edmm.server.body import parse_body
 from edmm.server.chat_prompts import ChatPrompts
 from edmm.server.prompts import render_chat, template_messages, template_tools
@@ -91,13 +92,16 @@ def measure(tok: Any, context: int, runs: int) -> list[dict[str, Any]]:
     first_msgs = template_messages(ChatCompletionRequest.model_validate(
         {"model": "m", "messages": first}).messages)
 
+    split = cuttable_split(tok._tokenizer)  # the ASCII fast path, built once (~1 s)
+    bpe: AsciiBPE | bool = (AsciiBPE.of(tok._tokenizer, split) or False) if split else False
+
     def convert() -> None:
         check_conversation(req.messages)
         template_messages(req.messages)
         template_tools(req.tools)
 
     def incremental(prepared: str = "slots", cut: bool = True) -> Any:
-        encoder = PromptEncoder(tok)
+        encoder = PromptEncoder(tok, fast_bpe=bpe)
         encoder._cut = encoder._cut and cut
         chat = ChatPrompts(tok, encoder)
         turn = chat.render(first_msgs, tools, None, None)  # the first turn, as the server saw it
@@ -110,7 +114,7 @@ def measure(tok: Any, context: int, runs: int) -> list[dict[str, Any]]:
         return ids, (time.perf_counter() - t0) * 1e3
 
     def full() -> float:
-        encoder = PromptEncoder(tok)
+        encoder = PromptEncoder(tok, fast_bpe=bpe)
         render_chat(tok, first_msgs, tools, None, encoder)
         t0 = time.perf_counter()
         render_chat(tok, msgs, tools, None, encoder)
