@@ -85,6 +85,17 @@ class AsciiBPE:
         return self._encoding.encode_ordinary(text)
 
 
+def vocab_bytes(vocab: dict[str, int]) -> dict[bytes, int] | None:
+    """A byte-level ``tokenizer.json`` vocabulary keyed by its tokens' bytes, or None if a
+    token holds a character outside the byte-level alphabet."""
+    alphabet = byte_alphabet()
+    letters = set(alphabet)
+    if any(not letters.issuperset(token) for token in vocab):
+        return None
+    to_latin1 = {ord(c): chr(b) for b, c in enumerate(alphabet)}
+    return {token.translate(to_latin1).encode("latin-1"): i for token, i in vocab.items()}
+
+
 def _ranks(model: dict[str, Any]) -> dict[bytes, int] | None:
     """The BPE ``model``'s vocabulary as tiktoken ranks (token bytes -> id), or None unless
     its ids are ranks its merges follow (see the module docstring)."""
@@ -92,14 +103,10 @@ def _ranks(model: dict[str, Any]) -> dict[bytes, int] | None:
             or model.get("continuing_subword_prefix") or model.get("end_of_word_suffix")
             or model.get("byte_fallback")):
         return None
-    alphabet = byte_alphabet()
-    to_latin1 = {ord(c): chr(b) for b, c in enumerate(alphabet)}
     vocab: dict[str, int] = model.get("vocab") or {}
-    letters = set(alphabet)
-    if any(not letters.issuperset(token) for token in vocab):  # not byte-level
-        return None
-    ranks = {token.translate(to_latin1).encode("latin-1"): i for token, i in vocab.items()}
-    if len(ranks) != len(vocab) or any(bytes([b]) not in ranks for b in range(256)):
+    ranks = vocab_bytes(vocab)
+    if ranks is None or len(ranks) != len(vocab) or any(bytes([b]) not in ranks
+                                                         for b in range(256)):
         return None
     last = -1
     for merge in model.get("merges") or []:

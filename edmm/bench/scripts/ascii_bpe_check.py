@@ -93,12 +93,13 @@ def _with_recovered_merges(fast: Any) -> Any:
 
     from tokenizers import Tokenizer
 
-    from edmm.model.ascii_bpe import byte_alphabet
+    from edmm.model.ascii_bpe import vocab_bytes
     from edmm.model.qwen_vocab import byte_level, recovered_merges
 
     spec = json.loads(fast.to_str())
-    to_byte = {c: b for b, c in enumerate(byte_alphabet())}
-    ranks = {bytes(to_byte[c] for c in token): i for token, i in spec["model"]["vocab"].items()}
+    ranks = vocab_bytes(spec["model"]["vocab"])
+    if ranks is None:
+        raise SystemExit("--recovered-merges: the tokenizer's vocabulary is not byte-level")
     spec["model"]["merges"] = [[byte_level(a), byte_level(b)] for a, b in recovered_merges(ranks)]
     return Tokenizer.from_str(json.dumps(spec))
 
