@@ -138,6 +138,8 @@ def test_cli_subsets_merge_into_one_report(tmp_path: Path) -> None:
     assert got.returncode == 0, got.stderr[-2000:]
     doc = json.loads((tmp_path / "all" / "agents.json").read_text())
     assert {r["policy"] for r in doc["summary"]} == {"lru", "edmm"}
+    # the parts' timelines, merged and plotted (one line per policy)
+    assert (tmp_path / "all" / "agents-pages.png").read_bytes()[:4] == b"\x89PNG"
     assert any(n.startswith("NOT MEASURED: sustainable load edmm / lru") for n in doc["notes"])
     got = run("agents", *common, "--seed", "1", "--policies", "ttl", "--out",
               str(tmp_path / "p3"))

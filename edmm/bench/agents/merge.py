@@ -7,10 +7,11 @@ micro-bench, if a folder holds one), refuses folders that did not replay the sam
 the same seed, scales, engine settings and source tree (`MergeError` names what differs), and
 refuses a condition measured twice. It writes the same files as one run (``agents.json``,
 ``agents.md``, ``agents.csv``, ``agents-timeline.csv``) plus the knee plot, the resume-TTFT CDF
-at the highest load every policy ran, engine-wait against oversubscription, and
-``agents-readme-table.md`` (the README's policy table of these rows); ``agents.md``
-lists the knees, the issue's targets with PASS / MISS and the margin
-(`edmm.bench.agents.targets`), and where every row came from.
+at the highest load every policy ran, engine-wait against oversubscription, KV pages in use
+over time (at the highest oversubscription and load merged), and ``agents-readme-table.md``
+(the README's policy table of these rows); ``agents.md`` lists the knees, the issue's
+targets with PASS / MISS and the margin (`edmm.bench.agents.targets`), and where every row
+came from.
 """
 
 from __future__ import annotations
@@ -22,7 +23,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from edmm.bench.agents.plots import plot_by_policy, plot_ttft_cdf, plot_wait_vs_oversub
+from edmm.bench.agents.plots import (
+    plot_by_policy,
+    plot_pages,
+    plot_ttft_cdf,
+    plot_wait_vs_oversub,
+)
 from edmm.bench.agents.targets import MARGIN_NOTE, SUSTAIN_TTFT_MS, check_targets, knees
 from edmm.bench.report import Environment, ResultWriter
 
@@ -153,7 +159,8 @@ def merge(folders: Sequence[Path], out: Path, oversub: float | None = None,
     paths["readme"] = out / f"{NAME}-readme-table.md"
     paths["readme"].write_text(readme_table(rows) + "\n", encoding="utf-8")
     device = env_doc.get("gpu_name") or env_doc.get("device") or ""
-    for path in plot_merged(rows, writer.rows, oversub, out, str(device)):
+    timeline = [r for p in bench for r in p.timeline]
+    for path in plot_merged(rows, writer.rows, timeline, oversub, out, str(device)):
         paths[path.stem] = path
     return paths
 
@@ -194,9 +201,10 @@ def _write_timeline(rows: list[dict[str, str]], path: Path) -> Path:
 
 
 def plot_merged(rows: Sequence[dict[str, Any]], detail: Sequence[dict[str, Any]],
-                oversub: float, out: Path, device: str) -> list[Path]:
-    """The knee plot, the resume-TTFT CDF and engine-wait vs oversubscription (none without
-    matplotlib)."""
+                timeline: Sequence[dict[str, str]], oversub: float, out: Path,
+                device: str) -> list[Path]:
+    """The knee plot, the resume-TTFT CDF, engine-wait vs oversubscription and KV pages in use
+    over time (none without matplotlib)."""
     try:
         from matplotlib.figure import Figure
     except ImportError:
@@ -204,7 +212,29 @@ def plot_merged(rows: Sequence[dict[str, Any]], detail: Sequence[dict[str, Any]]
     paths = [_plot_knees(Figure, rows, oversub, out / f"{NAME}-knees.png", device)]
     cdf = _plot_cdf(Figure, rows, detail, oversub, out / f"{NAME}-resume-ttft-cdf.png", device)
     wait = plot_wait_vs_oversub(Figure, rows, out / f"{NAME}-wait-vs-oversub.png", device)
-    return paths + [p for p in (cdf, wait) if p is not None]
+    pages = _plot_pages(Figure, timeline, out / f"{NAME}-pages.png", device)
+    return paths + [p for p in (cdf, wait, pages) if p is not None]
+
+
+def _plot_pages(figure: Any, timeline: Sequence[dict[str, str]], path: Path,
+                device: str) -> Path | None:
+    """Pages in use over time per policy, at the highest oversubscription and then load of
+    the timeline's long-tool runs (where memory is shortest); None without such rows."""
+    long = [t for t in timeline if t.get("tools") == "long"]
+    if not long:
+        return None
+    oversub = max(float(t["oversub"]) for t in long)
+    at = [t for t in long if float(t["oversub"]) == oversub]
+    load = max(float(t["load"]) for t in at)
+    at = [t for t in at if float(t["load"]) == load]
+    series: dict[str, tuple[list[float], list[float]]] = {}
+    for t in at:
+        ts, pages = series.setdefault(t["policy"], ([], []))
+        ts.append(float(t["t_s"]))
+        pages.append(float(t["pages_used"]))
+    pool = max(float(t["pages_total"]) for t in at)
+    return plot_pages(figure, series, pool, path,
+                      f"KV pages in use ({device}, load {load:g}, x{oversub:g})")
 
 
 def _plot_knees(figure: Any, rows: Sequence[dict[str, Any]], oversub: float, path: Path,

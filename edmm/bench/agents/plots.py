@@ -64,3 +64,20 @@ def plot_wait_vs_oversub(figure: Any, rows: Sequence[dict[str, Any]], path: Path
     ax.legend(loc="upper left")
     fig.savefig(path, format="png", dpi=120)
     return path
+
+
+def plot_pages(figure: Any, series: Mapping[str, tuple[Sequence[float], Sequence[float]]],
+               pool_pages: float, path: Path, title: str) -> Path:
+    """KV pages in use over time per policy (``series``: policy -> (seconds since the run
+    started, pages)), with the pool's size."""
+    fig = figure(figsize=(7, 4.5), layout="constrained")
+    ax = fig.add_subplot()
+    for policy, (ts, pages) in sorted(series.items()):
+        ax.plot(ts, pages, label=policy)
+    ax.axhline(pool_pages, color="grey", linestyle=":", label="pool")
+    ax.set_xlabel("time since the run started (s)")
+    ax.set_ylabel("KV pages in use (pages)")
+    ax.set_title(title)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.savefig(path, format="png", dpi=120)
+    return path

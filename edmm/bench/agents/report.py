@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from edmm.bench.agents.matrix import AgentsBenchConfig, Matrix, RunRecord
-from edmm.bench.agents.plots import plot_ttft_cdf, plot_wait_vs_oversub
+from edmm.bench.agents.plots import plot_pages, plot_ttft_cdf, plot_wait_vs_oversub
 from edmm.bench.agents.policies import BASELINES
 from edmm.bench.agents.targets import MARGIN_NOTE, SUSTAIN_TTFT_MS, check_targets
 from edmm.bench.agents.trace import Job, trace_digest, write_jsonl
@@ -171,19 +171,10 @@ def plot_all(records: Sequence[RunRecord], rows: Sequence[dict[str, Any]],
 
 def _plot_pages(figure: Any, recs: Sequence[RunRecord], path: Path, device: str,
                 cfg: AgentsBenchConfig, load: float) -> Path:
-    fig = figure(figsize=(7, 4.5), layout="constrained")
-    ax = fig.add_subplot()
-    for r in recs:
-        ts = [s["t_s"] for s in r.result.timeline]
-        ax.plot(ts, [s["pages_used"] for s in r.result.timeline], label=r.condition.policy)
-    if recs:
-        ax.axhline(recs[0].pages, color="grey", linestyle=":", label="pool")
-    ax.set_xlabel("time since the run started (s)")
-    ax.set_ylabel("KV pages in use (pages)")
-    ax.set_title(f"KV pages in use ({device}, load {load:g}, x{cfg.oversubscription:g})")
-    ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0))
-    fig.savefig(path, format="png", dpi=120)
-    return path
+    series = {r.condition.policy: ([s["t_s"] for s in r.result.timeline],
+                                   [s["pages_used"] for s in r.result.timeline]) for r in recs}
+    return plot_pages(figure, series, recs[0].pages if recs else 0, path,
+                      f"KV pages in use ({device}, load {load:g}, x{cfg.oversubscription:g})")
 
 
 def run_agents_bench(cfg: AgentsBenchConfig, out_dir: Path,
