@@ -68,6 +68,11 @@ class DecodeConfig:
     count, then keep every split busy). tma: the full tiles are loaded by the copy engine
     through a tensor descriptor (Hopper and later, or the interpreter, where the arena's
     strides allow it: see `decode_tma_usable`; elsewhere ignored).
+
+    sliced_reduce: the reduce launch gets a program per (sequence, query head, head-dim
+    slice), as many slices as keep each program's partials near 8 KB (one at 8 splits, four
+    at 64), so its loads spread over more SMs. Measured on the H200 (2026-12-03, batch 1, 64
+    splits): it gains 0.1-0.25 us per layer (benchmarks/results/2026-12-03-h200-decode-s17).
     """
 
     block_n: int = 64
@@ -80,6 +85,7 @@ class DecodeConfig:
     early_launch: bool = False
     balanced: bool = False
     tma: bool = False
+    sliced_reduce: bool = False
 
     def __post_init__(self) -> None:
         if self.prefetch_tiles < 0:

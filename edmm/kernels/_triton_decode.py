@@ -12,7 +12,9 @@ a [GROUP_PAD, D] query tile), and writes the normalised partial output and its l
   partials of the group's heads (in a fixed order: deterministic) and sets the counter back to
   0, so the workspace is zero again when the kernel ends (one zeroing at allocation;
   capturable in a CUDA graph, replayable).
-With one split the split kernel writes the final output itself and nothing merges. With
+With `DecodeConfig.sliced_reduce` the reduce kernel's grid also splits the head dim: grid
+(batch, q_heads, slices), each program merging BLOCK_D columns, so its loads spread over more
+SMs. With one split the split kernel writes the final output itself and nothing merges. With
 VARLEN, q and out are a packed [T, Hq, D] batch: sequence b's query is row cu_q[b], and
 sequences with other than exactly one query are skipped (the prefill kernel computes those).
 
@@ -262,10 +264,11 @@ def decode_reduce_kernel(
     stride_pb, stride_ph, stride_ps,  # part_o [B, Hq, num_splits, D]
     stride_lb, stride_lh,  # part_lse [B, Hq, num_splits]
     stride_ob, stride_oh,  # out [B, Hq, D]
-    SPLITS_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, VARLEN: tl.constexpr, PDL: tl.constexpr,
+    SPLITS_PAD: tl.constexpr, BLOCK_D: tl.constexpr, VARLEN: tl.constexpr, PDL: tl.constexpr,
     EARLY: tl.constexpr,
 ):
-    """One (sequence, query head): merge the splits' partial outputs by their log-sum-exp."""
+    """One (sequence, query head, head-dim slice of BLOCK_D columns): merge the splits'
+    partial outputs by their log-sum-exp."""
     row_q = _query_row(cu_q_ptr, tl.program_id(0), VARLEN)  # int32
     b = tl.program_id(0).to(tl.int64)
     h = tl.program_id(1)
@@ -278,7 +281,7 @@ def decode_reduce_kernel(
     if row_q < 0:
         return
     offs_s = tl.arange(0, SPLITS_PAD)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_d = tl.program_id(2) * BLOCK_D + tl.arange(0, BLOCK_D)
     s_mask = offs_s < num_splits
     lse = tl.load(part_lse_ptr + b * stride_lb + h * stride_lh + offs_s, mask=s_mask,
                   other=float("-inf"))  # [SPLITS_PAD]
@@ -286,8 +289,8 @@ def decode_reduce_kernel(
     m = tl.where(m == float("-inf"), 0.0, m)  # all splits empty: weights 0, output 0
     w = tl.exp2(lse - m)  # [SPLITS_PAD]
     o_ptrs = part_o_ptr + b * stride_pb + h * stride_ph + offs_s[:, None] * stride_ps
-    o = tl.load(o_ptrs + offs_d[None, :], mask=s_mask[:, None], other=0.0)  # [SPLITS_PAD, D]
+    o = tl.load(o_ptrs + offs_d[None, :], mask=s_mask[:, None], other=0.0)  # [SPLITS_PAD, BLOCK_D]
     denom = tl.sum(w, 0)
-    res = tl.sum(w[:, None] * o, 0) / tl.where(denom > 0.0, denom, 1.0)  # [D]
+    res = tl.sum(w[:, None] * o, 0) / tl.where(denom > 0.0, denom, 1.0)  # [BLOCK_D]
     tl.store(out_ptr + row_q.to(tl.int64) * stride_ob + h * stride_oh + offs_d,
              res.to(out_ptr.dtype.element_ty))

@@ -2,7 +2,8 @@
 
 Flash-decoding: the context of each sequence is split into ``num_splits`` chunks processed by
 separate programs, so a single long sequence still fills the GPU; a second small kernel merges
-the chunks, or (``DecodeConfig(fused=True)``) the split kernel merges them itself, through a
+the chunks (over head-dim slices too with ``DecodeConfig(sliced_reduce=True)``), or
+(``DecodeConfig(fused=True)``) the split kernel merges them itself, through a
 `CounterWorkspace` of counters. The launch shape depends only on static arguments
 (``num_splits``, or the ``max_context`` it is derived from), never on tensor values: no host
 sync, capturable in a CUDA graph.
@@ -36,6 +37,7 @@ MAX_SPLITS = 256  # the merge kernel holds one head's splits in registers
 MAX_FUSED_SPLITS = 1024  # the fused merge walks the splits in chunks
 MERGE_VALUES_PER_THREAD = 32  # fp32 partial values one thread loads per fused-merge step
 MERGE_LSE_SPLITS = 256  # log-sum-exps per step of the fused merge's first pass
+REDUCE_SLICE_BYTES = 8192  # fp32 partials one sliced-reduce program merges (about)
 PROGRAMS_PER_SM = 2
 VARLEN_DECODES = 4  # single-query sequences a mixed batch is assumed to hold (split count)
 DEFAULT_SMS = 132  # H200; used when the device has no SM count (CPU interpreter)
@@ -174,7 +176,8 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, cu_q: torch.Ten
     _launch_split(q, kv, slot_ids, context_lens, out, part_o, part_lse, cu_q, counters, scale,
                   num_splits, cfg, fused, pdl, prefetch)
     if num_splits > 1 and not fused:
-        _launch_reduce(part_o, part_lse, out, cu_q, pdl, cfg.early_launch)
+        _launch_reduce(part_o, part_lse, out, cu_q, pdl, cfg.early_launch,
+                       sliced=cfg.sliced_reduce)
     return out
 
 
@@ -246,20 +249,26 @@ def _pdl_launch(pdl: bool) -> dict[str, bool]:
 
 
 def _launch_reduce(part_o: torch.Tensor, part_lse: torch.Tensor, out: torch.Tensor,
-                   cu_q: torch.Tensor | None, pdl: bool, early: bool) -> None:
-    """Launch the merge kernel over (B, Hq)."""
+                   cu_q: torch.Tensor | None, pdl: bool, early: bool,
+                   sliced: bool = False) -> None:
+    """Launch the merge kernel over (B, Hq, head-dim slices): one slice, or with ``sliced``
+    as many as keep each program's partials near `REDUCE_SLICE_BYTES`."""
     from edmm.kernels import _triton_decode as tk
 
     batch, num_heads, num_splits, head_dim = part_o.shape
     splits_pad = next_pow2(num_splits)
-    tk.decode_reduce_kernel[(batch, num_heads)](
+    slices = 1
+    if sliced:
+        slices = max(1, min(head_dim // 16, splits_pad * head_dim * 4 // REDUCE_SLICE_BYTES))
+    block_d = head_dim // slices
+    warps = (splits_pad * block_d // 512) if sliced else (splits_pad * head_dim // 2048)
+    tk.decode_reduce_kernel[(batch, num_heads, slices)](
         part_o, part_lse, out, cu_q if cu_q is not None else part_lse,  # unused without VARLEN
         num_splits,
         part_o.stride(0), part_o.stride(1), part_o.stride(2),
         part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1),
-        SPLITS_PAD=splits_pad, HEAD_DIM=head_dim, VARLEN=cu_q is not None, PDL=pdl,
-        EARLY=early,
-        num_warps=min(16, max(1, splits_pad * head_dim // 2048)),  # ~64 fp32 per thread
+        SPLITS_PAD=splits_pad, BLOCK_D=block_d, VARLEN=cu_q is not None, PDL=pdl, EARLY=early,
+        num_warps=min(16, max(1, warps)),  # ~64 fp32 per thread (sliced: ~16)
         **_pdl_launch(pdl),
     )

@@ -8,8 +8,9 @@ medians on a real arena) and writes the fastest per (batch, context) as a JSON r
          "num_stages": 3, "fused": false, "pdl": true, "prefetch": true, "graph_us": 12.3},
         ...]}
 
-(``fused``, ``pdl``, ``prefetch``, ``early_launch``, ``balanced`` and ``tma``, `DecodeConfig`'s,
-are false where a table leaves them out; ``prefetch_tiles`` is 0, the whole chunk.)
+(``fused``, ``pdl``, ``prefetch``, ``early_launch``, ``balanced``, ``tma`` and
+``sliced_reduce``, `DecodeConfig`'s, are false where a table leaves them out;
+``prefetch_tiles`` is 0, the whole chunk.)
 
 `DecodeRoutes.lookup` gives a decode call the route of the nearest measured shape at or above
 it (the largest where none is); a table next to this module (`ROUTES_FILE`, when a measured one
@@ -95,7 +96,7 @@ def _route(r: dict[str, Any]) -> DecodeRoute:
                                      int(r["num_stages"]), _flag(r, "fused"), _flag(r, "pdl"),
                                      _flag(r, "prefetch"), int(r.get("prefetch_tiles", 0)),
                                      _flag(r, "early_launch"), _flag(r, "balanced"),
-                                     _flag(r, "tma")),
+                                     _flag(r, "tma"), _flag(r, "sliced_reduce")),
                         float(r["graph_us"]))
     if min(route.batch, route.context, route.num_splits) < 1:
         raise ValueError(f"non-positive batch/context/num_splits in {r}")

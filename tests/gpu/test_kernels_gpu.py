@@ -164,7 +164,10 @@ FUSED_DECODE = [(96, DecodeConfig(64, 2, 3, fused=True, pdl=True)),
                 (64, DecodeConfig(64, 2, 3, tma=True)),
                 (132, DecodeConfig(64, 4, 3, fused=True, pdl=True, balanced=True, tma=True)),
                 (99, DecodeConfig(32, 2, 5, pdl=True, prefetch=True, prefetch_tiles=1,
-                                  balanced=True, tma=True))]
+                                  balanced=True, tma=True)),
+                # the merge over head-dim slices (4 of 32 columns at 64 splits, 8 of 16 at 128)
+                (64, DecodeConfig(64, 2, 3, pdl=True, sliced_reduce=True)),
+                (128, DecodeConfig(32, 2, 3, sliced_reduce=True))]
 
 
 def test_arena_layers_take_tma_loads(arena: KVArena) -> None:

@@ -109,8 +109,12 @@ SCRIPT = textwrap.dedent("""
         "silu_trigger": compile_sm90(
             tsi.silu_mul_kernel, dict(BLOCK=256, TRIGGER=True), num_warps=4),
         "decode_reduce_pdl": compile_sm90(
-            td.decode_reduce_kernel, dict(SPLITS_PAD=64, HEAD_DIM=128, VARLEN=True, PDL=True,
-                                          EARLY=True),
+            td.decode_reduce_kernel, dict(SPLITS_PAD=64, BLOCK_D=128,
+                                          VARLEN=True, PDL=True, EARLY=True),
+            num_warps=4, launch_pdl=True),
+        "decode_reduce_sliced": compile_sm90(  # a quarter of the head dim per program
+            td.decode_reduce_kernel, dict(SPLITS_PAD=64, BLOCK_D=32,
+                                          VARLEN=False, PDL=True, EARLY=False),
             num_warps=4, launch_pdl=True),
         "prefill": compile_sm90(
             tp.prefill_kernel,
@@ -154,7 +158,8 @@ def test_default_configs_compile_for_sm90_without_spills() -> None:
     assert not report["skinny"]["griddepcontrol"] and not report["skinny"]["prefetch"]
     assert report["silu_trigger"]["trigger"]
     for name, r in report.items():
-        if name in ("decode_reduce_pdl", "rope_trigger", "silu_trigger"):
+        if name in ("decode_reduce_pdl", "decode_reduce_sliced", "rope_trigger",
+                    "silu_trigger"):
             pass  # no loop: nothing to pipeline
         elif not name.startswith("prefill_ws"):  # its loads are the copy engine's (TMA)
             assert r["cp_async"], f"{name}: loads are not pipelined (no cp.async)"

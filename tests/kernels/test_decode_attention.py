@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import gc
+import json
 import weakref
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -299,6 +301,82 @@ def test_tma_needs_contiguous_heads(make_cache: MakeCache, check_close: CheckClo
                            num_splits=4, config=DecodeConfig(16, 2, 2, tma=True))
     ref = decode_attention_reference(q, kv, 1, slots, lens, 0.2, dtype=torch.float64)
     check_close(out, ref, torch.float32)
+
+
+# ---------------------------------------------------------------------------- sliced reduce
+SLICED = [DecodeConfig(16, 2, 2, sliced_reduce=True),
+          DecodeConfig(16, 2, 3, balanced=True, sliced_reduce=True)]
+
+
+@pytest.mark.parametrize(("dtype", "num_splits"), [(torch.float32, 5), (torch.float16, 1),
+                                                   (torch.bfloat16, 33), (torch.bfloat16, 80)])
+@pytest.mark.parametrize("config", SLICED, ids=["sliced", "balanced-sliced"])
+def test_sliced_reduce_matches_reference(make_cache: MakeCache, check_close: CheckClose,
+                                         dtype: torch.dtype, config: DecodeConfig,
+                                         num_splits: int) -> None:
+    """The merge over head-dim slices (two of the 32 columns at more than 64 splits, one
+    below) over ragged contexts (1 token, NaN past each context, an empty slot, splits past
+    the short contexts): every row against the float64 reference."""
+    cache = make_cache(LENS, dtype=dtype, num_slots=6, max_tokens=MAX_TOKENS)
+    slots = [1, 3, 0, 5, 4, 2]  # slot 5 holds no token
+    q = torch.randn(len(slots), 14, 32).to(dtype)
+    out, ref = _run(cache, q, slots, num_splits=num_splits, config=config)
+    check_close(out, ref, dtype)
+    assert not out[3].any()  # empty context: zeros
+
+
+def test_sliced_reduce_equals_the_one_slice_merge_in_float32(make_cache: MakeCache) -> None:
+    """Head dim 128: 2 splits merge in one slice, 33 and 64 in four of 32 columns; the result
+    is the unsliced merge's up to rounding."""
+    cache = make_cache(LENS, dtype=torch.float32, num_slots=5, max_tokens=MAX_TOKENS,
+                       head_dim=128)
+    q = torch.randn(4, 4, 128)
+    for splits in (2, 33, 64):
+        want, _ = _run(cache, q, [1, 2, 0, 3], num_splits=splits,
+                       config=DecodeConfig(16, 2, 2))
+        got, _ = _run(cache, q, [1, 2, 0, 3], num_splits=splits,
+                      config=DecodeConfig(16, 2, 2, sliced_reduce=True))
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
+
+
+def test_sliced_reduce_varlen_rows(make_cache: MakeCache, check_close: CheckClose) -> None:
+    """VARLEN with the sliced merge (80 splits: two slices): sequences of other than one query
+    are not merged (their rows stay as they were)."""
+    cache = make_cache(LENS, dtype=torch.bfloat16, num_slots=5, max_tokens=MAX_TOKENS)
+    cu = torch.tensor([0, 1, 5, 6, 6, 7], dtype=torch.int64)  # (1, 4, 1, 0, 1) queries
+    slots = torch.tensor([1, 3, 2, 0, 4])
+    lens = torch.tensor([LENS[1], LENS[3], LENS[2], LENS[0], LENS[4]])
+    q = torch.randn(8, 14, 32).to(torch.bfloat16)
+    out = torch.full_like(q, 7.0)
+    decode_attention_varlen(q, cache.kv, 1, cu, slots, lens, out, 0.2, num_splits=80,
+                            config=DecodeConfig(16, 2, 2, sliced_reduce=True))
+    for row, b in ((0, 0), (5, 2), (6, 4)):
+        s = int(slots[b])
+        ref = decode_attention_reference(q[row:row + 1], cache.kv, 1, [s], [LENS[s]], 0.2,
+                                         dtype=torch.float64)
+        check_close(out[row:row + 1], ref, torch.bfloat16)
+    assert bool((out[1:5] == 7.0).all()) and bool((out[7] == 7.0).all())
+
+
+def test_sweep_letter_and_route_flag_of_the_sliced_reduce(tmp_path: Path) -> None:
+    """``r`` after a sweep config's numbers sets `DecodeConfig.sliced_reduce`; a routing
+    table keeps the flag."""
+    from edmm.bench.scripts import decode_sweep as sweep
+    from edmm.kernels.decode_routes import DecodeRoutes
+
+    configs = sweep.parse_configs("64x2x3r,16x4x3btr")
+    assert configs == (DecodeConfig(64, 2, 3, sliced_reduce=True),
+                       DecodeConfig(16, 4, 3, balanced=True, tma=True, sliced_reduce=True))
+    for bad in ("64x2x3rr", "64x2x3w", "64x2x3p"):
+        with pytest.raises(SystemExit):
+            sweep.parse_configs(bad)
+    path = tmp_path / "routes.json"
+    path.write_text(json.dumps({"routes": [
+        {"batch": 1, "context": 16384, "num_splits": 64, "block_n": 64, "num_warps": 2,
+         "num_stages": 3, "graph_us": 11.0, "pdl": True, "sliced_reduce": True}]}))
+    route = DecodeRoutes.from_json(path).lookup(1, 16384)
+    assert route is not None and route.config == DecodeConfig(64, 2, 3, pdl=True,
+                                                               sliced_reduce=True)
 
 
 def test_rejects_bad_index_tensors() -> None:

@@ -15,7 +15,8 @@ replays, CUDA events, a GPU sleep before each so launch latency stays out):
   (``prefetch``), or of its first tiles (a config's fourth number, ``64x2x3x1``: in the modes
   without prefetch it is 64x2x3); a config's letters ``b`` (balanced: equal token shares per
   split, for split counts such as 33, 66, 99, 132 that are multiples of the SM count over the
-  4 KV heads) and ``t`` (TMA loads of the full tiles), ``64x2x3bt``;
+  4 KV heads), ``t`` (TMA loads of the full tiles) and ``r`` (sliced reduce: the merge launch
+  over head-dim slices too), ``64x2x3btr``;
 - SDPA on the strided view (equal lengths only: the engine cannot route a CUDA-graph batch of
   unequal lengths to it without reading past each context, so it is a yardstick).
 Every candidate's output is checked against SDPA's (relative error in the table).
@@ -78,7 +79,7 @@ MODES = {  # launch mode -> DecodeConfig flags (early launch only with pdl)
     {"fused": fused, "pdl": pdl, "prefetch": pre, "early_launch": early}
     for fused in (False, True) for pdl in (False, True) for early in (False, True)
     for pre in (False, True) if pdl or not early}
-SUFFIXES = "bt"  # config flags: balanced splits, TMA loads
+SUFFIXES = "btr"  # config flags: balanced splits, TMA loads, sliced reduce
 TARGET_TBS = 3.0  # issue 20: decode attention >= 3 TB/s at batch 1 and 8, 16K
 
 
@@ -205,13 +206,15 @@ def _mode_cell(r: Row | None) -> str:
     tiles = f"x{e['prefetch_tiles']}" if e.get("prefetch_tiles") else ""
     return (f"{r.median_us:.1f} us, {r.throughput / 1e3:.2f} TB/s (splits={e['num_splits']}, "
             f"{e['block_n']}x{e['num_warps']}x{e['num_stages']}{tiles}"
-            f"{'b' if e.get('balanced') else ''}{'t' if e.get('tma') else ''})")
+            f"{'b' if e.get('balanced') else ''}{'t' if e.get('tma') else ''}"
+            f"{'r' if e.get('sliced_reduce') else ''})")
 
 
 def parse_configs(text: str) -> tuple[DecodeConfig, ...]:
-    """``"32x2x3,64x4x3x1,64x2x3bt"`` -> DecodeConfigs (tokens per tile x warps x stages,
-    optionally x tiles a prefetch asks L2 for: 0, the default, is the whole chunk; then
-    optionally ``b``, balanced splits, and ``t``, TMA loads: `DecodeConfig`'s flags)."""
+    """``"32x2x3,64x4x3x1,64x2x3bt,64x2x3r"`` -> DecodeConfigs (tokens per tile x warps x
+    stages, optionally x tiles a prefetch asks L2 for: 0, the default, is the whole chunk; then
+    optionally ``b``, balanced splits, ``t``, TMA loads, and ``r``, sliced reduce:
+    `DecodeConfig`'s flags)."""
     try:
         configs = []
         for item in (i for i in text.split(",") if i):
@@ -220,13 +223,14 @@ def parse_configs(text: str) -> tuple[DecodeConfig, ...]:
             if len(p) not in (3, 4) or len(set(flags)) != len(flags):
                 raise ValueError("three or four numbers per config, each flag once")
             configs.append(DecodeConfig(p[0], p[1], p[2], prefetch_tiles=p[3] if len(p) == 4
-                                        else 0, balanced="b" in flags, tma="t" in flags))
+                                        else 0, balanced="b" in flags, tma="t" in flags,
+                                        sliced_reduce="r" in flags))
         if not configs:
             raise ValueError("no config")
         return tuple(configs)
     except ValueError as e:
-        raise SystemExit(f"--configs: expected BLOCK_NxWARPSxSTAGES[xPREFETCH_TILES][b][t],..., "
-                         f"got {text!r}") from e
+        raise SystemExit("--configs: expected BLOCK_NxWARPSxSTAGES[xPREFETCH_TILES][b][t][r],"
+                         f"..., got {text!r}") from e
 
 
 def main(argv: list[str] | None = None) -> int:
