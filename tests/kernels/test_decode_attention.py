@@ -209,9 +209,13 @@ def test_fused_equals_two_launches_and_reuses_its_workspace(make_cache: MakeCach
         assert _counters_zero(ws)
 
 
-def test_fused_varlen_rows(make_cache: MakeCache, check_close: CheckClose) -> None:
-    """VARLEN: only single-query sequences are computed and merged (a padding sequence of
-    one query included), rows of the others stay as they were."""
+@pytest.mark.parametrize(("config", "num_splits"), [
+    (FUSED, 6), (DecodeConfig(16, 2, 2, sliced_reduce=True), 80)], ids=["fused", "sliced"])
+def test_varlen_rows_of_a_merged_launch(make_cache: MakeCache, check_close: CheckClose,
+                                        config: DecodeConfig, num_splits: int) -> None:
+    """VARLEN, the splits merged by the split kernel itself (fused) or by the reduce over
+    head-dim slices (80 splits: two slices): only single-query sequences are computed and
+    merged (a padding sequence of one query included), rows of the others stay as they were."""
     cache = make_cache(LENS, dtype=torch.bfloat16, num_slots=5, max_tokens=MAX_TOKENS)
     cu = torch.tensor([0, 1, 5, 6, 6, 7], dtype=torch.int64)  # (1, 4, 1, 0, 1) queries
     slots = torch.tensor([1, 3, 2, 0, 4])
@@ -219,8 +223,8 @@ def test_fused_varlen_rows(make_cache: MakeCache, check_close: CheckClose) -> No
     q = torch.randn(8, 14, 32).to(torch.bfloat16)
     out = torch.full_like(q, 7.0)
     ws = CounterWorkspace()
-    decode_attention_varlen(q, cache.kv, 1, cu, slots, lens, out, 0.2, num_splits=6,
-                            config=FUSED, workspace=ws)
+    decode_attention_varlen(q, cache.kv, 1, cu, slots, lens, out, 0.2, num_splits=num_splits,
+                            config=config, workspace=ws)
     for row, b in ((0, 0), (5, 2), (6, 4)):
         s = int(slots[b])
         ref = decode_attention_reference(q[row:row + 1], cache.kv, 1, [s], [LENS[s]], 0.2,
@@ -337,25 +341,6 @@ def test_sliced_reduce_equals_the_one_slice_merge_in_float32(make_cache: MakeCac
         got, _ = _run(cache, q, [1, 2, 0, 3], num_splits=splits,
                       config=DecodeConfig(16, 2, 2, sliced_reduce=True))
         torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-6)
-
-
-def test_sliced_reduce_varlen_rows(make_cache: MakeCache, check_close: CheckClose) -> None:
-    """VARLEN with the sliced merge (80 splits: two slices): sequences of other than one query
-    are not merged (their rows stay as they were)."""
-    cache = make_cache(LENS, dtype=torch.bfloat16, num_slots=5, max_tokens=MAX_TOKENS)
-    cu = torch.tensor([0, 1, 5, 6, 6, 7], dtype=torch.int64)  # (1, 4, 1, 0, 1) queries
-    slots = torch.tensor([1, 3, 2, 0, 4])
-    lens = torch.tensor([LENS[1], LENS[3], LENS[2], LENS[0], LENS[4]])
-    q = torch.randn(8, 14, 32).to(torch.bfloat16)
-    out = torch.full_like(q, 7.0)
-    decode_attention_varlen(q, cache.kv, 1, cu, slots, lens, out, 0.2, num_splits=80,
-                            config=DecodeConfig(16, 2, 2, sliced_reduce=True))
-    for row, b in ((0, 0), (5, 2), (6, 4)):
-        s = int(slots[b])
-        ref = decode_attention_reference(q[row:row + 1], cache.kv, 1, [s], [LENS[s]], 0.2,
-                                         dtype=torch.float64)
-        check_close(out[row:row + 1], ref, torch.bfloat16)
-    assert bool((out[1:5] == 7.0).all()) and bool((out[7] == 7.0).all())
 
 
 def test_sweep_letter_and_route_flag_of_the_sliced_reduce(tmp_path: Path) -> None:
