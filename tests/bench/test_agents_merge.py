@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 
 from edmm.bench.agents.merge import MergeError, merge
+from edmm.bench.agents.plots import load_label
 from edmm.bench.agents.targets import check_targets, knees, worst_metric
 
 
@@ -147,3 +148,8 @@ def test_cli_subsets_merge_into_one_report(tmp_path: Path) -> None:
     got = run("agents-merge", str(tmp_path / "p1"), str(tmp_path / "p3"), "--out",
               str(tmp_path / "bad"))
     assert got.returncode == 2 and "MergeError" in got.stderr and "trace_sha256" in got.stderr
+
+
+def test_plot_titles_name_the_load_by_the_loop() -> None:
+    assert load_label(24.0, "closed") == "24 sessions"
+    assert load_label(1.5, "open") == "1.5 jobs/s"

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from edmm.bench.agents.plots import (
+    load_label,
     plot_by_policy,
     plot_pages,
     plot_ttft_cdf,
@@ -160,7 +161,8 @@ def merge(folders: Sequence[Path], out: Path, oversub: float | None = None,
     paths["readme"].write_text(readme_table(rows) + "\n", encoding="utf-8")
     device = env_doc.get("gpu_name") or env_doc.get("device") or ""
     timeline = [r for p in bench for r in p.timeline]
-    for path in plot_merged(rows, writer.rows, timeline, oversub, out, str(device)):
+    for path in plot_merged(rows, writer.rows, timeline, oversub, out, str(device),
+                            str(meta.get("mode", "closed"))):
         paths[path.stem] = path
     return paths
 
@@ -202,7 +204,7 @@ def _write_timeline(rows: list[dict[str, str]], path: Path) -> Path:
 
 def plot_merged(rows: Sequence[dict[str, Any]], detail: Sequence[dict[str, Any]],
                 timeline: Sequence[dict[str, str]], oversub: float, out: Path,
-                device: str) -> list[Path]:
+                device: str, mode: str) -> list[Path]:
     """The knee plot, the resume-TTFT CDF, engine-wait vs oversubscription and KV pages in use
     over time (none without matplotlib)."""
     try:
@@ -210,14 +212,15 @@ def plot_merged(rows: Sequence[dict[str, Any]], detail: Sequence[dict[str, Any]]
     except ImportError:
         return []
     paths = [_plot_knees(Figure, rows, oversub, out / f"{NAME}-knees.png", device)]
-    cdf = _plot_cdf(Figure, rows, detail, oversub, out / f"{NAME}-resume-ttft-cdf.png", device)
-    wait = plot_wait_vs_oversub(Figure, rows, out / f"{NAME}-wait-vs-oversub.png", device)
-    pages = _plot_pages(Figure, timeline, out / f"{NAME}-pages.png", device)
+    cdf = _plot_cdf(Figure, rows, detail, oversub, out / f"{NAME}-resume-ttft-cdf.png", device,
+                    mode)
+    wait = plot_wait_vs_oversub(Figure, rows, out / f"{NAME}-wait-vs-oversub.png", device, mode)
+    pages = _plot_pages(Figure, timeline, out / f"{NAME}-pages.png", device, mode)
     return paths + [p for p in (cdf, wait, pages) if p is not None]
 
 
 def _plot_pages(figure: Any, timeline: Sequence[dict[str, str]], path: Path,
-                device: str) -> Path | None:
+                device: str, mode: str) -> Path | None:
     """Pages in use over time per policy, at the highest oversubscription and then load of
     the timeline's long-tool runs (where memory is shortest); None without such rows."""
     long = [t for t in timeline if t.get("tools") == "long"]
@@ -234,7 +237,8 @@ def _plot_pages(figure: Any, timeline: Sequence[dict[str, str]], path: Path,
         pages.append(float(t["pages_used"]))
     pool = max(float(t["pages_total"]) for t in at)
     return plot_pages(figure, series, pool, path,
-                      f"KV pages in use ({device}, load {load:g}, x{oversub:g})")
+                      f"KV pages in use ({device}, {load_label(load, mode)}, "
+                      f"{oversub:g}x KV oversubscription)")
 
 
 def _plot_knees(figure: Any, rows: Sequence[dict[str, Any]], oversub: float, path: Path,
@@ -250,14 +254,15 @@ def _plot_knees(figure: Any, rows: Sequence[dict[str, Any]], oversub: float, pat
     ax.set_yscale("log")
     ax.set_xlabel("load (concurrent sessions, or jobs/s in an open loop)")
     ax.set_ylabel("p90 resume TTFT (ms, log scale)")
-    ax.set_title(f"Where each policy stops sustaining 1 s ({device}, x{oversub:g})")
+    ax.set_title(f"Where each policy stops sustaining 1 s ({device}, "
+                 f"{oversub:g}x KV oversubscription)")
     ax.legend(loc="upper left")
     fig.savefig(path, format="png", dpi=120)
     return path
 
 
 def _plot_cdf(figure: Any, rows: Sequence[dict[str, Any]], detail: Sequence[dict[str, Any]],
-              oversub: float, path: Path, device: str) -> Path | None:
+              oversub: float, path: Path, device: str, mode: str) -> Path | None:
     """The resume-TTFT CDF at the highest load every policy ran at ``oversub`` (long tools)."""
     by_load: dict[float, set[str]] = {}
     for r in rows:
@@ -273,5 +278,6 @@ def _plot_cdf(figure: Any, rows: Sequence[dict[str, Any]], detail: Sequence[dict
                        and d["tools"] == "long" and d["oversub"] == oversub
                        and float(d["load"]) == load]
               for policy in sorted(policies)}
-    title = f"Resume TTFT per policy ({device}, load {load:g}, x{oversub:g})"
+    title = (f"Resume TTFT per policy ({device}, {load_label(load, mode)}, "
+             f"{oversub:g}x KV oversubscription)")
     return plot_ttft_cdf(figure, series, path, title)

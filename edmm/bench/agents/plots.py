@@ -13,6 +13,12 @@ from typing import Any
 from edmm.bench.agents.targets import SUSTAIN_TTFT_MS
 
 
+def load_label(load: float, mode: str) -> str:
+    """A load as a plot title says it: concurrent sessions (closed loop) or jobs per second
+    (open loop)."""
+    return f"{load:g} jobs/s" if mode == "open" else f"{load:g} sessions"
+
+
 def plot_ttft_cdf(figure: Any, series: Mapping[str, Sequence[float]], path: Path,
                   title: str) -> Path:
     """Step CDF of resume TTFT (ms) per policy, with the 1 s line; ``series``: policy -> ms."""
@@ -40,7 +46,7 @@ def plot_by_policy(ax: Any, points: Mapping[str, Sequence[tuple[float, float]]])
 
 
 def plot_wait_vs_oversub(figure: Any, rows: Sequence[dict[str, Any]], path: Path,
-                         device: str) -> Path | None:
+                         device: str, mode: str) -> Path | None:
     """Mean engine-wait per job against oversubscription, per policy, at the highest load run
     at more than one oversubscription (long tools); None when there is no such load."""
     per_load: dict[float, set[float]] = {}
@@ -60,7 +66,8 @@ def plot_wait_vs_oversub(figure: Any, rows: Sequence[dict[str, Any]], path: Path
     plot_by_policy(ax, pts)
     ax.set_xlabel("KV memory oversubscription (working set / pool)")
     ax.set_ylabel("mean engine-wait per job (s)")
-    ax.set_title(f"Engine-wait per job vs memory oversubscription ({device}, load {load:g})")
+    ax.set_title(f"Engine-wait per job vs memory oversubscription ({device}, "
+                 f"{load_label(load, mode)})")
     ax.legend(loc="upper left")
     fig.savefig(path, format="png", dpi=120)
     return path

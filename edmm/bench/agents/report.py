@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from edmm.bench.agents.matrix import AgentsBenchConfig, Matrix, RunRecord
-from edmm.bench.agents.plots import plot_pages, plot_ttft_cdf, plot_wait_vs_oversub
+from edmm.bench.agents.plots import load_label, plot_pages, plot_ttft_cdf, plot_wait_vs_oversub
 from edmm.bench.agents.policies import BASELINES
 from edmm.bench.agents.targets import MARGIN_NOTE, SUSTAIN_TTFT_MS, check_targets
 from edmm.bench.agents.trace import Job, trace_digest, write_jsonl
@@ -161,11 +161,12 @@ def plot_all(records: Sequence[RunRecord], rows: Sequence[dict[str, Any]],
             and r.condition.oversubscription == cfg.oversubscription and r.condition.load == top]
     series = {r.condition.policy: [t["ttft_s"] * 1e3 for t in r.result.turns if t["resume"]]
               for r in main}
-    title = (f"Resume TTFT per policy ({device}, load {top:g}, "
-             f"x{cfg.oversubscription:g} oversubscription)")
+    title = (f"Resume TTFT per policy ({device}, {load_label(top, cfg.mode)}, "
+             f"{cfg.oversubscription:g}x KV oversubscription)")
     paths = [plot_ttft_cdf(Figure, series, out / "agents-resume-ttft-cdf.png", title),
              _plot_pages(Figure, main, out / "agents-pages.png", device, cfg, top)]
-    jct = plot_wait_vs_oversub(Figure, rows, out / "agents-wait-vs-oversub.png", device)
+    jct = plot_wait_vs_oversub(Figure, rows, out / "agents-wait-vs-oversub.png", device,
+                               cfg.mode)
     return paths + ([jct] if jct is not None else [])
 
 
@@ -174,7 +175,8 @@ def _plot_pages(figure: Any, recs: Sequence[RunRecord], path: Path, device: str,
     series = {r.condition.policy: ([s["t_s"] for s in r.result.timeline],
                                    [s["pages_used"] for s in r.result.timeline]) for r in recs}
     return plot_pages(figure, series, recs[0].pages if recs else 0, path,
-                      f"KV pages in use ({device}, load {load:g}, x{cfg.oversubscription:g})")
+                      f"KV pages in use ({device}, {load_label(load, cfg.mode)}, "
+                      f"{cfg.oversubscription:g}x KV oversubscription)")
 
 
 def run_agents_bench(cfg: AgentsBenchConfig, out_dir: Path,
