@@ -155,12 +155,11 @@ def merge(folders: Sequence[Path], out: Path, oversub: float | None = None,
     paths = writer.write(rows, "Agent workloads: policies on one trace (merged runs)", notes,
                          meta={**meta, "oversub": oversub, "check_oversub": check_oversub,
                                "targets": [c.__dict__ for c in checks], "restore": restore})
-    paths["timeline"] = _write_timeline([r for p in bench for r in p.timeline],
-                                        out / f"{NAME}-timeline.csv")
+    timeline = [r for p in bench for r in p.timeline]
+    paths["timeline"] = _write_timeline(timeline, out / f"{NAME}-timeline.csv")
     paths["readme"] = out / f"{NAME}-readme-table.md"
     paths["readme"].write_text(readme_table(rows) + "\n", encoding="utf-8")
     device = env_doc.get("gpu_name") or env_doc.get("device") or ""
-    timeline = [r for p in bench for r in p.timeline]
     for path in plot_merged(rows, writer.rows, timeline, oversub, out, str(device),
                             str(meta.get("mode", "closed"))):
         paths[path.stem] = path

@@ -79,7 +79,8 @@ MODES = {  # launch mode -> DecodeConfig flags (early launch only with pdl)
     {"fused": fused, "pdl": pdl, "prefetch": pre, "early_launch": early}
     for fused in (False, True) for pdl in (False, True) for early in (False, True)
     for pre in (False, True) if pdl or not early}
-SUFFIXES = "btr"  # config flags: balanced splits, TMA loads, sliced reduce
+# config letters -> DecodeConfig flags: balanced splits, TMA loads, sliced reduce
+SUFFIXES = {"b": "balanced", "t": "tma", "r": "sliced_reduce"}
 TARGET_TBS = 3.0  # issue 20: decode attention >= 3 TB/s at batch 1 and 8, 16K
 
 
@@ -206,8 +207,7 @@ def _mode_cell(r: Row | None) -> str:
     tiles = f"x{e['prefetch_tiles']}" if e.get("prefetch_tiles") else ""
     return (f"{r.median_us:.1f} us, {r.throughput / 1e3:.2f} TB/s (splits={e['num_splits']}, "
             f"{e['block_n']}x{e['num_warps']}x{e['num_stages']}{tiles}"
-            f"{'b' if e.get('balanced') else ''}{'t' if e.get('tma') else ''}"
-            f"{'r' if e.get('sliced_reduce') else ''})")
+            f"{''.join(c for c, flag in SUFFIXES.items() if e.get(flag))})")
 
 
 def parse_configs(text: str) -> tuple[DecodeConfig, ...]:
@@ -218,13 +218,13 @@ def parse_configs(text: str) -> tuple[DecodeConfig, ...]:
     try:
         configs = []
         for item in (i for i in text.split(",") if i):
-            flags = item[len(item.rstrip(SUFFIXES)):]
+            flags = item[len(item.rstrip("".join(SUFFIXES))):]
             p = [int(v) for v in item[:len(item) - len(flags)].split("x")]
             if len(p) not in (3, 4) or len(set(flags)) != len(flags):
                 raise ValueError("three or four numbers per config, each flag once")
             configs.append(DecodeConfig(p[0], p[1], p[2], prefetch_tiles=p[3] if len(p) == 4
-                                        else 0, balanced="b" in flags, tma="t" in flags,
-                                        sliced_reduce="r" in flags))
+                                        else 0, **{flag: c in flags
+                                                   for c, flag in SUFFIXES.items()}))
         if not configs:
             raise ValueError("no config")
         return tuple(configs)
