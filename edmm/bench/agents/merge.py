@@ -253,7 +253,7 @@ def _plot_knees(figure: Any, rows: Sequence[dict[str, Any]], oversub: float, pat
     ax.set_yscale("log")
     ax.set_xlabel("load (concurrent sessions, or jobs/s in an open loop)")
     ax.set_ylabel("p90 resume TTFT (ms, log scale)")
-    ax.set_title(f"Where each policy stops sustaining 1 s ({device}, "
+    ax.set_title(f"Where each policy stops sustaining 1 s\n({device}, "
                  f"{oversub:g}x KV oversubscription)")
     ax.legend(loc="upper left")
     fig.savefig(path, format="png", dpi=120)
