@@ -336,6 +336,9 @@ def _agents_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     agents.add_argument("--lean", action="store_true",
                         help="write agents.json, agents.md and the timeline only (the merge "
                              "writes the rest)")
+    agents.add_argument("--step-log", action="store_true",
+                        help="also write agents-steps.csv: one row per engine step (its "
+                             "tokens, speculative tokens, engine and agent-layer seconds)")
     agents.add_argument("--working-set-sessions", type=int_at_least(1), default=None,
                         help="sessions the pool is sized for (default: the load; open loop: 16)")
     agents.add_argument("--clock", choices=("virtual", "wall", "model"), default="virtual",
@@ -525,7 +528,7 @@ def _bench_agents(args: argparse.Namespace) -> int:
         max_num_seqs=args.max_num_seqs, cuda_graph_token_sizes=args.graph_sizes,
         speculative_tokens_when_busy=args.busy_spec_tokens,
         speculation_fills_padding=not args.no_spec_in_padding, mix=args.mix,
-        checks=not args.no_checks, lean=args.lean)
+        checks=not args.no_checks, lean=args.lean, step_log=args.step_log)
     if args.write_trace is not None:
         print(f"wrote {write_jsonl(load_trace(cfg)['long'], args.write_trace)}")
         return 0

@@ -237,8 +237,8 @@ class Engine:
         # Modelled step seconds instead of measured ones (replays on a machine without the
         # GPU they model: `StepTimeModel`); None: measured.
         self.step_time_model: StepTimeModel | None = None
-        # What the last step computed, kept with a step-time model only (None: no model, or
-        # nothing computed): the modelled clock of `edmm bench agents` charges it.
+        # What the last step computed and its seconds (None: nothing computed): the modelled
+        # clock of `edmm bench agents` charges it, its step log records it.
         self.last_step: StepShape | None = None
         self.validator = RequestValidator(self.model_config.vocab_size, self.max_model_len,
                                           self.tokenizer is not None)
@@ -339,7 +339,7 @@ class Engine:
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; return the outputs of the requests that got a token."""
         self.last_step = None
-        restored = self.kv.restored_tokens() if self.step_time_model is not None else 0.0
+        restored = self.kv.restored_tokens()
         batch = self.scheduler.schedule()
         if batch.is_empty:
             if self.has_unfinished() and not batch.preempted:
@@ -350,12 +350,14 @@ class Engine:
         t0 = time.perf_counter()
         sampled = self.runner.execute(batch)
         seconds = time.perf_counter() - t0
+        shape = StepShape(tuple(len(s.token_ids) for s in batch.seqs),
+                          tuple(s.context_len for s in batch.seqs),
+                          self.kv.restored_tokens() - restored,
+                          speculative_tokens=sum(len(s.token_ids) for s in batch.seqs
+                                                 if s.speculative))
         if self.step_time_model is not None:
-            shape = StepShape(tuple(len(s.token_ids) for s in batch.seqs),
-                              tuple(s.context_len for s in batch.seqs),
-                              self.kv.restored_tokens() - restored)
             seconds = self.step_time_model(shape)
-            self.last_step = dataclasses.replace(shape, seconds=seconds)
+        self.last_step = dataclasses.replace(shape, seconds=seconds)
         self.step_cost.observe(batch.num_tokens, seconds)
         return [self._process(seq) for seq in self.scheduler.update(batch, sampled)]
 

@@ -113,6 +113,7 @@ class ScheduledSeq:
     # The tokens generated so far, given only to a sampling entry whose params have
     # logits processors (they need them); empty otherwise.
     output_token_ids: list[int] = field(default_factory=list)
+    speculative: bool = False  # an agent's speculative prefill (never samples)
 
     @property
     def context_len(self) -> int:
@@ -400,7 +401,7 @@ class Scheduler:
         return ScheduledSeq(
             request_id=seq.request_id, slot=seq.slot, token_ids=seq.token_ids[start:start + n],
             start=start, sample=sample, params=seq.params, rng=seq.rng,
-            output_token_ids=outputs)
+            output_token_ids=outputs, speculative=seq.is_speculative)
 
     # ------------------------------------------------------------------ memory
     def _grow_or_preempt(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch) -> bool:

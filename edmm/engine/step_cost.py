@@ -62,12 +62,14 @@ class StepShape:
     (``query_lens``) and the tokens with KV after the step (``context_lens``); the tokens'
     worth of host KV seen copied back while it was scheduled (``restored_tokens``: with
     synchronous copies, the restores its admissions waited for) and the seconds it took
-    (measured, or modelled by `StepTimeModel`)."""
+    (measured, or modelled by `StepTimeModel`); of the tokens, those of speculative prefills
+    (``speculative_tokens``)."""
 
     query_lens: tuple[int, ...]
     context_lens: tuple[int, ...]
     restored_tokens: float = 0.0
     seconds: float = 0.0
+    speculative_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:

@@ -197,3 +197,35 @@ def test_model_clock_runs_are_deterministic_and_charge_the_model(tiny_module_dir
     for row in first.jobs:
         want = sum(t.tool_s for t in jobs[row["job"]].turns)
         assert row["tool_s"] == pytest.approx(want, abs=0.2)  # + the step it returned in
+
+
+def test_step_log_accounts_for_every_engine_second(tiny_module_dir: Path, tmp_path: Path) -> None:
+    """``step_log``: one row per step the replay ran, whose seconds add up to the run's busy
+    and speculation-only engine time, with the speculative tokens edmm computed; written as
+    ``agents-steps.csv``."""
+    import csv
+
+    import torch
+
+    from edmm.bench.agents.report import write_steps
+
+    torch.set_num_threads(1)
+    cfg = bench_config(tiny_module_dir, clock="model", policies=("edmm",), step_log=True)
+    matrix = Matrix(cfg)
+    try:
+        (rec,) = matrix.run([Condition("long", 2.0, 3, "edmm")])
+    finally:
+        matrix.close()
+    res, steps = rec.result, rec.result.steps
+    busy = [s for s in steps if s["phase"] == "busy"]
+    assert busy and {s["phase"] for s in steps} <= {"busy", "spec"}
+    assert sum(s["agent_step_s"] for s in busy) == pytest.approx(res.busy_step_s, rel=1e-4)
+    assert sum(s["agent_step_s"] for s in steps if s["phase"] == "spec") == pytest.approx(
+        res.spec_only_step_s, rel=1e-4, abs=1e-6)
+    assert sum(s["speculative_tokens"] for s in steps) == res.sessions["tokens_speculated"]
+    for s in steps:
+        assert 0 <= s["speculative_tokens"] <= s["tokens"] and s["decode_rows"] <= s["seqs"]
+        assert s["engine_step_s"] == pytest.approx(s["agent_step_s"], abs=1e-6)  # model clock
+    with write_steps([rec], tmp_path / "steps.csv").open() as f:
+        rows = list(csv.DictReader(f))
+    assert len(rows) == len(steps) and rows[0]["policy"] == "edmm"

@@ -74,6 +74,7 @@ class AgentsBenchConfig:
     mix: str = "long"  # the tool mix of the main matrix: "long" or "short"
     checks: bool = True  # after the main matrix, edmm and the best baseline at 1x and short
     lean: bool = False  # write agents.json, agents.md and the timeline only (for a merge)
+    step_log: bool = False  # also write agents-steps.csv: one row per engine step
 
     def __post_init__(self) -> None:
         if self.mix not in MIXES:
@@ -254,7 +255,8 @@ class Matrix:
         self._runs += 1
         ballast = KVBallast(engine, ballast_pages)
         rcfg = ReplayConfig(mode=self.cfg.mode, load=load, clock=self.cfg.clock,
-                            prefetch_lead_s=self.cfg.prefetch_lead_s, seed=self.cfg.seed)
+                            prefetch_lead_s=self.cfg.prefetch_lead_s, seed=self.cfg.seed,
+                            step_log=self.cfg.step_log)
         clock = ReplayClock(rcfg.clock)
         # The agent layer times tool windows (learned durations, retention, prefetch) on the
         # replay's clock: on a virtual or modelled clock, wall time says nothing of them.

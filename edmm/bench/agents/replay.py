@@ -58,6 +58,8 @@ class ReplayConfig:
     (edmm) and the known history re-sent (rewarm); the expected duration is the client's
     running average per tool, the same rule the agent layer learns by, and an idle loop wakes
     then. ``sample_s``: spacing of the KV-pages timeline. ``seed``: the open loop's arrivals.
+    ``step_log``: keep one row per engine step (`RunResult.steps`: what it computed, the
+    engine's seconds and the agent layer's around them).
     """
 
     mode: str = "closed"
@@ -68,6 +70,7 @@ class ReplayConfig:
     sample_s: float = 0.05
     seed: int = 0
     max_wall_s: float = 3600.0
+    step_log: bool = False
 
     def __post_init__(self) -> None:
         if self.mode not in ("closed", "open"):
@@ -126,6 +129,7 @@ class RunResult:
     counters_before: EngineCounters
     counters_after: EngineCounters
     outputs: dict[str, str] = field(default_factory=dict)  # "job/turn" -> digest of its ids
+    steps: list[dict[str, Any]] = field(default_factory=list)  # with ``step_log``: per step
 
 
 @dataclass
@@ -168,6 +172,7 @@ class Replayer:
         self.job_rows: list[dict[str, Any]] = []
         self.timeline: list[dict[str, Any]] = []
         self.outputs: dict[str, str] = {}
+        self.steps: list[dict[str, Any]] = []
         self.sessions: dict[str, int] = {}
         self._declare_tools()
 
@@ -194,7 +199,9 @@ class Replayer:
             if busy:
                 start = time.perf_counter()
                 outputs = self.agent.step()
-                busy_s += self._took(start)
+                took = self._took(start)
+                busy_s += took
+                self._log_step("busy", now - t0, took)
                 for out in outputs:
                     self._on_output(out)
                 continue
@@ -202,7 +209,9 @@ class Replayer:
                 done = speculated_tokens_now(self.agent)
                 start = time.perf_counter()
                 self.agent.step()
-                spec_s += self._took(start)
+                took = self._took(start)
+                spec_s += took
+                self._log_step("spec", now - t0, took)
                 if speculated_tokens_now(self.agent) != done or not self.agent.has_speculation():
                     continue  # it advanced: speculation keeps the engine busy
             else:  # idle: retention and prefetch decisions still run
@@ -212,7 +221,7 @@ class Replayer:
         self._sample(makespan)
         after = read_counters(self.agent, self.reserved_pages)
         return RunResult(self.turn_rows, self.job_rows, self.timeline, self.sessions, makespan,
-                         spec_s, busy_s, before, after, self.outputs)
+                         spec_s, busy_s, before, after, self.outputs, self.steps)
 
     def _took(self, start: float) -> float:
         """Seconds the step begun at ``start`` took: host-measured, or (model clock) the
@@ -223,6 +232,21 @@ class Replayer:
         seconds = shape.seconds if shape is not None else 0.0
         self.clock.charge(seconds)
         return seconds
+
+    def _log_step(self, phase: str, t_s: float, took_s: float) -> None:
+        """With ``step_log``: one row for the step the agent layer just ran (``took_s``: its
+        seconds with the agent layer's work around the engine step)."""
+        shape = self.agent.engine.last_step
+        if not self.cfg.step_log or shape is None:
+            return
+        decode = [c for q, c in zip(shape.query_lens, shape.context_lens, strict=True) if q == 1]
+        self.steps.append({
+            "t_s": round(t_s, 6), "phase": phase, "agent_step_s": round(took_s, 6),
+            "engine_step_s": round(shape.seconds, 6), "seqs": len(shape.query_lens),
+            "tokens": shape.num_tokens, "speculative_tokens": shape.speculative_tokens,
+            "decode_rows": len(decode), "decode_context": sum(decode),
+            "prefill_context": sum(shape.context_lens) - sum(decode),
+            "restored_tokens": round(shape.restored_tokens, 1)})
 
     def _arrivals(self, t0: float) -> list[float]:
         if self.cfg.mode == "closed":

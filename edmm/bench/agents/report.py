@@ -6,7 +6,9 @@ Files written (at most 8): ``agents.csv`` (one row per job and per turn of every
 long-tool trace replayed), and three PNGs: the resume-TTFT CDF per policy, engine-wait per job
 against memory oversubscription, and pages in use over time. With ``lean`` (a subset run that
 `edmm.bench.agents.merge` combines with others) only ``agents.json``, ``agents.md`` and the
-timeline. ``agents.json`` keeps under ``meta`` what merged runs must share (`run_meta`).
+timeline. With ``step_log``, also ``agents-steps.csv`` (one row per engine step of every run:
+where a policy's engine time goes). ``agents.json`` keeps under ``meta`` what merged runs must
+share (`run_meta`).
 """
 
 from __future__ import annotations
@@ -138,6 +140,21 @@ def write_timeline(records: Sequence[RunRecord], path: Path) -> Path:
     return path
 
 
+def write_steps(records: Sequence[RunRecord], path: Path) -> Path:
+    """One row per engine step of every run (`ReplayConfig.step_log`)."""
+    fields = ["policy", "tools", "oversub", "load", *next(
+        (list(r.result.steps[0]) for r in records if r.result.steps), [])]
+    with path.open("w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=fields)
+        w.writeheader()
+        for r in records:
+            c = r.condition
+            for step in r.result.steps:
+                w.writerow({"policy": c.policy, "tools": c.mix, "oversub": c.oversubscription,
+                            "load": c.load, **step})
+    return path
+
+
 def detail_rows(records: Sequence[RunRecord]) -> list[dict[str, Any]]:
     """One row per job and per turn of every run."""
     out = []
@@ -220,6 +237,8 @@ def write_results(matrix: Matrix, cfg: AgentsBenchConfig, env: Environment,
     paths = writer.write(rows, "Agent workloads: policies on one trace", notes,
                          meta=run_meta(cfg, matrix.mixes["long"]))
     paths["timeline"] = write_timeline(matrix.records, out_dir / f"{NAME}-timeline.csv")
+    if cfg.step_log:
+        paths["steps"] = write_steps(matrix.records, out_dir / f"{NAME}-steps.csv")
     if cfg.lean:  # the merge step writes the rest
         paths.pop("csv").unlink()
     else:
