@@ -11,12 +11,16 @@ keeps with tickets (one owner: `PrefixCache`):
   handed to a sequence before ``Copier.compute_wait(ticket)``: the compute stream waits for the
   copy on the GPU (no host sync), and the unmap fence (`CudaVMM.fence`) waits for the compute
   stream; so nothing reads a restored slot too early and no page is reused under a copy;
-- a pinned host buffer stays referenced by its ticket until the copy is done.
+- host bytes are reused only by a later copy through the same copier (`HostKVStore`): copies
+  run in the order they were issued (one side stream), so a buffer is never overwritten under
+  a copy still reading or writing it; the tensors a copy touches stay referenced by its ticket
+  until it is done.
 """
 
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -44,13 +48,22 @@ class CopyTicket:
         return self.seconds is not None
 
 
+CopyPair = tuple[torch.Tensor, torch.Tensor]  # (dst, src): byte views of equal size
+
+
+def pairs_nbytes(pairs: Sequence[CopyPair]) -> int:
+    """Bytes a list of copies moves."""
+    return sum(int(dst.numel() * dst.element_size()) for dst, _ in pairs)
+
+
 class Copier(Protocol):
     """Issues host <-> arena copies and orders the compute stream after them."""
 
     asynchronous: bool  # True: `copy` returns before the bytes have moved
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, to_host: bool) -> CopyTicket:
-        """Copy ``src`` into ``dst`` (same number of bytes, one on the host)."""
+    def copy(self, pairs: Sequence[CopyPair], to_host: bool) -> CopyTicket:
+        """Copy each pair's ``src`` into its ``dst`` (same number of bytes, one of the two on
+        the host), in order; one ticket for them all."""
         ...
 
     def poll(self, ticket: CopyTicket) -> bool:
@@ -73,18 +86,17 @@ class SyncCopier:
 
     asynchronous = False
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, to_host: bool) -> CopyTicket:
+    def copy(self, pairs: Sequence[CopyPair], to_host: bool) -> CopyTicket:
         """Copy now; the ticket is done."""
-        device = src.device if src.is_cuda else dst.device
-        cuda = device.type == "cuda"
+        cuda = [d for dst, src in pairs for d in (dst.device, src.device) if d.type == "cuda"]
         if cuda:
-            torch.cuda.synchronize(device)
+            torch.cuda.synchronize(cuda[0])
         t0 = time.perf_counter()
-        dst.copy_(src)
+        for dst, src in pairs:
+            dst.copy_(src)
         if cuda:
-            torch.cuda.synchronize(device)
-        return CopyTicket(int(dst.numel() * dst.element_size()), to_host,
-                          time.perf_counter() - t0)
+            torch.cuda.synchronize(cuda[0])
+        return CopyTicket(pairs_nbytes(pairs), to_host, time.perf_counter() - t0)
 
     def poll(self, ticket: CopyTicket) -> bool:
         """Always done."""
@@ -106,17 +118,18 @@ class StreamCopier:
         self.device = device
         self.stream = torch.cuda.Stream(device)
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, to_host: bool) -> CopyTicket:
-        """Queue the copy on the side stream after the compute stream's current work."""
+    def copy(self, pairs: Sequence[CopyPair], to_host: bool) -> CopyTicket:
+        """Queue the copies on the side stream after the compute stream's current work."""
         start = torch.cuda.Event(enable_timing=True)
         end = torch.cuda.Event(enable_timing=True)
         self.stream.wait_stream(torch.cuda.current_stream(self.device))
         with torch.cuda.stream(self.stream):
             start.record(self.stream)
-            dst.copy_(src, non_blocking=True)
+            for dst, src in pairs:
+                dst.copy_(src, non_blocking=True)
             end.record(self.stream)
-        return CopyTicket(int(dst.numel() * dst.element_size()), to_host, None, start, end,
-                          (dst, src))
+        return CopyTicket(pairs_nbytes(pairs), to_host, None, start, end,
+                          tuple(t for pair in pairs for t in pair))
 
     def poll(self, ticket: CopyTicket) -> bool:
         """Done when its end event has completed (then timed from the stream's events)."""

@@ -16,23 +16,73 @@ from dataclasses import dataclass
 import torch
 
 from edmm.memory.arena import KVArena
-from edmm.memory.copies import Copier, CopyTicket, SyncCopier
+from edmm.memory.copies import Copier, CopyPair, CopyTicket, SyncCopier
 from edmm.memory.errors import KVMemoryError
+
+Run = tuple[int, int]  # (first block, blocks): consecutive blocks of the host buffer
 
 
 @dataclass(frozen=True)
 class HostKV:
-    """The KV of a slot's first ``num_tokens`` tokens, as bytes in host memory."""
+    """The KV of a slot's first ``num_tokens`` tokens, as bytes in the store's host buffer."""
 
-    data: torch.Tensor  # [num_tokens * token_bytes] uint8, host (pinned with a CUDA arena)
+    runs: tuple[Run, ...]  # the blocks holding the bytes, in byte order
     num_tokens: int
+    nbytes: int  # bytes of KV held (num_tokens * token_bytes; the last block may be partial)
     key: int  # the store's handle
-    ticket: CopyTicket  # the copy that filled ``data`` (may still run: asynchronous copier)
+    ticket: CopyTicket  # the copy that filled the blocks (may still run: asynchronous copier)
 
     @property
-    def nbytes(self) -> int:
-        """Host bytes held."""
-        return int(self.data.numel())
+    def num_blocks(self) -> int:
+        """Blocks held."""
+        return sum(n for _, n in self.runs)
+
+
+class HostBlocks:
+    """The free blocks of a host buffer of ``num_blocks`` blocks, as sorted, disjoint, maximal
+    runs. `take` hands out one run when one is long enough (the shortest such: one copy per
+    save, and long runs kept for long sessions), else the longest runs first (the fewest
+    copies); `give` merges runs back with their free neighbours."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self.num_blocks = num_blocks
+        self.free: list[Run] = [(0, num_blocks)] if num_blocks else []
+        self.num_free = num_blocks
+
+    def take(self, n: int) -> tuple[Run, ...] | None:
+        """``n`` free blocks as runs in ascending order (None: fewer are free)."""
+        if n <= 0 or n > self.num_free:
+            return () if n <= 0 else None
+        fits = [r for r in self.free if r[1] >= n]
+        if fits:
+            first, count = min(fits, key=lambda r: r[1])
+            taken = [(first, n)]
+        else:
+            taken, left = [], n
+            for first, count in sorted(self.free, key=lambda r: -r[1]):
+                taken.append((first, min(count, left)))
+                left -= taken[-1][1]
+                if not left:
+                    break
+        for first, count in taken:
+            i = next(i for i, r in enumerate(self.free) if r[0] == first)
+            rest = self.free[i][1] - count
+            self.free[i:i + 1] = [(first + count, rest)] if rest else []
+        self.num_free -= n
+        return tuple(sorted(taken))
+
+    def give(self, runs: tuple[Run, ...]) -> None:
+        """Return runs handed out by `take`."""
+        merged: list[Run] = []
+        for first, count in sorted([*self.free, *runs]):
+            if merged and merged[-1][0] + merged[-1][1] == first:
+                merged[-1] = (merged[-1][0], merged[-1][1] + count)
+            elif merged and merged[-1][0] + merged[-1][1] > first:
+                raise KVMemoryError(f"host blocks {first}..{first + count} given back twice")
+            else:
+                merged.append((first, count))
+        self.free = merged
+        self.num_free += sum(n for _, n in runs)
 
 
 @dataclass
@@ -65,29 +115,50 @@ class CopyCounters:
 class HostKVStore:
     """Host copies of arena slots' KV within ``capacity_bytes``.
 
+    The store allocates its whole host buffer once, at construction (pinned with a CUDA arena:
+    pinning runs at ~1.4 GiB/s on the H200's host, so a buffer pinned per copy would cost a
+    paused session more host time than its copy takes), and hands it out in blocks of
+    ``block_bytes`` (default: the arena's page size) through `HostBlocks`. A copy whose blocks
+    are not consecutive is one copy per run, under one ticket.
+
     Copies go through ``copier`` (`edmm.memory.copies`): synchronous by default; on a CUDA
     side stream with `StreamCopier`, in which case `save` and `load` return before the bytes
     have moved and the caller orders later work after ``HostKV.ticket`` / the returned ticket.
+    Released blocks may be handed to the next `save` while a copy on them still runs: every
+    copy goes through the one in-order copier, so the new copy runs after it.
     Raises `KVMemoryError` for a copy it does not hold or one that does not fit the slot.
     """
 
     def __init__(self, arena: KVArena, capacity_bytes: int,
-                 copier: Copier | None = None) -> None:
+                 copier: Copier | None = None, block_bytes: int | None = None) -> None:
         if capacity_bytes < 0:
             raise ValueError(f"capacity_bytes must be >= 0, got {capacity_bytes}")
         self.arena = arena
+        self.block_bytes = block_bytes if block_bytes is not None else arena.page_size
+        if self.block_bytes <= 0:
+            raise ValueError(f"block_bytes must be > 0, got {self.block_bytes}")
         self.capacity_bytes = capacity_bytes
-        self.used_bytes = 0
         self.copier: Copier = copier if copier is not None else SyncCopier()
-        self._pin = arena.kv.device.type == "cuda" and torch.cuda.is_available()
+        self.blocks = HostBlocks(capacity_bytes // self.block_bytes)
+        pin = arena.kv.device.type == "cuda" and torch.cuda.is_available()
+        self.buffer = torch.empty(self.blocks.num_blocks * self.block_bytes,  # [bytes] uint8
+                                  dtype=torch.uint8, pin_memory=pin)
         self._held: set[int] = set()  # keys of the copies this store holds
         self._next_key = 0
         self._untimed: list[CopyTicket] = []  # issued, not yet counted
         self.counters = CopyCounters()
 
+    @property
+    def used_bytes(self) -> int:
+        """Bytes of the buffer held by copies (whole blocks)."""
+        return (self.blocks.num_blocks - self.blocks.num_free) * self.block_bytes
+
+    def _blocks_for(self, nbytes: int) -> int:
+        return -(-nbytes // self.block_bytes)
+
     def fits(self, nbytes: int, freed: int = 0) -> bool:
-        """True if a copy of ``nbytes`` fits the budget once ``freed`` bytes are released."""
-        return self.used_bytes - freed + nbytes <= self.capacity_bytes
+        """True if a copy of ``nbytes`` fits once a held copy of ``freed`` bytes is released."""
+        return self._blocks_for(nbytes) <= self.blocks.num_free + self._blocks_for(freed)
 
     def save(self, slot: int, num_tokens: int, replacing: HostKV | None = None
              ) -> HostKV | None:
@@ -96,40 +167,61 @@ class HostKVStore:
         asynchronous copier the copy may still be running: see ``HostKV.ticket``.
 
         ``replacing``: a held copy the new one supersedes (an older, shorter copy of the same
-        session); its bytes count as free, and it is released before the new copy is made.
+        session); its blocks count as free, and it is released before the new copy is made.
         """
         nbytes = num_tokens * self.arena.spec.token_bytes
-        freed = 0
         if replacing is not None:
             self._check(replacing)
-            freed = replacing.nbytes
-        if not self.fits(nbytes, freed):
+        if not self.fits(nbytes, replacing.nbytes if replacing is not None else 0):
             return None
         if replacing is not None:
             self.release(replacing)
-        data = torch.empty(nbytes, dtype=torch.uint8, pin_memory=self._pin)
-        ticket = self.copier.copy(data, self.arena.token_bytes_view(slot, 0, num_tokens), True)
+        runs = self.blocks.take(self._blocks_for(nbytes))
+        assert runs is not None  # `fits` said so
+        ticket = self.copier.copy(self._pairs(runs, nbytes, slot, num_tokens, True), True)
         self._issued(ticket)
-        self.used_bytes += nbytes
         self._next_key += 1
         self._held.add(self._next_key)
-        return HostKV(data, num_tokens, self._next_key, ticket)
+        return HostKV(runs, num_tokens, nbytes, self._next_key, ticket)
 
     def load(self, host: HostKV, slot: int) -> CopyTicket:
         """Copy ``host`` back into ``slot``'s first tokens (the slot maps at least as many);
         the returned ticket says when the slot's KV is there (an asynchronous copier)."""
         self._check(host)  # after its save on the same in-order stream, if that still runs
-        ticket = self.copier.copy(self.arena.token_bytes_view(slot, 0, host.num_tokens),
-                                  host.data, False)
+        ticket = self.copier.copy(self.copy_pairs(host, slot, to_host=False), False)
         self._issued(ticket)
         return ticket
 
+    def copy_pairs(self, host: HostKV, slot: int, to_host: bool) -> list[CopyPair]:
+        """``(dst, src)`` byte views of a copy between ``host``'s blocks and ``slot``'s first
+        ``host.num_tokens`` tokens, one per run (``to_host``: the slot is the source)."""
+        return self._pairs(host.runs, host.nbytes, slot, host.num_tokens, to_host)
+
+    def _pairs(self, runs: tuple[Run, ...], nbytes: int, slot: int, num_tokens: int,
+               to_host: bool) -> list[CopyPair]:
+        device = self.arena.token_bytes_view(slot, 0, num_tokens)  # [nbytes] uint8
+        pairs, offset = [], 0
+        for first, count in runs:
+            n = min(count * self.block_bytes, nbytes - offset)
+            buf = self.buffer[first * self.block_bytes: first * self.block_bytes + n]
+            dev = device[offset: offset + n]
+            pairs.append((buf, dev) if to_host else (dev, buf))
+            offset += n
+        return pairs
+
+    def host_bytes(self, host: HostKV) -> torch.Tensor:
+        """A gathered copy of ``host``'s bytes ([nbytes] uint8; tests and benches)."""
+        self._check(host)
+        return torch.cat([self.buffer[first * self.block_bytes:
+                                      (first + count) * self.block_bytes]
+                          for first, count in host.runs])[: host.nbytes]
+
     def release(self, host: HostKV) -> None:
-        """Give ``host``'s bytes back to the budget (a copy still running keeps its buffer
-        alive through its ticket)."""
+        """Give ``host``'s blocks back to the budget (a copy still running on them goes
+        first: the copier is in order)."""
         self._check(host)
         self._held.discard(host.key)
-        self.used_bytes -= host.nbytes
+        self.blocks.give(host.runs)
 
     @property
     def num_held(self) -> int:

@@ -5,11 +5,10 @@ test (or an ordering wait) lets them."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 
-import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kv_helpers import PAGE, SPEC, filled, kv_values
@@ -17,7 +16,7 @@ from kv_helpers import PAGE, SPEC, filled, kv_values
 from edmm.engine import PrefixCache
 from edmm.engine.prefix_cache import EntryRank
 from edmm.memory import KVArena, PagePool
-from edmm.memory.copies import CopyTicket
+from edmm.memory.copies import CopyPair, CopyTicket, pairs_nbytes
 from edmm.memory.host import HostVMM
 from edmm.memory.offload import HostKVStore
 
@@ -25,12 +24,15 @@ from edmm.memory.offload import HostKVStore
 @dataclass
 class _Op:
     ticket: CopyTicket
-    dst: torch.Tensor
-    src: torch.Tensor
+    pairs: Sequence[CopyPair]
 
-    def arena_range(self) -> tuple[int, int]:
-        t = self.src if self.ticket.to_host else self.dst
-        return t.data_ptr(), t.data_ptr() + t.numel()
+    def touches(self, start: int, end: int) -> bool:
+        """True if the copy reads or writes arena bytes ``[start, end)``."""
+        for dst, src in self.pairs:
+            t = src if self.ticket.to_host else dst
+            if t.data_ptr() < end and start < t.data_ptr() + t.numel():
+                return True
+        return False
 
 
 class FakeStream:
@@ -43,9 +45,9 @@ class FakeStream:
         self.queue: list[_Op] = []
         self.violations: list[str] = []
 
-    def copy(self, dst: torch.Tensor, src: torch.Tensor, to_host: bool) -> CopyTicket:
-        ticket = CopyTicket(dst.numel(), to_host)
-        self.queue.append(_Op(ticket, dst, src))
+    def copy(self, pairs: Sequence[CopyPair], to_host: bool) -> CopyTicket:
+        ticket = CopyTicket(pairs_nbytes(pairs), to_host)
+        self.queue.append(_Op(ticket, pairs))
         return ticket
 
     def poll(self, ticket: CopyTicket) -> bool:
@@ -63,15 +65,15 @@ class FakeStream:
 
     def queued_over(self, start: int, end: int) -> list[_Op]:
         """Queued copies touching arena bytes ``[start, end)``."""
-        return [op for op in self.queue
-                if op.arena_range()[0] < end and start < op.arena_range()[1]]
+        return [op for op in self.queue if op.touches(start, end)]
 
     def _run_through(self, ticket: CopyTicket) -> None:
         while not ticket.done and self.queue:
             self._run(self.queue.pop(0))
 
     def _run(self, op: _Op) -> None:
-        op.dst.copy_(op.src)
+        for dst, src in op.pairs:
+            dst.copy_(src)
         op.ticket.seconds = 0.0
 
 

@@ -5,7 +5,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from kv_helpers import SPEC, filled, host_arena, kv_values
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from kv_helpers import PAGE, SPEC, filled, host_arena, kv_values
 
 from edmm.engine import (
     KVCacheManager,
@@ -19,7 +22,7 @@ from edmm.engine import (
 from edmm.engine.prefix_cache import EntryRank
 from edmm.engine.sequence import SlotHints
 from edmm.memory import KVArena, KVMemoryError
-from edmm.memory.offload import HostKVStore
+from edmm.memory.offload import HostBlocks, HostKVStore
 
 # 512 B per token, 8 tokens per 4 KiB page; 12 pages.
 TOKENS = list(range(1, 41))  # 40 tokens: 5 pages
@@ -50,6 +53,73 @@ def test_store_round_trip_and_budget(arena: KVArena) -> None:
     assert store.used_bytes == 0 and store.num_held == 0
     with pytest.raises(KVMemoryError, match="released twice"):
         store.release(host)
+
+
+def test_a_copy_over_fragmented_blocks_round_trips_in_one_ticket(arena: KVArena) -> None:
+    """Three 2-block copies fill a 6-block budget; the first and last are released, so the
+    4 free blocks are two runs apart: a 32-token (4-block) copy takes both runs, is one
+    copy (one ticket, counted once) and comes back byte for byte."""
+    store = HostKVStore(arena, capacity_bytes=6 * PAGE + 100)  # a partial block is not used
+    assert store.blocks.num_blocks == 6 and store.block_bytes == PAGE
+    slot = filled(arena, TOKENS)
+    a, b, c = (store.save(slot, 16) for _ in range(3))
+    assert a is not None and b is not None and c is not None
+    assert store.save(slot, 1) is None and store.used_bytes == 6 * PAGE
+    store.release(a)
+    store.release(c)
+    host = store.save(slot, 32)
+    assert host is not None and host.runs == ((0, 2), (4, 2)) and host.num_blocks == 4
+    assert store.counters.saves == 4 and host.ticket.nbytes == 32 * SPEC.token_bytes
+    other = arena.allocate()
+    arena.grow(other, 32)
+    store.load(host, other)
+    assert kv_values(arena, other) == TOKENS[:32]
+    assert torch.equal(store.host_bytes(host), arena.token_bytes_view(slot, 0, 32))
+    store.release(b)
+    store.release(host)
+    assert store.blocks.free == [(0, 6)] and store.used_bytes == 0
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(1, 24), st.lists(st.tuples(st.booleans(), st.integers(0, 9)), max_size=40))
+def test_host_blocks_match_a_set_of_free_blocks(num_blocks: int,
+                                                ops: list[tuple[bool, int]]) -> None:
+    """`HostBlocks` against a plain set of free block indices: every take hands out exactly
+    ``n`` blocks that were free (one run when a free run is long enough), every give returns
+    them, and the free runs stay sorted, disjoint and maximal."""
+    blocks, free, held = HostBlocks(num_blocks), set(range(num_blocks)), []
+    for take, n in ops:
+        if take or not held:
+            runs = blocks.take(n)
+            if n > len(free):
+                assert runs is None
+                continue
+            assert runs is not None
+            got = [b for first, count in runs for b in range(first, first + count)]
+            assert len(got) == n and set(got) <= free and len(set(got)) == n
+            longest = max((count for _, count in _runs(free)), default=0)
+            assert runs == tuple(sorted(runs)) and (len(runs) == 1 or longest < n or n == 0)
+            free -= set(got)
+            if runs:
+                held.append(runs)
+        else:
+            runs = held.pop(n % len(held))
+            blocks.give(runs)
+            free |= {b for first, count in runs for b in range(first, first + count)}
+        assert blocks.num_free == len(free) and blocks.free == _runs(free)
+    with pytest.raises(KVMemoryError, match="given back twice"):
+        blocks.give(((0, num_blocks),)) if len(free) else blocks.give(held[0] + held[0])
+
+
+def _runs(free: set[int]) -> list[tuple[int, int]]:
+    """Maximal runs of a set of block indices, ascending."""
+    out: list[tuple[int, int]] = []
+    for b in sorted(free):
+        if out and out[-1][0] + out[-1][1] == b:
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+        else:
+            out.append((b, 1))
+    return out
 
 
 def test_evicted_session_is_offloaded_and_restored(arena: KVArena) -> None:

@@ -60,7 +60,7 @@ def test_offload_round_trip_through_pinned_host_memory() -> None:
     arena.grow(other, n)
     arena.kv[slot, :n] = torch.randn(n, 28, 2, 4, 128, dtype=torch.bfloat16, device="cuda")
     host = store.save(slot, n)
-    assert host is not None and host.data.is_pinned() and not host.data.is_cuda
+    assert host is not None and store.buffer.is_pinned() and not store.buffer.is_cuda
     store.load(host, other)
     assert torch.equal(arena.kv[other, :n], arena.kv[slot, :n])
     store.release(host)

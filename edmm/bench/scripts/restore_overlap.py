@@ -111,9 +111,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     view.zero_()  # on the compute stream: the side stream's copy is ordered after it
     check = store.load(saved, session)
     side.wait(check)
-    restored_equal = bool(torch.equal(view.cpu(), saved.data))
-    sync = SyncCopier().copy(arena.token_bytes_view(session, 0, restore_tokens), saved.data,
-                             False)
+    restored_equal = bool(torch.equal(view.cpu(), store.host_bytes(saved)))
+    sync = SyncCopier().copy(store.copy_pairs(saved, session, to_host=False), False)
     sync_step = _timed_step(engine)
     nbytes = restore_tokens * token_bytes
     gib = nbytes / 2**30
