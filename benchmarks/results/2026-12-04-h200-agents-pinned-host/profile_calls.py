@@ -33,7 +33,8 @@ WRAPPED = {
                        "AgentEngine.await_tools", "AgentEngine.resume",
                        "AgentEngine._drop_branches"],
     "edmm.engine.engine": ["Engine.step"],
-    "edmm.engine.scheduler": ["Scheduler.schedule", "Scheduler.update"],
+    "edmm.engine.scheduler": ["Scheduler.schedule", "Scheduler.update",
+                              "Scheduler._admit_speculation", "Scheduler._unassign"],
 }
 totals: dict[str, list[float]] = collections.defaultdict(lambda: [0, 0.0])  # name -> calls, s
 
