@@ -10,7 +10,9 @@ groups: dict[tuple[str, float, str], list[dict]] = {}
 for path in sorted(glob.glob("*/*.json")):
     if "restore-overlap" in path or "profile" in path:
         continue
-    for row in json.load(open(path))["summary"]:
+    with open(path) as f:
+        summary = json.load(f)["summary"]
+    for row in summary:
         key = (path.split("/")[0], row["oversub"], row["policy"])
         if "nopad" in path:
             key = (key[0], key[1], key[2] + " (no padding spec.)")
