@@ -707,8 +707,12 @@ class AgentEngine:
         lead = self.config.prefetch_lead_s
         # Prefetch in the window around the expected return only: a call well past it is
         # not coming back any sooner for that, and restoring it whenever pages are free
-        # would copy it back and forth (the resume restores it anyway).
+        # would copy it back and forth (the resume restores it anyway). Nor while a request
+        # waits for memory: the copy would take the pages it waits for and be evicted again
+        # before the resume (48 of 50 prefetches in the modelled 2x replay,
+        # benchmarks/results/2026-12-04-h200-agents-pinned-host/).
         if (self.config.prefetch and remaining is not None and -lead < remaining <= lead
+                and not self.engine.scheduler.memory_short
                 and self.engine.kv.offloaded_tokens(tag)):
             self.engine.kv.restore(tag)  # prefetch: back before the tool returns, if room
 

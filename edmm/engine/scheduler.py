@@ -190,6 +190,9 @@ class Scheduler:
         self.spec_running: list[Sequence] = []  # admission order
         self.num_preemptions = 0
         self.memory_waits = MemoryWaits()
+        # True when the last `schedule` preempted a request or left the queue's head waiting
+        # for KV memory: pages freed now are wanted by a request (what a prefetch must not take)
+        self.memory_short = False
         self.speculated: Counter[str] = Counter()  # tag -> tokens computed by speculation
         self.speculated_total = 0  # tokens computed by speculation, since start
         self._seqs: dict[str, Sequence] = {}
@@ -279,6 +282,7 @@ class Scheduler:
         in what is left (module docstring)."""
         batch = ScheduledBatch()
         budget = self._schedule_running(batch, self.config.max_num_batched_tokens)
+        self.memory_short = bool(batch.preempted)
         if batch.preempted:
             return batch
         budget = self._schedule_waiting(batch, budget)
@@ -345,6 +349,7 @@ class Scheduler:
                 self.memory_waits.record(
                     sum(self.kv.mapped_pages(s.slot) for s in self.running if s.slot is not None))
                 seq.memory_wait_steps += 1
+                self.memory_short = True
                 break
             if seq.first_scheduled_ns is None:
                 seq.first_scheduled_ns = time.time_ns()

@@ -336,6 +336,35 @@ def test_offloaded_session_is_prefetched_before_its_tool_returns(make_agent: Mak
         make_agent, agent.session_context("s")[:-len(out.outputs[0].token_ids)])
 
 
+def test_no_prefetch_while_a_request_waits_for_memory(make_agent: MakeAgent) -> None:
+    """Inside the prefetch lead, an offloaded session is not copied back while a request waits
+    for memory (the copy would take the pages it waits for, and be evicted again before its
+    resume); once nothing waits, it is."""
+    clock = FakeClock()
+    agent = make_agent(AgentConfig(speculation=()), clock=clock, num_pages=36,
+                       kv_offload_bytes=1 << 20)
+    first_turn(agent)  # 66 tokens: 9 pages
+    agent.await_tools("s", [ToolCall("c1", "f")], expected_duration_s=5.0)
+    agent.add_request("big", list(range(200, 450)), greedy(4))  # 32 pages: the session goes
+    run(agent)
+    cache = agent.engine.kv.index
+    while cache.evict_one(max_rank=EntryRank.PLAIN):
+        pass
+    agent.add_request("hog", list(range(300, 450)), greedy(40))  # 19 pages, then more
+    agent.add_request("wait", list(range(500, 650)), greedy(4))  # 19 more: does not fit
+    agent.step()
+    assert agent.engine.scheduler.memory_short and agent.engine.kv.pool.num_free >= 9
+    clock.advance(4.6)
+    agent.step()  # inside the lead, 9 pages free, but "wait" waits for memory
+    assert agent.engine.scheduler.memory_short and cache.restored_total == 0
+    agent.abort("wait")
+    agent.step()
+    agent.step()  # nothing waits: prefetched
+    assert not agent.engine.scheduler.memory_short and cache.restored_total == 1
+    run(agent)
+    agent.check_integrity()
+
+
 def test_resume_restores_an_offloaded_session_making_room(make_agent: MakeAgent) -> None:
     """No prefetch (unknown tool duration): the resume itself copies the session back,
     evicting plain cache entries for it, and reuses all of its context."""
