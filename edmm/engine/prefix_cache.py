@@ -405,12 +405,13 @@ class PrefixCache:
         if not set(self._shadows) <= set(self._lru):
             raise KVMemoryError("a write-behind copy outlived its entry")
         copies = [off.kv for off in self._offloaded.values()] + list(self._shadows.values())
-        held = sum(kv.num_blocks for kv in copies) * (self.offload.block_bytes
-                                                      if self.offload is not None else 0)
-        if self.offload is not None and (self.offload.used_bytes != held
-                                         or self.offload.num_held != len(copies)):
-            raise KVMemoryError(f"host store holds {self.offload.used_bytes} bytes in "
-                                f"{self.offload.num_held} copies, the cache knows {held} in "
+        store = self.offload
+        if store is None:
+            return
+        held = sum(kv.num_blocks for kv in copies) * store.block_bytes
+        if store.used_bytes != held or store.num_held != len(copies):
+            raise KVMemoryError(f"host store holds {store.used_bytes} bytes in "
+                                f"{store.num_held} copies, the cache knows {held} in "
                                 f"{len(copies)}")
 
     # ------------------------------------------------------------------ internals

@@ -88,14 +88,15 @@ class SyncCopier:
 
     def copy(self, pairs: Sequence[CopyPair], to_host: bool) -> CopyTicket:
         """Copy now; the ticket is done."""
-        cuda = [d for dst, src in pairs for d in (dst.device, src.device) if d.type == "cuda"]
-        if cuda:
-            torch.cuda.synchronize(cuda[0])
+        cuda = next((d for pair in pairs for d in (t.device for t in pair)
+                     if d.type == "cuda"), None)
+        if cuda is not None:
+            torch.cuda.synchronize(cuda)
         t0 = time.perf_counter()
         for dst, src in pairs:
             dst.copy_(src)
-        if cuda:
-            torch.cuda.synchronize(cuda[0])
+        if cuda is not None:
+            torch.cuda.synchronize(cuda)
         return CopyTicket(pairs_nbytes(pairs), to_host, time.perf_counter() - t0)
 
     def poll(self, ticket: CopyTicket) -> bool:

@@ -178,7 +178,7 @@ class HostKVStore:
             self.release(replacing)
         runs = self.blocks.take(self._blocks_for(nbytes))
         assert runs is not None  # `fits` said so
-        ticket = self.copier.copy(self._pairs(runs, nbytes, slot, num_tokens, True), True)
+        ticket = self.copier.copy(self._pairs(runs, slot, num_tokens, True), True)
         self._issued(ticket)
         self._next_key += 1
         self._held.add(self._next_key)
@@ -195,26 +195,31 @@ class HostKVStore:
     def copy_pairs(self, host: HostKV, slot: int, to_host: bool) -> list[CopyPair]:
         """``(dst, src)`` byte views of a copy between ``host``'s blocks and ``slot``'s first
         ``host.num_tokens`` tokens, one per run (``to_host``: the slot is the source)."""
-        return self._pairs(host.runs, host.nbytes, slot, host.num_tokens, to_host)
+        return self._pairs(host.runs, slot, host.num_tokens, to_host)
 
-    def _pairs(self, runs: tuple[Run, ...], nbytes: int, slot: int, num_tokens: int,
+    def _pairs(self, runs: tuple[Run, ...], slot: int, num_tokens: int,
                to_host: bool) -> list[CopyPair]:
         device = self.arena.token_bytes_view(slot, 0, num_tokens)  # [nbytes] uint8
         pairs, offset = [], 0
-        for first, count in runs:
-            n = min(count * self.block_bytes, nbytes - offset)
-            buf = self.buffer[first * self.block_bytes: first * self.block_bytes + n]
-            dev = device[offset: offset + n]
+        for buf in self._host_views(runs, device.numel()):
+            dev = device[offset: offset + buf.numel()]
             pairs.append((buf, dev) if to_host else (dev, buf))
-            offset += n
+            offset += buf.numel()
         return pairs
+
+    def _host_views(self, runs: tuple[Run, ...], nbytes: int) -> list[torch.Tensor]:
+        """The buffer's bytes holding ``nbytes`` bytes in ``runs``, one view per run."""
+        views, left = [], nbytes
+        for first, count in runs:
+            n = min(count * self.block_bytes, left)
+            views.append(self.buffer[first * self.block_bytes: first * self.block_bytes + n])
+            left -= n
+        return views
 
     def host_bytes(self, host: HostKV) -> torch.Tensor:
         """A gathered copy of ``host``'s bytes ([nbytes] uint8; tests and benches)."""
         self._check(host)
-        return torch.cat([self.buffer[first * self.block_bytes:
-                                      (first + count) * self.block_bytes]
-                          for first, count in host.runs])[: host.nbytes]
+        return torch.cat(self._host_views(host.runs, host.nbytes))
 
     def release(self, host: HostKV) -> None:
         """Give ``host``'s blocks back to the budget (a copy still running on them goes
