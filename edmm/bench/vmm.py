@@ -1,7 +1,8 @@
 """``edmm bench vmm``: what the VMM layer costs, per page and per operation, on one backend.
 
 Measured, each as the median over repeats (p10/p90 beside it):
-- per page: create, map + set access, unmap, remap (unmap + map + set access) through the
+- per page: create, map + set access, unmap (one call per page, and one call over all the
+  pages, as the arena frees a slot), remap (unmap + map + set access) through the
   backend, and the same remap through bare driver/OS calls (the overhead of EDMM's wrapper);
 - per context (a 7.6B Qwen2.5-shaped model's KV: 28 layers, 4 KV heads, head dim 128, bf16):
   branch creation from a prefix, commit at resume, releasing the old slot after the commit,
@@ -82,29 +83,42 @@ def bench_per_page(backend: VMMBackend, cfg: VMMBenchConfig) -> list[dict[str, A
     create: list[float] = []
     map_access: list[float] = []
     unmap: list[float] = []
+    unmap_range: list[float] = []
     remap: list[float] = []
     va = backend.reserve(n * p)
     for _ in range(cfg.repeats):
         with timer.time(create, per=n):
             handles = [backend.create_page() for _ in range(n)]
-        with timer.time(map_access, per=n):
-            for i, h in enumerate(handles):
-                backend.map(va + i * p, h)
-                backend.set_access(va + i * p, p)
+        _map_all(backend, va, handles, map_access, timer)
         with timer.time(remap, per=n):  # every address gets the next page: a real swap
             for i in range(n):
-                backend.unmap(va + i * p)
+                backend.unmap(va + i * p, p)
                 backend.map(va + i * p, handles[(i + 1) % n])
                 backend.set_access(va + i * p, p)
         with timer.time(unmap, per=n):
             for i in range(n):
-                backend.unmap(va + i * p)
+                backend.unmap(va + i * p, p)
+        _map_all(backend, va, handles, [], timer)
+        with timer.time(unmap_range, per=n):  # the arena's way: a slot's pages in one call
+            backend.unmap(va, n * p)
         for h in handles:
             backend.release_page(h)
     backend.free_range(va, n * p)
     extra = {"pages": n, "bytes": p}
     return [_row("create page", create, **extra), _row("map + set access", map_access, **extra),
-            _row("unmap", unmap, **extra), _row("remap (unmap+map+access)", remap, **extra)]
+            _row("unmap", unmap, **extra),
+            _row(f"unmap, {n} pages in one call", unmap_range, **extra),
+            _row("remap (unmap+map+access)", remap, **extra)]
+
+
+def _map_all(backend: VMMBackend, va: int, handles: list[int], out: list[float],
+             timer: _Timer) -> None:
+    """Map ``handles`` at consecutive pages from ``va``, one map + access per page, timed."""
+    p = backend.page_size
+    with timer.time(out, per=len(handles)):
+        for i, h in enumerate(handles):
+            backend.map(va + i * p, h)
+            backend.set_access(va + i * p, p)
 
 
 def bench_bare_remap(backend: VMMBackend, cfg: VMMBenchConfig) -> list[dict[str, Any]]:

@@ -383,25 +383,26 @@ class KVArena:
                 self.backend.set_access(base, len(pages) * self.page_size)
             self.driver.mapped(len(pages), time.perf_counter() - t0)
         except BaseException:
-            for i in range(done):
-                self.backend.unmap(base + i * self.page_size)
+            if done:
+                self.backend.unmap(base, done * self.page_size)
             for p in fresh:
                 self.pool.decref(p)
             raise
 
     def _unmap_pages(self, slot: int, keep: int) -> None:
-        """Unmap a slot's pages from index ``keep`` on and drop their references."""
+        """Unmap a slot's pages from index ``keep`` on (one driver call) and drop their
+        references."""
         s = self._slots[slot]
         if keep >= len(s.pages):
             return
         self.backend.fence()
-        base = self.slot_address(slot)
-        t0 = time.perf_counter()
         n = len(s.pages) - keep
-        for i in range(len(s.pages) - 1, keep - 1, -1):
-            self.backend.unmap(base + i * self.page_size)
-            self.pool.decref(s.pages.pop())
+        t0 = time.perf_counter()
+        self.backend.unmap(self.slot_address(slot) + keep * self.page_size, n * self.page_size)
         self.driver.unmapped(n, time.perf_counter() - t0)
+        for p in reversed(s.pages[keep:]):  # last page first, as the pool has always seen
+            self.pool.decref(p)
+        del s.pages[keep:]
 
     def _make_private(self, slot: int, index: int, nbytes: int) -> None:
         """Copy-on-write: replace page ``index`` of a slot by a private copy of its first bytes."""
@@ -417,8 +418,8 @@ class KVArena:
             raise
         self._copy_bytes(scratch, va, nbytes)
         self.backend.fence()
-        self.backend.unmap(scratch)
-        self.backend.unmap(va)
+        self.backend.unmap(scratch, self.page_size)
+        self.backend.unmap(va, self.page_size)
         self.backend.map(va, self.pool.handle(new))
         self.backend.set_access(va, self.page_size)
         self.pool.decref(s.pages[index])

@@ -104,9 +104,9 @@ class CudaVMM:
         self._check("cuMemSetAccess",
                     self._cu.cuMemSetAccess(self._ptr(va), size, [self._access], 1))
 
-    def unmap(self, va: int) -> None:
-        """``cuMemUnmap`` the page at ``va``."""
-        self._check("cuMemUnmap", self._cu.cuMemUnmap(self._ptr(va), self.page_size))
+    def unmap(self, va: int, size: int) -> None:
+        """One ``cuMemUnmap`` over ``[va, va + size)`` (several whole mappings allowed)."""
+        self._check("cuMemUnmap", self._cu.cuMemUnmap(self._ptr(va), size))
 
     def fence(self) -> None:
         """Wait for the compute stream's queued work before an unmap (the driver does not

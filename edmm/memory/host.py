@@ -136,11 +136,11 @@ class HostVMM:
         if self._libc.mprotect(va, size, _PROT_RW) != 0:
             raise _os_error("mprotect")
 
-    def unmap(self, va: int) -> None:
-        """Put the reservation back over one page (like cuMemUnmap)."""
-        self._check_aligned("unmap", va, self.page_size)
+    def unmap(self, va: int, size: int) -> None:
+        """Put the reservation back over ``[va, va + size)`` in one call (like cuMemUnmap)."""
+        self._check_aligned("unmap", va, size)
         flags = _MAP_PRIVATE | _MAP_ANONYMOUS | _MAP_NORESERVE | _MAP_FIXED
-        got = self._libc.mmap(va, self.page_size, _PROT_NONE, flags, -1, 0)
+        got = self._libc.mmap(va, size, _PROT_NONE, flags, -1, 0)
         if got in (None, _MAP_FAILED):
             raise _os_error("mmap(unmap)")
 

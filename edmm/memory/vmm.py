@@ -48,8 +48,12 @@ class VMMBackend(Protocol):
         """Grant read/write access to the mapped range ``[va, va + size)``."""
         ...
 
-    def unmap(self, va: int) -> None:
-        """Unmap the one page mapped at ``va``; the range stays reserved."""
+    def unmap(self, va: int, size: int) -> None:
+        """Unmap every page mapped in ``[va, va + size)``; the range stays reserved.
+
+        The range may span several pages mapped by separate `map` calls, but must cover each
+        of them whole (``cuMemUnmap`` cannot unmap part of one mapping).
+        """
         ...
 
     def fence(self) -> None:

@@ -20,5 +20,5 @@ def test_bench_vmm_smoke_writes_stamped_results(tmp_path: Path) -> None:
     assert "Command" in md and "bench vmm" in md
     csv = (tmp_path / "vmm-host.csv").read_text().splitlines()
     assert csv[0].startswith("op,context_tokens")
-    assert len(csv) == 1 + 4 + 1 + 2 * 4  # header, per-page, bare remap, 4 rows per context
+    assert len(csv) == 1 + 5 + 1 + 2 * 4  # header, per-page, bare remap, 4 rows per context
     assert (tmp_path / "vmm-host.png").read_bytes()[:4] == b"\x89PNG"

@@ -82,15 +82,15 @@ class WatchedHost(HostVMM):
 
     stream: FakeStream | None = None
 
-    def unmap(self, va: int) -> None:
+    def unmap(self, va: int, size: int) -> None:
         if self.stream is not None:
-            bad = self.stream.queued_over(va, va + self.page_size)
+            bad = self.stream.queued_over(va, va + size)
             if bad:
                 self.stream.violations.append(f"unmap of {va:#x} under {len(bad)} copies")
                 for op in bad:  # never run a copy over an unmapped page (it would fault)
                     self.stream.queue.remove(op)
                     op.ticket.seconds = 0.0
-        super().unmap(va)
+        super().unmap(va, size)
 
 
 @contextmanager

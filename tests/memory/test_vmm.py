@@ -32,19 +32,19 @@ def test_two_pages_behind_one_address(backend: VMMBackend) -> None:
         backend.set_access(va, p)
         _fill(backend, va, 0xAA)
         backend.fence()
-        backend.unmap(va)
+        backend.unmap(va, p)
         backend.map(va, b)
         backend.set_access(va, p)
         _fill(backend, va, 0x55)
         assert int(_read(backend, va)[0]) == 0x55
         backend.fence()
-        backend.unmap(va)
+        backend.unmap(va, p)
         backend.map(va, a)  # back to the first page: its bytes are still there
         backend.set_access(va, p)
         got = _read(backend, va)
         assert bool((got == 0xAA).all())
         backend.fence()
-        backend.unmap(va)
+        backend.unmap(va, p)
     finally:
         backend.release_page(a)
         backend.release_page(b)
@@ -66,11 +66,37 @@ def test_one_page_at_two_addresses(backend: VMMBackend) -> None:
         view0[:16] = torch.arange(16, dtype=torch.uint8, device=view0.device)
         assert view1[:16].cpu().tolist() == list(range(16))
         backend.fence()
-        backend.unmap(va)
-        backend.unmap(va + p)
+        backend.unmap(va, p)
+        backend.unmap(va + p, p)
     finally:
         backend.release_page(page)
         backend.free_range(va, 2 * p)
+
+
+def test_one_unmap_over_pages_mapped_one_by_one(backend: VMMBackend) -> None:
+    """One `unmap` over a range of three separately mapped pages releases all three: each page
+    maps again elsewhere with its bytes, and the pages and the range can be given back (the
+    arena frees a slot this way)."""
+    p = backend.page_size
+    va = backend.reserve(4 * p)
+    pages = [backend.create_page() for _ in range(3)]
+    try:
+        for i, page in enumerate(pages):
+            backend.map(va + i * p, page)
+            backend.set_access(va + i * p, p)
+            _fill(backend, va + i * p, 0x10 + i)
+        backend.fence()
+        backend.unmap(va, 3 * p)
+        for i, page in enumerate(reversed(pages)):  # each address gets another page now
+            backend.map(va + (i + 1) * p, page)
+        backend.set_access(va + p, 3 * p)
+        assert [int(_read(backend, va + (i + 1) * p)[0]) for i in range(3)] == [0x12, 0x11, 0x10]
+        backend.fence()
+        backend.unmap(va + p, 3 * p)
+    finally:
+        for page in pages:
+            backend.release_page(page)
+        backend.free_range(va, 4 * p)
 
 
 def test_errors_name_the_call(backend: VMMBackend) -> None:
@@ -124,14 +150,14 @@ def test_host_released_page_is_reused_and_zeroed() -> None:
     b.map(va, page)
     b.set_access(va, 4096)
     b.byte_view(va, 4096).fill_(7)
-    b.unmap(va)
+    b.unmap(va, 4096)
     b.release_page(page)
     again = b.create_page()
     assert again == page  # the extent is recycled
     b.map(va, again)
     b.set_access(va, 4096)
     assert int(b.byte_view(va, 4096).sum()) == 0  # punched hole reads as zeros
-    b.unmap(va)
+    b.unmap(va, 4096)
     b.release_page(again)
     b.free_range(va, 4096)
     b.close()
