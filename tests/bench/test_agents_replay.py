@@ -158,6 +158,23 @@ def test_every_registered_policy_builds_an_agent_config() -> None:
     assert order("edmm") != "arrival"
 
 
+def test_open_loop_pool_is_sized_for_its_working_set_sessions(tiny_module_dir: Path) -> None:
+    """An open loop's load is a rate (jobs/s), not sessions: its pool is the working set of
+    `OPEN_LOOP_SESSIONS` sessions (or ``working_set_sessions``) over the oversubscription,
+    whatever the rate; a closed loop's is the working set of its load's sessions."""
+    from edmm.bench.agents.matrix import OPEN_LOOP_SESSIONS, pool_pages, working_set_pages
+
+    cfg = bench_config(tiny_module_dir, jobs=8, mode="open", loads=(0.5, 4.0))
+    jobs = Matrix(cfg).mixes["long"]
+    want = -(-working_set_pages(jobs, OPEN_LOOP_SESSIONS, cfg) // 2)
+    assert want > pool_pages(jobs, 1, 2.0, dataclasses.replace(cfg, mode="closed"))
+    assert pool_pages(jobs, 0.5, 2.0, cfg) == pool_pages(jobs, 4.0, 2.0, cfg) == want
+    sized = dataclasses.replace(cfg, working_set_sessions=6)
+    assert pool_pages(jobs, 0.5, 2.0, sized) == -(-working_set_pages(jobs, 6, cfg) // 2)
+    closed = dataclasses.replace(cfg, mode="closed")
+    assert pool_pages(jobs, 4, 2.0, closed) == -(-working_set_pages(jobs, 4, cfg) // 2)
+
+
 def test_one_condition_runs_alone(tiny_module_dir: Path) -> None:
     import torch
 

@@ -38,6 +38,7 @@ from edmm.model.config import PRESETS, ModelConfig, parse_dtype, resolve_preset
 
 MIXES = ("long", "short")
 TOKENS_PER_TURN_WRAP = 6  # BEFORE + AFTER + SUFFIX tokens a tool result adds
+OPEN_LOOP_SESSIONS = 16  # the open loop's default working set, in sessions
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ class AgentsBenchConfig:
     oversubscription: float = 2.0
     check_oversubscription: float | None = 1.0
     short_mix: bool = True
-    working_set_sessions: int | None = None  # None: the highest load (closed loop)
+    working_set_sessions: int | None = None  # None: see `sessions_sized_for`
     clock: str = "virtual"
     step_model: str = "h200-qwen2.5-7b"  # with clock "model": a name of STEP_TIME_MODELS
     prefetch_lead_s: float = 0.05
@@ -82,6 +83,14 @@ class AgentsBenchConfig:
         if self.step_model not in STEP_TIME_MODELS:
             raise ValueError(f"step_model must be one of {sorted(STEP_TIME_MODELS)}, "
                              f"got {self.step_model!r}")
+
+    def sessions_sized_for(self, load: float) -> float:
+        """Concurrent sessions the KV pool of a run at ``load`` is sized for: the
+        ``working_set_sessions`` given, else the load (closed loop: sessions) or
+        `OPEN_LOOP_SESSIONS` (open loop: the load is a rate, not sessions)."""
+        if self.working_set_sessions:
+            return self.working_set_sessions
+        return load if self.mode == "closed" else OPEN_LOOP_SESSIONS
 
 
 @dataclass(frozen=True)
@@ -168,7 +177,7 @@ def working_set_pages(jobs: list[Job], sessions: float, cfg: AgentsBenchConfig) 
 
 def pool_pages(jobs: list[Job], load: float, oversub: float, cfg: AgentsBenchConfig) -> int:
     """Pages of a run at ``load`` and ``oversub`` (at least one longest sequence)."""
-    sessions = cfg.working_set_sessions or load
+    sessions = cfg.sessions_sized_for(load)
     per_seq = math.ceil(max_model_len(jobs) * token_bytes(cfg) / page_size(cfg))
     return max(math.ceil(working_set_pages(jobs, sessions, cfg) / oversub), per_seq + 1)
 
@@ -245,7 +254,7 @@ class Matrix:
         jobs = self.mixes[cond.mix]
         engine = self._engine_for(policy.offload)
         pages = pool_pages(jobs, cond.load, cond.oversubscription, self.cfg)
-        ws = working_set_pages(jobs, self.cfg.working_set_sessions or cond.load, self.cfg)
+        ws = working_set_pages(jobs, self.cfg.sessions_sized_for(cond.load), self.cfg)
         self._log(f"run {cond.label}: {pages} pages (working set {ws})")
         result = self._replay(engine, policy, jobs, cond.load, max(self._engine_pages - pages, 0))
         return RunRecord(cond, pages, ws, result)
@@ -302,8 +311,8 @@ class Matrix:
         pages = self.all_pages() + 1  # + the page of the CUDA graphs' pad slot
         length = max_model_len(jobs)
         per_slot = math.ceil(length * token_bytes(cfg) / page_size(cfg))
-        sessions = int(max(cfg.loads)) if cfg.mode == "closed" else \
-            int(cfg.working_set_sessions or 16)
+        sessions = int(max(cfg.loads) if cfg.mode == "closed"
+                       else cfg.sessions_sized_for(max(cfg.loads)))
         min_pages = min(pool_pages(jobs, load, cfg.oversubscription, cfg) for load in cfg.loads)
         slots = 4 * sessions + 16 + ballast_slots(pages, min_pages, per_slot)
         extra: dict[str, Any] = {}
