@@ -18,6 +18,7 @@ from edmm import __version__
 
 if TYPE_CHECKING:
     from edmm.bench.agents.matrix import AgentsBenchConfig
+    from edmm.bench.agents.trace import Job
 from edmm.argparsing import (
     ArgumentParser,
     float_at_least,
@@ -305,8 +306,8 @@ def _agents_parser(bsub: argparse._SubParsersAction) -> None:  # type: ignore[ty
                              "CUDA)")
     agents.add_argument("--trace", type=Path, default=None,
                         help="your own JSONL trace (README: 'Replaying your own trace')")
-    agents.add_argument("--jobs", type=int_at_least(1), default=16,
-                        help="jobs of a generated trace")
+    agents.add_argument("--jobs", type=int_at_least(1), default=64,
+                        help="jobs of a generated trace (a closed loop's --loads need as many)")
     agents.add_argument("--seed", type=int, default=0, help="seed of the generated trace")
     agents.add_argument("--turns", type=int_list, default=(10, 40),
                         help="low,high turns per generated job")
@@ -504,7 +505,7 @@ def _bench_agents(args: argparse.Namespace) -> int:
 
     import torch
 
-    from edmm.bench.agents.matrix import AgentsBenchConfig, load_trace
+    from edmm.bench.agents.matrix import AgentsBenchConfig
     from edmm.bench.agents.report import run_agents_bench
     from edmm.bench.agents.trace import GeneratorConfig, write_jsonl
 
@@ -529,8 +530,9 @@ def _bench_agents(args: argparse.Namespace) -> int:
         speculative_tokens_when_busy=args.busy_spec_tokens,
         speculation_fills_padding=not args.no_spec_in_padding, mix=args.mix,
         checks=not args.no_checks, lean=args.lean, step_log=args.step_log)
+    jobs = _agents_trace(args, cfg)
     if args.write_trace is not None:
-        print(f"wrote {write_jsonl(load_trace(cfg)['long'], args.write_trace)}")
+        print(f"wrote {write_jsonl(jobs, args.write_trace)}")
         return 0
     out = args.out or default_out_dir(_device_tag(args.device.startswith("cuda")))
     if args.http:
@@ -542,6 +544,23 @@ def _bench_agents(args: argparse.Namespace) -> int:
     print(Path(paths["md"]).read_text())
     print("wrote " + ", ".join(str(p) for p in paths.values()))
     return 0
+
+
+def _agents_trace(args: argparse.Namespace, cfg: AgentsBenchConfig) -> list[Job]:
+    """The run's long-tool jobs; a bad ``--trace`` file, or a closed loop of more sessions than
+    the trace has jobs (it would never hold that many), is a one-line usage error."""
+    from edmm.bench.agents.matrix import load_trace
+    from edmm.bench.agents.trace import TraceError
+
+    try:
+        jobs = load_trace(cfg)["long"]
+    except (TraceError, OSError) as e:
+        args.parser.error(f"--trace: {e}")
+    if cfg.mode == "closed" and max(cfg.loads) > len(jobs):
+        args.parser.error(
+            f"--loads: a closed loop of {max(cfg.loads):g} sessions needs at least as many jobs; "
+            f"the trace has {len(jobs)} (raise --jobs, or give a longer --trace)")
+    return jobs
 
 
 def _bench_agents_http(args: argparse.Namespace, cfg: AgentsBenchConfig, out: Path) -> int:

@@ -47,6 +47,10 @@ def _error_line(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
     (["bench", "live", "--tool-duration", "-1"], ["--tool-duration", ">= 0"]),
     (["bench", "vmm", "--host-page-size", "5000"], ["--host-page-size", "multiple of 4096"]),
     (["bench", "vmm", "--repeats", "-3"], ["--repeats", ">= 1"]),
+    (["bench", "agents", "--jobs", "4", "--loads", "2,8"],
+     ["--loads", "closed loop of 8 sessions", "the trace has 4", "--jobs"]),
+    (["bench", "agents", "--trace", "/nonexistent/edmm-trace.jsonl"],
+     ["--trace", "No such file"]),
     (["bench", "nope"], ["invalid choice", "'nope'"]),
     (["demo", "--iterations", "0"], ["--iterations", ">= 1"]),
     (["demo", "--contexts", "16"], ["--contexts", "--result-tokens"]),
@@ -59,6 +63,14 @@ def test_bad_arguments_are_one_line(capsys: pytest.CaptureFixture[str], argv: li
     assert "error:" in line and "--help" in line
     for w in words:
         assert w in line, line
+
+
+def test_a_bad_trace_file_is_one_line(capsys: pytest.CaptureFixture[str],
+                                      tmp_path: Path) -> None:
+    trace = tmp_path / "trace.jsonl"
+    trace.write_text('{"job": 1}\n')
+    line = _error_line(capsys, ["bench", "agents", "--trace", str(trace)])
+    assert "--trace" in line and "trace.jsonl:1" in line and "unknown fields" in line
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")

@@ -49,7 +49,7 @@ class AgentsBenchConfig:
     device: str = "cpu"
     dtype: str | None = None
     trace: Path | None = None
-    jobs: int = 16
+    jobs: int = 64  # at least the closed loop's highest load
     seed: int = 0
     generator: GeneratorConfig = field(default_factory=GeneratorConfig)
     token_scale: float = 1.0
