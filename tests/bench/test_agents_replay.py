@@ -116,13 +116,23 @@ def test_summary_rows_account_for_tool_time(matrix_runs) -> None:
         for job in rec.result.jobs:
             assert job["jct_s"] >= job["tool_s"] > 0
             assert job["engine_wait_s"] == pytest.approx(job["jct_s"] - job["tool_s"])
-        assert row["outputs_as_lru"] is True
+        assert row["outputs_as_lru"] is True and row["turns_as_lru"] == 1.0
+        assert row["outputs_digest"] == rows[0]["outputs_digest"]  # the same tokens everywhere
         assert 0 <= row["prefix_hit_rate"] <= 1
         assert row["pages_used_max"] <= row["pages"]
         share = row["mem_wait_running_share"]
         assert (share is None) == (row["mem_wait_steps"] == 0)
         assert share is None or 0 < share <= 1
         assert row["resume_ttft_p50_ms"] <= row["resume_ttft_p90_ms"] <= row["resume_ttft_p99_ms"]
+
+
+def test_outputs_digest_tells_runs_apart() -> None:
+    from edmm.bench.agents.report import outputs_digest
+
+    a = {"j0/0": "aa", "j0/1": "bb"}
+    assert outputs_digest(a) == outputs_digest(dict(reversed(a.items())))  # order-free
+    assert outputs_digest(a) != outputs_digest({**a, "j0/1": "bc"})
+    assert outputs_digest(a) != outputs_digest({"j0/0": "aa"})
 
 
 def test_sustainable_load_and_best_baseline() -> None:

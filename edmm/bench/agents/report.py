@@ -14,6 +14,7 @@ share (`run_meta`).
 from __future__ import annotations
 
 import csv
+import hashlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -73,9 +74,19 @@ def summarize_run(rec: RunRecord, reference: dict[str, str] | None) -> dict[str,
         "mem_wait_running_share": held / waits / rec.pages if waits else None,
         "makespan_s": res.makespan_s,
     }
+    row["outputs_digest"] = outputs_digest(res.outputs)
     if reference is not None:
         row["outputs_as_lru"] = res.outputs == reference
+        row["turns_as_lru"] = sum(reference.get(k) == v for k, v in res.outputs.items()) / max(
+            len(res.outputs), 1)
     return row
+
+
+def outputs_digest(outputs: dict[str, str]) -> str:
+    """One digest of a run's greedy outputs (every turn's), comparable across runs and files:
+    two runs of the same trace whose digests differ computed different tokens somewhere."""
+    text = "\n".join(f"{k}={v}" for k, v in sorted(outputs.items()))
+    return hashlib.sha1(text.encode()).hexdigest()[:16]
 
 
 def _p(xs: list[float], q: float) -> float | None:
@@ -276,7 +287,9 @@ def _method_notes(cfg: AgentsBenchConfig) -> list[str]:
         "along in busy steps is in busy_steps_s); offload/restore GiB/s: bytes over the copies' "
         "own time (CUDA: side-stream copies timed by events; CPU: synchronous)",
         "oversub_reached: working set / pool pages (a pool never holds less than one longest "
-        "sequence); outputs_as_lru: greedy tokens of every turn identical to lru's",
+        "sequence); outputs_as_lru: greedy tokens of every turn identical to lru's; "
+        "turns_as_lru: the share of turns that are; outputs_digest: one hash of all of a run's "
+        "outputs (equal digests across runs or files: the same tokens)",
         "mem_wait_steps: engine steps in which a waiting turn could not be admitted for lack "
         "of KV memory; mem_wait_running_share: the pool's share mapped by running turns in "
         "those steps, averaged (near 1: memory is full of turns being computed, with no paused "
