@@ -10,8 +10,8 @@ from typing import Any
 
 import pytest
 
-from edmm.bench.agents.merge import MergeError, merge
-from edmm.bench.agents.plots import load_label
+from edmm.bench.agents.merge import MergeError, merge, readme_table
+from edmm.bench.agents.plots import load_axis_label, load_label
 from edmm.bench.agents.targets import check_targets, knees, worst_metric
 
 
@@ -153,3 +153,11 @@ def test_cli_subsets_merge_into_one_report(tmp_path: Path) -> None:
 def test_plot_titles_name_the_load_by_the_loop() -> None:
     assert load_label(24.0, "closed") == "24 sessions"
     assert load_label(1.5, "open") == "1.5 jobs/s"
+    assert load_axis_label("closed") == "concurrent sessions (closed loop)"
+    assert load_axis_label("open") == "job arrivals per second (open loop, Poisson)"
+
+
+def test_readme_table_heads_the_load_by_the_loop() -> None:
+    rows = [_row("lru", 4, 48.0)]
+    assert readme_table(rows).startswith("| policy | tools | KV oversub. | sessions |")
+    assert readme_table(rows, "open").startswith("| policy | tools | KV oversub. | jobs/s |")

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from edmm.bench.agents.plots import (
+    load_axis_label,
     load_label,
     plot_by_policy,
     plot_pages,
@@ -158,17 +159,19 @@ def merge(folders: Sequence[Path], out: Path, oversub: float | None = None,
     timeline = [r for p in bench for r in p.timeline]
     paths["timeline"] = _write_timeline(timeline, out / f"{NAME}-timeline.csv")
     paths["readme"] = out / f"{NAME}-readme-table.md"
-    paths["readme"].write_text(readme_table(rows) + "\n", encoding="utf-8")
+    mode = str(meta.get("mode", "closed"))
+    paths["readme"].write_text(readme_table(rows, mode) + "\n", encoding="utf-8")
     device = env_doc.get("gpu_name") or env_doc.get("device") or ""
-    for path in plot_merged(rows, writer.rows, timeline, oversub, out, str(device),
-                            str(meta.get("mode", "closed"))):
+    trace = f"{meta['jobs']}-job trace, " if meta.get("jobs") else ""
+    for path in plot_merged(rows, writer.rows, timeline, oversub, out, trace + str(device),
+                            mode):
         paths[path.stem] = path
     return paths
 
 
 # The README's policy table: (header, column, format).
 README_COLUMNS = (("policy", "policy", "{}"), ("tools", "tools", "{}"),
-                  ("KV oversub.", "oversub", "{:g}"), ("sessions", "load", "{:g}"),
+                  ("KV oversub.", "oversub", "{:g}"), ("load", "load", "{:g}"),
                   ("engine-wait / job, mean s", "wait_mean_s", "{:.3g}"),
                   ("JCT mean s", "jct_mean_s", "{:.3g}"),
                   ("resume TTFT p50 ms", "resume_ttft_p50_ms", "{:.3g}"),
@@ -179,13 +182,15 @@ README_COLUMNS = (("policy", "policy", "{}"), ("tools", "tools", "{}"),
                   ("spec. gated", "spec_gated", "{}"), ("offloaded MiB", "offloaded_MiB", "{:.0f}"))
 
 
-def readme_table(rows: Sequence[dict[str, Any]]) -> str:
-    """The merged rows as the README's policy table (Markdown)."""
+def readme_table(rows: Sequence[dict[str, Any]], mode: str = "closed") -> str:
+    """The merged rows as the README's policy table (Markdown); the load column is headed by
+    what ``mode``'s load counts (sessions, or jobs/s in an open loop)."""
     def cell(row: dict[str, Any], col: str, fmt: str) -> str:
         value = row.get(col)
         return "" if value is None else fmt.format(value)
 
-    head = "| " + " | ".join(h for h, _, _ in README_COLUMNS) + " |"
+    load = "jobs/s" if mode == "open" else "sessions"
+    head = "| " + " | ".join(load if c == "load" else h for h, c, _ in README_COLUMNS) + " |"
     rule = "|" + "|".join("---" if i < 2 else "---:" for i in range(len(README_COLUMNS))) + "|"
     body = ["| " + " | ".join(cell(r, c, f) for _, c, f in README_COLUMNS) + " |" for r in rows]
     return "\n".join([head, rule, *body])
@@ -210,7 +215,7 @@ def plot_merged(rows: Sequence[dict[str, Any]], detail: Sequence[dict[str, Any]]
         from matplotlib.figure import Figure
     except ImportError:
         return []
-    paths = [_plot_knees(Figure, rows, oversub, out / f"{NAME}-knees.png", device)]
+    paths = [_plot_knees(Figure, rows, oversub, out / f"{NAME}-knees.png", device, mode)]
     cdf = _plot_cdf(Figure, rows, detail, oversub, out / f"{NAME}-resume-ttft-cdf.png", device,
                     mode)
     wait = plot_wait_vs_oversub(Figure, rows, out / f"{NAME}-wait-vs-oversub.png", device, mode)
@@ -241,7 +246,7 @@ def _plot_pages(figure: Any, timeline: Sequence[dict[str, str]], path: Path,
 
 
 def _plot_knees(figure: Any, rows: Sequence[dict[str, Any]], oversub: float, path: Path,
-                device: str) -> Path:
+                device: str, mode: str) -> Path:
     fig = figure(figsize=(7, 4.5), layout="constrained")
     ax = fig.add_subplot()
     curves: dict[str, list[tuple[float, float]]] = {}
@@ -251,7 +256,7 @@ def _plot_knees(figure: Any, rows: Sequence[dict[str, Any]], oversub: float, pat
     plot_by_policy(ax, curves)
     ax.axhline(SUSTAIN_TTFT_MS, color="grey", linestyle=":", label="1 s")
     ax.set_yscale("log")
-    ax.set_xlabel("load (concurrent sessions, or jobs/s in an open loop)")
+    ax.set_xlabel(load_axis_label(mode))
     ax.set_ylabel("p90 resume TTFT (ms, log scale)")
     ax.set_title(f"Where each policy stops sustaining 1 s\n({device}, "
                  f"{oversub:g}x KV oversubscription)")

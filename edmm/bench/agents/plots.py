@@ -19,6 +19,14 @@ def load_label(load: float, mode: str) -> str:
     return f"{load:g} jobs/s" if mode == "open" else f"{load:g} sessions"
 
 
+def load_axis_label(mode: str) -> str:
+    """What a plot's load axis counts: concurrent sessions (closed loop) or job arrivals per
+    second (open loop)."""
+    if mode == "open":
+        return "job arrivals per second (open loop, Poisson)"
+    return "concurrent sessions (closed loop)"
+
+
 def plot_ttft_cdf(figure: Any, series: Mapping[str, Sequence[float]], path: Path,
                   title: str) -> Path:
     """Step CDF of resume TTFT (ms) per policy, with the 1 s line; ``series``: policy -> ms."""
