@@ -26,6 +26,7 @@ from typing import Any
 from edmm.bench.agents.plots import (
     load_axis_label,
     load_label,
+    load_unit,
     plot_by_policy,
     plot_pages,
     plot_ttft_cdf,
@@ -189,8 +190,8 @@ def readme_table(rows: Sequence[dict[str, Any]], mode: str = "closed") -> str:
         value = row.get(col)
         return "" if value is None else fmt.format(value)
 
-    load = "jobs/s" if mode == "open" else "sessions"
-    head = "| " + " | ".join(load if c == "load" else h for h, c, _ in README_COLUMNS) + " |"
+    head = "| " + " | ".join(load_unit(mode) if c == "load" else h
+                             for h, c, _ in README_COLUMNS) + " |"
     rule = "|" + "|".join("---" if i < 2 else "---:" for i in range(len(README_COLUMNS))) + "|"
     body = ["| " + " | ".join(cell(r, c, f) for _, c, f in README_COLUMNS) + " |" for r in rows]
     return "\n".join([head, rule, *body])

@@ -13,10 +13,14 @@ from typing import Any
 from edmm.bench.agents.targets import SUSTAIN_TTFT_MS
 
 
+def load_unit(mode: str) -> str:
+    """What a load counts: concurrent sessions (closed loop) or jobs per second (open loop)."""
+    return "jobs/s" if mode == "open" else "sessions"
+
+
 def load_label(load: float, mode: str) -> str:
-    """A load as a plot title says it: concurrent sessions (closed loop) or jobs per second
-    (open loop)."""
-    return f"{load:g} jobs/s" if mode == "open" else f"{load:g} sessions"
+    """A load as a plot title says it, with its unit (`load_unit`)."""
+    return f"{load:g} {load_unit(mode)}"
 
 
 def load_axis_label(mode: str) -> str:
