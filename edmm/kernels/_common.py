@@ -73,6 +73,12 @@ class DecodeConfig:
     slice), as many slices as keep each program's partials near 8 KB (one at 8 splits, four
     at 64), so its loads spread over more SMs. Measured on the H200 (2026-12-03, batch 1, 64
     splits): it gains 0.1-0.25 us per layer (benchmarks/results/2026-12-03-h200-decode-s17).
+
+    cuda: the split kernel is the CUDA C++ one (`edmm.kernels._cuda_decode`, compiled at run
+    time; fp16/bf16 on compute capability 9.0+, else the Triton kernel of the same tile runs):
+    each of its ``num_warps`` warps streams 16 tokens of every tile through its own
+    ``num_stages``-deep shared-memory ring, so ``block_n`` must be 16 x ``num_warps``; it takes
+    pdl and sliced_reduce, not fused, balanced, tma, prefetch or early_launch.
     """
 
     block_n: int = 64
@@ -86,10 +92,19 @@ class DecodeConfig:
     balanced: bool = False
     tma: bool = False
     sliced_reduce: bool = False
+    cuda: bool = False
 
     def __post_init__(self) -> None:
         if self.prefetch_tiles < 0:
             raise KernelInputError(f"prefetch_tiles must be >= 0, got {self.prefetch_tiles}")
+        if self.cuda:
+            if self.block_n != 16 * self.num_warps or self.num_stages < 2:
+                raise KernelInputError(
+                    "the CUDA decode kernel takes block_n = 16 x num_warps and >= 2 stages, "
+                    f"got {self.block_n}x{self.num_warps}x{self.num_stages}")
+            if self.fused or self.balanced or self.tma or self.prefetch or self.early_launch:
+                raise KernelInputError("the CUDA decode kernel takes pdl and sliced_reduce "
+                                       "only, not fused, balanced, tma, prefetch, early_launch")
 
 
 @dataclass(frozen=True)

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import functools
 import math
+from dataclasses import replace
 
 import torch
 
@@ -30,6 +31,8 @@ from edmm.kernels._common import (
     require_triton,
     unit_last_stride,
 )
+from edmm.kernels._cuda_decode import cuda_decode_usable
+from edmm.kernels._cuda_decode import launch_split as launch_cuda_split
 
 MIN_SPLIT_TOKENS = 256  # fewer tokens per split: more merge traffic than parallelism gained
 DEFAULT_MAX_SPLITS = 128
@@ -162,6 +165,8 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, cu_q: torch.Ten
         num_splits = default_num_splits(split_batch, num_kv_heads, max_context or kv.shape[1],
                                         q.device)
     cfg = config or DecodeConfig()
+    if cfg.cuda and cuda_decode_usable(q, kv) is not None:  # the Triton kernel of that tile
+        cfg = replace(cfg, cuda=False)
     limit = MAX_FUSED_SPLITS if cfg.fused else MAX_SPLITS
     if not 1 <= num_splits <= limit:
         raise KernelInputError(f"num_splits must be in [1, {limit}], got {num_splits}")
@@ -198,7 +203,13 @@ def _launch_split(q: torch.Tensor, kv: torch.Tensor, slot_ids: torch.Tensor,
                   part_lse: torch.Tensor, cu_q: torch.Tensor | None, counters: torch.Tensor,
                   scale: float, num_splits: int, cfg: DecodeConfig, fused: bool,
                   pdl: bool, prefetch: bool) -> None:
-    """Launch the split kernel over (B, Hkv, num_splits)."""
+    """Launch the split kernel over (B, Hkv, num_splits): Triton's, or with ``cfg.cuda``
+    the CUDA C++ one (grid (num_splits, Hkv, B), the same partials)."""
+    if cfg.cuda:
+        launch_cuda_split(q, kv, slot_ids, context_lens, out, part_o, part_lse, cu_q,
+                          scale * math.log2(math.e), num_splits, cfg.num_warps,
+                          cfg.num_stages, pdl)
+        return
     from edmm.kernels import _triton_decode as tk
 
     head_dim = q.shape[2]

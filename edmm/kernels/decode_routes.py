@@ -8,14 +8,15 @@ medians on a real arena) and writes the fastest per (batch, context) as a JSON r
          "num_stages": 3, "fused": false, "pdl": true, "prefetch": true, "graph_us": 12.3},
         ...]}
 
-(``fused``, ``pdl``, ``prefetch``, ``early_launch``, ``balanced``, ``tma`` and
-``sliced_reduce``, `DecodeConfig`'s, are false where a table leaves them out;
+(``fused``, ``pdl``, ``prefetch``, ``early_launch``, ``balanced``, ``tma``,
+``sliced_reduce`` and ``cuda``, `DecodeConfig`'s, are false where a table leaves them out;
 ``prefetch_tiles`` is 0, the whole chunk.)
 
 `DecodeRoutes.lookup` gives a decode call the route of the nearest measured shape at or above
 it (the largest where none is); a table next to this module (`ROUTES_FILE`, when a measured one
 has been committed there) is the engine's default. Without one the kernel keeps its own
-heuristic (`default_num_splits`, `DecodeConfig()`). Only Triton routes exist: SDPA cannot run
+heuristic (`default_num_splits`, `DecodeConfig()`). Only split-K routes exist (the Triton
+split kernel, or with ``cuda`` the CUDA C++ one): SDPA cannot run
 a CUDA-graph decode batch of unequal lengths without reading past each context.
 """
 
@@ -96,7 +97,8 @@ def _route(r: dict[str, Any]) -> DecodeRoute:
                                      int(r["num_stages"]), _flag(r, "fused"), _flag(r, "pdl"),
                                      _flag(r, "prefetch"), int(r.get("prefetch_tiles", 0)),
                                      _flag(r, "early_launch"), _flag(r, "balanced"),
-                                     _flag(r, "tma"), _flag(r, "sliced_reduce")),
+                                     _flag(r, "tma"), _flag(r, "sliced_reduce"),
+                                     _flag(r, "cuda")),
                         float(r["graph_us"]))
     if min(route.batch, route.context, route.num_splits) < 1:
         raise ValueError(f"non-positive batch/context/num_splits in {r}")

@@ -14,14 +14,17 @@ import torch
 
 from edmm.kernels import (
     DecodeConfig,
+    KernelInputError,
     PrefillConfig,
     decode_attention,
+    decode_attention_varlen,
     prefill_attention,
     prefill_attention_varlen,
     silu_mul,
     triton_available,
 )
 from edmm.kernels._common import CounterWorkspace, decode_tma_usable
+from edmm.kernels._cuda_decode import cuda_decode_usable
 from edmm.kernels.fused_sdpa import (
     AttendLSE,
     cudnn_attend,
@@ -167,7 +170,12 @@ FUSED_DECODE = [(96, DecodeConfig(64, 2, 3, fused=True, pdl=True)),
                                   balanced=True, tma=True)),
                 # the merge over head-dim slices (4 of 32 columns at 64 splits, 8 of 16 at 128)
                 (64, DecodeConfig(64, 2, 3, pdl=True, sliced_reduce=True)),
-                (128, DecodeConfig(32, 2, 3, sliced_reduce=True))]
+                (128, DecodeConfig(32, 2, 3, sliced_reduce=True)),
+                # the CUDA C++ split kernel (one split: it writes the output itself)
+                (64, DecodeConfig(64, 4, 3, pdl=True, sliced_reduce=True, cuda=True)),
+                (1, DecodeConfig(32, 2, 4, cuda=True)),
+                (7, DecodeConfig(128, 8, 2, pdl=True, cuda=True)),
+                (200, DecodeConfig(16, 1, 5, cuda=True))]
 
 
 def test_arena_layers_take_tma_loads(arena: KVArena) -> None:
@@ -175,6 +183,54 @@ def test_arena_layers_take_tma_loads(arena: KVArena) -> None:
     load through a descriptor (a view with a gap between heads does not)."""
     assert all(decode_tma_usable(arena.kv[:, :, layer]) for layer in LAYERS)
     assert not decode_tma_usable(arena.kv[:, :, 0, :, ::2])
+
+
+def test_cuda_decode_kernel_runs_here(arena: KVArena) -> None:
+    """The ``cuda`` configs above really run the CUDA C++ kernel on this machine (a config it
+    cannot take falls back to the Triton kernel of the same tile)."""
+    q = torch.empty(1, NUM_HEADS, 128, device="cuda", dtype=torch.bfloat16)
+    assert cuda_decode_usable(q, arena.kv[:, :, LAYERS[0]]) is None
+
+
+def test_cuda_decode_refuses_rings_past_shared_memory(arena: KVArena) -> None:
+    """8 warps x 4 stages of 8 KB rings exceed what a CTA may have: a typed error, not a
+    failed launch (and nothing falls back silently)."""
+    q = torch.randn(1, NUM_HEADS, 128, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(KernelInputError, match="shared memory"):
+        decode_attention(q, arena.kv, 0, _ids([0]), _ids([LENS[0]]), SCALE, num_splits=8,
+                         config=DecodeConfig(128, 8, 4, cuda=True))
+
+
+def test_cuda_decode_varlen_int64_ids(arena: KVArena) -> None:
+    """A packed batch through the CUDA kernel, int64 metadata: the single-query rows are
+    attended, the rows of a four-query sequence are left as they were."""
+    cu = torch.tensor([0, 1, 5, 6], dtype=torch.int64, device="cuda")
+    slots, lens = [0, 1, 3], [16384, 4096, 3001]
+    q = torch.randn(6, NUM_HEADS, 128, device="cuda", dtype=torch.bfloat16)
+    out = torch.full_like(q, 7.0)
+    decode_attention_varlen(q, arena.kv, 27, cu, torch.tensor(slots, device="cuda"),
+                            torch.tensor(lens, device="cuda"), out, SCALE, num_splits=32,
+                            config=DecodeConfig(64, 4, 3, pdl=True, cuda=True))
+    ref = decode_attention_reference(q[[0, 5]], arena.kv, 27, [0, 3], [16384, 3001], SCALE,
+                                     torch.float32)
+    _assert_close(out[[0, 5]], ref)
+    assert bool((out[1:5] == 7.0).all())
+
+
+@pytest.mark.parametrize(("dtype", "heads", "dim"), [(torch.float16, 32, 64),
+                                                      (torch.bfloat16, 64, 128)])
+def test_cuda_decode_other_shapes(dtype: torch.dtype, heads: int, dim: int) -> None:
+    """fp16, head dim 64 and 8 or 16 query heads per KV head (a full mma tile), against the
+    float32 reference, on a plain (not arena) cache."""
+    kv = torch.randn(2, 5000, 2, 2, 4, dim, device="cuda", dtype=dtype)  # [S, M, L, 2, Hkv, D]
+    q = torch.randn(2, heads, dim, device="cuda", dtype=dtype)
+    assert cuda_decode_usable(q, kv[:, :, 1]) is None
+    lens = [4999, 77]
+    for splits in (1, 16):
+        out = decode_attention(q, kv, 1, _ids([1, 0]), _ids(lens), dim**-0.5, num_splits=splits,
+                               config=DecodeConfig(64, 4, 3, cuda=True))
+        ref = decode_attention_reference(q, kv, 1, [1, 0], lens, dim**-0.5, torch.float32)
+        _assert_close(out, ref)
 
 
 @pytest.mark.parametrize(("num_splits", "config"), FUSED_DECODE)
