@@ -78,7 +78,9 @@ class DecodeConfig:
     time; fp16/bf16 on compute capability 9.0+, else the Triton kernel of the same tile runs):
     each of its ``num_warps`` warps streams 16 tokens of every tile through its own
     ``num_stages``-deep shared-memory ring, so ``block_n`` must be 16 x ``num_warps``; it takes
-    pdl and sliced_reduce, not fused, balanced, tma, prefetch or early_launch.
+    pdl and sliced_reduce, not fused, balanced, tma, prefetch or early_launch. cluster (with
+    cuda, 2-16 splits): the splits of a (sequence, KV head) form one thread-block cluster and
+    merge through distributed shared memory, so no reduce launch follows.
     """
 
     block_n: int = 64
@@ -93,10 +95,13 @@ class DecodeConfig:
     tma: bool = False
     sliced_reduce: bool = False
     cuda: bool = False
+    cluster: bool = False
 
     def __post_init__(self) -> None:
         if self.prefetch_tiles < 0:
             raise KernelInputError(f"prefetch_tiles must be >= 0, got {self.prefetch_tiles}")
+        if self.cluster and not self.cuda:
+            raise KernelInputError("cluster is a merge of the CUDA decode kernel (cuda=True)")
         if self.cuda:
             if self.block_n != 16 * self.num_warps or self.num_stages < 2:
                 raise KernelInputError(

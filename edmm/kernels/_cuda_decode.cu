@@ -10,7 +10,10 @@
 //   tokens), P = exp2(S - m) kept in registers as the A operand of O += P V.
 // At the end the warps' states merge through shared memory, and the CTA writes the split's
 // normalised output and base-2 log-sum-exp (the layout the Triton reduce kernel merges), or
-// with one split the final output.
+// with one split the final output. With CLUSTER > 0 the grid's CLUSTER splits of a (KV head,
+// sequence) form one thread-block cluster: each keeps its partial in shared memory, and the
+// cluster merges them through distributed shared memory into the output (no partials in
+// global memory, no reduce launch).
 //
 // Shared-memory tiles are rows of HEAD_DIM * 2 bytes; the 16-byte chunk c of row r lives at
 // chunk c ^ (r & 7), so ldmatrix's eight row addresses always fall in distinct banks.
@@ -95,6 +98,31 @@ __device__ __forceinline__ u16 to16(float x) {
   asm("cvt.rn.f16.f32 %0, %1;\n" : "=h"(r) : "f"(x));
 #endif
   return r;
+}
+
+#ifndef CLUSTER
+#define CLUSTER 0
+#endif
+
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;\n"
+               ::: "memory");
+}
+
+__device__ __forceinline__ u32 cluster_rank() {
+  u32 r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(r));
+  return r;
+}
+
+// The same shared-memory variable in CTA `rank` of the cluster, read through DSMEM.
+__device__ __forceinline__ float load_remote(const float* local, u32 rank) {
+  u32 remote;
+  float v;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;\n" : "=r"(remote)
+               : "r"(smem_addr(local)), "r"(rank));
+  asm volatile("ld.shared::cluster.f32 %0, [%1];\n" : "=f"(v) : "r"(remote) : "memory");
+  return v;
 }
 
 __device__ __forceinline__ i64 load_index(const void* p, int i, bool wide) {
@@ -285,6 +313,13 @@ edmm_decode_split(const u16* __restrict__ q, const u16* __restrict__ kv,
     }
     const float res = den > 0.f ? num / den : 0.f;
     const int head = kvh * GROUP + h;
+#if CLUSTER
+    float* sm_part = sm_ml + WARPS * 32;  // [GROUP][HEAD_DIM] this split's output
+    float* sm_lse = sm_part + GROUP * HEAD_DIM;  // [GROUP]
+    sm_part[idx] = res;
+    if (d == 0) sm_lse[h] = den > 0.f ? mx + __log2f(den) : -__int_as_float(0x7f800000);
+    continue;
+#endif
     if (num_splits == 1) {
       out[(i64)row_q * s_ob + (i64)head * s_oh + d] = to16(res);
     } else {
@@ -294,4 +329,32 @@ edmm_decode_split(const u16* __restrict__ q, const u16* __restrict__ kv,
             den > 0.f ? mx + __log2f(den) : -__int_as_float(0x7f800000);
     }
   }
+#if CLUSTER
+  // Every split's partial is in its CTA's shared memory: the cluster's CTAs share the merge.
+  cluster_sync();
+  const float* sm_part = sm_ml + WARPS * 32;
+  const float* sm_lse = sm_part + GROUP * HEAD_DIM;
+  const int nt = WARPS * 32;
+  for (int idx = (int)cluster_rank() * nt + threadIdx.x; idx < GROUP * HEAD_DIM;
+       idx += CLUSTER * nt) {
+    const int h = idx / HEAD_DIM;
+    float lse[CLUSTER];
+    float mx = NEG_INIT;
+#pragma unroll
+    for (int j = 0; j < CLUSTER; ++j) {
+      lse[j] = load_remote(sm_lse + h, j);
+      mx = fmaxf(mx, lse[j]);
+    }
+    float den = 0.f, num = 0.f;
+#pragma unroll
+    for (int j = 0; j < CLUSTER; ++j) {
+      const float wt = ex2(lse[j] - mx);  // 0 for an empty split (lse -inf)
+      den += wt;
+      num += wt * load_remote(sm_part + idx, j);
+    }
+    out[(i64)row_q * s_ob + (i64)(kvh * GROUP + h) * s_oh + idx % HEAD_DIM] =
+        to16(den > 0.f ? num / den : 0.f);
+  }
+  cluster_sync();  // no CTA leaves while another still reads its shared memory
+#endif
 }

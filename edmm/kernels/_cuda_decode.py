@@ -4,13 +4,17 @@ Chosen with ``DecodeConfig(cuda=True)``: the same grid, split rule and partial o
 Triton split kernel (so the Triton reduce launch merges either), but each warp streams its own
 16 tokens of every round through its own ``num_stages``-deep ring of shared memory (cp.async)
 and keeps its own online-softmax state on tensor cores (mma m16n8k16), the warps merging once
-at the end. ``block_n`` is the tokens of one round: 16 x ``num_warps``.
+at the end. ``block_n`` is the tokens of one round: 16 x ``num_warps``. With
+``DecodeConfig(cluster=True)`` (2-16 splits) the splits of a (KV head, sequence) are one
+thread-block cluster and merge their outputs through distributed shared memory: no partials
+in global memory, no reduce launch.
 
 NVRTC (``cuda.bindings.nvrtc``, with the ``nvidia-cuda-nvrtc`` library PyTorch's CUDA wheels
 bring) compiles the source once per (device, shape, config); the driver API
 (``cuda.bindings.driver``) loads it into the device's primary context, the one PyTorch uses,
 and launches it on PyTorch's current stream with ``cuLaunchKernelEx`` (programmatic dependent
-launch as an attribute), so the launch is captured into CUDA graphs like any other.
+launch and the cluster shape as attributes), so the launch is captured into CUDA graphs like
+any other.
 
 Needs: compute capability 9.0 or later (``griddepcontrol``), fp16/bf16, head dim 64 or 128,
 at most 16 query heads per KV head (`cuda_decode_usable` says whether a call can run here).
@@ -33,6 +37,8 @@ KERNEL_NAME = b"edmm_decode_split"
 TOKENS_PER_WARP = 16
 HEAD_DIMS = (64, 128)
 MAX_GROUP = 16  # query heads per KV head: the rows of one mma tile
+PORTABLE_CLUSTER = 8  # CTAs a cluster may have on every GPU; up to MAX_CLUSTER on Hopper
+MAX_CLUSTER = 16
 DTYPES = {torch.bfloat16: 1, torch.float16: 0}  # -> IS_BF16
 
 
@@ -46,12 +52,15 @@ class CudaDecodeShape:
     num_warps: int
     num_stages: int
     bf16: bool
+    cluster: int = 0  # splits merged in one thread-block cluster (0: partials to the reduce)
 
     @property
     def smem_bytes(self) -> int:
         """Dynamic shared memory: the warps' rings, or the end-of-CTA merge if larger."""
         ring = self.num_warps * self.num_stages * 2 * TOKENS_PER_WARP * self.head_dim * 2
         merge = self.num_warps * 16 * (self.head_dim + 2) * 4
+        if self.cluster:  # the split's own output and log-sum-exps, read by the cluster
+            merge += (self.group * self.head_dim + 16) * 4
         return max(ring, merge)
 
 
@@ -110,7 +119,7 @@ def compile_cubin(shape: CudaDecodeShape) -> bytes:
     opts = [f"--gpu-architecture={shape.arch}".encode(), b"-std=c++17", b"-default-device",
             f"-DGROUP={shape.group}".encode(), f"-DHEAD_DIM={shape.head_dim}".encode(),
             f"-DWARPS={shape.num_warps}".encode(), f"-DSTAGES={shape.num_stages}".encode(),
-            f"-DIS_BF16={int(shape.bf16)}".encode()]
+            f"-DIS_BF16={int(shape.bf16)}".encode(), f"-DCLUSTER={shape.cluster}".encode()]
     try:
         (err,) = nvrtc.nvrtcCompileProgram(prog, len(opts), opts)
         if int(err) != 0:
@@ -145,6 +154,9 @@ class _Kernel:
         attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
         _check("cuFuncSetAttribute", driver.cuFuncSetAttribute(self._fn, attr,
                                                                shape.smem_bytes))
+        if shape.cluster > PORTABLE_CLUSTER:
+            attr = driver.CUfunction_attribute.CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED
+            _check("cuFuncSetAttribute", driver.cuFuncSetAttribute(self._fn, attr, 1))
 
     def launch(self, grid: tuple[int, int, int], stream: int, pdl: bool,
                args: tuple[tuple[Any, ...], tuple[Any, ...]]) -> None:
@@ -156,12 +168,21 @@ class _Kernel:
         config.blockDimX, config.blockDimY, config.blockDimZ = 32 * self.shape.num_warps, 1, 1
         config.sharedMemBytes = self.shape.smem_bytes
         config.hStream = d.CUstream(stream)
+        attrs = []
         if pdl:
             attr = d.CUlaunchAttribute()
             attr.id = d.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
             attr.value.programmaticStreamSerializationAllowed = 1
-            config.attrs = [attr]
-            config.numAttrs = 1
+            attrs.append(attr)
+        if self.shape.cluster:
+            attr = d.CUlaunchAttribute()
+            attr.id = d.CUlaunchAttributeID.CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION
+            attr.value.clusterDim.x, attr.value.clusterDim.y, attr.value.clusterDim.z = (
+                self.shape.cluster, 1, 1)
+            attrs.append(attr)
+        if attrs:
+            config.attrs = attrs
+            config.numAttrs = len(attrs)
         _check("cuLaunchKernelEx", d.cuLaunchKernelEx(config, self._fn, args, 0))
 
 
@@ -187,8 +208,11 @@ def _ptr(t: torch.Tensor | None) -> int:
 def launch_split(q: torch.Tensor, kv: torch.Tensor, slot_ids: torch.Tensor,
                  context_lens: torch.Tensor, out: torch.Tensor, part_o: torch.Tensor,
                  part_lse: torch.Tensor, cu_q: torch.Tensor | None, qk_scale: float,
-                 num_splits: int, num_warps: int, num_stages: int, pdl: bool) -> None:
-    """Launch the split kernel over (num_splits, Hkv, B) on the current stream.
+                 num_splits: int, num_warps: int, num_stages: int, pdl: bool,
+                 cluster: bool = False) -> None:
+    """Launch the split kernel over (num_splits, Hkv, B) on the current stream; with
+    ``cluster`` (and more than one split) the splits of each (KV head, sequence) form a
+    thread-block cluster that merges them into ``out`` itself: no reduce launch follows.
 
     q: [B or T, Hq, D]; kv: the layer view [S, M, 2, Hkv, D]; out: like q; part_o
     [B, Hq, num_splits, D] and part_lse [B, Hq, num_splits] fp32 (unused with one split);
@@ -200,10 +224,14 @@ def launch_split(q: torch.Tensor, kv: torch.Tensor, slot_ids: torch.Tensor,
     if not 1 <= num_warps <= 32 or num_stages < 2:
         raise KernelInputError(f"the CUDA decode kernel needs 1-32 warps and >= 2 stages, got "
                                f"{num_warps} warps, {num_stages} stages")
+    if cluster and num_splits > 1 and not 2 <= num_splits <= MAX_CLUSTER:
+        raise KernelInputError(f"a cluster merge takes 2-{MAX_CLUSTER} splits (the CTAs of one "
+                               f"cluster), got {num_splits}")
     batch = slot_ids.shape[0]
     cap = torch.cuda.get_device_capability(q.device)
     shape = CudaDecodeShape(f"sm_{cap[0]}{cap[1]}", q.shape[1] // kv.shape[3], q.shape[2],
-                            num_warps, num_stages, q.dtype == torch.bfloat16)
+                            num_warps, num_stages, q.dtype == torch.bfloat16,
+                            num_splits if cluster and num_splits > 1 else 0)
     limit = _max_smem(q.device.index or 0)
     if shape.smem_bytes > limit:
         raise KernelInputError(

@@ -166,13 +166,15 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, cu_q: torch.Ten
                                         q.device)
     cfg = config or DecodeConfig()
     if cfg.cuda and cuda_decode_usable(q, kv) is not None:  # the Triton kernel of that tile
-        cfg = replace(cfg, cuda=False)
+        cfg = replace(cfg, cuda=False, cluster=False)
     limit = MAX_FUSED_SPLITS if cfg.fused else MAX_SPLITS
     if not 1 <= num_splits <= limit:
         raise KernelInputError(f"num_splits must be in [1, {limit}], got {num_splits}")
     if batch == 0:
         return out
-    part_o, part_lse = _partials(batch, num_heads, num_splits, head_dim, q.device)
+    merged = cfg.cluster and num_splits > 1  # the split kernel's clusters merge themselves
+    part_o, part_lse = _partials(batch, num_heads, 1 if merged else num_splits, head_dim,
+                                 q.device)
     fused = cfg.fused and num_splits > 1
     counters = ((workspace or CounterWorkspace()).counters(batch * num_kv_heads, q.device)
                 if fused else part_lse)  # [>= B * Hkv] int32; unused unless fused
@@ -180,7 +182,7 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, cu_q: torch.Ten
     prefetch = cfg.prefetch and pdl_usable(q.device)
     _launch_split(q, kv, slot_ids, context_lens, out, part_o, part_lse, cu_q, counters, scale,
                   num_splits, cfg, fused, pdl, prefetch)
-    if num_splits > 1 and not fused:
+    if num_splits > 1 and not fused and not merged:
         _launch_reduce(part_o, part_lse, out, cu_q, pdl, cfg.early_launch,
                        sliced=cfg.sliced_reduce)
     return out
@@ -208,7 +210,7 @@ def _launch_split(q: torch.Tensor, kv: torch.Tensor, slot_ids: torch.Tensor,
     if cfg.cuda:
         launch_cuda_split(q, kv, slot_ids, context_lens, out, part_o, part_lse, cu_q,
                           scale * math.log2(math.e), num_splits, cfg.num_warps,
-                          cfg.num_stages, pdl)
+                          cfg.num_stages, pdl, cfg.cluster)
         return
     from edmm.kernels import _triton_decode as tk
 

@@ -9,8 +9,8 @@ medians on a real arena) and writes the fastest per (batch, context) as a JSON r
         ...]}
 
 (``fused``, ``pdl``, ``prefetch``, ``early_launch``, ``balanced``, ``tma``,
-``sliced_reduce`` and ``cuda``, `DecodeConfig`'s, are false where a table leaves them out;
-``prefetch_tiles`` is 0, the whole chunk.)
+``sliced_reduce``, ``cuda`` and ``cluster``, `DecodeConfig`'s, are false where a table
+leaves them out; ``prefetch_tiles`` is 0, the whole chunk.)
 
 `DecodeRoutes.lookup` gives a decode call the route of the nearest measured shape at or above
 it (the largest where none is); a table next to this module (`ROUTES_FILE`, when a measured one
@@ -98,7 +98,7 @@ def _route(r: dict[str, Any]) -> DecodeRoute:
                                      _flag(r, "prefetch"), int(r.get("prefetch_tiles", 0)),
                                      _flag(r, "early_launch"), _flag(r, "balanced"),
                                      _flag(r, "tma"), _flag(r, "sliced_reduce"),
-                                     _flag(r, "cuda")),
+                                     _flag(r, "cuda"), _flag(r, "cluster")),
                         float(r["graph_us"]))
     if min(route.batch, route.context, route.num_splits) < 1:
         raise ValueError(f"non-positive batch/context/num_splits in {r}")

@@ -175,7 +175,11 @@ FUSED_DECODE = [(96, DecodeConfig(64, 2, 3, fused=True, pdl=True)),
                 (64, DecodeConfig(64, 4, 3, pdl=True, sliced_reduce=True, cuda=True)),
                 (1, DecodeConfig(32, 2, 4, cuda=True)),
                 (7, DecodeConfig(128, 8, 2, pdl=True, cuda=True)),
-                (200, DecodeConfig(16, 1, 5, cuda=True))]
+                (200, DecodeConfig(16, 1, 5, cuda=True)),
+                # ... merging its splits in a thread-block cluster (16: a non-portable size)
+                (16, DecodeConfig(64, 4, 2, pdl=True, cuda=True, cluster=True)),
+                (8, DecodeConfig(64, 4, 3, cuda=True, cluster=True)),
+                (5, DecodeConfig(32, 2, 3, pdl=True, cuda=True, cluster=True))]
 
 
 def test_arena_layers_take_tma_loads(arena: KVArena) -> None:
@@ -199,9 +203,13 @@ def test_cuda_decode_refuses_rings_past_shared_memory(arena: KVArena) -> None:
     with pytest.raises(KernelInputError, match="shared memory"):
         decode_attention(q, arena.kv, 0, _ids([0]), _ids([LENS[0]]), SCALE, num_splits=8,
                          config=DecodeConfig(128, 8, 4, cuda=True))
+    with pytest.raises(KernelInputError, match="cluster"):  # more splits than a cluster
+        decode_attention(q, arena.kv, 0, _ids([0]), _ids([LENS[0]]), SCALE, num_splits=17,
+                         config=DecodeConfig(64, 4, 2, cuda=True, cluster=True))
 
 
-def test_cuda_decode_varlen_int64_ids(arena: KVArena) -> None:
+@pytest.mark.parametrize("cluster", [False, True])
+def test_cuda_decode_varlen_int64_ids(arena: KVArena, cluster: bool) -> None:
     """A packed batch through the CUDA kernel, int64 metadata: the single-query rows are
     attended, the rows of a four-query sequence are left as they were."""
     cu = torch.tensor([0, 1, 5, 6], dtype=torch.int64, device="cuda")
@@ -209,8 +217,9 @@ def test_cuda_decode_varlen_int64_ids(arena: KVArena) -> None:
     q = torch.randn(6, NUM_HEADS, 128, device="cuda", dtype=torch.bfloat16)
     out = torch.full_like(q, 7.0)
     decode_attention_varlen(q, arena.kv, 27, cu, torch.tensor(slots, device="cuda"),
-                            torch.tensor(lens, device="cuda"), out, SCALE, num_splits=32,
-                            config=DecodeConfig(64, 4, 3, pdl=True, cuda=True))
+                            torch.tensor(lens, device="cuda"), out, SCALE,
+                            num_splits=16 if cluster else 32,
+                            config=DecodeConfig(64, 4, 3, pdl=True, cuda=True, cluster=cluster))
     ref = decode_attention_reference(q[[0, 5]], arena.kv, 27, [0, 3], [16384, 3001], SCALE,
                                      torch.float32)
     _assert_close(out[[0, 5]], ref)

@@ -22,6 +22,7 @@ from edmm.kernels.reference import decode_attention_reference
     {"num_stages": 1},
     {"fused": True}, {"balanced": True}, {"tma": True}, {"prefetch": True},
     {"pdl": True, "early_launch": True},
+    {"cuda": False, "cluster": True},  # the cluster merge is the CUDA kernel's
 ])
 def test_config_rules(bad: dict[str, Any]) -> None:
     base: dict[str, Any] = {"block_n": 64, "num_warps": 4, "num_stages": 3, "cuda": True}
@@ -59,8 +60,11 @@ def test_sweep_letter_and_route_flag(tmp_path: Path) -> None:
     from edmm.bench.scripts import decode_sweep as sweep
     from edmm.kernels.decode_routes import DecodeRoutes
 
-    (config,) = sweep.parse_configs("64x4x3rc")
+    config, clustered = sweep.parse_configs("64x4x3rc,64x4x2ck")
     assert config == DecodeConfig(64, 4, 3, sliced_reduce=True, cuda=True)
+    assert clustered == DecodeConfig(64, 4, 2, cuda=True, cluster=True)
+    assert [n for n, _ in sweep.candidates(["reduce-pdl"], (clustered,), (8, 16, 24), 16384)] \
+        == [8, 16]  # a cluster holds at most 16 splits
     with pytest.raises(SystemExit):
         sweep.parse_configs("64x2x3c")  # 64 tokens need 4 warps of 16
     launches = sweep.candidates(["reduce-pdl", "fused-pdl", "reduce-pdl-prefetch"], (config,),
@@ -69,9 +73,10 @@ def test_sweep_letter_and_route_flag(tmp_path: Path) -> None:
     path = tmp_path / "routes.json"
     path.write_text(json.dumps({"routes": [
         {"batch": 1, "context": 16384, "num_splits": 32, "block_n": 64, "num_warps": 4,
-         "num_stages": 2, "graph_us": 11.0, "pdl": True, "cuda": True}]}))
+         "num_stages": 2, "graph_us": 11.0, "pdl": True, "cuda": True, "cluster": True}]}))
     route = DecodeRoutes.from_json(path).lookup(1, 16384)
-    assert route is not None and route.config == DecodeConfig(64, 4, 2, pdl=True, cuda=True)
+    assert route is not None and route.config == DecodeConfig(64, 4, 2, pdl=True, cuda=True,
+                                                               cluster=True)
 
 
 def _nvrtc_or_skip() -> None:
@@ -86,6 +91,7 @@ def _nvrtc_or_skip() -> None:
     CudaDecodeShape("sm_90", 7, 128, 4, 3, True),  # Qwen2.5-7B, the sweep's configs
     CudaDecodeShape("sm_90", 1, 64, 1, 2, False),
     CudaDecodeShape("sm_90", 16, 128, 8, 2, True),
+    CudaDecodeShape("sm_90", 7, 128, 4, 2, True, cluster=16),
 ])
 def test_source_compiles_for_hopper(shape: CudaDecodeShape) -> None:
     _nvrtc_or_skip()
@@ -97,3 +103,6 @@ def test_shared_memory_of_a_shape() -> None:
     """The rings (warps x stages x 16 tokens of K and V), or the end merge if larger."""
     assert CudaDecodeShape("sm_90", 7, 128, 4, 3, True).smem_bytes == 4 * 3 * 2 * 16 * 256
     assert CudaDecodeShape("sm_90", 7, 64, 1, 2, True).smem_bytes == 2 * 2 * 16 * 128
+    # one warp, 64 dims, 16 heads: the merge and the split's output pass the ring
+    assert CudaDecodeShape("sm_90", 16, 64, 1, 2, True, cluster=4).smem_bytes == (
+        16 * 66 * 4 + (16 * 64 + 16) * 4)

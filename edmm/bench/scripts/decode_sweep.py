@@ -17,8 +17,9 @@ replays, CUDA events, a GPU sleep before each so launch latency stays out):
   split, for split counts such as 33, 66, 99, 132 that are multiples of the SM count over the
   4 KV heads), ``t`` (TMA loads of the full tiles), ``r`` (sliced reduce: the merge launch
   over head-dim slices too) and ``c`` (the CUDA C++ split kernel: warps x 16 tokens a tile,
-  each warp its own ring of stages; only in the modes without fused, prefetch or early),
-  ``64x2x3btr``, ``64x4x3rc``;
+  each warp its own ring of stages; only in the modes without fused, prefetch or early) and
+  ``k`` (with ``c``: the splits merge in a thread-block cluster, no reduce launch; up to 16
+  splits), ``64x2x3btr``, ``64x4x3rc``, ``64x4x2ck``;
 - SDPA on the strided view (equal lengths only: the engine cannot route a CUDA-graph batch of
   unequal lengths to it without reading past each context, so it is a yardstick).
 Every candidate's output is checked against SDPA's (relative error in the table).
@@ -82,7 +83,8 @@ MODES = {  # launch mode -> DecodeConfig flags (early launch only with pdl)
     for fused in (False, True) for pdl in (False, True) for early in (False, True)
     for pre in (False, True) if pdl or not early}
 # config letters -> DecodeConfig flags: balanced splits, TMA loads, sliced reduce
-SUFFIXES = {"b": "balanced", "t": "tma", "r": "sliced_reduce", "c": "cuda"}
+SUFFIXES = {"b": "balanced", "t": "tma", "r": "sliced_reduce", "c": "cuda", "k": "cluster"}
+MAX_CLUSTER_SPLITS = 16  # a cluster merge takes at most this many splits
 CUDA_MODE_FLAGS = ("fused", "prefetch", "early_launch")  # modes the CUDA split kernel lacks
 TARGET_TBS = 3.0  # issue 20: decode attention >= 3 TB/s at batch 1 and 8, 16K
 
@@ -107,6 +109,8 @@ def candidates(modes: list[str], configs: tuple[DecodeConfig, ...], splits: tupl
             config = replace(base, **flags,
                              prefetch_tiles=base.prefetch_tiles if flags["prefetch"] else 0)
             limit = MAX_FUSED_SPLITS if config.fused else MAX_SPLITS
+            if config.cluster:
+                limit = min(limit, MAX_CLUSTER_SPLITS)
             out += [(n, config) for n in splits if (n, config) not in out
                     and n <= limit and n <= -(-context // config.block_n)]
     return out
@@ -218,8 +222,8 @@ def _mode_cell(r: Row | None) -> str:
 def parse_configs(text: str) -> tuple[DecodeConfig, ...]:
     """``"32x2x3,64x4x3x1,64x2x3bt,64x2x3r"`` -> DecodeConfigs (tokens per tile x warps x
     stages, optionally x tiles a prefetch asks L2 for: 0, the default, is the whole chunk; then
-    optionally ``b``, balanced splits, ``t``, TMA loads, ``r``, sliced reduce, and ``c``, the
-    CUDA C++ split kernel:
+    optionally ``b``, balanced splits, ``t``, TMA loads, ``r``, sliced reduce, ``c``, the
+    CUDA C++ split kernel, and ``k``, its cluster merge:
     `DecodeConfig`'s flags)."""
     try:
         configs = []
@@ -235,7 +239,7 @@ def parse_configs(text: str) -> tuple[DecodeConfig, ...]:
             raise ValueError("no config")
         return tuple(configs)
     except ValueError as e:
-        raise SystemExit("--configs: expected BLOCK_NxWARPSxSTAGES[xPREFETCH_TILES][b][t][r][c],"
+        raise SystemExit("--configs: expected BLOCK_NxWARPSxSTAGES[xPREFETCH_TILES][b][t][r][c][k],"
                          f"..., got {text!r}") from e
 
 
