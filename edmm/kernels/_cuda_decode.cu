@@ -30,6 +30,7 @@ typedef long long i64;
 #define KSTEPS (HEAD_DIM / 16)         // mma k-steps over the head dim
 #define DBLOCKS (HEAD_DIM / 8)         // mma n-blocks over the head dim
 #define NEG_INIT (-1.0e30f)            // finite running-max start: never inf - inf
+#define NEG_INF (-__int_as_float(0x7f800000))
 
 #if IS_BF16
 #define MMA_TYPE "bf16"
@@ -39,6 +40,11 @@ typedef long long i64;
 
 __device__ __forceinline__ u32 smem_addr(const void* p) {
   return (u32)__cvta_generic_to_shared(p);
+}
+
+// Byte offset of 16-byte chunk `ch` of tile row `row` (the swizzle above).
+__device__ __forceinline__ u32 swizzled(int row, int ch) {
+  return row * ROW_BYTES + ((ch ^ (row & 7)) << 4);
 }
 
 __device__ __forceinline__ void cp_async16(u32 dst, const void* src, int bytes) {
@@ -150,7 +156,7 @@ __device__ __forceinline__ void load_round(u32 slot, const u16* k_base, i64 s_kt
     const int tok = tok0 + row;
     const bool ok = tok < end;
     const u16* src = k_base + (i64)(ok ? tok : safe_tok) * s_kt + ch * 8;
-    const u32 off = row * ROW_BYTES + ((ch ^ (row & 7)) << 4);
+    const u32 off = swizzled(row, ch);
     cp_async16(slot + off, src, ok ? 16 : 0);
     cp_async16(slot + SLICE_BYTES + off, src + s_kkv, ok ? 16 : 0);
   }
@@ -235,7 +241,7 @@ edmm_decode_split(const u16* __restrict__ q, const u16* __restrict__ kv,
       for (int kp = 0; kp < KSTEPS / 2; ++kp) {
         const int ch = kp * 4 + i8;  // chunks of k-steps 2kp (low, high) and 2kp + 1
         u32 b0, b1, b2, b3;
-        ldsm_x4(sk + row * ROW_BYTES + ((ch ^ (row & 7)) << 4), b0, b1, b2, b3);
+        ldsm_x4(sk + swizzled(row, ch), b0, b1, b2, b3);
         mma16816(s[nb], qa[2 * kp], b0, b1);
         mma16816(s[nb], qa[2 * kp + 1], b2, b3);
       }
@@ -246,7 +252,7 @@ edmm_decode_split(const u16* __restrict__ q, const u16* __restrict__ kv,
 #pragma unroll
       for (int e = 0; e < 4; ++e) {
         const bool ok = tok0 + nb * 8 + 2 * t + (e & 1) < end;
-        s[nb][e] = ok ? s[nb][e] * qk_scale : -__int_as_float(0x7f800000);
+        s[nb][e] = ok ? s[nb][e] * qk_scale : NEG_INF;
       }
     const float mn0 = fmaxf(m0, quad_max(fmaxf(fmaxf(s[0][0], s[0][1]), fmaxf(s[1][0], s[1][1]))));
     const float mn1 = fmaxf(m1, quad_max(fmaxf(fmaxf(s[0][2], s[0][3]), fmaxf(s[1][2], s[1][3]))));
@@ -271,7 +277,7 @@ edmm_decode_split(const u16* __restrict__ q, const u16* __restrict__ kv,
       o[2 * dp + 1][2] *= a1; o[2 * dp + 1][3] *= a1;
       const int row = (i8 & 1) * 8 + r8, ch = dp * 2 + (i8 >> 1);
       u32 b0, b1, b2, b3;
-      ldsm_x4_t(sv + row * ROW_BYTES + ((ch ^ (row & 7)) << 4), b0, b1, b2, b3);
+      ldsm_x4_t(sv + swizzled(row, ch), b0, b1, b2, b3);
       mma16816(o[2 * dp], pa, b0, b1);
       mma16816(o[2 * dp + 1], pa, b2, b3);
     }
@@ -317,7 +323,7 @@ edmm_decode_split(const u16* __restrict__ q, const u16* __restrict__ kv,
     float* sm_part = sm_ml + WARPS * 32;  // [GROUP][HEAD_DIM] this split's output
     float* sm_lse = sm_part + GROUP * HEAD_DIM;  // [GROUP]
     sm_part[idx] = res;
-    if (d == 0) sm_lse[h] = den > 0.f ? mx + __log2f(den) : -__int_as_float(0x7f800000);
+    if (d == 0) sm_lse[h] = den > 0.f ? mx + __log2f(den) : NEG_INF;
     continue;
 #endif
     if (num_splits == 1) {
@@ -326,7 +332,7 @@ edmm_decode_split(const u16* __restrict__ q, const u16* __restrict__ kv,
       part_o[(i64)b * s_pb + (i64)head * s_ph + (i64)split * s_ps + d] = res;
       if (d == 0)
         part_lse[(i64)b * s_lb + (i64)head * s_lh + split] =
-            den > 0.f ? mx + __log2f(den) : -__int_as_float(0x7f800000);
+            den > 0.f ? mx + __log2f(den) : NEG_INF;
     }
   }
 #if CLUSTER

@@ -201,10 +201,6 @@ def _max_smem(device_index: int) -> int:
     return int(_check("cuDeviceGetAttribute", driver.cuDeviceGetAttribute(attr, dev)))
 
 
-def _ptr(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.data_ptr()
-
-
 def launch_split(q: torch.Tensor, kv: torch.Tensor, slot_ids: torch.Tensor,
                  context_lens: torch.Tensor, out: torch.Tensor, part_o: torch.Tensor,
                  part_lse: torch.Tensor, cu_q: torch.Tensor | None, qk_scale: float,
@@ -217,13 +213,9 @@ def launch_split(q: torch.Tensor, kv: torch.Tensor, slot_ids: torch.Tensor,
     q: [B or T, Hq, D]; kv: the layer view [S, M, 2, Hkv, D]; out: like q; part_o
     [B, Hq, num_splits, D] and part_lse [B, Hq, num_splits] fp32 (unused with one split);
     cu_q: [B + 1] for a packed batch, else None; qk_scale: softmax scale x log2(e).
+    The caller has checked `cuda_decode_usable`, and ``num_warps``/``num_stages`` come from a
+    valid `DecodeConfig` (``decode_attention`` does both).
     """
-    why = cuda_decode_usable(q, kv)
-    if why is not None:
-        raise KernelUnavailableError(why)
-    if not 1 <= num_warps <= 32 or num_stages < 2:
-        raise KernelInputError(f"the CUDA decode kernel needs 1-32 warps and >= 2 stages, got "
-                               f"{num_warps} warps, {num_stages} stages")
     if cluster and num_splits > 1 and not 2 <= num_splits <= MAX_CLUSTER:
         raise KernelInputError(f"a cluster merge takes 2-{MAX_CLUSTER} splits (the CTAs of one "
                                f"cluster), got {num_splits}")
@@ -242,7 +234,8 @@ def launch_split(q: torch.Tensor, kv: torch.Tensor, slot_ids: torch.Tensor,
             | int(cu_q is not None and cu_q.dtype == torch.int64) << 2)
     p, i, f, ll = ctypes.c_void_p, ctypes.c_int, ctypes.c_float, ctypes.c_longlong
     values = (q.data_ptr(), kv.data_ptr(), slot_ids.data_ptr(), context_lens.data_ptr(),
-              _ptr(cu_q), wide, out.data_ptr(), part_o.data_ptr(), part_lse.data_ptr(),
+              0 if cu_q is None else cu_q.data_ptr(), wide, out.data_ptr(), part_o.data_ptr(),
+              part_lse.data_ptr(),
               num_splits, qk_scale, q.stride(0), q.stride(1), kv.stride(0), kv.stride(1),
               kv.stride(2), kv.stride(3), out.stride(0), out.stride(1), part_o.stride(0),
               part_o.stride(1), part_o.stride(2), part_lse.stride(0), part_lse.stride(1))

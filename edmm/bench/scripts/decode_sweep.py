@@ -69,6 +69,7 @@ from edmm.bench.attention import (
 )
 from edmm.kernels import DecodeConfig, default_num_splits, triton_usable
 from edmm.kernels._common import CounterWorkspace
+from edmm.kernels._cuda_decode import MAX_CLUSTER
 from edmm.kernels.decode_attention import MAX_FUSED_SPLITS, MAX_SPLITS
 
 SPLITS = (8, 16, 32, 33, 48, 64, 66, 96, 99, 128, 132, 192, 256, 384, 512)
@@ -84,7 +85,6 @@ MODES = {  # launch mode -> DecodeConfig flags (early launch only with pdl)
     for pre in (False, True) if pdl or not early}
 # config letters -> DecodeConfig flags: balanced splits, TMA loads, sliced reduce
 SUFFIXES = {"b": "balanced", "t": "tma", "r": "sliced_reduce", "c": "cuda", "k": "cluster"}
-MAX_CLUSTER_SPLITS = 16  # a cluster merge takes at most this many splits
 CUDA_MODE_FLAGS = ("fused", "prefetch", "early_launch")  # modes the CUDA split kernel lacks
 TARGET_TBS = 3.0  # issue 20: decode attention >= 3 TB/s at batch 1 and 8, 16K
 
@@ -110,7 +110,7 @@ def candidates(modes: list[str], configs: tuple[DecodeConfig, ...], splits: tupl
                              prefetch_tiles=base.prefetch_tiles if flags["prefetch"] else 0)
             limit = MAX_FUSED_SPLITS if config.fused else MAX_SPLITS
             if config.cluster:
-                limit = min(limit, MAX_CLUSTER_SPLITS)
+                limit = min(limit, MAX_CLUSTER)  # the CTAs of one cluster
             out += [(n, config) for n in splits if (n, config) not in out
                     and n <= limit and n <= -(-context // config.block_n)]
     return out
