@@ -439,9 +439,10 @@ def _plot(summary: list[dict[str, Any]], out_dir: Path, device: str, model: str)
         if not rows:
             continue
         name = f"ttft-{op.split()[0]}.png"
+        peer = " beside transformers" if any(r["engine"] == "transformers" for r in rows) else ""
         try:
             plot_bars(rows, "context", "trimmed_mean_ms", "engine", out_dir / name,
-                      f"{op}: EDMM beside transformers ({device}, model {model})",
+                      f"{op}: EDMM{peer} ({device}, model {model})",
                       x_label="context length (tokens)", y_label="time (ms, trimmed mean)",
                       legend_title="engine")
             notes.append(f"plot: {name}")

@@ -100,3 +100,19 @@ def test_bench_ttft_through_the_engine(tmp_path: Path) -> None:
                     for op in ("decode step", "prefill on cached prefix", "full prefill")}
     assert all(r["ms"] > 0 for r in data["rows"])
     assert any(f"tensor parallel over {tp} GPU(s)" in n for n in data["notes"])
+
+
+@pytest.mark.parametrize(("engines", "title"), [
+    (("edmm", "transformers"), "full prefill: EDMM beside transformers (cpu, model tiny)"),
+    (("edmm",), "full prefill: EDMM (cpu, model tiny)"),  # --no-peer: no transformers rows
+])
+def test_plot_title_names_transformers_only_when_it_ran(
+        monkeypatch: pytest.MonkeyPatch, tmp_path: Path, engines: tuple[str, ...],
+        title: str) -> None:
+    from edmm.bench import ttft
+    titles: list[str] = []
+    monkeypatch.setattr(ttft, "plot_bars", lambda *args, **kw: titles.append(args[5]))
+    summary = [{"engine": e, "op": "full prefill", "context_tokens": 48,
+                "trimmed_mean_ms": 1.0} for e in engines]
+    assert ttft._plot(summary, tmp_path, "cpu", "tiny") == ["plot: ttft-full.png"]
+    assert titles == [title]
