@@ -1,0 +1,437 @@
+"""A load curve at the client: streamed TTFT, inter-token latency and output tokens/s at rising
+concurrency, for EDMM and its peers side by side (``edmm bench load``).
+
+Each *workload* is a prompt length, an output length and a prefix mode:
+
+- ``fresh``: every request's prompt is its own random token ids (nothing to reuse);
+- ``shared``: every prompt starts with the same ``shared_fraction`` of its tokens (a common
+  system prompt), then its own random ids: prefix caching serves the shared part.
+
+At each concurrency ``c`` a closed loop keeps ``c`` requests in flight until ``requests(c)``
+have completed: ``POST /v1/completions`` with the prompt as token ids (both engines see the
+same ids whatever their tokenizers), ``max_tokens`` = ``min_tokens`` = the output length and
+``ignore_eos`` (random weights would stop anywhere), greedy, streamed with
+``stream_options.include_usage``. Per request: TTFT (send to the first token's chunk), the
+gaps between later chunks (inter-token latency, ITL), end-to-end time and the tokens the
+server counted. Per level: output tokens/s over the level's wall time (first send to last
+byte), and p50/p90/p99 of TTFT and ITL. Every level starts with fresh prompts (new random
+ids), so no level reuses another's KV but the ``shared`` prefix.
+
+One warm-up request per server and workload runs before the levels (compilation, graph
+capture and allocator growth stay out of the numbers); errors are counted, never dropped.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from edmm.bench.peers import ServerSpec, served, served_model
+from edmm.bench.report import ResultWriter, collect_environment
+from edmm.bench.stats import percentile
+
+PREFIX_MODES = ("fresh", "shared")
+
+
+class LoadBenchError(RuntimeError):
+    """A level could not be measured (every request of it failed)."""
+
+
+@dataclass(frozen=True)
+class LoadConfig:
+    """What one ``edmm bench load`` run measures (the same for every server).
+
+    Attributes:
+        prompt_tokens: prompt lengths, one workload each (with each prefix mode).
+        output_tokens: tokens every request generates.
+        concurrency: levels of requests in flight.
+        prefixes: prefix modes (`PREFIX_MODES`).
+        shared_fraction: share of a ``shared`` prompt that all requests have in common.
+        min_requests: fewest requests a level completes.
+        rounds: a level completes ``max(min_requests, rounds * c)`` requests.
+        token_range: ``[low, high)`` of the random prompt token ids (ordinary tokens of the
+            vocabulary: no special ids).
+        seed: seed of the prompts.
+        device: where the servers run (recorded with the results).
+        timeout_s: one request's limit.
+    """
+
+    prompt_tokens: tuple[int, ...] = (2048,)
+    output_tokens: int = 256
+    concurrency: tuple[int, ...] = (1, 2, 4, 8, 16, 32, 64)
+    prefixes: tuple[str, ...] = ("fresh",)
+    shared_fraction: float = 0.75
+    min_requests: int = 8
+    rounds: float = 2.0
+    token_range: tuple[int, int] = (1000, 100_000)
+    seed: int = 0
+    device: str = "cuda"
+    timeout_s: float = 600.0
+
+    def __post_init__(self) -> None:
+        bad = [p for p in self.prefixes if p not in PREFIX_MODES]
+        if bad:
+            raise ValueError(f"prefix modes are {PREFIX_MODES}, got {bad}")
+        if not self.prompt_tokens or min(self.prompt_tokens) < 2:
+            raise ValueError("prompt lengths must be at least 2 tokens")
+        if self.output_tokens < 1 or not self.concurrency or min(self.concurrency) < 1:
+            raise ValueError("output tokens and concurrency levels must be positive")
+        if not 0 < self.shared_fraction < 1:
+            raise ValueError("shared_fraction must be in (0, 1)")
+        low, high = self.token_range
+        if not 0 <= low < high:
+            raise ValueError(f"token_range must be [low, high) with 0 <= low < high, "
+                             f"got {self.token_range}")
+
+    def requests(self, concurrency: int) -> int:
+        """Requests a level of ``concurrency`` completes."""
+        return max(self.min_requests, round(self.rounds * concurrency))
+
+
+@dataclass
+class RequestRecord:
+    """One request as the client saw it (seconds)."""
+
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    itl_s: list[float] = field(default_factory=list)  # gaps between content chunks
+    output_tokens: int = 0
+    prompt_tokens: int = 0
+    cached_tokens: int | None = None
+    error: str | None = None
+
+
+class Prompts:
+    """Random prompts of one workload; ``shared`` ones start with one common prefix."""
+
+    def __init__(self, cfg: LoadConfig, length: int, prefix: str) -> None:
+        self.cfg, self.length, self.prefix = cfg, length, prefix
+        self.rng = random.Random(f"{cfg.seed}-{length}-{prefix}")
+        shared = int(length * cfg.shared_fraction) if prefix == "shared" else 0
+        self.common = self._ids(shared)
+
+    def _ids(self, n: int) -> list[int]:
+        low, high = self.cfg.token_range
+        return [self.rng.randrange(low, high) for _ in range(n)]
+
+    def take(self, n: int) -> list[list[int]]:
+        """``n`` new prompts (never returned before)."""
+        return [self.common + self._ids(self.length - len(self.common)) for _ in range(n)]
+
+
+async def _one(client: Any, url: str, body: dict[str, Any], timeout_s: float) -> RequestRecord:
+    """Send one streamed completion and time its chunks."""
+    rec = RequestRecord(prompt_tokens=len(body["prompt"]))
+    start = time.perf_counter()
+    last: float | None = None
+    try:
+        async with client.stream("POST", f"{url}/v1/completions", json=body,
+                                 timeout=timeout_s) as resp:
+            if resp.status_code != 200:
+                text = (await resp.aread()).decode(errors="replace")
+                rec.error = f"HTTP {resp.status_code}: {text[:200]}"
+                return rec
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                now = time.perf_counter()
+                chunk = json.loads(line[6:])
+                if "error" in chunk:
+                    rec.error = str(chunk["error"])[:200]
+                    continue
+                if _is_token_chunk(chunk):
+                    if last is None:
+                        rec.ttft_s = now - start
+                    else:
+                        rec.itl_s.append(now - last)
+                    last = now
+                usage = chunk.get("usage")
+                if usage:
+                    rec.output_tokens = int(usage.get("completion_tokens") or 0)
+                    rec.prompt_tokens = int(usage.get("prompt_tokens") or rec.prompt_tokens)
+                    details = usage.get("prompt_tokens_details") or {}
+                    if details.get("cached_tokens") is not None:
+                        rec.cached_tokens = int(details["cached_tokens"])
+    except Exception as e:  # a failed request is a row of its own, never a crash of the level
+        rec.error = f"{type(e).__name__}: {e}"[:200]
+    rec.e2e_s = time.perf_counter() - start
+    if rec.error is None and rec.ttft_s is None:
+        rec.error = "no content chunk"
+    return rec
+
+
+def _is_token_chunk(chunk: dict[str, Any]) -> bool:
+    """A chunk that carries generated text (servers may send an empty text for a token whose
+    bytes do not end a character; a last chunk with only the finish reason carries none)."""
+    choices = chunk.get("choices")
+    if not choices:
+        return False
+    text = choices[0].get("text")
+    return bool(text) or (text is not None and choices[0].get("finish_reason") is None)
+
+
+async def run_level(url: str, model: str, prompts: Sequence[list[int]], concurrency: int,
+                    output_tokens: int, timeout_s: float) -> tuple[list[RequestRecord], float]:
+    """Complete every prompt with at most ``concurrency`` in flight; the records and the
+    level's wall time in seconds."""
+    import httpx
+
+    queue = list(reversed(prompts))
+    records: list[RequestRecord] = []
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency)
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        while queue:
+            body = {"model": model, "prompt": queue.pop(), "max_tokens": output_tokens,
+                    "min_tokens": output_tokens, "ignore_eos": True, "temperature": 0.0,
+                    "stream": True, "stream_options": {"include_usage": True}}
+            records.append(await _one(client, url, body, timeout_s))
+
+    async with httpx.AsyncClient(limits=limits, timeout=timeout_s) as client:
+        start = time.perf_counter()
+        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+        wall = time.perf_counter() - start
+    return records, wall
+
+
+def summarize_level(server: str, length: int, prefix: str, concurrency: int,
+                    records: Sequence[RequestRecord], wall_s: float) -> dict[str, Any]:
+    """One row of the load table (latencies in ms)."""
+    ok = [r for r in records if r.error is None]
+    if not ok:
+        raise LoadBenchError(f"{server}: every request at concurrency {concurrency} failed: "
+                             f"{records[0].error if records else 'none sent'}")
+    ttft = [r.ttft_s * 1e3 for r in ok if r.ttft_s is not None]
+    itl = [g * 1e3 for r in ok for g in r.itl_s]
+    tokens = sum(r.output_tokens for r in ok)
+    tpot = [(r.e2e_s - r.ttft_s) * 1e3 / (r.output_tokens - 1) for r in ok
+            if r.e2e_s is not None and r.ttft_s is not None and r.output_tokens > 1]
+
+    def pct(xs: list[float], q: float) -> float | None:
+        return percentile(xs, q) if xs else None
+
+    cached = [r.cached_tokens for r in ok if r.cached_tokens is not None]
+    return {
+        "server": server, "prompt_tokens": length, "prefix": prefix,
+        "concurrency": concurrency, "requests": len(records), "errors": len(records) - len(ok),
+        "output_tok_s": tokens / wall_s, "wall_s": wall_s,
+        "ttft_p50_ms": pct(ttft, 50), "ttft_p90_ms": pct(ttft, 90), "ttft_p99_ms": pct(ttft, 99),
+        "itl_p50_ms": pct(itl, 50), "itl_p90_ms": pct(itl, 90), "itl_p99_ms": pct(itl, 99),
+        "tpot_p50_ms": pct(tpot, 50),
+        "cached_frac": (sum(cached) / sum(r.prompt_tokens for r in ok)) if cached else None,
+    }
+
+
+def measure_server(spec: ServerSpec, cfg: LoadConfig, log_dir: Path | None,
+                   progress: Any = print) -> list[dict[str, Any]]:
+    """Every workload and level of ``cfg`` against one server (started if ``spec`` says
+    how); its summary rows."""
+    rows: list[dict[str, Any]] = []
+    with served(spec, log_dir) as url:
+        model = served_model(url)
+        for length in cfg.prompt_tokens:
+            for prefix in cfg.prefixes:
+                prompts = Prompts(cfg, length, prefix)
+                asyncio.run(run_level(url, model, prompts.take(1), 1, cfg.output_tokens,
+                                      cfg.timeout_s))  # warm-up
+                for c in cfg.concurrency:
+                    records, wall = asyncio.run(run_level(
+                        url, model, prompts.take(cfg.requests(c)), c, cfg.output_tokens,
+                        cfg.timeout_s))
+                    row = summarize_level(spec.name, length, prefix, c, records, wall)
+                    rows.append(row)
+                    progress(f"{spec.name} {length} {prefix} c={c}: "
+                             f"{row['output_tok_s']:.0f} tok/s, TTFT p50 "
+                             f"{row['ttft_p50_ms']:.1f} ms, ITL p50 {row['itl_p50_ms'] or 0:.2f} ms"
+                             + (f", {row['errors']} errors" if row["errors"] else ""))
+    return rows
+
+
+def ratio_rows(rows: Sequence[dict[str, Any]], base: str) -> list[dict[str, Any]]:
+    """Each server's throughput and latencies over ``base``'s at the same point (> 1: more
+    throughput, or more latency)."""
+    key = ("prompt_tokens", "prefix", "concurrency")
+    ref = {tuple(r[k] for k in key): r for r in rows if r["server"] == base}
+    out = []
+    for r in rows:
+        b = ref.get(tuple(r[k] for k in key))
+        if r["server"] == base or b is None:
+            continue
+        out.append({"server": r["server"], "vs": base,
+                    **{k: r[k] for k in key},
+                    **{f"{m}_ratio": (r[m] / b[m]) if r[m] and b[m] else None
+                       for m in ("output_tok_s", "ttft_p50_ms", "ttft_p90_ms", "itl_p50_ms",
+                                 "itl_p90_ms")}})
+    return out
+
+
+def run_load_bench(cfg: LoadConfig, specs: Sequence[ServerSpec], out_dir: Path,
+                   name: str = "load") -> dict[str, Path]:
+    """Measure every server in turn (one at a time on the device), write
+    ``<name>.{csv,json,md}`` and ``<name>.png``; return the paths."""
+    if not specs:
+        raise LoadBenchError("no server to measure")
+    rows: list[dict[str, Any]] = []
+    for spec in specs:
+        rows += measure_server(spec, cfg, out_dir / "logs")
+    writer = ResultWriter(out_dir, name, collect_environment(cfg.device))
+    writer.add_rows(rows)
+    ratios = ratio_rows(rows, specs[0].name)
+    notes = [
+        f"Closed loop per level: c requests in flight until max({cfg.min_requests}, "
+        f"{cfg.rounds:g} x c) completed; /v1/completions with token-id prompts, "
+        f"{cfg.output_tokens} output tokens each (min_tokens = max_tokens, ignore_eos), "
+        "greedy, streamed. TTFT: send to the first token's chunk; ITL: gaps between later "
+        "chunks; output tok/s: tokens the server counted over the level's wall time.",
+        f"shared: the first {cfg.shared_fraction:.0%} of every prompt is common to all "
+        "requests of the workload; fresh: nothing in common.",
+    ]
+    if ratios:
+        notes.append("Ratios (each server over " + specs[0].name + "):\n\n"
+                     + _ratio_table(ratios))
+    paths = writer.write(rows, f"Load curve: {', '.join(s.name for s in specs)}", notes,
+                         meta={"config": asdict(cfg)})
+    png = plot_load(rows, out_dir / f"{name}.png", cfg.device)
+    if png is not None:
+        paths["png"] = png
+    return paths
+
+
+def _ratio_table(ratios: Sequence[dict[str, Any]]) -> str:
+    from edmm.bench.report import markdown_table
+
+    return markdown_table(ratios)
+
+
+def plot_load(rows: Sequence[dict[str, Any]], path: Path, device: str) -> Path | None:
+    """Output tokens/s, TTFT and ITL against concurrency: one row of panels per workload,
+    one line per server (p50 solid, p90 dashed). None without matplotlib."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    workloads = sorted({(r["prompt_tokens"], r["prefix"]) for r in rows})
+    servers = list(dict.fromkeys(r["server"] for r in rows))
+    fig, axes = plt.subplots(len(workloads), 3, figsize=(15, 4 * len(workloads)), squeeze=False)
+    for i, (length, prefix) in enumerate(workloads):
+        for j, server in enumerate(servers):
+            pts = sorted((r for r in rows if r["server"] == server
+                          and (r["prompt_tokens"], r["prefix"]) == (length, prefix)),
+                         key=lambda r: r["concurrency"])
+            if not pts:
+                continue
+            xs = [r["concurrency"] for r in pts]
+            color = f"C{j}"
+            axes[i][0].plot(xs, [r["output_tok_s"] for r in pts], "o-", color=color,
+                            label=server)
+            for k, metric in ((1, "ttft"), (2, "itl")):
+                axes[i][k].plot(xs, [r[f"{metric}_p50_ms"] for r in pts], "o-", color=color,
+                                label=f"{server} p50")
+                axes[i][k].plot(xs, [r[f"{metric}_p90_ms"] for r in pts], "s--", color=color,
+                                alpha=0.6, label=f"{server} p90")
+        titles = ("output tokens/s (higher is better)", "time to first token, ms (lower is "
+                  "better)", "inter-token latency, ms (lower is better)")
+        for k, title in enumerate(titles):
+            ax = axes[i][k]
+            ax.set_xscale("log", base=2)
+            ax.set_xlabel("concurrent requests")
+            ax.set_title(f"{length}-token prompts, {prefix}: {title}", fontsize=9)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+        axes[i][1].set_yscale("log")
+    fig.suptitle(f"Streaming load curve on {device}: each server alone on the device, same "
+                 "client and prompts")
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+# ---------------------------------------------------------------- command line
+
+
+def add_arguments(parser: Any) -> None:
+    """The options of ``edmm bench load``."""
+    from edmm.argparsing import float_at_least, int_at_least, int_list
+
+    parser.add_argument("--edmm-args", default="", metavar="ARGS",
+                        help="arguments of the EDMM server this bench starts, one string "
+                             "(e.g. \"--model DIR --device cuda\"); none: the embedded model")
+    parser.add_argument("--no-edmm", action="store_true",
+                        help="measure only the peers (no EDMM server)")
+    parser.add_argument("--peer", action="append", default=[],
+                        help="also measure a peer: vllm, vllm-offload, vllm-fp8 or a URL "
+                             "(repeatable)")
+    parser.add_argument("--peer-model-dir", default=None,
+                        help="HF folder (config.json + tokenizer) the vLLM peers load with "
+                             "dummy weights")
+    parser.add_argument("--peer-python-path", default="",
+                        help="PYTHONPATH entries where vLLM is installed")
+    parser.add_argument("--peer-kv-bytes", type=int_at_least(1), default=None,
+                        help="vLLM's KV cache in bytes (default: sized by vLLM)")
+    parser.add_argument("--peer-max-model-len", type=int_at_least(1), default=None,
+                        help="vLLM's --max-model-len")
+    parser.add_argument("--served-model-name", default="edmm-load",
+                        help="model name the vLLM peers serve under")
+    parser.add_argument("--prompt-tokens", type=int_list, default=(2048,),
+                        help="prompt lengths, comma-separated (default 2048)")
+    parser.add_argument("--output-tokens", type=int_at_least(1), default=256)
+    parser.add_argument("--concurrency", type=int_list, default=(1, 2, 4, 8, 16, 32, 64),
+                        help="concurrency levels, comma-separated")
+    parser.add_argument("--prefixes", default="fresh",
+                        help="prefix modes, comma-separated: fresh, shared")
+    parser.add_argument("--shared-fraction", type=float, default=0.75)
+    parser.add_argument("--min-requests", type=int_at_least(1), default=8)
+    parser.add_argument("--rounds", type=float_at_least(0.0), default=2.0,
+                        help="a level completes max(--min-requests, rounds x concurrency)")
+    parser.add_argument("--token-range", default="1000,100000",
+                        help="[low,high) of the random prompt token ids")
+    parser.add_argument("--device", default="cuda", help="where the servers run (recorded)")
+    parser.add_argument("--out", type=Path, required=True, help="results folder")
+
+
+def run(args: Any) -> int:
+    """``edmm bench load``: measure, write, print the table."""
+    import shlex
+
+    from edmm.bench.peers import PeerError, VLLMOptions, edmm_spec, parse_peer
+
+    low, high = (int(x) for x in args.token_range.split(","))
+    cfg = LoadConfig(prompt_tokens=tuple(args.prompt_tokens), output_tokens=args.output_tokens,
+                     concurrency=tuple(args.concurrency),
+                     prefixes=tuple(x for x in args.prefixes.split(",") if x),
+                     shared_fraction=args.shared_fraction, min_requests=args.min_requests,
+                     rounds=args.rounds, token_range=(low, high), device=args.device)
+    vllm = (VLLMOptions(args.peer_model_dir, args.peer_python_path, args.peer_kv_bytes,
+                        max_model_len=args.peer_max_model_len)
+            if args.peer_model_dir else None)
+    try:
+        specs = [] if args.no_edmm else [edmm_spec(shlex.split(args.edmm_args))]
+        specs += [parse_peer(p, vllm, args.served_model_name) for p in args.peer]
+        paths = run_load_bench(cfg, specs, args.out)
+    except (PeerError, LoadBenchError) as e:
+        print(f"edmm bench load: {e}")
+        return 2
+    print(Path(paths["md"]).read_text())
+    print("wrote " + ", ".join(str(p) for p in paths.values()))
+    return 0
+
+
+if __name__ == "__main__":
+    import argparse
+    import sys
+
+    ap = argparse.ArgumentParser(prog="python -m edmm.bench.load", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(ap)
+    sys.exit(run(ap.parse_args()))
