@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import threading
@@ -168,7 +169,8 @@ def main() -> None:
     stop.set()
     th.join()
     measure(engine, min(seqs), 64, 8, cuda, rng, spin=False)  # warm-up
-    results = [measure(engine, b, a.prompt, a.output, cuda, rng, spin=True) for b in seqs]
+    spin = not os.environ.get("NOSPIN")
+    results = [measure(engine, b, a.prompt, a.output, cuda, rng, spin=spin) for b in seqs]
     a.out.mkdir(parents=True, exist_ok=True)
     (a.out / "engine-steps.json").write_text(json.dumps(
         {"spin_alone": alone[0], "results": results}, indent=1))
