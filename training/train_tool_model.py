@@ -1,7 +1,8 @@
-"""Train the embedded tool model: ``python -m edmm.model.train_tool_model --out FOLDER``.
+"""Train the embedded tool model: ``python -m training.train_tool_model --out FOLDER`` (from the
+repository root).
 
 A small Qwen2 (the ``tiny`` preset's architecture and tokenizer) trained with transformers on
-the generated conversations of :mod:`edmm.model.tool_corpus`, rendered with the embedded chat
+the generated conversations of :mod:`training.tool_corpus`, rendered with the embedded chat
 template exactly as ``edmm serve`` renders a request; the loss covers only the assistant's
 tokens (its tool calls, answers and the closing ``<|im_end|>``). Seeded and deterministic on
 one machine (torch's CPU kernels may round differently elsewhere). The folder it writes is an
@@ -9,14 +10,14 @@ ordinary HF model folder. The shipped ``edmm/model/assets/tool-tiny`` came from 
 one shared CPU core (about 25, 10, 4, 5 and 8 minutes), each starting from the last one's
 folder:
 
-    python -m edmm.model.train_tool_model --out /tmp/p1 --stop-after 401
-    python -m edmm.model.train_tool_model --init /tmp/p1 --copy-phase 1 --steps 240 \\
+    python -m training.train_tool_model --out /tmp/p1 --stop-after 401
+    python -m training.train_tool_model --init /tmp/p1 --copy-phase 1 --steps 240 \\
         --batch 12 --lr 3e-3 --warmup 20 --seed 1 --conversations 4000 --out /tmp/p2
-    python -m edmm.model.train_tool_model --init /tmp/p2 --copy-phase 2 --steps 300 \\
+    python -m training.train_tool_model --init /tmp/p2 --copy-phase 2 --steps 300 \\
         --batch 16 --lr 3e-3 --warmup 20 --seed 2 --conversations 5000 --out /tmp/p3
-    python -m edmm.model.train_tool_model --init /tmp/p3 --copy-phase 1 --steps 250 \\
+    python -m training.train_tool_model --init /tmp/p3 --copy-phase 1 --steps 250 \\
         --batch 12 --lr 2e-3 --warmup 10 --seed 3 --conversations 3000 --out /tmp/p4
-    python -m edmm.model.train_tool_model --init /tmp/p4 --copy-phase 1 --steps 250 \\
+    python -m training.train_tool_model --init /tmp/p4 --copy-phase 1 --steps 250 \\
         --batch 12 --lr 1.5e-3 --warmup 10 --seed 4 --conversations 3000 \\
         --out edmm/model/assets/tool-tiny
 
@@ -42,7 +43,7 @@ from safetensors.torch import save_file
 
 from edmm.model.config import resolve_preset
 from edmm.model.tiny import ensure_tiny_model
-from edmm.model.tool_corpus import conversation, copy_conversation, short_copy_conversation
+from training.tool_corpus import conversation, copy_conversation, short_copy_conversation
 
 IGNORE = -100
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
