@@ -1,4 +1,6 @@
-"""``python -m edmm.bench.attention --out DIR``: Triton attention kernels vs SDPA, per layer.
+"""Triton attention kernels vs SDPA, per layer.
+
+    python -m benchmarks.kernels.attention --out DIR
 
 Qwen2.5-7B head shapes (28 query heads, 4 KV heads, head dim 128, bf16) over KV in the arena's
 token-major layout across 28 layers: a real CUDA VMM arena when the driver API is usable, else a
@@ -487,8 +489,9 @@ def run(cfg: AttentionBenchConfig, out_dir: Path) -> list[Row]:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """CLI entry: ``python -m edmm.bench.attention --out DIR [--no-sweeps] [--reps N]``."""
-    parser = argparse.ArgumentParser(prog="python -m edmm.bench.attention", description=__doc__,
+    """CLI entry: ``python -m benchmarks.kernels.attention --out DIR [--no-sweeps] [--reps N]``."""
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.kernels.attention",
+                                     description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", type=Path, required=True, help="folder for attention.json/md")
     parser.add_argument("--reps", type=int, default=50)
@@ -496,7 +499,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--prefill-sweep", action="store_true", help="the prefill sweep only")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() or not triton_usable("cuda"):
-        print("edmm.bench.attention needs a CUDA GPU and triton", file=sys.stderr)
+        print("benchmarks.kernels.attention needs a CUDA GPU and triton", file=sys.stderr)
         return 2
     run(AttentionBenchConfig(reps=args.reps, sweeps=not args.no_sweeps,
                              prefill_only=args.prefill_sweep), args.out)

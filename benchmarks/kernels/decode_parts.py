@@ -1,6 +1,6 @@
 """Where one decode attention layer's time goes, per shape, inside a CUDA graph of 28 layers.
 
-    PYTHONPATH=. python3 -m edmm.bench.scripts.decode_parts --out DIR [--routes FILE]
+    PYTHONPATH=. python3 -m benchmarks.kernels.decode_parts --out DIR [--routes FILE]
 
 For batch 1 and 8 at 4K / 16K / 32K (``--batches``, ``--contexts``), at the launch a routing
 table gives (``--routes``; default the committed `edmm/kernels/decode_routes.json`), it times
@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from edmm.bench.attention import (
+from benchmarks.kernels.attention import (
     NUM_HEADS,
     SCALE,
     SPEC,
@@ -284,7 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         mem.close()
     date = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-    command = "python3 -m edmm.bench.scripts.decode_parts " + shlex.join(sys.argv[1:])
+    command = "python3 -m benchmarks.kernels.decode_parts " + shlex.join(sys.argv[1:])
     env = environment(mem.kind)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "decode-parts.json").write_text(json.dumps(

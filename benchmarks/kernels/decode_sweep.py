@@ -1,6 +1,6 @@
 """Decode attention launch sweep on a real CUDA VMM arena, and the routing table it implies.
 
-    PYTHONPATH=. python3 -m edmm.bench.scripts.decode_sweep --out DIR [--reps 20]
+    PYTHONPATH=. python3 -m benchmarks.kernels.decode_sweep --out DIR [--reps 20]
 
 Qwen2.5-7B heads (28 query heads, 4 KV heads, head dim 128, bf16; 33.5 MB of K+V per layer at
 16K), batch 1 and 8 at 4K / 16K / 32K (``--batches``, ``--contexts``). For each shape it times,
@@ -34,7 +34,7 @@ format. Pass it to ``edmm bench ttft
 launches (modes in ``--modes`` order, then configs, then split counts) until the share is spent,
 so every shape gets a route. The table over all six shapes in about four minutes:
 
-    python3 -m edmm.bench.scripts.decode_sweep --out DIR --reps 10 --budget-s 180 \
+    python3 -m benchmarks.kernels.decode_sweep --out DIR --reps 10 --budget-s 180 \
         --modes reduce-pdl,reduce,fused-pdl,reduce-pdl-prefetch \
         --configs 64x2x3,32x2x3,64x4x3 --splits 8,16,32,64,96,128
 """
@@ -55,7 +55,7 @@ from typing import Any
 
 import torch
 
-from edmm.bench.attention import (
+from benchmarks.kernels.attention import (
     SPEC,
     Case,
     Row,
@@ -272,7 +272,7 @@ def main(argv: list[str] | None = None) -> int:
     contexts = [int(x) for x in args.contexts.split(",")]
     mem = make_kv(max(batches), max(contexts))
     env = environment(mem.kind)
-    command = "python3 -m edmm.bench.scripts.decode_sweep " + shlex.join(sys.argv[1:])
+    command = "python3 -m benchmarks.kernels.decode_sweep " + shlex.join(sys.argv[1:])
     rows: list[Row] = []
     md = ""
     start, shapes = time.monotonic(), len(batches) * len(contexts)

@@ -1,6 +1,6 @@
 """Skinny-matmul sweep of a model's decode projections, and the routing table it implies.
 
-    PYTHONPATH=. python3 -m edmm.bench.scripts.matmul_sweep --out DIR [--model qwen2.5-7b]
+    PYTHONPATH=. python3 -m benchmarks.kernels.matmul_sweep --out DIR [--model qwen2.5-7b]
 
 For each projection of the model (qkv, o_proj, gate_up, down, LM head: N x K of its weight)
 and each decode batch size (``--rows``, default 1, 2, 4, 8, 16: the decode graphs' sizes) it
@@ -37,7 +37,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from edmm.bench.attention import time_eager
+from benchmarks.kernels.attention import time_eager
 from edmm.kernels import triton_usable
 from edmm.kernels._common import CounterWorkspace, SkinnyConfig, cdiv
 from edmm.kernels.matmul_routes import route_row
@@ -251,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
     env = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
            "cuda": torch.version.cuda, "triton": triton.__version__, "model": args.model,
            "sms": torch.cuda.get_device_properties(0).multi_processor_count}
-    command = "python3 -m edmm.bench.scripts.matmul_sweep " + shlex.join(sys.argv[1:])
+    command = "python3 -m benchmarks.kernels.matmul_sweep " + shlex.join(sys.argv[1:])
     start, timings, md = time.monotonic(), [], ""
     with torch.inference_mode():
         for shape in shapes:

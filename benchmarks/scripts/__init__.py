@@ -1,5 +1,5 @@
 """One-off measurement scripts (profiles, A/B checks, the vLLM comparisons) that wrote files of
-``benchmarks/results``; run each with ``python -m edmm.bench.scripts.NAME --help``."""
+``benchmarks/results``; run each with ``python -m benchmarks.scripts.NAME --help``."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """`edmm.model.ascii_bpe` against the tokenizer itself on a corpus of ASCII files (CPU).
 
-    python -m edmm.bench.scripts.ascii_bpe_check --tokenizer DIR --root DIR [--seconds 900]
+    python -m benchmarks.scripts.ascii_bpe_check --tokenizer DIR --root DIR [--seconds 900]
         [--recovered-merges]
 
 Encodes every ASCII text file under ``--root`` (``.py .pyi .md .rst .txt .json .html .c .h``;
@@ -20,7 +20,7 @@ from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from edmm.bench.report import ResultWriter, collect_environment
+from edmm.bench.results import ResultWriter, collect_environment
 
 EXTENSIONS = (".py", ".pyi", ".md", ".rst", ".txt", ".json", ".html", ".c", ".h")
 

@@ -1,6 +1,6 @@
 """Where a live resume's ``client_wire -> received`` goes: the body's way over loopback (CPU).
 
-    python -m edmm.bench.scripts.body_transfer --tokenizer DIR [--contexts 16384,31744]
+    python -m benchmarks.scripts.body_transfer --tokenizer DIR [--contexts 16384,31744]
 
 `edmm bench live --stages` reports ``client_wire -> received``: from the raw client handing
 the JSON body to httpx to the server's `RequestGuard` having read all of it (1.1 ms on the
@@ -33,10 +33,10 @@ import sys
 import time
 from typing import Any
 
+from benchmarks.scripts import live_script_parser
+from benchmarks.scripts.live_host_stages import CALL
 from edmm.bench.live import TOOL, LiveBenchConfig, Prompts, load_tokenizer
-from edmm.bench.report import ResultWriter, collect_environment
-from edmm.bench.scripts import live_script_parser
-from edmm.bench.scripts.live_host_stages import CALL
+from edmm.bench.results import ResultWriter, collect_environment
 
 WARMUP = 5
 SWITCH_INTERVAL_S = 0.0002  # as `edmm serve`

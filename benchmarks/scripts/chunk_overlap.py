@@ -1,6 +1,6 @@
 """Does a chunked prefill's host work overlap the device's? (diagnostic, H200)
 
-    python -m edmm.bench.scripts.chunk_overlap [--context 16384] [--chunk 2048]
+    python -m benchmarks.scripts.chunk_overlap [--context 16384] [--chunk 2048]
 
 Runs the full prefill of the qwen2.5-7b preset in passes of ``--chunk`` tokens (as
 `edmm bench ttft --full-prefill-chunk` does) and prints, per pass, the host time spent mapping
@@ -21,7 +21,7 @@ import numpy as np
 import torch
 
 import edmm.model.attention as attention_module
-from edmm.bench.ttft import EdmmSide, TTFTBenchConfig
+from edmm.bench.model_ops import EdmmSide, ModelOpsConfig
 
 
 def _timed(fn: Callable[..., Any], log: list[float]) -> Callable[..., Any]:
@@ -83,7 +83,7 @@ def main() -> None:
     parser.add_argument("--chunk", type=int, default=2048)
     parser.add_argument("--reps", type=int, default=3)
     args = parser.parse_args()
-    side = EdmmSide(TTFTBenchConfig(contexts=(args.context,)), args.context)
+    side = EdmmSide(ModelOpsConfig(contexts=(args.context,)), args.context)
     ids = torch.randint(0, side.cfg.vocab_size, (args.context,), device="cuda")
     with torch.inference_mode():
         side.extend(ids)  # warm-up

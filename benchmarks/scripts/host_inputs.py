@@ -1,6 +1,6 @@
 """Host time of building a step's inputs, by token count (CPU only; no model, no device copy).
 
-    python -m edmm.bench.scripts.host_inputs [--out DIR]
+    python -m benchmarks.scripts.host_inputs [--out DIR]
 
 Times, for one sequence of T new tokens (and a decode batch of T sequences of one token), the
 two conversions every step pays before its first kernel: `AttentionMetadata.build` (the
@@ -17,7 +17,7 @@ from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
-from edmm.bench.report import ResultWriter, collect_environment
+from edmm.bench.results import ResultWriter, collect_environment
 from edmm.engine.runner import int64_tensor
 from edmm.model.attention import AttentionMetadata
 

@@ -1,6 +1,6 @@
 """Host-side costs of a live resume, stage by stage, without HTTP or a model (CPU).
 
-    python -m edmm.bench.scripts.live_host_stages --tokenizer DIR [--contexts 16384,31744]
+    python -m benchmarks.scripts.live_host_stages --tokenizer DIR [--contexts 16384,31744]
 
 The conversation of `edmm bench live` (its `Prompts`, tool and 512-token result) at each
 context: the first turn is rendered and encoded as the server does (not timed), then the A
@@ -35,9 +35,9 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+from benchmarks.scripts import live_script_parser
 from edmm.bench.live import TOOL, TOOL_NAME, LiveBenchConfig, Prompts, load_tokenizer
-from edmm.bench.report import ResultWriter, collect_environment
-from edmm.bench.scripts import live_script_parser
+from edmm.bench.results import ResultWriter, collect_environment
 from edmm.bench.stats import summarize
 from edmm.engine import RequestValidator, SamplingParams
 from edmm.model.ascii_bpe import AsciiBPE

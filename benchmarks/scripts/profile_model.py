@@ -1,6 +1,6 @@
 """Where the time of a decode step and of a cached-prefix prefill goes (torch.profiler, H200).
 
-    python -m edmm.bench.scripts.profile_model [--context 16384] [--attention auto] [--out DIR]
+    python -m benchmarks.scripts.profile_model [--context 16384] [--attention auto] [--out DIR]
 
 Prints, for the qwen2.5-7b preset on the arena (attention backend ``--attention``: auto,
 fa4, triton): the top CUDA kernels of a decode step, of a 512-token prefill on a cached prefix
@@ -27,7 +27,7 @@ import torch
 from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
-from edmm.bench.ttft import EdmmSide, TTFTBenchConfig
+from edmm.bench.model_ops import EdmmSide, ModelOpsConfig
 from edmm.engine.cuda_graph import CudaGraphRunner
 
 
@@ -208,7 +208,7 @@ def main() -> None:
     ctx = args.context
     report = [f"# profile, qwen2.5-7b preset, context {ctx}, {torch.cuda.get_device_name()}"]
     for eager in (False,) if args.fast_only else (True, False):
-        cfg = TTFTBenchConfig(contexts=(ctx,), eager=eager, matmul_routes=args.matmul_routes,
+        cfg = ModelOpsConfig(contexts=(ctx,), eager=eager, matmul_routes=args.matmul_routes,
                               matmul_pdl=args.matmul_pdl)
         side = EdmmSide(cfg, ctx, "sdpa" if eager else args.attention)
         ids = torch.randint(0, side.cfg.vocab_size, (ctx + 1,), device="cuda")

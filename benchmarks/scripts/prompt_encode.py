@@ -1,6 +1,6 @@
 """Render + encode time of an agent's resume prompt: whole vs `PromptEncoder` (CPU).
 
-    python -m edmm.bench.scripts.prompt_encode [--tokenizer DIR] [--out DIR]
+    python -m benchmarks.scripts.prompt_encode [--tokenizer DIR] [--out DIR]
 
 A conversation of ~N tokens ends in a tool call (the turn the server encoded), then the resume
 with a ~500-token tool result is rendered with the chat template and encoded: by the tokenizer
@@ -18,7 +18,7 @@ from typing import Any
 
 from transformers import AutoTokenizer
 
-from edmm.bench.report import ResultWriter, collect_environment
+from edmm.bench.results import ResultWriter, collect_environment
 from edmm.bench.stats import summarize
 from edmm.model.prompt_encoder import PromptEncoder
 from edmm.model.tiny import ensure_tiny_model

@@ -1,6 +1,6 @@
 """Does a host-to-GPU KV restore overlap decode steps? (issue 19's target, H200)
 
-    PYTHONPATH=. python3 -m edmm.bench.scripts.restore_overlap --out DIR [--context 16384]
+    PYTHONPATH=. python3 -m benchmarks.scripts.restore_overlap --out DIR [--context 16384]
         [--batch 8] [--restore-gib 1] [--steps 30] [--model qwen2.5-7b]
 
 Builds the engine on ``--model`` (random weights, bf16, CUDA graphs), prefills ``--batch``
@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from edmm.bench.report import collect_environment
+from edmm.bench.results import collect_environment
 from edmm.engine import Engine, EngineConfig, SamplingParams
 from edmm.memory.copies import StreamCopier, SyncCopier
 from edmm.memory.offload import HostKVStore
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     with torch.inference_mode():
         result = measure(args)
     date = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-    command = "python3 -m edmm.bench.scripts.restore_overlap " + shlex.join(sys.argv[1:])
+    command = "python3 -m benchmarks.scripts.restore_overlap " + shlex.join(sys.argv[1:])
     env = collect_environment("cuda")
     device = {"gpu": env.gpu_name, "driver": env.driver_version, "cuda": env.cuda_runtime,
               "torch": env.torch, "python": env.python, "git_commit": env.git_commit,

@@ -1,7 +1,7 @@
 """The README's results tables, regenerated from a results folder's JSON files.
 
-``python -m edmm.bench.results_table [RESULTS_DIR ...] [--readme README.md]`` prints Markdown
-built from ``agent-ttft.json`` (and ``agent-ttft-transformers.json`` beside it),
+``python -m benchmarks.scripts.results_table [RESULTS_DIR ...] [--readme README.md]`` prints
+Markdown built from ``agent-ttft.json`` (and ``agent-ttft-transformers.json`` beside it),
 ``agent-ttft-live.json``, ``vmm-cuda.json`` and ``ttft-model.json``, each taken from the first
 folder that has it (a file in no folder leaves its part out). Without folders: every folder of
 ``benchmarks/results`` named ``<date>-<device>[-<label>]`` for ``--device`` (default ``h200``),
@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from edmm.bench.agent import SEED_RATIOS
+from edmm.bench.resume import SEED_RATIOS
 
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 RESULTS_ROOT = Path("benchmarks/results")
@@ -332,7 +332,7 @@ def replace_block(text: str, block: str) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """The command line; see the module docstring."""
-    parser = argparse.ArgumentParser(prog="python -m edmm.bench.results_table",
+    parser = argparse.ArgumentParser(prog="python -m benchmarks.scripts.results_table",
                                      description="README results tables from a results folder")
     parser.add_argument("results_dirs", nargs="*", type=Path,
                         help="folders to take each file from, first match wins (default: "

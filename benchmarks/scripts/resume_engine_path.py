@@ -1,6 +1,6 @@
 """The engine thread's Python on a speculation-hit resume (group C), without HTTP (CPU).
 
-    python -m edmm.bench.scripts.resume_engine_path --model DIR [--contexts 16384] [--runs 8]
+    python -m benchmarks.scripts.resume_engine_path --model DIR [--contexts 16384] [--runs 8]
 
 ``--model``: a model folder with a tokenizer (a small model is enough: what is timed is the
 Python around the model). Each run is a session of the server's `ServerSessions` (no event
@@ -28,7 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from edmm.bench.report import ResultWriter, collect_environment
+from edmm.bench.results import ResultWriter, collect_environment
 from edmm.bench.stats import summarize
 from edmm.engine import SamplingParams
 from edmm.server.sessions import Turn, TurnEnd

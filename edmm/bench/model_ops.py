@@ -5,7 +5,7 @@ values), in one process:
 - decode step: the token that completes an n-token context (appended to n - 1 cached tokens),
   logits and a greedy pick. Its page is already mapped, as in 35 of 36 decode steps of the
   qwen2.5-7b preset (56 KiB of KV per token, 2 MiB pages); appending to n cached tokens at a
-  power-of-two n would map a page every repeat (~0.12 ms on the H200, `profile_model.py`);
+  power-of-two n would map a page every repeat (~0.12 ms on an H200);
 - prefill of ``new_tokens`` (default 512) new tokens on a cached (n - 512)-token prefix;
 - full prefill of n tokens into an empty slot: in one pass, or (``full_prefill_chunk``) in
   chunks as the engine's token budget splits a long prompt, each chunk's pages mapped and its
@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from edmm.bench.report import (
+from edmm.bench.results import (
     Progress,
     ResultWriter,
     collect_environment,
@@ -70,7 +70,7 @@ PREFILL_KERNELS: dict[str, PrefillConfig] = {  # --prefill-kernel
 
 
 @dataclass(frozen=True)
-class TTFTBenchConfig:
+class ModelOpsConfig:
     """What to run: model preset or folder, device, contexts, repeats, peer on/off."""
 
     model: str = "qwen2.5-7b"
@@ -93,7 +93,7 @@ class TTFTBenchConfig:
     matmul_routes: str | None = None
     matmul_pdl: bool = False  # every routed skinny launch with PDL (`with_pdl`: an experiment)
     # None: the model driven directly on one device; N: through the engine, split over N GPUs
-    # (`edmm.bench.ttft_engine`)
+    # (`edmm.bench.model_ops_engine`)
     tensor_parallel_size: int | None = None
 
 
@@ -114,7 +114,7 @@ def _timed(out: list[float], device: torch.device) -> Iterator[None]:
 class EdmmSide:
     """The model on a KV arena with one slot, driven directly (no scheduler in the way)."""
 
-    def __init__(self, cfg: TTFTBenchConfig, max_ctx: int, attention: str = "auto") -> None:
+    def __init__(self, cfg: ModelOpsConfig, max_ctx: int, attention: str = "auto") -> None:
         self.device = torch.device(cfg.device)
         attention = resolve_attention(attention, AttentionCapabilities.probe(cfg.device))
         max_tokens = max_ctx + cfg.new_tokens + 1
@@ -193,7 +193,7 @@ class EdmmSide:
 class HFSide:
     """HF transformers with the same shapes: SDPA attention, DynamicCache."""
 
-    def __init__(self, cfg: TTFTBenchConfig, mcfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelOpsConfig, mcfg: ModelConfig) -> None:
         from transformers import AutoConfig, AutoModelForCausalLM
 
         self.device = torch.device(cfg.device)
@@ -231,7 +231,7 @@ def _chunk_starts(n: int, chunk: int) -> list[int]:
     return list(range(0, n, chunk)) if chunk > 0 else [0]
 
 
-def _measure(side: EdmmSide | HFSide, ids: torch.Tensor, ctx: int, cfg: TTFTBenchConfig,
+def _measure(side: EdmmSide | HFSide, ids: torch.Tensor, ctx: int, cfg: ModelOpsConfig,
              engine: str, progress: Progress) -> list[dict[str, Any]]:
     """Per-iteration rows of the three operations at one context length."""
     dev = side.device
@@ -292,7 +292,7 @@ def _flops(mcfg: ModelConfig, new_tokens: int) -> Callable[[str, int], float]:
     return flops
 
 
-def run_ttft_bench(cfg: TTFTBenchConfig, out_dir: Path) -> dict[str, Path]:
+def run_model_ops_bench(cfg: ModelOpsConfig, out_dir: Path) -> dict[str, Path]:
     """Run both engines over every context; write CSV (per iteration), JSON, Markdown, PNG."""
     torch.manual_seed(0)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -321,7 +321,7 @@ def run_ttft_bench(cfg: TTFTBenchConfig, out_dir: Path) -> dict[str, Path]:
     return paths
 
 
-def _measure_direct(cfg: TTFTBenchConfig, max_ctx: int
+def _measure_direct(cfg: ModelOpsConfig, max_ctx: int
                     ) -> tuple[list[dict[str, Any]], ModelConfig]:
     """The three ops on the model driven directly, once per EDMM attention backend, then
     (``peer``) on transformers."""
@@ -348,10 +348,10 @@ def _measure_direct(cfg: TTFTBenchConfig, max_ctx: int
     return rows, mcfg
 
 
-def _measure_through_engine(cfg: TTFTBenchConfig, max_ctx: int
+def _measure_through_engine(cfg: ModelOpsConfig, max_ctx: int
                             ) -> tuple[list[dict[str, Any]], ModelConfig]:
     """The three ops as engine requests over ``tensor_parallel_size`` GPUs (no peer)."""
-    from edmm.bench.ttft_engine import EngineSide, measure_engine
+    from edmm.bench.model_ops_engine import EngineSide, measure_engine
 
     tp = cfg.tensor_parallel_size or 1
     side = EngineSide(cfg.model, cfg.device, cfg.dtype, max_ctx, cfg.new_tokens, tp,
@@ -367,7 +367,7 @@ def _measure_through_engine(cfg: TTFTBenchConfig, max_ctx: int
         side.close()
 
 
-def _direct_notes(cfg: TTFTBenchConfig) -> list[str]:
+def _direct_notes(cfg: ModelOpsConfig) -> list[str]:
     gpu = [] if not cfg.device.startswith("cuda") else [
         "attention (CUDA, not eager): " + ", ".join(
             f"{engine}: {attention}" for engine, attention in edmm_sides(cfg).items()),
@@ -382,13 +382,13 @@ def _direct_notes(cfg: TTFTBenchConfig) -> list[str]:
                                       "the last" if cfg.full_prefill_chunk else "one pass")]
 
 
-def _engine_notes(cfg: TTFTBenchConfig) -> list[str]:
+def _engine_notes(cfg: ModelOpsConfig) -> list[str]:
     return [f"through the engine (requests, scheduling and page mapping included), tensor "
             f"parallel over {cfg.tensor_parallel_size} GPU(s); decode step: one engine step "
             "of one request at contexts n .. n + repeats; no transformers peer"]
 
 
-def decode_routes_of(cfg: TTFTBenchConfig) -> DecodeRoutes | None:
+def decode_routes_of(cfg: ModelOpsConfig) -> DecodeRoutes | None:
     """The decode routing table of the run: ``cfg.decode_routes``'s file, else the committed
     one (None: the kernel's heuristic)."""
     if cfg.decode_routes is not None:
@@ -396,7 +396,7 @@ def decode_routes_of(cfg: TTFTBenchConfig) -> DecodeRoutes | None:
     return default_decode_routes()
 
 
-def matmul_routes_of(cfg: TTFTBenchConfig) -> MatmulRoutes | None:
+def matmul_routes_of(cfg: ModelOpsConfig) -> MatmulRoutes | None:
     """The projections' routing table of the run: ``cfg.matmul_routes``'s file, else the
     committed one; None (every projection on cuBLAS) for "off" or without a table."""
     if cfg.matmul_routes == "off":
@@ -406,7 +406,7 @@ def matmul_routes_of(cfg: TTFTBenchConfig) -> MatmulRoutes | None:
     return with_pdl(routes) if routes is not None and cfg.matmul_pdl else routes
 
 
-def edmm_sides(cfg: TTFTBenchConfig) -> dict[str, str]:
+def edmm_sides(cfg: ModelOpsConfig) -> dict[str, str]:
     """Engine label -> resolved attention backend of each EDMM side (``eager``: one side,
     "edmm-eager", on the reference SDPA). Raises `AttentionChoiceError` for a backend that
     cannot run on ``cfg.device``."""

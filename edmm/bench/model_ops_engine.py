@@ -1,7 +1,7 @@
 """The model-level ops of ``edmm bench ttft`` measured through the engine (any TP size).
 
 ``edmm bench ttft --tensor-parallel-size N`` times the same three ops as the direct path
-(`edmm.bench.ttft`), but as requests to an `Engine` built by `edmm.engine.tp.build_engine`, so
+(`edmm.bench.model_ops`), but as requests to an `Engine` built by `edmm.engine.tp.build_engine`, so
 with ``N > 1`` the model is split over N GPUs and every step is broadcast to the other ranks:
 
 - full prefill: a prompt of n fresh tokens, to its first token;
@@ -20,7 +20,7 @@ from collections.abc import Callable
 
 import torch
 
-from edmm.bench.report import Progress
+from edmm.bench.results import Progress
 from edmm.engine.config import EngineConfig
 from edmm.engine.engine import Engine
 from edmm.engine.sampling import SamplingParams

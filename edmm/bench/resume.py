@@ -34,7 +34,7 @@ from typing import Any
 import torch
 
 from edmm.agent import AgentConfig, AgentEngine, TokenLayout, ToolCall, ToolResult
-from edmm.bench.report import Progress, ResultWriter, collect_environment
+from edmm.bench.results import Progress, ResultWriter, collect_environment
 from edmm.bench.stats import ratio, summarize
 from edmm.engine import EngineConfig, EntryRank, SamplingParams, SlotHints
 from edmm.engine.tp import build_engine
@@ -49,7 +49,7 @@ _BASE_TAG, _B_TAG = "bench:base", "bench:B"
 
 
 @dataclass(frozen=True)
-class AgentBenchConfig:
+class ResumeBenchConfig:
     """What to run. ``model``: a preset or local HF folder (None: the embedded tiny model);
     ``max_num_batched_tokens`` None: large enough to prefill the longest prompt in one step."""
 
@@ -78,7 +78,7 @@ class AgentBenchConfig:
             raise ValueError(f"insert_fraction must be in [0, 1), got {self.insert_fraction}")
 
     @classmethod
-    def cpu_smoke(cls, **overrides: Any) -> AgentBenchConfig:
+    def cpu_smoke(cls, **overrides: Any) -> ResumeBenchConfig:
         """The tiny model on the CPU, small contexts: seconds."""
         base = dict(model=None, device="cpu", dtype="float32", contexts=(256, 1024),
                     result_tokens=32, iterations=5, warmup=1, host_page_size=16384)
@@ -110,7 +110,7 @@ class _Iteration:
 class _Runner:
     """Sessions on one agent engine, each resumed once in the way its group prescribes."""
 
-    def __init__(self, agent: AgentEngine, cfg: AgentBenchConfig, rng: random.Random) -> None:
+    def __init__(self, agent: AgentEngine, cfg: ResumeBenchConfig, rng: random.Random) -> None:
         self.agent = agent
         self.cfg = cfg
         self.rng = rng
@@ -197,7 +197,7 @@ def _speculation(m: Any) -> str:
     return "none"
 
 
-def measure(agent: AgentEngine, cfg: AgentBenchConfig) -> list[dict[str, Any]]:
+def measure(agent: AgentEngine, cfg: ResumeBenchConfig) -> list[dict[str, Any]]:
     """Per-iteration rows of every group at every context (warm-up iterations dropped)."""
     runner = _Runner(agent, cfg, random.Random(cfg.seed))
     rows: list[dict[str, Any]] = []
@@ -245,7 +245,7 @@ def summarize_groups(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 RIDE_ALONG_TOKENS = (0, 32, 128)  # speculative_tokens_when_busy of the interference phases
 
 
-def measure_interference(agent: AgentEngine, cfg: AgentBenchConfig, context: int,
+def measure_interference(agent: AgentEngine, cfg: ResumeBenchConfig, context: int,
                          steps: int = 40) -> list[dict[str, Any]]:
     """Decode steps of one running request at ``context`` tokens, alone and while a long
     speculative prefill is queued, with ``speculative_tokens_when_busy`` at each of
@@ -306,7 +306,7 @@ def _interference_notes(rows: list[dict[str, Any]]) -> list[str]:
     return notes
 
 
-def _write_interference(rows: list[dict[str, Any]], cfg: AgentBenchConfig,
+def _write_interference(rows: list[dict[str, Any]], cfg: ResumeBenchConfig,
                         out_dir: Path) -> None:
     summary = []
     for phase in dict.fromkeys(r["phase"] for r in rows):
@@ -319,7 +319,7 @@ def _write_interference(rows: list[dict[str, Any]], cfg: AgentBenchConfig,
                  notes=_interference_notes(rows))
 
 
-def run_agent_bench(cfg: AgentBenchConfig, out_dir: Path) -> dict[str, Path]:
+def run_resume_bench(cfg: ResumeBenchConfig, out_dir: Path) -> dict[str, Path]:
     """Run the A/B/C groups and the decode-interference check; write
     ``agent-ttft.{csv,json,md}`` and ``agent-interference.{csv,json,md}`` into ``out_dir``."""
     engine = build_engine(cfg.engine_config())

@@ -1,6 +1,6 @@
 """The A/B/C resume groups through HF transformers: the peer a user would otherwise pick.
 
-The same prompts' shapes as `edmm.bench.agent` (context C of n - |R| tokens, a tool result R,
+The same prompts' shapes as `edmm.bench.resume` (context C of n - |R| tokens, a tool result R,
 insertion point p), on transformers' best path for each (SDPA attention, a DynamicCache):
 
 - A: copy the session's cache, prefill R;
@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from edmm.bench.agent import GROUPS, AgentBenchConfig
-from edmm.bench.report import (
+from edmm.bench.model_ops import HFSide, ModelOpsConfig
+from edmm.bench.results import (
     GROUPS_CAPTION,
     Progress,
     ResultWriter,
@@ -31,8 +31,8 @@ from edmm.bench.report import (
     plot_bars,
     tokens_label,
 )
+from edmm.bench.resume import GROUPS, ResumeBenchConfig
 from edmm.bench.stats import ratio, summarize
-from edmm.bench.ttft import HFSide, TTFTBenchConfig
 from edmm.model.config import ModelConfig
 
 PEER_NAMES = {"A": "cached prefix copied, result appended",
@@ -53,7 +53,7 @@ def _timed(side: HFSide, cache: Any, ids: torch.Tensor, keep: int | None) -> flo
 
 
 @torch.inference_mode()
-def measure_peer(side: HFSide, cfg: AgentBenchConfig, vocab: int) -> list[dict[str, Any]]:
+def measure_peer(side: HFSide, cfg: ResumeBenchConfig, vocab: int) -> list[dict[str, Any]]:
     """Per-iteration rows of every group at every context (warm-up iterations dropped)."""
     rng = random.Random(cfg.seed)
     dev = side.device
@@ -100,10 +100,10 @@ def model_config(model: str | None) -> ModelConfig:
     return resolve_preset(model)
 
 
-def run_peer_bench(cfg: AgentBenchConfig, out_dir: Path) -> dict[str, Path]:
+def run_peer_bench(cfg: ResumeBenchConfig, out_dir: Path) -> dict[str, Path]:
     """Run the peer's groups; write ``agent-ttft-transformers.{csv,json,md}``."""
     mcfg = model_config(cfg.model)
-    tcfg = TTFTBenchConfig(model=cfg.model or "tiny", device=cfg.device,
+    tcfg = ModelOpsConfig(model=cfg.model or "tiny", device=cfg.device,
                            dtype=cfg.dtype or mcfg.dtype)
     side = HFSide(tcfg, mcfg)
     try:

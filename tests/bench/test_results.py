@@ -1,4 +1,4 @@
-"""Tests for edmm.bench.report: environment, CSV/JSON/Markdown files, tables, plots."""
+"""Tests for edmm.bench.results: environment, CSV/JSON/Markdown files, tables, plots."""
 
 from __future__ import annotations
 
@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from edmm.bench import report
-from edmm.bench.report import (
+from edmm.bench import results
+from edmm.bench.results import (
     Environment,
     ReportError,
     ResultWriter,
@@ -309,11 +309,11 @@ def test_plot_bars_bad_rows(tmp_path: Path, rows: list[dict]) -> None:
 
 
 def test_module_does_not_import_matplotlib() -> None:
-    assert "plt" not in vars(report) and "matplotlib" not in vars(report)
+    assert "plt" not in vars(results) and "matplotlib" not in vars(results)
 
 
 def test_progress_logs_quarters_when_not_a_terminal(capsys: pytest.CaptureFixture[str]) -> None:
-    from edmm.bench.report import Progress
+    from edmm.bench.results import Progress
 
     progress = Progress("x", 8)
     for i in range(8):

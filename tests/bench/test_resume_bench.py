@@ -8,14 +8,14 @@ from pathlib import Path
 
 import pytest
 
-from edmm.bench.agent import AgentBenchConfig, run_agent_bench
+from edmm.bench.resume import ResumeBenchConfig, run_resume_bench
 from edmm.demo import main as demo_main
 
 
 def test_agent_groups_write_rows_and_ratios(tmp_path: Path, tiny_dir: Path) -> None:
-    cfg = AgentBenchConfig.cpu_smoke(model=str(tiny_dir), contexts=(64, 128), iterations=2,
+    cfg = ResumeBenchConfig.cpu_smoke(model=str(tiny_dir), contexts=(64, 128), iterations=2,
                                      warmup=0)
-    paths = run_agent_bench(cfg, tmp_path)
+    paths = run_resume_bench(cfg, tmp_path)
     rows = list(csv.DictReader(paths["csv"].open()))
     assert len(rows) == 2 * 3 * 2
     by = {(int(r["context_tokens"]), r["group"]): r for r in rows}
@@ -40,20 +40,20 @@ def test_agent_groups_write_rows_and_ratios(tmp_path: Path, tiny_dir: Path) -> N
 
 def test_agent_groups_run_on_a_preset_without_tokenizer(tmp_path: Path) -> None:
     """The GPU path: a preset (random weights, no tokenizer), prompts from token ids."""
-    cfg = AgentBenchConfig.cpu_smoke(model="tiny", contexts=(48,), iterations=1, warmup=0,
+    cfg = ResumeBenchConfig.cpu_smoke(model="tiny", contexts=(48,), iterations=1, warmup=0,
                                      result_tokens=8)
-    rows = list(csv.DictReader(run_agent_bench(cfg, tmp_path)["csv"].open()))
+    rows = list(csv.DictReader(run_resume_bench(cfg, tmp_path)["csv"].open()))
     assert [r["group"] for r in rows] == ["A", "B", "C"] and rows[2]["speculation"] == "hit"
 
 
 def test_agent_bench_config_is_checked() -> None:
     with pytest.raises(ValueError):
-        AgentBenchConfig(contexts=())
+        ResumeBenchConfig(contexts=())
     with pytest.raises(ValueError):
-        AgentBenchConfig(contexts=(500,), result_tokens=512)
+        ResumeBenchConfig(contexts=(500,), result_tokens=512)
     with pytest.raises(ValueError):
-        AgentBenchConfig(insert_fraction=1.0)
-    engine = AgentBenchConfig().engine_config()  # the H200 run: qwen2.5-7b's 32K context fits
+        ResumeBenchConfig(insert_fraction=1.0)
+    engine = ResumeBenchConfig().engine_config()  # the H200 run: qwen2.5-7b's 32K context fits
     assert engine.max_model_len == 32768 and engine.max_num_batched_tokens == 32768
 
 

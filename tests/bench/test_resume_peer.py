@@ -7,13 +7,13 @@ from pathlib import Path
 
 import torch
 
-from edmm.bench.agent import AgentBenchConfig
-from edmm.bench.agent_peer import run_peer_bench
+from edmm.bench.resume import ResumeBenchConfig
+from edmm.bench.resume_peer import run_peer_bench
 
 
 def test_peer_groups_prefill_what_each_group_prescribes(tmp_path: Path) -> None:
     torch.set_num_threads(1)
-    cfg = AgentBenchConfig.cpu_smoke(contexts=(64, 128), result_tokens=16, iterations=2,
+    cfg = ResumeBenchConfig.cpu_smoke(contexts=(64, 128), result_tokens=16, iterations=2,
                                      warmup=1)
     paths = run_peer_bench(cfg, tmp_path)
     doc = json.loads(paths["json"].read_text())

@@ -1,4 +1,4 @@
-"""edmm.bench.scripts.decode_sweep: the routing table from timed rows (no GPU: synthetic rows),
+"""benchmarks.kernels.decode_sweep: the routing table from timed rows (no GPU: synthetic rows),
 read back by `DecodeRoutes`."""
 
 from __future__ import annotations
@@ -8,11 +8,11 @@ import json
 from pathlib import Path
 from types import ModuleType
 
-from edmm.bench.attention import Row
+from benchmarks.kernels.attention import Row
 from edmm.kernels import DecodeConfig
 from edmm.kernels.decode_routes import DecodeRoutes
 
-SCRIPT = Path(__file__).parents[2] / "edmm" / "bench" / "scripts" / "decode_sweep.py"
+SCRIPT = Path(__file__).parents[2] / "benchmarks" / "kernels" / "decode_sweep.py"
 
 
 def _script() -> ModuleType:

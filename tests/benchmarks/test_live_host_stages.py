@@ -1,4 +1,4 @@
-"""`edmm.bench.scripts.live_host_stages` on the tiny model's tokenizer: every stage timed."""
+"""`benchmarks.scripts.live_host_stages` on the tiny model's tokenizer: every stage timed."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ import pytest
 pytest.importorskip("fastapi")  # the server extra (the GPU machine has none)
 pytest.importorskip("openai")
 
+from benchmarks.scripts.live_host_stages import measure
 from edmm.bench.live import load_tokenizer
-from edmm.bench.scripts.live_host_stages import measure
 
 
 def test_every_stage_is_timed(tiny_dir: Path) -> None:
@@ -25,10 +25,10 @@ def test_every_stage_is_timed(tiny_dir: Path) -> None:
 
 
 def test_body_transfer_parts(tiny_dir: Path) -> None:
-    """`edmm.bench.scripts.body_transfer`: every part of the body's way is timed, in order."""
+    """`benchmarks.scripts.body_transfer`: every part of the body's way is timed, in order."""
     pytest.importorskip("uvicorn")
+    from benchmarks.scripts.body_transfer import measure, resume_body
     from edmm.bench.live import _free_port
-    from edmm.bench.scripts.body_transfer import measure, resume_body
 
     body = resume_body(load_tokenizer(str(tiny_dir)), 2048)
     parts = measure(body, 2, _free_port())
@@ -41,9 +41,9 @@ def test_body_transfer_parts(tiny_dir: Path) -> None:
 
 
 def test_resume_engine_path_times_a_speculation_hit(tiny_dir: Path) -> None:
-    """`edmm.bench.scripts.resume_engine_path`: every part of a C resume on the engine thread
+    """`benchmarks.scripts.resume_engine_path`: every part of a C resume on the engine thread
     is timed, each run a speculation hit (the script checks it)."""
-    from edmm.bench.scripts.resume_engine_path import measure as engine_path
+    from benchmarks.scripts.resume_engine_path import measure as engine_path
 
     rows = engine_path(str(tiny_dir), 2048, runs=2)
     assert [r["part"] for r in rows] == ["begin", "cache match", "first step"]

@@ -1,4 +1,4 @@
-"""edmm.bench.scripts.matmul_sweep without a GPU: its candidates, and the routing table and
+"""benchmarks.kernels.matmul_sweep without a GPU: its candidates, and the routing table and
 report from synthetic timings, read back by `MatmulRoutes`."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import json
 from dataclasses import asdict
 from pathlib import Path
 
-from edmm.bench.scripts import matmul_sweep as sweep
+from benchmarks.kernels import matmul_sweep as sweep
 from edmm.kernels._common import SkinnyConfig, cdiv
 from edmm.kernels.matmul_routes import MatmulRoutes
 from edmm.model.config import resolve_preset

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from edmm.bench.results_table import (
+from benchmarks.scripts.results_table import (
     BEGIN,
     END,
     ResultsTableError,
@@ -150,7 +150,7 @@ def test_readme_block_is_replaced(tmp_path: Path, capsys: pytest.CaptureFixture[
 
 def test_groups_plot_from_committed_files(tmp_path: Path) -> None:
     """`agent-ttft.png` is rebuilt from the JSON files alone, with or without the peer's."""
-    from edmm.bench.agent_peer import plot_groups
+    from edmm.bench.resume_peer import plot_groups
 
     for name in ("agent-ttft.json", "agent-ttft-transformers.json"):
         (tmp_path / name).write_text((H200 / name).read_text())

@@ -9,7 +9,7 @@ from edmm.bench.agents.http import HttpReplayConfig, _Run, client_columns, write
 from edmm.bench.agents.matrix import AgentsBenchConfig
 from edmm.bench.agents.policies import POLICIES
 from edmm.bench.agents.trace import GeneratorConfig
-from edmm.bench.report import Environment
+from edmm.bench.results import Environment
 
 folder = Path(sys.argv[1])
 doc = json.loads((folder / "agents-http.json").read_text())
