@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from edmm.bench.peers import ServerSpec, served, served_model
-from edmm.bench.report import ResultWriter, collect_environment
+from edmm.bench.results import ResultWriter, collect_environment
 from edmm.bench.stats import percentile
 
 PREFIX_MODES = ("fresh", "shared")
@@ -304,7 +304,7 @@ def run_load_bench(cfg: LoadConfig, specs: Sequence[ServerSpec], out_dir: Path,
 
 
 def _ratio_table(ratios: Sequence[dict[str, Any]]) -> str:
-    from edmm.bench.report import markdown_table
+    from edmm.bench.results import markdown_table
 
     return markdown_table(ratios)
 

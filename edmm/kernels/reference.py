@@ -1,7 +1,7 @@
 """SDPA references of the kernels: per-sequence strided views of the arena, no triton.
 
 Slower than the kernels and they read context lengths on the host; used by tests (in float64)
-and as the baseline of ``edmm.bench.attention``.
+and as the baseline of ``benchmarks.kernels.attention``.
 """
 
 from __future__ import annotations

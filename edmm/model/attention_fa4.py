@@ -7,8 +7,8 @@ kernel (FA4's Hopper forward has no split-KV: 171 us per layer for one 16K decod
 us). RoPE is fused with the KV write as in `TritonAttentionBackend`. Sliding-window layers and
 fp32 fall back to the Triton backend's own paths.
 
-Measured on the H200 (issue 20, one layer, Qwen2.5-7B heads, CUDA-event medians): 512 queries
-on a 16K prefix 611-614 TFLOP/s against 420 for the Triton kernel, a 16K one-pass prefill
+Measured on an H200 (one layer, Qwen2.5-7B heads, CUDA-event medians): 512 queries on a 16K
+prefix 611-614 TFLOP/s against 420 for the Triton kernel, a 16K one-pass prefill
 700-720 against 490.
 
 The arena must map each slot `FA4_KV_TILE` tokens past its context (``read_align``, see
