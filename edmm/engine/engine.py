@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from edmm.engine.config import HOST_POOL_BYTES, EngineConfig
-from edmm.engine.cuda_graph import CudaGraphRunner
+from edmm.engine.cuda_graph import CudaGraphRunner, decode_graph_sizes
 from edmm.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from edmm.engine.errors import (
     ContextLengthError,
@@ -573,5 +573,6 @@ def _build_runner(config: EngineConfig, model: CausalLM, arena: KVArena,
     token_sizes = tuple(t for t in config.cuda_graph_token_sizes
                         if t <= config.max_num_batched_tokens)
     # Mixed graphs take the running sequences and as many speculative prefills.
-    return CudaGraphRunner(model, arena, config.device, sampler, token_sizes=token_sizes,
-                           max_seqs=2 * config.max_num_seqs)
+    return CudaGraphRunner(model, arena, config.device, sampler,
+                           sizes=decode_graph_sizes(config.max_num_seqs),
+                           token_sizes=token_sizes, max_seqs=2 * config.max_num_seqs)
