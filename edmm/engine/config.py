@@ -78,6 +78,10 @@ class EngineConfig:
         kv_copy_stream: on CUDA, offload and restore copies run on a side stream beside the
             steps (ordered by CUDA events; paused sessions near eviction are written behind);
             False: synchronous copies. No effect on the CPU.
+        async_scheduling: schedule and launch each step while the device still computes the
+            previous one, whose sampled tokens are processed meanwhile (the host's work per
+            step hides behind the device's, as in vLLM's async scheduling; outputs come one
+            step later). None: on where steps replay CUDA graphs (one process), off elsewhere.
         tensor_parallel_size: ranks (one process per GPU, or per CPU process with gloo) the
             model's heads, KV heads and vocabulary are split over; build such an engine with
             `edmm.engine.tp.build_engine`. Each rank's arena holds its KV heads only.
@@ -107,6 +111,7 @@ class EngineConfig:
     max_speculative_pages: int | None = None
     kv_offload_bytes: int = 0
     kv_copy_stream: bool = True
+    async_scheduling: bool | None = None
     tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
@@ -127,6 +132,9 @@ class EngineConfig:
         if self.tensor_parallel_size < 1:
             raise EngineConfigError(
                 f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.async_scheduling:
+            raise EngineConfigError("async_scheduling is not supported with "
+                                    "tensor_parallel_size > 1")
         if self.tensor_parallel_size > 1 and self.kv_offload_bytes > 0:
             raise EngineConfigError("KV offload is not supported with tensor_parallel_size > 1")
         self._size_batch()
@@ -152,6 +160,13 @@ class EngineConfig:
             self.max_num_seqs = min(seqs, self.num_slots) if self.num_slots > 0 else seqs
         if self.num_slots == 0 and self.max_num_seqs > 0:
             self.num_slots = 2 * self.max_num_seqs
+
+    @property
+    def uses_async_scheduling(self) -> bool:
+        """``async_scheduling``, or its default (see its doc; never with several ranks)."""
+        if self.tensor_parallel_size > 1:
+            return False
+        return self.uses_cuda_graphs if self.async_scheduling is None else self.async_scheduling
 
     @property
     def uses_cuda_graphs(self) -> bool:
