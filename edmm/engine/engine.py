@@ -5,6 +5,10 @@ slots, the `KVCacheManager` (``engine.kv``) owns KV memory (arena, pool, prefix 
 offload), the `ModelRunner` computes. The engine validates and tokenizes requests, decides when
 a request stops (EOS, stop tokens, stop strings, ``max_tokens``, ``max_model_len``) and
 detokenizes incrementally; `stats` returns an `EngineStats` snapshot.
+
+The scheduler and the runner are private: code above the engine (the agent layer, the server,
+the benches) asks the engine (`memory_short`, `padding_free`, `num_prefilling`, `reclaim`) or
+its `KVCacheManager` (``engine.kv``), never their internals.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from edmm.engine.errors import (
 from edmm.engine.hooks import ParallelHooks
 from edmm.engine.kv_manager import KVCacheManager, KVStats
 from edmm.engine.outputs import CompletionOutput, RequestOutput, RequestTiming
-from edmm.engine.prefix_cache import PrefixCache
+from edmm.engine.prefix_cache import CacheTag, PrefixCache
 from edmm.engine.runner import ModelRunner
 from edmm.engine.sampling import FinishReason, Sampler, SamplingParams, is_stop
 from edmm.engine.scheduler import Scheduler, SchedulerConfig
@@ -226,12 +230,12 @@ class Engine:
                    if config.kv_offload_bytes > 0 and config.enable_prefix_caching else None)
         self.kv = KVCacheManager(arena, PrefixCache(arena, config.prefix_block_size,
                                                     config.enable_prefix_caching, offload))
-        self.scheduler = Scheduler(self.kv, config.scheduler_config(pool.capacity))
+        self._scheduler = Scheduler(self.kv, config.scheduler_config(pool.capacity))
         runner = _build_runner(config, self.model, arena, self.max_model_len, self.attention)
         if isinstance(runner, CudaGraphRunner) and config.speculation_fills_padding:
             self.update_scheduler_config(padded_token_sizes=runner.token_sizes,
                                          padded_max_seqs=runner.max_seqs)
-        self.runner = parallel.wrap_runner(runner) if parallel is not None else runner
+        self._runner = parallel.wrap_runner(runner) if parallel is not None else runner
         self._counters = _Counters()
         self.step_cost = StepCostModel()  # seconds per token of a step, fitted online
         # Modelled step seconds instead of measured ones (replays on a machine without the
@@ -258,13 +262,13 @@ class Engine:
         """Queue a request made by `make_request`; ``hints`` tie its slot to tagged cache
         entries (agent sessions: `SlotHints`)."""
         if (request.request_id in self._states
-                or self.scheduler.get(request.request_id) is not None):
+                or self._scheduler.get(request.request_id) is not None):
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
         self._states[request.request_id] = _RequestState(request, self.tokenizer)
         hints = hints if hints is not None else SlotHints()
         if request.cache_salt is not None:
             hints = dataclasses.replace(hints, cache_salt=request.cache_salt)
-        self.scheduler.add(Seq.new(request.request_id, request.prompt_token_ids, request.params,
+        self._scheduler.add(Seq.new(request.request_id, request.prompt_token_ids, request.params,
                                    hints=hints, priority=request.priority))
 
     def add_request(self, request_id: str, prompt: PromptInput,
@@ -289,66 +293,85 @@ class Engine:
             raise InvalidRequestError(
                 f"speculation {spec_id!r} needs a tag and prefix caching to be claimed by")
         self.stop_speculation(spec_id)
-        self.scheduler.add(Seq.new(spec_id, ids, SamplingParams(), SequenceKind.SPECULATIVE,
+        self._scheduler.add(Seq.new(spec_id, ids, SamplingParams(), SequenceKind.SPECULATIVE,
                                    hints))
 
     def stop_speculation(self, spec_id: str) -> bool:
         """Stop a speculative prefill where it is: the KV computed so far stays claimable
         under its tag. False if there is none running or queued under ``spec_id``."""
-        seq = self.scheduler.get(spec_id)
+        seq = self._scheduler.get(spec_id)
         if seq is None or not seq.is_speculative:
             return False
-        self.scheduler.finish(seq, SPECULATED)
+        self._scheduler.finish(seq, SPECULATED)
         return True
 
     def speculation_progress(self, spec_id: str) -> tuple[int, int] | None:
         """``(tokens with KV, tokens)`` of a queued or running speculation, else None."""
-        seq = self.scheduler.get(spec_id)
+        seq = self._scheduler.get(spec_id)
         if seq is None or not seq.is_speculative:
             return None
         return seq.num_computed_tokens, seq.num_tokens
 
     def has_speculation(self) -> bool:
         """True while a speculative prefill waits or runs."""
-        return self.scheduler.has_speculation()
+        return self._scheduler.has_speculation()
 
     def speculation_ids(self) -> list[str]:
         """Ids of the speculative prefills that wait or run."""
-        return [s.request_id for s in (*self.scheduler.spec_waiting, *self.scheduler.spec_running)]
+        sched = self._scheduler
+        return [s.request_id for s in (*sched.spec_waiting, *sched.spec_running)]
 
-    def take_speculated_tokens(self, tag: str) -> int:
+    def take_speculated_tokens(self, tag: CacheTag) -> int:
         """Tokens speculation computed under ``tag`` since the last call (then forgotten)."""
-        return self.scheduler.speculated.pop(tag, 0)
+        return self._scheduler.speculated.pop(tag, 0)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and release its memory; False if it is unknown or finished."""
         self._states.pop(request_id, None)
-        return self.scheduler.abort(request_id) is not None
+        return self._scheduler.abort(request_id) is not None
 
     def reprioritize(self, request_id: str, priority: float) -> bool:
         """Change a queued or running request's admission priority (`Request.priority`);
         False if it is unknown or finished."""
         check_priority(priority)
-        return self.scheduler.reprioritize(request_id, priority)
+        return self._scheduler.reprioritize(request_id, priority)
 
     def has_unfinished(self) -> bool:
         """True while any request waits or runs."""
-        return self.scheduler.has_unfinished()
+        return self._scheduler.has_unfinished()
+
+    def num_prefilling(self) -> int:
+        """Requests (speculation aside) that wait, or run with prompt tokens still to
+        compute."""
+        sched = self._scheduler
+        return len(sched.waiting) + sum(s.num_computed_tokens < s.num_prompt_tokens
+                                        for s in sched.running)
+
+    def memory_short(self) -> bool:
+        """True when the last step preempted a request or left the queue's head waiting for
+        KV memory: pages freed now are wanted by a request (a prefetch must not take them)."""
+        return self._scheduler.memory_short
+
+    @property
+    def padding_free(self) -> bool:
+        """True when steps that prefill are padded to a CUDA graph's size and speculation
+        fills the padding (its tokens then cost no step time of their own)."""
+        return bool(self._scheduler.config.padded_token_sizes)
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[RequestOutput]:
         """Run one scheduled step; return the outputs of the requests that got a token."""
         self.last_step = None
         restored = self.kv.restored_tokens()
-        batch = self.scheduler.schedule()
+        batch = self._scheduler.schedule()
         if batch.is_empty:
             if self.has_unfinished() and not batch.preempted:
                 raise SchedulerStallError(
-                    f"{len(self.scheduler.waiting)} waiting request(s) cannot be admitted")
+                    f"{len(self._scheduler.waiting)} waiting request(s) cannot be admitted")
             self.kv.reclaim()  # idle: release slots retired by zero-copy commits
             return []
         t0 = time.perf_counter()
-        sampled = self.runner.execute(batch)
+        sampled = self._runner.execute(batch)
         seconds = time.perf_counter() - t0
         shape = StepShape(tuple(len(s.token_ids) for s in batch.seqs),
                           tuple(s.context_len for s in batch.seqs),
@@ -359,7 +382,7 @@ class Engine:
             seconds = self.step_time_model(shape)
         self.last_step = dataclasses.replace(shape, seconds=seconds)
         self.step_cost.observe(batch.num_tokens, seconds)
-        return [self._process(seq) for seq in self.scheduler.update(batch, sampled)]
+        return [self._process(seq) for seq in self._scheduler.update(batch, sampled)]
 
     def _process(self, seq: Seq) -> RequestOutput:
         """Detokenize a sequence's new token and finish it if it stops here."""
@@ -372,7 +395,7 @@ class Engine:
         if reason is None and seq.num_tokens >= self.max_model_len:
             reason = FinishReason.LENGTH
         if reason is not None:
-            self.scheduler.finish(seq, reason.value)
+            self._scheduler.finish(seq, reason.value)
             del self._states[seq.request_id]
             self._count_finished(seq)
         return _output(seq, state)
@@ -384,6 +407,11 @@ class Engine:
         c.prompt_tokens_reused += seq.num_cached_tokens
 
     # ------------------------------------------------------------------ memory, stats
+    def reclaim(self) -> int:
+        """Release the slots retired by zero-copy commits (driver unmaps: off the critical
+        path; the serving loop calls it when idle); return how many."""
+        return self.kv.reclaim()
+
     def reset_prefix_cache(self) -> int:
         """Free every prefix-cache entry (and slots retired by commits); return how many."""
         return self.kv.reset()
@@ -391,13 +419,13 @@ class Engine:
     def update_scheduler_config(self, **changes: Any) -> SchedulerConfig:
         """Change scheduler limits between steps (fields of `SchedulerConfig`, validated);
         return the previous config."""
-        old = self.scheduler.config
-        self.scheduler.config = dataclasses.replace(old, **changes)
+        old = self._scheduler.config
+        self._scheduler.config = dataclasses.replace(old, **changes)
         return old
 
     def stats(self) -> EngineStats:
         """A snapshot of KV memory, the queues and the counters (call on the engine thread)."""
-        c, sched = self._counters, self.scheduler
+        c, sched = self._counters, self._scheduler
         return EngineStats(
             kv=self.kv.stats(), requests_waiting=len(sched.waiting),
             requests_running=len(sched.running),
@@ -412,7 +440,7 @@ class Engine:
     def check_integrity(self) -> None:
         """Raise if the scheduler and the KV memory disagree, or the arena, the pool, the
         prefix index or the host tier breaks an invariant."""
-        self.scheduler.check_integrity()
+        self._scheduler.check_integrity()
         if self.parallel is not None:
             self.parallel.check_integrity()
 
@@ -425,10 +453,10 @@ class Engine:
             self.parallel.close()
         for request_id in list(self._states):
             self.abort(request_id)
-        for seq in [*self.scheduler.spec_waiting, *self.scheduler.spec_running]:
-            self.scheduler.abort(seq.request_id)
-        if isinstance(self.runner, CudaGraphRunner):
-            self.runner.close()
+        for seq in [*self._scheduler.spec_waiting, *self._scheduler.spec_running]:
+            self._scheduler.abort(seq.request_id)
+        if isinstance(self._runner, CudaGraphRunner):
+            self._runner.close()
         self.kv.close()
         self._backend.close()
 

@@ -12,13 +12,13 @@ from edmm.engine import Engine, ScheduledBatch
 def record_batches(engine: Engine) -> list[ScheduledBatch]:
     """Spy on the batches the runner executes."""
     batches: list[ScheduledBatch] = []
-    execute = engine.runner.execute
+    execute = engine._runner.execute
 
     def spy(batch: ScheduledBatch) -> list[int | None]:
         batches.append(batch)
         return execute(batch)
 
-    engine.runner.execute = spy  # type: ignore[method-assign]
+    engine._runner.execute = spy  # type: ignore[method-assign]
     return batches
 
 
