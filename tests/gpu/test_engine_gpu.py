@@ -36,10 +36,10 @@ def test_graphs_and_triton_match_eager_and_hf_in_float32(tmp_path: Path) -> None
     kw = {"device": "cuda", "dtype": "float32", "num_pages": 64, "num_slots": 8,
           "max_num_seqs": 4}
     fast = LLM(str(folder), **kw)
-    assert isinstance(fast.llm_engine.runner, CudaGraphRunner)
+    assert isinstance(fast.llm_engine._runner, CudaGraphRunner)
     got = [o.outputs[0].token_ids for o in fast.generate(inputs, params)]
     fast.llm_engine.check_integrity()
-    replays = fast.llm_engine.runner.replays
+    replays = fast.llm_engine._runner.replays
     assert replays["mixed"] >= 1 and replays["decode"] >= 30 and replays["eager"] == 0
     fast.close()
     eager = LLM(str(folder), enforce_eager=True, **kw)
@@ -85,7 +85,7 @@ def test_mixed_graphs_match_eager_with_staggered_requests(tmp_path: Path) -> Non
     kw = {"model": str(folder), "device": "cuda", "dtype": "float32", "num_pages": 64,
           "num_slots": 8, "max_num_seqs": 4, "max_num_batched_tokens": 256}
     fast = Engine(EngineConfig(**kw))
-    runner = fast.runner
+    runner = fast._runner
     assert isinstance(runner, CudaGraphRunner)
     assert runner.token_sizes == (32, 64, 96, 128, 160, 192, 224, 256)  # > 2 x max_num_seqs
     got = _staggered(fast, prompts)
