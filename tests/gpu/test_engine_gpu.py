@@ -88,6 +88,9 @@ def test_mixed_graphs_match_eager_with_staggered_requests(tmp_path: Path) -> Non
     runner = fast._runner
     assert isinstance(runner, CudaGraphRunner)
     assert runner.token_sizes == (32, 64, 96, 128, 160, 192, 224, 256)  # > 2 x max_num_seqs
+    assert runner.graph_for(1) is runner._decode[min(runner.sizes)].graph
+    assert runner.graph_for(100) is runner._mixed[128].graph
+    assert runner.graph_for(257) is None  # past the largest mixed graph: eager
     got = _staggered(fast, prompts)
     fast.check_integrity()
     assert runner.replays["mixed"] >= 5 and runner.replays["eager"] == 0
