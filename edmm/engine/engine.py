@@ -268,8 +268,8 @@ class Engine:
         hints = hints if hints is not None else SlotHints()
         if request.cache_salt is not None:
             hints = dataclasses.replace(hints, cache_salt=request.cache_salt)
-        self._scheduler.add(Seq.new(request.request_id, request.prompt_token_ids, request.params,
-                                   hints=hints, priority=request.priority))
+        self._scheduler.add(Seq.new(request.request_id, request.prompt_token_ids,
+                                    request.params, hints=hints, priority=request.priority))
 
     def add_request(self, request_id: str, prompt: PromptInput,
                     params: SamplingParams | None = None,
@@ -294,7 +294,7 @@ class Engine:
                 f"speculation {spec_id!r} needs a tag and prefix caching to be claimed by")
         self.stop_speculation(spec_id)
         self._scheduler.add(Seq.new(spec_id, ids, SamplingParams(), SequenceKind.SPECULATIVE,
-                                   hints))
+                                    hints))
 
     def stop_speculation(self, spec_id: str) -> bool:
         """Stop a speculative prefill where it is: the KV computed so far stays claimable
