@@ -11,8 +11,8 @@ over the runs after one warm-up:
 
 - ``begin``: `ServerSessions.begin` of the resume (the stage log's ``engine_picked->begun``:
   the session named, the tool results matched, the turn queued);
-- ``cache match``: `PrefixCache.acquire` in the resume's admission (the claimed branch
-  matched, adopted, the session's old entry retired);
+- ``cache match``: the KV match in the resume's admission, as the scheduler times it
+  (`PrefixHit.seconds`: the claimed branch matched, adopted, the session's old entry retired);
 - ``first step``: the step that admits the resume and gives its first token (the model's
   forward included).
 
@@ -70,15 +70,13 @@ def _resume(state: ServerState, rng: random.Random, context: int, tag: str,
     _run_out(state)
     turn = Turn(engine.make_request(f"{tag}-1", predicted, params), tag,
                 ((call.id, "stored"),))
-    index = engine.kv.index
-    acquire = index.acquire
     spans: dict[str, list[float]] = {"begin": [], "cache match": [], "first step": []}
-    index.acquire = _timed(acquire, spans["cache match"])  # type: ignore[method-assign]
-    try:
-        _timed(sessions.begin, spans["begin"])(turn)
-        _timed(sessions.step, spans["first step"])()
-    finally:
-        del index.acquire  # the class's method again
+    _timed(sessions.begin, spans["begin"])(turn)
+    outputs = _timed(sessions.step, spans["first step"])()
+    hit = next((o.prefix_hit for o in outputs if o.request_id == f"{tag}-1"), None)
+    if hit is None:
+        raise RuntimeError(f"session {tag}: the resume matched no cached KV")
+    spans["cache match"].append(hit.seconds * 1e3)
     _run_out(state)
     if sessions.agent.session_metrics(tag).spec_hits != 1:
         raise RuntimeError(f"session {tag}: the resume was no speculation hit")

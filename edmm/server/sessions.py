@@ -97,7 +97,7 @@ class ServerSessions:
 
     def reclaim(self) -> int:
         """Release the slots retired by zero-copy commits (the loop calls it when idle)."""
-        return self.engine.kv.reclaim()
+        return self.engine.reclaim()
 
     # ------------------------------------------------------------------ turns
     def begin(self, turn: Turn) -> str:

@@ -116,7 +116,7 @@ def test_load_curve_against_a_stand_in(tmp_path: Path) -> None:
     doc = json.loads(Path(paths["json"]).read_text())
     rows = {(r["server"], r["prefix"], r["concurrency"]): r for r in doc["summary"]}
     assert len(rows) == 8
-    for (server, _, c), r in rows.items():
+    for (server, _, _c), r in rows.items():
         assert r["errors"] == 0 and r["requests"] == 3
         first, token = (40, 8) if server == "slow" else (20, 4)
         assert first <= r["ttft_p50_ms"] < first + 200

@@ -269,14 +269,14 @@ def test_restore_claimed_pushes_other_paused_sessions_out_for_a_resume(
 
     store = HostKVStore(arena, capacity_bytes=1 << 20)
     kv = KVCacheManager(arena, PrefixCache(arena, block_size=4, offload=store))
-    _retain(kv.index, arena, TOKENS, "s1")
+    _retain(kv._index, arena, TOKENS, "s1")
     assert kv.make_room() and kv.offloaded_tokens("s1") == 40
-    _retain(kv.index, arena, [9] * 56, "s2")
-    _retain(kv.index, arena, [8] * 32, "s3")  # 7 + 4 of 12 pages: s1's 5 do not fit
+    _retain(kv._index, arena, [9] * 56, "s2")
+    _retain(kv._index, arena, [8] * 32, "s3")  # 7 + 4 of 12 pages: s1's 5 do not fit
     assert not kv.restore("s1")  # a prefetch does not outrank sessions of its own priority
     kv.restore_claimed({"s1", "s3"})  # a resume claiming s1 (and s3, protected)
     assert kv.offloaded_tokens("s1") == 0 and kv.offloaded_tokens("s2") == 56
-    assert kv.offloaded_tokens("s3") == 0 and kv.index.tagged("s3")
+    assert kv.offloaded_tokens("s3") == 0 and kv.tagged("s3")
     kv.check_integrity()
 
 
