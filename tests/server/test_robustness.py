@@ -11,7 +11,8 @@ import httpx
 import pytest
 from server_helpers import MODEL, LiveServer
 
-from edmm.server import serving
+from edmm.server.chat_prompts import ChatPrompts
+from edmm.server.turns import ChatTurns
 
 USER = [{"role": "user", "content": "Tell me a long story about a robot."}]
 LONG: dict[str, object] = {"model": MODEL, "messages": USER, "max_tokens": 1500,
@@ -115,7 +116,7 @@ def test_rendering_does_not_block_the_event_loop(server: LiveServer,
                                                  monkeypatch: pytest.MonkeyPatch) -> None:
     """A slow chat rendering (a long conversation) runs on the tokenizing thread: meanwhile
     the server still answers other requests at once."""
-    original = serving.ChatPrompts.render
+    original = ChatPrompts.render
     rendering = threading.Event()
 
     def slow(*args: Any, **kwargs: Any) -> Any:
@@ -123,7 +124,7 @@ def test_rendering_does_not_block_the_event_loop(server: LiveServer,
         time.sleep(1.0)
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(serving.ChatPrompts, "render", slow)
+    monkeypatch.setattr(ChatPrompts, "render", slow)
     body = {"model": MODEL, "messages": USER, "max_tokens": 2, "temperature": 0}
     with ThreadPoolExecutor(1) as pool:
         slow_reply = pool.submit(httpx.post, f"{server.url}/v1/chat/completions", json=body,
@@ -138,16 +139,16 @@ def test_rendering_does_not_block_the_event_loop(server: LiveServer,
 def test_plain_chat_is_queued_by_the_tokenizing_thread(server: LiveServer,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """A chat with no grammar goes from the tokenizing thread straight to the engine thread
-    (`OpenAIServing._queue_rendered`); a forced tool call goes back to the event loop first
-    (its grammar compiles meanwhile). Both are answered."""
+    (`ChatTurns._made_and_sent`); a forced tool call goes back to the event loop first (its
+    grammar compiles meanwhile). Both are answered."""
     threads: list[str] = []
-    original = serving.OpenAIServing._queue_rendered
+    original = ChatTurns._made_and_sent
 
     def spy(self: Any, *args: Any, **kwargs: Any) -> Any:
         threads.append(threading.current_thread().name)
         return original(self, *args, **kwargs)
 
-    monkeypatch.setattr(serving.OpenAIServing, "_queue_rendered", spy)
+    monkeypatch.setattr(ChatTurns, "_made_and_sent", spy)
     url = f"{server.url}/v1/chat/completions"
     body = {"model": MODEL, "messages": USER, "max_tokens": 2, "temperature": 0}
     assert httpx.post(url, json=body, timeout=30).status_code == 200
