@@ -3,13 +3,18 @@
 The fast tier is the default ``pytest -q``: tests marked ``slow`` are deselected (pyproject's
 ``addopts``) and hypothesis runs the ``fast`` profile. The thorough tier is
 ``HYPOTHESIS_PROFILE=thorough pytest -m 'not gpu'``: every test, each property with its full
-example count. tests/conftest.py registers and loads the profiles.
+example count. tests/conftest.py registers and loads the profiles; `grid` splits a
+parametrization between the tiers (e.g. one shape per kernel code path in the fast tier).
 """
 
 from __future__ import annotations
 
+import itertools
 import os
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
 
+import pytest
 from hypothesis import settings
 
 PROFILE_ENV = "HYPOTHESIS_PROFILE"
@@ -37,3 +42,45 @@ def examples(thorough: int) -> int:
     if settings.get_current_profile_name() != FAST:
         return thorough
     return min(thorough, max(FAST_FLOOR, thorough // FAST_SHARE))
+
+
+def grid(axes: Mapping[str | tuple[str, ...], Sequence[Any] | Mapping[str, Any]],
+         fast: Iterable[tuple[Any, ...]]) -> pytest.MarkDecorator:
+    """A ``parametrize`` over every combination of ``axes``' values (the first axis varying
+    slowest): the combinations in ``fast`` run in both tiers, the others only in the thorough
+    one (marked ``slow``).
+
+    ``axes`` maps an argument name (or a tuple of names, whose values are tuples) to its
+    values; values given as a mapping are named by their keys in the test ids. A ``fast``
+    combination holds one value per axis.
+
+    Raises:
+        ValueError: a ``fast`` combination is not in the grid (a typo would leave it slow).
+    """
+    names: list[str] = []
+    for key in axes:
+        names.extend((key,) if isinstance(key, str) else key)
+    named = [dict(a) if isinstance(a, Mapping) else {_id(v): v for v in a}
+             for a in axes.values()]
+    combos = list(itertools.product(*(a.items() for a in named)))
+    fast = list(fast)
+    missing = [f for f in fast if f not in [tuple(v for _, v in c) for c in combos]]
+    if missing:
+        raise ValueError(f"fast combinations not in the grid: {missing}")
+    params = []
+    for combo in combos:
+        value = tuple(v for _, v in combo)
+        flat: list[Any] = []
+        for key, v in zip(axes, value, strict=True):
+            flat.extend((v,) if isinstance(key, str) else v)
+        params.append(pytest.param(*flat, id="-".join(k for k, _ in combo),
+                                   marks=() if value in fast else pytest.mark.slow))
+    return pytest.mark.parametrize(names, params)
+
+
+def _id(value: Any) -> str:
+    """A value's part of a test id: a dtype without its ``torch.`` prefix; a tuple's parts
+    joined by ``-``; else its str."""
+    if isinstance(value, tuple):
+        return "-".join(map(_id, value))
+    return str(value).removeprefix("torch.")
