@@ -28,10 +28,11 @@ FAST_FLOOR = 5  # ... but at least this many (never more than the thorough count
 
 def register_profiles() -> None:
     """Register ``fast`` and ``thorough`` (no deadline in either: a loaded machine is slow,
-    not wrong) and load the one that ``$HYPOTHESIS_PROFILE`` names (``fast`` by default)."""
+    not wrong) and load the one that ``$HYPOTHESIS_PROFILE`` names (``fast`` when it is
+    unset or empty; another name is hypothesis's `InvalidArgument`)."""
     settings.register_profile(FAST, max_examples=FAST_EXAMPLES, deadline=None)
     settings.register_profile(THOROUGH, max_examples=THOROUGH_EXAMPLES, deadline=None)
-    settings.load_profile(os.environ.get(PROFILE_ENV, FAST))
+    settings.load_profile(os.environ.get(PROFILE_ENV) or FAST)
 
 
 def examples(thorough: int) -> int:
