@@ -3,7 +3,8 @@
 The fast tier is the default ``pytest -q``: tests marked ``slow`` are deselected (pyproject's
 ``addopts``) and hypothesis runs the ``fast`` profile. The thorough tier is
 ``HYPOTHESIS_PROFILE=thorough pytest -m 'not gpu'``: every test, each property with its full
-example count. tests/conftest.py registers and loads the profiles; `grid` splits a
+example count (.ci/run, after the fast tier, runs only what that adds: ``-m 'not gpu and
+(slow or hypothesis)'``). tests/conftest.py registers and loads the profiles; `grid` splits a
 parametrization between the tiers (e.g. one shape per kernel code path in the fast tier).
 """
 
@@ -15,7 +16,6 @@ from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import pytest
-from hypothesis import settings
 
 PROFILE_ENV = "HYPOTHESIS_PROFILE"
 FAST = "fast"
@@ -29,7 +29,12 @@ FAST_FLOOR = 5  # ... but at least this many (never more than the thorough count
 def register_profiles() -> None:
     """Register ``fast`` and ``thorough`` (no deadline in either: a loaded machine is slow,
     not wrong) and load the one that ``$HYPOTHESIS_PROFILE`` names (``fast`` when it is
-    unset or empty; another name is hypothesis's `InvalidArgument`)."""
+    unset or empty; another name is hypothesis's `InvalidArgument`). Without hypothesis (the
+    vLLM suite's venv, .ci/run-vllm) there is nothing to register."""
+    try:
+        from hypothesis import settings
+    except ImportError:
+        return
     settings.register_profile(FAST, max_examples=FAST_EXAMPLES, deadline=None)
     settings.register_profile(THOROUGH, max_examples=THOROUGH_EXAMPLES, deadline=None)
     settings.load_profile(os.environ.get(PROFILE_ENV) or FAST)
@@ -40,6 +45,8 @@ def examples(thorough: int) -> int:
     ``thorough`` itself under any profile but ``fast``, else a share of it with a floor.
     Called when a test module is imported, after the profile is loaded (by
     `register_profiles` or hypothesis's ``--hypothesis-profile``)."""
+    from hypothesis import settings
+
     if settings.get_current_profile_name() != FAST:
         return thorough
     return min(thorough, max(FAST_FLOOR, thorough // FAST_SHARE))
