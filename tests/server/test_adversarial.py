@@ -2,13 +2,13 @@
 server answers a normal request right after, and a costly request never stalls a bystander.
 
 The hardened server of this module enables client chat templates (with a time budget long
-enough that a runaway template is still running while a bystander is served) and a body limit
-of `BODY_LIMIT`; the session server of conftest has the defaults (templates off, docs off).
+enough that a runaway template is still running while a bystander is served), a body limit
+of `BODY_LIMIT` and the API docs; the session server of conftest has the defaults (templates
+off, docs off).
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import json
 import statistics
@@ -40,7 +40,8 @@ COSTLY_PATTERN = "^((a{100}){100}){10}$"
 def hardened(tiny_dir: Path) -> Iterator[LiveServer]:
     config = dataclasses.replace(
         server_config(tiny_dir), allow_client_chat_template=True, max_body_bytes=BODY_LIMIT,
-        template_limits=TemplateLimits(time_s=TEMPLATE_TIME_S, max_iterations=10**12))
+        template_limits=TemplateLimits(time_s=TEMPLATE_TIME_S, max_iterations=10**12),
+        api_docs=True)
     yield from serve(ServerState(config))
 
 
@@ -426,13 +427,11 @@ def _refs(node: object) -> list[str]:
     return []
 
 
-def test_api_docs_show_the_chat_body(tiny_dir: Path) -> None:
+def test_api_docs_show_the_chat_body(hardened: LiveServer) -> None:
     """With --api-docs the chat route's body schema is documented, though the route parses
     the body itself, and every reference in the document resolves."""
-    config = dataclasses.replace(server_config(tiny_dir), api_docs=True)
-    with contextlib.contextmanager(serve)(ServerState(config)) as live:
-        doc = httpx.get(f"{live.url}/openapi.json", timeout=10).json()
-        assert httpx.get(f"{live.url}/docs", timeout=10).status_code == 200
+    doc = httpx.get(f"{hardened.url}/openapi.json", timeout=10).json()
+    assert httpx.get(f"{hardened.url}/docs", timeout=10).status_code == 200
     body = doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]
     ref = body["content"]["application/json"]["schema"]["$ref"]
     chat = doc["components"]["schemas"][ref.rsplit("/", 1)[1]]
