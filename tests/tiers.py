@@ -22,7 +22,7 @@ FAST = "fast"
 THOROUGH = "thorough"
 FAST_EXAMPLES = 10  # a property without its own count: the fast profile's examples
 THOROUGH_EXAMPLES = 100  # ... and the thorough profile's (hypothesis's default)
-FAST_SHARE = 20  # a property with its own count runs 1/FAST_SHARE of it in the fast tier
+FAST_SHARE = 30  # a property with its own count runs 1/FAST_SHARE of it in the fast tier
 FAST_FLOOR = 5  # ... but at least this many (never more than the thorough count)
 
 
