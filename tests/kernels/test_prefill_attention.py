@@ -32,7 +32,6 @@ SMALL_REVERSE = PrefillConfig(block_m=32, block_n=16, num_warps=4, num_stages=2,
 SMALL_WS = PrefillConfig(block_m=32, block_n=16, num_warps=4, num_stages=2, warp_specialize=True,
                          reverse=True)  # one loop, per-sequence descriptors (16-bit only)
 SMALL_CONFIGS = {"default": SMALL, "reverse": SMALL_REVERSE, "warp-spec": SMALL_WS}
-SMALLS = pytest.mark.parametrize("small", list(SMALL_CONFIGS.values()), ids=list(SMALL_CONFIGS))
 
 
 def _dtype(config: PrefillConfig | None) -> torch.dtype:
@@ -170,7 +169,7 @@ def test_mixed_batch_single_queries_split_k(make_cache: MakeCache, check_close: 
     check_close(out[:44], ref, dtype)
 
 
-@SMALLS
+@grid({"small": SMALL_CONFIGS}, fast=[(SMALL,)])  # ~1 min a case in the interpreter
 def test_many_padding_sequences_span_several_scans(make_cache: MakeCache,
                                                     check_close: CheckClose,
                                                     small: PrefillConfig) -> None:
