@@ -6,7 +6,8 @@ context lengths as device tensors, so a CUDA graph captured once replays for any
 prefill kernel (end-aligned causal) and single-query ones to the split-K decode kernel in its
 varlen mode; both launches depend on the token and sequence counts only (capturable). An eager
 pass with no single-query sequence skips the decode launch. Sliding-window layers fall back to
-the reference SDPA backend.
+the reference SDPA backend. Every kernel reads and writes the cache in its dtype, FP8 with the
+layer's scales (`edmm.model.kv_quant`).
 
 cuDNN's fused attention (`edmm.kernels.fused_sdpa`) was measured as a route for long eager
 passes and not taken: slower on a cached prefix (439 vs 480 TFLOP/s for 512 queries over 16K)
@@ -82,12 +83,14 @@ class TritonAttentionBackend(AttentionBackend):
         scale: float,
         window: int | None,
         rope: tuple[Tensor, Tensor] | None = None,  # cos, sin [T, D]
+        kv_scale: Tensor | None = None,  # [2, Hkv] float32, FP8 caches only
     ) -> Tensor:
         """Rotate (if ``rope``) and write k/v into the cache, then attend; returns [T, Hq, D]."""
         if window is not None:
             if rope is not None:
                 q, k = rotary_qk(q, k, *rope)
-            return self._fallback.forward(q, k, v, kv_cache, layer, meta, scale, window)
+            return self._fallback.forward(q, k, v, kv_cache, layer, meta, scale, window,
+                                          kv_scale=kv_scale)
         from edmm.kernels import (
             decode_attention,
             decode_attention_varlen,
@@ -100,26 +103,27 @@ class TritonAttentionBackend(AttentionBackend):
             raise AttentionMetadataError("metadata has no device tensors; call meta.to(device)")
         if rope is not None:
             q = rope_store_kv(q, k, v, *rope, kv_cache, layer, meta.slot_index,
-                              meta.token_index)  # [T, Hq, D]
+                              meta.token_index, kv_scale)  # [T, Hq, D]
         else:
-            write_kv(kv_cache, layer, k, v, meta)
+            write_kv(kv_cache, layer, k, v, meta, kv_scale)
         if all(n == 1 for n in meta.query_lens):
             route = (self.decode_routes.lookup(q.shape[0], self.max_context)
                      if self.decode_routes is not None else None)
             if route is None:
                 return decode_attention(q, kv_cache, layer, meta.slot_ids_t,
-                                        meta.context_lens_t, scale, max_context=self.max_context)
+                                        meta.context_lens_t, scale, max_context=self.max_context,
+                                        kv_scale=kv_scale)
             return decode_attention(q, kv_cache, layer, meta.slot_ids_t, meta.context_lens_t,
                                     scale, num_splits=route.num_splits, config=route.config,
-                                    workspace=self.decode_workspace)
+                                    workspace=self.decode_workspace, kv_scale=kv_scale)
         # Mixed: multi-query sequences in query tiles, single-query ones split-K, in place.
         out = prefill_attention_varlen(q, kv_cache, layer, meta.query_start_loc,
                                        meta.slot_ids_t, meta.context_lens_t, scale,
-                                       config=self.prefill, skip_single=True)
+                                       config=self.prefill, skip_single=True, kv_scale=kv_scale)
         if not meta.placeholder_lists and 1 not in meta.query_lens:
             return out  # eager, and the lists are real: no row for the decode kernel
         return decode_attention_varlen(q, kv_cache, layer, meta.query_start_loc,
                                        meta.slot_ids_t, meta.context_lens_t, out, scale,
                                        max_context=self.max_context, config=VARLEN_DECODE,
-                                       workspace=self.decode_workspace)
+                                       workspace=self.decode_workspace, kv_scale=kv_scale)
 
