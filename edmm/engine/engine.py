@@ -57,7 +57,6 @@ from edmm.model.attention_choice import (
     resolve_attention,
 )
 from edmm.model.kv_quant import (
-    CALIBRATION_TOKENS,
     calibrate_kv_scales,
     calibration_ids,
     is_fp8,
@@ -532,9 +531,7 @@ def _kv_dtype(config: EngineConfig, model: CausalLM, tokenizer: Any,
             f"kv_cache_dtype={config.kv_cache_dtype!r} with {weights} weights: the GPU kernels "
             "read KV of the weights' dtype or FP8 (other caches run eagerly: enforce_eager)")
     if is_fp8(dtype):
-        ids = calibration_ids(tokenizer, vocab_size,
-                              min(CALIBRATION_TOKENS, int(model.rotary.max_positions)))
-        model.set_kv_scales(calibrate_kv_scales(model, ids))
+        model.set_kv_scales(calibrate_kv_scales(model, calibration_ids(tokenizer, vocab_size)))
     return dtype
 
 

@@ -125,7 +125,10 @@ def write_kv(kv_cache: Tensor, layer: int, k: Tensor, v: Tensor, meta: Attention
         _write_kv_slices(kv_cache, layer, k, v, meta)
         return
     index = (meta.slot_index, meta.token_index)
-    kv_cache[:, :, layer].index_put_(index, torch.stack((k, v), dim=1))  # [S, M, 2, Hkv, D]
+    new = torch.stack((k, v), dim=1)  # [T, 2, Hkv, D]
+    if is_fp8(kv_cache.dtype):  # as bytes: index_put_ of every device takes uint8
+        kv_cache, new = kv_cache.view(torch.uint8), new.view(torch.uint8)
+    kv_cache[:, :, layer].index_put_(index, new)  # [S, M, 2, Hkv, D]
 
 
 def _stored(kv_cache: Tensor, k: Tensor, v: Tensor, kv_scale: Tensor | None

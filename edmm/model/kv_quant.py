@@ -131,8 +131,9 @@ def calibrate_kv_scales(model: CausalLM, token_ids: list[int],
     """FP8 KV scales [L, 2, Hkv] (float32, on the model's device) of a `CausalLM` (or a
     tensor-parallel shard: its own KV heads; every rank must call this together).
 
-    Runs ``token_ids`` through the model once with a cache in the model's dtype and the
-    reference SDPA attention (the model's backend is restored after), and sets each (layer,
+    Runs ``token_ids`` (as many as the model's rotary cache has positions) through the model
+    once with a cache in the model's dtype and the reference SDPA attention (the model's
+    backend is restored after), and sets each (layer,
     K|V, head)'s scale to its largest magnitude times ``headroom`` / 448 (a head that stayed
     0 or non-finite gets 1.0).
     """
@@ -140,6 +141,7 @@ def calibrate_kv_scales(model: CausalLM, token_ids: list[int],
 
     cfg = model.cfg
     embed = model.model.embed_tokens.weight
+    token_ids = token_ids[:int(model.rotary.max_positions)]
     n = len(token_ids)
     if n < 1:
         raise KVCacheError("the calibration pass needs at least one token")

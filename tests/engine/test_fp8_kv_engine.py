@@ -1,0 +1,226 @@
+"""An engine with an FP8 KV cache on the CPU (the SDPA reference stores real e4m3 bytes):
+configuration and flags, pages sized by the dtype, logits of the embedded tool model within a
+stated bound of FP32 KV, the README's greedy tokens unchanged, and an agent session's FP8 KV
+through speculation branches, the zero-copy commit, offload and restore."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from kv_helpers import tiny_engine_config
+
+from edmm import LLM, SamplingParams
+from edmm.agent import AgentConfig, AgentEngine, ToolCall, ToolResult, assistant_message
+from edmm.engine import Engine, EngineConfig, EngineConfigError
+from edmm.kernels._common import FP8_KV_DTYPE
+from edmm.model import load_model, load_tokenizer
+from edmm.model.attention import AttentionMetadata
+from edmm.model.kv_quant import calibrate_kv_scales, calibration_ids
+from edmm.model.tiny import default_model
+from edmm.model.transformer import CausalLM
+from edmm.server.tool_parser import parse_reply
+
+# The embedded tool model, FP8 KV against FP32 KV over its chat prompts (a prefill of half the
+# prompt, then one decode step per token), measured: relative logit error per position (error
+# norm / logit norm) at most 0.107, 0.024 on average; the argmax agrees at 97.5-97.8% of
+# positions; KL(fp32 || fp8) 3e-3 on average. BF16 KV: 0.011, 0.0016, 99.5%.
+FP8_LOGIT_ERROR = 0.15  # max over positions
+FP8_MEAN_LOGIT_ERROR = 0.04
+FP8_ARGMAX_AGREEMENT = 0.95
+FP8_MEAN_KL = 1e-2
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+WEATHER = [{"role": "user", "content": "What is the weather in Paris?"}]
+BOOKING = [{"role": "user", "content": "Book a table for two at 8pm in Rome and tell me the "
+                                       "price."}]
+
+
+def test_kv_cache_dtype_is_checked_and_flagged(capsys: pytest.CaptureFixture[str]) -> None:
+    from edmm.cli import main
+    from edmm.server.cli import build_parser, config_from_args
+
+    assert EngineConfig().kv_cache_dtype == "auto"
+    with pytest.raises(EngineConfigError, match="kv_cache_dtype must be one of"):
+        EngineConfig(kv_cache_dtype="fp16")
+    args = build_parser().parse_args(["--kv-cache-dtype", "fp8"])
+    assert config_from_args(args).engine == {"kv_cache_dtype": "fp8"}
+    assert config_from_args(build_parser().parse_args([])).engine == {}
+    with pytest.raises(SystemExit) as exc:
+        main(["serve", "--kv-cache-dtype", "fp16"])
+    assert exc.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert len(lines) == 1 and "--kv-cache-dtype" in lines[0] and "'fp16'" in lines[0]
+
+
+def test_the_pool_holds_the_dtype_s_tokens(tiny_dir: Path) -> None:
+    """The same pool of pages: FP32 (the tiny model's weights), BF16 and FP8 KV take 2048,
+    1024 and 512 bytes a token, and FP8's scales are calibrated at start-up. A pool too small
+    for one BF16 sequence of ``max_model_len`` holds one in FP8."""
+    spec = {}
+    for name in ("auto", "bf16", "fp8"):
+        engine = Engine(tiny_engine_config(tiny_dir, kv_cache_dtype=name, num_pages=40))
+        try:
+            spec[name] = engine.kv.arena.spec
+            assert engine.stats().kv.pages_total == 40
+            scales = engine.model.kv_scales
+            if name != "fp8":
+                assert scales is None
+                continue
+            cfg = engine.model.cfg
+            assert scales is not None and scales.shape == (cfg.num_layers, 2, cfg.num_kv_heads)
+            assert bool((scales > 0).all()) and bool(scales.isfinite().all())
+            assert bool((scales != 1).all())  # calibrated, not vLLM's default of 1.0
+        finally:
+            engine.close()
+    assert [spec[n].dtype for n in ("auto", "bf16", "fp8")] == [
+        torch.float32, torch.bfloat16, FP8_KV_DTYPE]
+    assert [spec[n].token_bytes for n in ("auto", "bf16", "fp8")] == [2048, 1024, 512]
+    small = dict(max_model_len=256, num_pages=12)  # 16 KiB pages: BF16 needs 16, FP8 8
+    with pytest.raises(EngineConfigError, match="cannot hold one sequence"):
+        Engine(tiny_engine_config(tiny_dir, kv_cache_dtype="bf16", **small))
+    Engine(tiny_engine_config(tiny_dir, kv_cache_dtype="fp8", **small)).close()
+
+
+def _logits(model: CausalLM, ids: list[int], dtype: torch.dtype) -> torch.Tensor:
+    """float32 logits [n - n // 2 + 1, vocab] of a prefill of half of ``ids``, then a decode
+    step per token, over a cache of ``dtype``."""
+    cfg, n = model.cfg, len(ids)
+    cache = torch.zeros(1, n, cfg.num_layers, 2, cfg.num_kv_heads, cfg.head_dim, dtype=dtype)
+    out = []
+    for lo, hi in ((0, n // 2), *((i, i + 1) for i in range(n // 2, n))):
+        meta = AttentionMetadata.build([0], [hi - lo], [hi])
+        hidden = model(torch.tensor(ids[lo:hi]), meta.token_index, cache, meta)
+        out.append(model.compute_logits(hidden[-1:]))
+    return torch.cat(out)
+
+
+@torch.inference_mode()
+def test_fp8_logits_of_the_tool_model_within_the_bound() -> None:
+    folder = default_model()
+    model, cfg = load_model(folder, "cpu")
+    tok = load_tokenizer(folder)
+    scales = calibrate_kv_scales(model, calibration_ids(tok, cfg.vocab_size))
+    for conversation in (WEATHER, BOOKING):
+        text = tok.apply_chat_template(conversation, tools=TOOLS, add_generation_prompt=True,
+                                       tokenize=False)
+        ids = tok.encode(text, add_special_tokens=False)
+        model.set_kv_scales(None)
+        ref = _logits(model, ids, torch.float32)
+        model.set_kv_scales(scales)
+        got = _logits(model, ids, FP8_KV_DTYPE)
+        rel = (got - ref).norm(dim=-1) / ref.norm(dim=-1)
+        agree = float((got.argmax(-1) == ref.argmax(-1)).float().mean())
+        p = ref.softmax(-1)
+        kl = (p * (p.clamp_min(1e-30).log() - got.log_softmax(-1))).sum(-1)
+        summary = (f"rel max {float(rel.max()):.4f} mean {float(rel.mean()):.4f}, argmax "
+                   f"{agree:.3f}, KL mean {float(kl.mean()):.2e}")
+        assert float(rel.max()) <= FP8_LOGIT_ERROR, summary
+        assert float(rel.mean()) <= FP8_MEAN_LOGIT_ERROR, summary
+        assert agree >= FP8_ARGMAX_AGREEMENT and float(kl.mean()) <= FP8_MEAN_KL, summary
+        assert float(rel.mean()) > 1e-3, "no quantisation error at all: not FP8 storage?"
+
+
+def test_readme_prompts_give_the_same_greedy_tokens_with_fp8() -> None:
+    """The README's offline example (the embedded tool model, greedy, 32 tokens)."""
+    prompts: list[Any] = ["The capital of France is", {"prompt_token_ids": [1, 2, 3]}]
+    greedy = SamplingParams(temperature=0, max_tokens=32)
+    tokens = {}
+    for name in ("auto", "fp8"):
+        with LLM(kv_cache_dtype=name) as llm:
+            assert llm.llm_engine.kv.arena.spec.dtype == (
+                FP8_KV_DTYPE if name == "fp8" else torch.float32)
+            tokens[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
+    assert tokens["fp8"] == tokens["auto"]
+
+
+def _agent_turns(kv_cache_dtype: str, offload: bool) -> tuple[list[Any], AgentEngine]:
+    """The README's agent loop (its weather call, a speculated resume) on the embedded tool
+    model; with ``offload``, no speculation and the paused session pushed to host memory,
+    restored at the resume. Returns ``[turn 0's tokens, the resume's tokens, the resume's
+    cached tokens, the resume's prompt]`` and the agent engine (to close)."""
+    config = EngineConfig(kv_cache_dtype=kv_cache_dtype, host_page_size=16384,
+                          kv_offload_bytes=(1 << 20) if offload else 0)
+    agent = AgentEngine(config, AgentConfig(speculation=()) if offload else None)
+    tok = agent.tokenizer
+    greedy = SamplingParams(temperature=0, max_tokens=48)
+
+    def render(msgs: list[dict[str, Any]]) -> list[int]:
+        text = tok.apply_chat_template(msgs, tools=TOOLS, add_generation_prompt=True,
+                                       tokenize=False)
+        return list(tok.encode(text, add_special_tokens=False))
+
+    def run(request_id: str) -> Any:
+        while True:
+            for out in agent.step():
+                if out.request_id == request_id and out.finished:
+                    return out
+
+    messages: list[dict[str, Any]] = list(WEATHER)
+    agent.add_request("t0", render(messages), greedy, session_id="s1")
+    first = run("t0").outputs[0]
+    reply = parse_reply(first.text)
+    call = ToolCall("call-1", reply.tool_calls[0].name, reply.tool_calls[0].arguments)
+    messages.append(assistant_message(reply.content or "", [call]))
+    agent.await_tools("s1", [call], messages=messages, tools=TOOLS,
+                      predictions={"call-1": '{"temp": 21}'})
+    while agent.has_speculation():
+        agent.step()
+    if offload:
+        while agent.engine.stats().kv.offloads == 0:  # the retained session: to the host
+            assert agent.engine.kv.index.evict_one()
+    messages.append({"role": "tool", "tool_call_id": "call-1", "content": '{"temp": 21}'})
+    prompt = render(messages)
+    agent.resume("s1", "t1", [ToolResult("call-1", '{"temp": 21}')], greedy, prompt=prompt)
+    second = run("t1")
+    return [first.token_ids, second.outputs[0].token_ids, second.num_cached_tokens,
+            prompt], agent
+
+
+@pytest.fixture(scope="module")
+def fp32_turns() -> list[Any]:
+    """The README loop with FP32 KV (the embedded model's dtype)."""
+    turns, agent = _agent_turns("auto", offload=False)
+    agent.close()
+    return turns
+
+
+@pytest.mark.parametrize("offload", [False, True], ids=["speculated", "offloaded"])
+def test_an_agent_session_keeps_its_fp8_kv(offload: bool, fp32_turns: list[Any]) -> None:
+    """Speculated: the resume commits the branch that speculation prefilled over the
+    session's FP8 pages (a hit); offloaded: the paused session's FP8 KV goes to the host and
+    comes back at the resume. Both reuse the session's KV and answer as an FP8 engine that
+    prefills the resume's whole prompt anew.
+
+    Against FP32 KV the tool call is the same tokens; the answer after the result differs
+    (the embedded model, greedy: FP32 "The weather in Madrid is cold, 12 C.", FP8 "It is
+    cold, 12 C in Madrid right now."; the first token is a near tie)."""
+    got, agent = _agent_turns("fp8", offload)
+    try:
+        assert got[0] == fp32_turns[0] and got[3] == fp32_turns[3]  # the same call, prompt
+        fresh = Engine(EngineConfig(kv_cache_dtype="fp8", enable_prefix_caching=False))
+        try:
+            fresh.add_request("r", got[3], SamplingParams(temperature=0, max_tokens=48))
+            done = [o for _ in range(100) for o in fresh.step() if o.finished]
+            assert len(done) == 1 and done[0].num_cached_tokens == 0
+            assert got[1] == done[0].outputs[0].token_ids and got[2] > 0
+        finally:
+            fresh.close()
+        metrics = agent.session_metrics("s1")
+        kv = agent.engine.stats().kv
+        if offload:
+            token_bytes = agent.engine.kv.arena.spec.token_bytes
+            assert token_bytes == 512 and kv.offloads == kv.restores == 1
+            assert kv.offloaded_bytes_total == kv.restored_bytes_total
+            assert kv.offloaded_bytes_total % token_bytes == 0
+            assert kv.offloaded_bytes_total // token_bytes >= got[2]
+        else:
+            assert metrics.spec_hits == 1
+        stored = agent.engine.kv.arena.kv
+        assert stored.dtype == FP8_KV_DTYPE
+        agent.check_integrity()
+    finally:
+        agent.close()
