@@ -31,6 +31,7 @@ from edmm.model.attention import (
     write_kv,
 )
 from edmm.model.fusion import rotary_qk
+from edmm.model.kv_quant import is_fp8
 
 # Hopper: the warp-specialized kernel, 478 TFLOP/s against 421 for the default on 512 tokens
 # over a 16K prefix, 490 against 429 (the best earlier config) on a 16K prefill in 2048-token
@@ -39,6 +40,11 @@ from edmm.model.fusion import rotary_qk
 # Elsewhere (or fp32) the default kernel runs with its default launch parameters.
 PREFILL = PrefillConfig(block_m=128, block_n=128, num_warps=4, num_stages=2,
                         warp_specialize=True, reverse=True)
+# FP8 KV: the same kernel with 64-key tiles. Its consumers convert each e4m3 tile to bf16 in
+# registers before the MMA; with 128-key tiles that needs a 32-byte stack in the compiled
+# sm_90 kernel (tests/kernels/test_compile_sm90.py), with 64 none.
+PREFILL_FP8 = PrefillConfig(block_m=128, block_n=64, num_warps=4, num_stages=2,
+                            warp_specialize=True, reverse=True)
 # Single-query rows of a mixed batch: the split kernel merges its own splits. At the default
 # split count (~17 at 16K) the fused merge costs about what the reduce launch does (batch 1,
 # 16K, 16 splits, 64x4x3 with PDL: 20.3 vs 19.9 us per layer; without: 21.2 vs 21.4;
@@ -56,7 +62,8 @@ class TritonAttentionBackend(AttentionBackend):
         max_context: the longest context a decode call (or captured graph) serves; it fixes
             the split count of the decode kernel.
         prefill: launch parameters of the prefill kernel (`PREFILL`, or the default kernel's
-            `PrefillConfig()` for comparisons).
+            `PrefillConfig()` for comparisons); `PREFILL` reads an FP8 cache with
+            `PREFILL_FP8`'s tiles.
         decode_routes: a measured table of the decode kernel's split count and launch config
             per (batch, context) (`edmm.kernels.decode_routes`), looked up for decode batches
             at ``max_context``; None: the kernel's own heuristic.
@@ -117,9 +124,11 @@ class TritonAttentionBackend(AttentionBackend):
                                     scale, num_splits=route.num_splits, config=route.config,
                                     workspace=self.decode_workspace, kv_scale=kv_scale)
         # Mixed: multi-query sequences in query tiles, single-query ones split-K, in place.
+        prefill = PREFILL_FP8 if is_fp8(kv_cache.dtype) and self.prefill == PREFILL else (
+            self.prefill)
         out = prefill_attention_varlen(q, kv_cache, layer, meta.query_start_loc,
                                        meta.slot_ids_t, meta.context_lens_t, scale,
-                                       config=self.prefill, skip_single=True, kv_scale=kv_scale)
+                                       config=prefill, skip_single=True, kv_scale=kv_scale)
         if not meta.placeholder_lists and 1 not in meta.query_lens:
             return out  # eager, and the lists are real: no row for the decode kernel
         return decode_attention_varlen(q, kv_cache, layer, meta.query_start_loc,

@@ -224,3 +224,26 @@ def test_an_agent_session_keeps_its_fp8_kv(offload: bool, fp32_turns: list[Any])
         agent.check_integrity()
     finally:
         agent.close()
+
+
+def test_tensor_parallel_ranks_calibrate_their_own_heads(tiny_dir: Path) -> None:
+    """TP=2 over gloo: each rank calibrates the scales of its KV head together with the other
+    (the calibration pass runs the collectives), and generates what TP=1 does with FP8 KV."""
+    small: dict[str, Any] = dict(kv_cache_dtype="fp8", dtype="float32", host_page_size=16384,
+                                 max_model_len=256, num_slots=8, max_num_seqs=4, num_pages=60,
+                                 max_num_batched_tokens=64)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(5, 1000, (n,), generator=gen).tolist() for n in (150, 9)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+    with LLM(str(tiny_dir), **small) as one:
+        want = [o.outputs[0].token_ids for o in one.generate(
+            [{"prompt_token_ids": p} for p in prompts], greedy)]
+        scales = one.llm_engine.model.kv_scales
+    with LLM(str(tiny_dir), tensor_parallel_size=2, **small) as two:
+        assert two.llm_engine.kv.arena.spec.dtype == FP8_KV_DTYPE
+        local = two.llm_engine.model.kv_scales  # rank 0: KV head 0
+        assert scales is not None and local is not None and local.shape[-1] == 1
+        torch.testing.assert_close(local[..., 0], scales[..., 0], rtol=1e-5, atol=0)
+        got = [o.outputs[0].token_ids for o in two.generate(
+            [{"prompt_token_ids": p} for p in prompts], greedy)]
+    assert got == want

@@ -31,7 +31,7 @@ SCRIPT = textwrap.dedent("""
     from edmm.kernels import _triton_decode as td, _triton_prefill as tp, _triton_rope as tr
     from edmm.kernels import _triton_skinny as tsk, _triton_silu as tsi
     from edmm.kernels._common import SkinnyConfig
-    from edmm.model.attention_triton import PREFILL
+    from edmm.model.attention_triton import PREFILL, PREFILL_FP8
 
     PTRS = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "out_ptr": "*bf16", "slot_ids_ptr": "*i32",
             "ctx_lens_ptr": "*i32", "cu_q_ptr": "*i32", "part_o_ptr": "*fp32",
@@ -68,6 +68,7 @@ SCRIPT = textwrap.dedent("""
                 "warps": k.metadata.num_warps}
 
     d, p, ws, sk = DecodeConfig(), PrefillConfig(), PREFILL, SkinnyConfig()
+    ws8 = PREFILL_FP8
     split = dict(GROUP=7, GROUP_PAD=16, HEAD_DIM=128, SINGLE_SPLIT=False, DOT_PRECISION="tf32",
                  VARLEN=False, MERGE_G=8, LSE_S=64, BALANCED=False, TMA=False, FP8=False)
     out = {
@@ -144,14 +145,14 @@ SCRIPT = textwrap.dedent("""
                  SKIP_SINGLE=True, DOT_PRECISION="tf32", REVERSE=p.reverse, FP8=fp8),
             types=FP8 if fp8 else None, num_warps=p.num_warps, num_stages=p.num_stages)
            for name, fp8 in (("prefill", False), ("prefill_fp8", True))},
-        **{name: compile_sm90(  # Qwen2.5-7B's head dim, and a small Llama's without GQA
+        **{name: compile_sm90(  # Qwen2.5-7B's head dim, a small Llama's without GQA, FP8 KV
             tp.prefill_ws_kernel,
-            dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_M=ws.block_m, BLOCK_N=ws.block_n,
-                 SKIP_SINGLE=True, REVERSE=ws.reverse, DOT_PRECISION="tf32", FP8=fp8),
-            types=FP8 if fp8 else None, num_warps=ws.num_warps, num_stages=ws.num_stages)
-           for name, group, head_dim, fp8 in (("prefill_ws", 7, 128, False),
-                                              ("prefill_ws_d64", 1, 64, False),
-                                              ("prefill_ws_fp8", 7, 128, True))},
+            dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
+                 SKIP_SINGLE=True, REVERSE=c.reverse, DOT_PRECISION="tf32", FP8=c is ws8),
+            types=FP8 if c is ws8 else None, num_warps=c.num_warps, num_stages=c.num_stages)
+           for name, group, head_dim, c in (("prefill_ws", 7, 128, ws),
+                                            ("prefill_ws_d64", 1, 64, ws),
+                                            ("prefill_ws_fp8", 7, 128, ws8))},
     }
     print(json.dumps(out))
 """)

@@ -17,6 +17,7 @@ from typing import Any
 import pytest
 import torch
 
+import edmm.kernels
 import edmm.kernels.fa4
 from edmm.kernels import (
     DecodeConfig,
@@ -33,7 +34,7 @@ from edmm.kernels.reference import decode_attention_reference, prefill_attention
 from edmm.model import PRESETS, AttentionMetadata
 from edmm.model.attention import TorchSDPABackend, write_kv
 from edmm.model.attention_fa4 import FA4AttentionBackend
-from edmm.model.attention_triton import TritonAttentionBackend
+from edmm.model.attention_triton import PREFILL_FP8, TritonAttentionBackend
 from edmm.model.fusion import rotary_qk
 from edmm.model.kv_quant import FP8_HEADROOM, FP8_MAX
 from edmm.model.transformer import CausalLM
@@ -315,6 +316,10 @@ def test_backends_over_fp8_match_sdpa(backend: str, batch: list[tuple[int, int, 
         raise AssertionError("FA4 called with an FP8 cache")
 
     monkeypatch.setattr(edmm.kernels.fa4, "fa4_varlen_attention", no_fa4)
+    configs: list[PrefillConfig] = []
+    varlen = edmm.kernels.prefill_attention_varlen
+    monkeypatch.setattr(edmm.kernels, "prefill_attention_varlen",
+                        lambda *a, **k: (configs.append(k["config"]), varlen(*a, **k))[1])
     model = _model()
     cfg = model.cfg
     gen = torch.Generator().manual_seed(1)
@@ -328,6 +333,7 @@ def test_backends_over_fp8_match_sdpa(backend: str, batch: list[tuple[int, int, 
                else TritonAttentionBackend(BACKEND_TOKENS))
     got = _pass(model, kernels, cached, meta, ids)
     torch.testing.assert_close(got[0], want[0], atol=3e-2, rtol=3e-2)
+    assert configs == ([PREFILL_FP8] * model.cfg.num_layers if 20 in meta.query_lens else [])
     # The new tokens' KV as write_kv stores it, within one e4m3 step (the reference rotates
     # in bf16, the kernel in float32: near-cancelling rotations round apart).
     torch.testing.assert_close(got[1].float(), want[1].float(), atol=2**-4, rtol=2**-3)
