@@ -1,7 +1,8 @@
 """An engine with an FP8 KV cache on the CPU (the SDPA reference stores real e4m3 bytes):
 configuration and flags, pages sized by the dtype, logits of the embedded tool model within a
-stated bound of FP32 KV, the README's greedy tokens unchanged, and an agent session's FP8 KV
-through speculation branches, the zero-copy commit, offload and restore."""
+stated bound of FP32 KV, the README's and ``edmm demo``'s greedy tokens, an agent session's
+FP8 KV through speculation branches, the zero-copy commit, offload and restore, and
+tensor-parallel ranks."""
 
 from __future__ import annotations
 
@@ -247,3 +248,21 @@ def test_tensor_parallel_ranks_calibrate_their_own_heads(tiny_dir: Path) -> None
         got = [o.outputs[0].token_ids for o in two.generate(
             [{"prompt_token_ids": p} for p in prompts], greedy)]
     assert got == want
+
+
+def test_the_demo_sessions_are_unchanged_with_fp8() -> None:
+    """``edmm demo``'s three interleaved agent sessions (13 model turns: tool calls, streamed
+    and predicted results, speculation, retention, zero-copy commits) give the same greedy
+    outputs with FP8 KV as with FP32 KV, and with EDMM on as off."""
+    from edmm.demo import run_agent_loop
+
+    def outputs(kv_cache_dtype: str, edmm: bool) -> dict[str, list[list[int]]]:
+        config = EngineConfig(dtype="float32", max_model_len=2048, host_page_size=16384,
+                              num_slots=24, max_num_seqs=4, kv_cache_dtype=kv_cache_dtype)
+        with AgentEngine(config, AgentConfig() if edmm else AgentConfig.off()) as agent:
+            return {sid: s.outputs for sid, s in run_agent_loop(agent, 3).items()}
+
+    fp8 = outputs("fp8", edmm=True)
+    assert sum(len(turns) for turns in fp8.values()) == 13
+    assert fp8 == outputs("fp8", edmm=False)
+    assert fp8 == outputs("auto", edmm=True)
