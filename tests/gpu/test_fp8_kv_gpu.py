@@ -113,7 +113,7 @@ DECODE_CONFIGS = {
     "fused-pdl": VARLEN_DECODE,
     "reduce-pdl-prefetch": DecodeConfig(block_n=64, num_warps=2, pdl=True, prefetch=True),
     "tma-balanced": DecodeConfig(block_n=64, num_warps=2, pdl=True, balanced=True, tma=True),
-    "sliced": DecodeConfig(pdl=True, sliced_reduce=True),
+    "routed": DecodeConfig(block_n=64, num_warps=2, num_stages=3, pdl=True, sliced_reduce=True),
     "cuda-route": DecodeConfig(block_n=64, num_warps=4, num_stages=3, pdl=True, cuda=True),
 }
 
@@ -129,7 +129,7 @@ def test_decode_over_fp8(arenas: Arenas, name: str, layer: int) -> None:
     ids = torch.tensor(slots, device="cuda"), torch.tensor(lens, device="cuda")
     kv_scale = arenas.scales[layer]
     out = decode_attention(q, arenas.fp8.kv, layer, *ids, SCALE, config=DECODE_CONFIGS[name],
-                           num_splits=None if name == "heuristic" else 32, kv_scale=kv_scale)
+                           num_splits=None if name == "heuristic" else 64, kv_scale=kv_scale)
     deq = decode_attention_reference(q, arenas.fp8.kv, layer, slots, lens, SCALE,
                                      dtype=torch.float32, kv_scale=kv_scale)
     exact = decode_attention_reference(q, arenas.bf16.kv, layer, slots, lens, SCALE,

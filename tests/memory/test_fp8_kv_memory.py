@@ -98,31 +98,28 @@ def test_branch_and_commit_carry_fp8_bytes(backend: VMMBackend) -> None:
         arena.free(session)
 
 
-def test_offload_and_restore_carry_fp8_bytes_at_half_the_host_bytes() -> None:
+def test_offload_and_restore_carry_fp8_bytes_at_half_the_host_bytes(
+        backend: VMMBackend) -> None:
     """A retained session evicted to the host and restored: its FP8 KV comes back byte for
     byte, and the host held half the bytes BF16 KV of the same tokens takes."""
-    backend = open_backend("host", host_page_size=4096)
     held = {}
-    try:
-        for dtype in (torch.bfloat16, FP8_KV_DTYPE):
-            with _arena(backend, SMALL, dtype, num_pages=16, max_tokens=64) as arena:
-                store = HostKVStore(arena, capacity_bytes=1 << 20)
-                cache = PrefixCache(arena, block_size=4, offload=store)
-                tokens = list(range(1, 41))
-                slot = arena.allocate()
-                arena.grow(slot, 40)
-                kv = _random_bytes(arena, slot, 0, 40, seed=2)
-                cache.release(slot, tokens, 40, tag="s1", rank=EntryRank.RETAINED)
-                assert cache.evict_one() and arena.pool.num_used == 0
-                assert cache.restore("s1")
-                store.poll()  # (synchronous copies here: counted already)
-                held[dtype] = store.counters.saved_bytes
-                assert store.counters.loaded_bytes == held[dtype]
-                hit = cache.acquire([*tokens, 99], max_tokens=64, claim=("s1",))
-                assert hit is not None and hit.num_tokens == 40
-                assert torch.equal(arena.token_bytes_view(hit.slot, 0, 40), kv)
-                cache.check_integrity()
-                arena.free(hit.slot)
-    finally:
-        backend.close()
+    for dtype in (torch.bfloat16, FP8_KV_DTYPE):
+        with _arena(backend, SMALL, dtype, num_pages=16, max_tokens=64) as arena:
+            store = HostKVStore(arena, capacity_bytes=8 * arena.page_size)
+            cache = PrefixCache(arena, block_size=4, offload=store)
+            tokens = list(range(1, 41))
+            slot = arena.allocate()
+            arena.grow(slot, 40)
+            kv = _random_bytes(arena, slot, 0, 40, seed=2)
+            cache.release(slot, tokens, 40, tag="s1", rank=EntryRank.RETAINED)
+            assert cache.evict_one() and arena.pool.num_used == 0
+            assert cache.restore("s1")
+            store.poll()  # (synchronous copies: counted already)
+            held[dtype] = store.counters.saved_bytes
+            assert store.counters.loaded_bytes == held[dtype]
+            hit = cache.acquire([*tokens, 99], max_tokens=64, claim=("s1",))
+            assert hit is not None and hit.num_tokens == 40
+            assert torch.equal(arena.token_bytes_view(hit.slot, 0, 40), kv)
+            cache.check_integrity()
+            arena.free(hit.slot)
     assert held[FP8_KV_DTYPE] == 40 * 256 and held[torch.bfloat16] == 2 * held[FP8_KV_DTYPE]
