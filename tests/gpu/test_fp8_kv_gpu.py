@@ -33,7 +33,7 @@ from edmm.memory import KVArena, KVSpec, PagePool
 from edmm.memory.backends import open_backend
 from edmm.model.attention import AttentionMetadata, write_kv
 from edmm.model.attention_choice import build_backend, kv_read_align
-from edmm.model.attention_triton import PREFILL, VARLEN_DECODE
+from edmm.model.attention_triton import PREFILL, PREFILL_FP8, VARLEN_DECODE
 from edmm.model.fusion import rotary_qk
 from edmm.model.kv_quant import FP8_HEADROOM, FP8_MAX, calibrate_kv_scales, calibration_ids
 
@@ -154,11 +154,13 @@ def test_decode_varlen_over_fp8(arenas: Arenas) -> None:
     _check(out[rows], deq, exact)
 
 
-@pytest.mark.parametrize("config", [PrefillConfig(), PREFILL], ids=["plain", "ws"])
+@pytest.mark.parametrize("config", [PrefillConfig(), PREFILL_FP8, PREFILL],
+                         ids=["plain", "ws-fp8", "ws-128"])
 @pytest.mark.parametrize(("slot", "query_len"), [(1, 512), (3, 3001), (0, 2048)])
 def test_prefill_over_fp8(arenas: Arenas, config: PrefillConfig, slot: int,
                           query_len: int) -> None:
-    """The plain kernel and the engine's warp-specialized one (TMA descriptors over e4m3)."""
+    """The plain kernel, the warp-specialized one as the engine runs it over FP8 (64-key
+    tiles, TMA descriptors over e4m3) and with BF16's 128-key tiles."""
     n, layer = LENS[slot], 13
     q = torch.randn(query_len, HEADS, HEAD_DIM, device="cuda").to(torch.bfloat16)
     kv_scale = arenas.scales[layer]
@@ -178,7 +180,7 @@ def test_prefill_varlen_over_fp8(arenas: Arenas) -> None:
     out = prefill_attention_varlen(q, arenas.fp8.kv, 7, cu,
                                    torch.tensor([s for s, _ in seqs], device="cuda"),
                                    torch.tensor([LENS[s] for s, _ in seqs], device="cuda"),
-                                   SCALE, config=PREFILL, skip_single=True,
+                                   SCALE, config=PREFILL_FP8, skip_single=True,
                                    kv_scale=arenas.scales[7])
     for (slot, n_q), lo in ((seqs[0], 0), (seqs[2], 513)):
         rows = out[lo:lo + n_q]
