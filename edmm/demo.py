@@ -26,7 +26,7 @@ from typing import Any
 from edmm.agent import AgentConfig, AgentEngine, SessionState, ToolCall, ToolResult, ToolSpec
 from edmm.agent.render import assistant_message
 from edmm.argparsing import ArgumentParser, int_at_least, int_list
-from edmm.bench.report import markdown_table
+from edmm.bench.results import markdown_table
 from edmm.engine import EngineConfig, EngineStats, SamplingParams
 from edmm.server.tool_parser import parse_reply
 
@@ -67,7 +67,7 @@ SESSIONS: dict[str, list[str]] = {
     "planner": ["What is the weather in Paris and in Tokyo?", "Search the web for cheap flights.",
                 "Good night."],
 }
-DEMO_RESULT_TOKENS = 32  # the tool result of the TTFT groups (AgentBenchConfig.cpu_smoke)
+DEMO_RESULT_TOKENS = 32  # the tool result of the TTFT groups (ResumeBenchConfig.cpu_smoke)
 MAX_TOOL_ROUNDS = 3  # tool rounds per question before the demo moves on
 GREEDY = SamplingParams(temperature=0.0, max_tokens=64)
 
@@ -268,11 +268,11 @@ GROUPS_LEGEND = """\
 def _bench_section(contexts: tuple[int, ...], iterations: int, out: Path | None) -> None:
     import tempfile
 
-    from edmm.bench.agent import AgentBenchConfig, run_agent_bench
+    from edmm.bench.resume import ResumeBenchConfig, run_resume_bench
 
-    cfg = AgentBenchConfig.cpu_smoke(contexts=contexts, iterations=iterations)
+    cfg = ResumeBenchConfig.cpu_smoke(contexts=contexts, iterations=iterations)
     with tempfile.TemporaryDirectory() as tmp, contextlib.redirect_stderr(io.StringIO()):
-        paths = run_agent_bench(cfg, out or Path(tmp))  # (its progress lines are dropped)
+        paths = run_resume_bench(cfg, out or Path(tmp))  # (its progress lines are dropped)
         doc = json.loads(paths["json"].read_text())
     cols = {"context_tokens": "context", "group": "group", "ttft_trimmed_mean_ms": "TTFT ms",
             "prefilled_tokens": "prefilled", "cached_tokens": "cached", "commit_ms": "commit ms",
@@ -304,7 +304,7 @@ def _c_versus_a(summary: list[dict[str, Any]], result_tokens: int) -> list[str]:
                          f"the tiny model, prefilling {result_tokens} tokens costs about as much "
                          "as one step's fixed overhead (scheduling, the slot swap, the Python "
                          "around one forward pass), so the saving is within the noise; on a GPU "
-                         "at 4K-32K tokens C is 0.26-0.37 of A (the README's table).")
+                         "at 4K-32K tokens C is 0.26-0.37 of A (docs/benchmarks.md).")
     return lines
 
 

@@ -66,7 +66,7 @@ class StepClock:
             self.cur["sample_launch"] = time.perf_counter() - t
             return out
 
-        runner.forward, runner.sample = forward, sample
+        runner.forward, runner.sample = forward, sample  # type: ignore[method-assign]
 
     def _wrap(self, obj: object, name: str, key: str) -> None:
         orig = getattr(obj, name)

@@ -1,6 +1,6 @@
 """The A/B/C resume groups measured at the client: HTTP, the ``openai`` SDK, ``edmm serve``.
 
-`edmm.bench.agent` times the groups inside the engine on synthetic token ids; here they run as
+`edmm.bench.resume` times the groups inside the engine on synthetic token ids; here they run as
 an agent would see them: chat messages rendered by the server's chat template, a first turn
 forced to call a tool (``tool_choice``, so random weights emit one), a tool window the client
 sleeps through (``expected_tool_duration_s``), and the resume request timed at the client:
@@ -47,8 +47,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from edmm.bench.agent import ratio_notes
-from edmm.bench.report import (
+from edmm.bench.results import (
     GROUPS_CAPTION,
     Progress,
     ResultWriter,
@@ -57,6 +56,7 @@ from edmm.bench.report import (
     plot_bars,
     tokens_label,
 )
+from edmm.bench.resume import ratio_notes
 from edmm.bench.stats import ratio, summarize
 
 NAME = "agent-ttft-live"

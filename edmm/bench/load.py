@@ -33,7 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from edmm.bench.peers import ServerSpec, served, served_model
-from edmm.bench.report import ResultWriter, collect_environment
+from edmm.bench.results import ResultWriter, collect_environment
 from edmm.bench.stats import percentile
 
 PREFIX_MODES = ("fresh", "shared")
@@ -304,7 +304,7 @@ def run_load_bench(cfg: LoadConfig, specs: Sequence[ServerSpec], out_dir: Path,
 
 
 def _ratio_table(ratios: Sequence[dict[str, Any]]) -> str:
-    from edmm.bench.report import markdown_table
+    from edmm.bench.results import markdown_table
 
     return markdown_table(ratios)
 
@@ -317,6 +317,7 @@ def plot_load(rows: Sequence[dict[str, Any]], path: Path, device: str) -> Path |
 
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        import matplotlib.ticker
     except ImportError:
         return None
     workloads = sorted({(r["prompt_tokens"], r["prefix"]) for r in rows})
@@ -340,14 +341,17 @@ def plot_load(rows: Sequence[dict[str, Any]], path: Path, device: str) -> Path |
                                 alpha=0.6, label=f"{server} p90")
         titles = ("output tokens/s (higher is better)", "time to first token, ms (lower is "
                   "better)", "inter-token latency, ms (lower is better)")
+        levels = sorted({r["concurrency"] for r in rows})
         for k, title in enumerate(titles):
             ax = axes[i][k]
             ax.set_xscale("log", base=2)
+            ax.set_xticks(levels, [str(c) for c in levels])
             ax.set_xlabel("concurrent requests")
             ax.set_title(f"{length}-token prompts, {prefix}: {title}", fontsize=9)
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7)
         axes[i][1].set_yscale("log")
+        axes[i][1].yaxis.set_major_formatter(matplotlib.ticker.ScalarFormatter())
     fig.suptitle(f"Streaming load curve on {device}: each server alone on the device, same "
                  "client and prompts")
     fig.tight_layout()
@@ -356,82 +360,3 @@ def plot_load(rows: Sequence[dict[str, Any]], path: Path, device: str) -> Path |
     plt.close(fig)
     return path
 
-
-# ---------------------------------------------------------------- command line
-
-
-def add_arguments(parser: Any) -> None:
-    """The options of ``edmm bench load``."""
-    from edmm.argparsing import float_at_least, int_at_least, int_list
-
-    parser.add_argument("--edmm-args", default="", metavar="ARGS",
-                        help="arguments of the EDMM server this bench starts, one string "
-                             "(e.g. \"--model DIR --device cuda\"); none: the embedded model")
-    parser.add_argument("--no-edmm", action="store_true",
-                        help="measure only the peers (no EDMM server)")
-    parser.add_argument("--peer", action="append", default=[],
-                        help="also measure a peer: vllm, vllm-offload, vllm-fp8 or a URL "
-                             "(repeatable)")
-    parser.add_argument("--peer-model-dir", default=None,
-                        help="HF folder (config.json + tokenizer) the vLLM peers load with "
-                             "dummy weights")
-    parser.add_argument("--peer-python-path", default="",
-                        help="PYTHONPATH entries where vLLM is installed")
-    parser.add_argument("--peer-kv-bytes", type=int_at_least(1), default=None,
-                        help="vLLM's KV cache in bytes (default: sized by vLLM)")
-    parser.add_argument("--peer-max-model-len", type=int_at_least(1), default=None,
-                        help="vLLM's --max-model-len")
-    parser.add_argument("--served-model-name", default="edmm-load",
-                        help="model name the vLLM peers serve under")
-    parser.add_argument("--prompt-tokens", type=int_list, default=(2048,),
-                        help="prompt lengths, comma-separated (default 2048)")
-    parser.add_argument("--output-tokens", type=int_at_least(1), default=256)
-    parser.add_argument("--concurrency", type=int_list, default=(1, 2, 4, 8, 16, 32, 64),
-                        help="concurrency levels, comma-separated")
-    parser.add_argument("--prefixes", default="fresh",
-                        help="prefix modes, comma-separated: fresh, shared")
-    parser.add_argument("--shared-fraction", type=float, default=0.75)
-    parser.add_argument("--min-requests", type=int_at_least(1), default=8)
-    parser.add_argument("--rounds", type=float_at_least(0.0), default=2.0,
-                        help="a level completes max(--min-requests, rounds x concurrency)")
-    parser.add_argument("--token-range", default="1000,100000",
-                        help="[low,high) of the random prompt token ids")
-    parser.add_argument("--device", default="cuda", help="where the servers run (recorded)")
-    parser.add_argument("--out", type=Path, required=True, help="results folder")
-
-
-def run(args: Any) -> int:
-    """``edmm bench load``: measure, write, print the table."""
-    import shlex
-
-    from edmm.bench.peers import PeerError, VLLMOptions, edmm_spec, parse_peer
-
-    low, high = (int(x) for x in args.token_range.split(","))
-    cfg = LoadConfig(prompt_tokens=tuple(args.prompt_tokens), output_tokens=args.output_tokens,
-                     concurrency=tuple(args.concurrency),
-                     prefixes=tuple(x for x in args.prefixes.split(",") if x),
-                     shared_fraction=args.shared_fraction, min_requests=args.min_requests,
-                     rounds=args.rounds, token_range=(low, high), device=args.device)
-    vllm = (VLLMOptions(args.peer_model_dir, args.peer_python_path, args.peer_kv_bytes,
-                        max_model_len=args.peer_max_model_len)
-            if args.peer_model_dir else None)
-    try:
-        specs = [] if args.no_edmm else [edmm_spec(shlex.split(args.edmm_args))]
-        specs += [parse_peer(p, vllm, args.served_model_name) for p in args.peer]
-        paths = run_load_bench(cfg, specs, args.out)
-    except (PeerError, LoadBenchError) as e:
-        print(f"edmm bench load: {e}")
-        return 2
-    print(Path(paths["md"]).read_text())
-    print("wrote " + ", ".join(str(p) for p in paths.values()))
-    return 0
-
-
-if __name__ == "__main__":
-    import argparse
-    import sys
-
-    ap = argparse.ArgumentParser(prog="python -m edmm.bench.load", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    add_arguments(ap)
-    sys.exit(run(ap.parse_args()))

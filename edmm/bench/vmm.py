@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from edmm.bench.report import (
+from edmm.bench.results import (
     Progress,
     ResultWriter,
     collect_environment,

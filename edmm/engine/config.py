@@ -14,6 +14,12 @@ from edmm.model.attention_choice import ATTENTION_CHOICES
 from edmm.model.kv_quant import KV_CACHE_DTYPES
 
 HOST_POOL_BYTES = 4 << 30  # default cap of the host pool (memfd pages are committed on touch)
+# Running sequences by default, by device (vLLM's serving defaults: 1024 on GPUs of >= 70 GiB,
+# 256 below; EDMM captures a decode graph per batch size up to this, so it stays at 256 there
+# and 128 below: past ~128 sequences a 7B decode step is bound by the KV it reads, not by the
+# weights, and more sequences add latency, not throughput). The CPU keeps a small batch.
+DEFAULT_MAX_NUM_SEQS = {"cuda-large": 256, "cuda": 128, "cpu": 16}
+LARGE_GPU_BYTES = 70 << 30
 
 
 # Steps of 32 tokens up to 512, of 64 up to 1024, then of 256: padding costs at most ~12%.
@@ -43,10 +49,13 @@ class EngineConfig:
             less what is in use, or on the host enough for every slot at ``max_model_len``
             (at most `HOST_POOL_BYTES`).
         gpu_memory_utilization: fraction of the GPU's total memory the process may fill.
-        num_slots: arena slots: running sequences plus prefix-cache entries.
+        num_slots: arena slots: running sequences plus prefix-cache entries (each slot
+            reserves ``max_model_len`` tokens of virtual address space; physical pages are
+            mapped only as far as its tokens reach); 0: twice ``max_num_seqs``.
         max_model_len: most tokens (prompt + output) of a sequence; None: the model's context.
         max_num_batched_tokens: token budget of one step.
-        max_num_seqs: most running sequences.
+        max_num_seqs: most running sequences; 0: `DEFAULT_MAX_NUM_SEQS` of the device (on
+            CUDA by its memory, as vLLM sizes its own), at most ``num_slots`` when that is set.
         enable_prefix_caching: reuse KV of finished and running sequences' prefixes.
         prefix_block_size: tokens per hashed block of the prefix index.
         seed: seed of the sampler's shared stream (requests without their own seed).
@@ -56,9 +65,10 @@ class EngineConfig:
             ``auto`` (FlashAttention-4 for prefill where it runs, else Triton), ``fa4``,
             ``triton``, ``sdpa`` (`edmm.model.attention_choice`).
         cuda_graph_token_sizes: token counts at which batches with a prefill (chunks, resumes,
-            decodes with speculation riding along) replay captured graphs; sizes above
-            ``max_num_batched_tokens`` or not above ``max_num_seqs`` are skipped. Empty: such
-            batches run eagerly (decode batches still replay graphs).
+            decodes with speculation riding along) replay captured graphs (the graph of ``T``
+            tokens takes up to ``T - 1`` sequences); sizes above ``max_num_batched_tokens``
+            are skipped. Empty: such batches run eagerly (decode batches still replay graphs,
+            one per batch size up to ``max_num_seqs``).
         speculative_tokens_when_busy: most tokens of speculative prefill (agent sessions' tool
             windows) added to a step that runs requests; None: `busy_speculation_tokens`.
         speculation_fills_padding: with CUDA graphs, speculative prefill may also fill the
@@ -74,6 +84,10 @@ class EngineConfig:
         kv_copy_stream: on CUDA, offload and restore copies run on a side stream beside the
             steps (ordered by CUDA events; paused sessions near eviction are written behind);
             False: synchronous copies. No effect on the CPU.
+        async_scheduling: schedule and launch each step while the device still computes the
+            previous one, whose sampled tokens are processed meanwhile (the host's work per
+            step hides behind the device's, as in vLLM's async scheduling; outputs come one
+            step later). None: on where steps replay CUDA graphs (one process), off elsewhere.
         tensor_parallel_size: ranks (one process per GPU, or per CPU process with gloo) the
             model's heads, KV heads and vocabulary are split over; build such an engine with
             `edmm.engine.tp.build_engine`. Each rank's arena holds its KV heads only.
@@ -88,10 +102,10 @@ class EngineConfig:
     host_page_size: int = DEFAULT_HOST_PAGE_SIZE
     num_pages: int | None = None
     gpu_memory_utilization: float = 0.9
-    num_slots: int = 32
+    num_slots: int = 0
     max_model_len: int | None = None
     max_num_batched_tokens: int = 2048
-    max_num_seqs: int = 16
+    max_num_seqs: int = 0
     enable_prefix_caching: bool = True
     prefix_block_size: int = 16
     seed: int | None = 0
@@ -104,6 +118,7 @@ class EngineConfig:
     max_speculative_pages: int | None = None
     kv_offload_bytes: int = 0
     kv_copy_stream: bool = True
+    async_scheduling: bool | None = None
     tensor_parallel_size: int = 1
 
     def __post_init__(self) -> None:
@@ -127,9 +142,13 @@ class EngineConfig:
         if self.tensor_parallel_size < 1:
             raise EngineConfigError(
                 f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")
+        if self.tensor_parallel_size > 1 and self.async_scheduling:
+            raise EngineConfigError("async_scheduling is not supported with "
+                                    "tensor_parallel_size > 1")
         if self.tensor_parallel_size > 1 and self.kv_offload_bytes > 0:
             raise EngineConfigError("KV offload is not supported with tensor_parallel_size > 1")
-        for name in ("num_slots", "max_num_batched_tokens", "max_num_seqs", "prefix_block_size"):
+        self._size_batch()
+        for name in ("max_num_seqs", "num_slots", "max_num_batched_tokens", "prefix_block_size"):
             if getattr(self, name) < 1:
                 raise EngineConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         if self.max_num_seqs > self.num_slots:
@@ -142,6 +161,22 @@ class EngineConfig:
         if not 0 < self.gpu_memory_utilization <= 1:
             raise EngineConfigError("gpu_memory_utilization must be in (0, 1]")
         self.scheduler_config()  # validates the scheduler limits
+
+    def _size_batch(self) -> None:
+        """Fill ``max_num_seqs`` and ``num_slots`` left 0 from the device (see their docs);
+        explicit values are kept as given (negative ones are refused after)."""
+        if self.max_num_seqs == 0:
+            seqs = DEFAULT_MAX_NUM_SEQS[_device_class(torch.device(self.device))]
+            self.max_num_seqs = min(seqs, self.num_slots) if self.num_slots > 0 else seqs
+        if self.num_slots == 0 and self.max_num_seqs > 0:
+            self.num_slots = 2 * self.max_num_seqs
+
+    @property
+    def uses_async_scheduling(self) -> bool:
+        """``async_scheduling``, or its default (see its doc; never with several ranks)."""
+        if self.tensor_parallel_size > 1:
+            return False
+        return self.uses_cuda_graphs if self.async_scheduling is None else self.async_scheduling
 
     @property
     def uses_cuda_graphs(self) -> bool:
@@ -178,3 +213,13 @@ class EngineConfig:
         if self.backend != "auto":
             return self.backend
         return "cuda" if torch.device(self.device).type == "cuda" else "host"
+
+
+def _device_class(device: torch.device) -> str:
+    """``cpu``, ``cuda`` or ``cuda-large`` (a GPU of at least `LARGE_GPU_BYTES`)."""
+    if device.type != "cuda":
+        return "cpu"
+    if not torch.cuda.is_available():
+        return "cuda"  # the engine reports the missing GPU when it starts
+    total = torch.cuda.get_device_properties(device.index or 0).total_memory
+    return "cuda-large" if total >= LARGE_GPU_BYTES else "cuda"

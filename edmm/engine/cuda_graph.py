@@ -8,10 +8,12 @@ input buffers, and replays the graph after copying a step's inputs in:
 - **decode graphs**, one per batch size in ``sizes``: every sequence computes one token (the
   split-K decode kernel), and the graph ends with the logits of every row, so a decode step
   launches only the sampler after it;
-- **mixed graphs**, one per token count in ``token_sizes``: any batch of at most ``max_seqs``
-  sequences and that many tokens — prefill chunks, a resume's new tokens, decodes with a
-  speculation riding along (the varlen prefill kernel, whose launch depends on the token and
-  sequence counts only).
+- **mixed graphs**, one per token count ``T`` in ``token_sizes``: any batch of at most ``T``
+  tokens and ``min(max_seqs, T - 1)`` sequences — prefill chunks, a resume's new tokens,
+  decodes with a speculation riding along (the varlen prefill kernel, whose launch depends on
+  the token and sequence counts only). A batch with a prefill has fewer sequences than
+  tokens, so every such batch of at most ``max_seqs`` sequences fits the graph of the
+  smallest ``T`` that holds its tokens.
 
 Padding never touches a live slot: padding tokens write their KV to token 0 of a reserved
 one-token pad slot, padding sequences have no queries (query offsets repeat the last one) and
@@ -37,6 +39,14 @@ from edmm.memory import KVArena
 from edmm.model.attention import AttentionMetadata
 
 DEFAULT_GRAPH_SIZES = (1, 2, 4, 8, 16, 32)
+
+
+def decode_graph_sizes(max_seqs: int) -> tuple[int, ...]:
+    """Decode batch sizes to capture for up to ``max_seqs`` running sequences: 1, 2, 4, 8,
+    then every multiple of 8 (a batch pads at most 7 rows, as vLLM's capture sizes do), and
+    ``max_seqs`` itself."""
+    sizes = {s for s in (1, 2, 4, 8) if s <= max_seqs} | set(range(16, max_seqs + 1, 8))
+    return tuple(sorted(sizes | {max_seqs}))
 
 
 @dataclass
@@ -108,10 +118,11 @@ class CudaGraphRunner(ModelRunner):
 
     Args:
         sizes: decode batch sizes to capture.
-        token_sizes: token counts of the mixed graphs; each must exceed ``max_seqs`` (the
-            static metadata then always selects the prefill kernel) and fit a slot. Empty: no
+        token_sizes: token counts of the mixed graphs (those that fit a slot are kept); the
+            graph of ``T`` tokens takes ``min(max_seqs, T - 1)`` sequences, fewer than its
+            tokens, so its static metadata always selects the prefill kernel. Empty: no
             mixed graphs.
-        max_seqs: sequences a mixed graph takes (default: the most the arena can hold).
+        max_seqs: most sequences a mixed graph takes (default: the most the arena can hold).
     """
 
     def __init__(self, model: CausalModel, arena: KVArena, device: torch.device | str,
@@ -124,15 +135,14 @@ class CudaGraphRunner(ModelRunner):
         usable = arena.num_slots - 1
         self.max_seqs = min(max_seqs or usable, usable)
         self.sizes = tuple(sorted(s for s in sizes if s <= usable))
-        self.token_sizes = tuple(sorted(
-            t for t in token_sizes if self.max_seqs < t <= arena.max_tokens))
+        self.token_sizes = tuple(sorted(t for t in token_sizes if 1 < t <= arena.max_tokens))
         self._decode_in = _StaticInputs(max(self.sizes, default=0), max(self.sizes, default=0),
                                         self.pad_slot, self.device)
         self._mixed_in = _StaticInputs(max(self.token_sizes, default=0), self.max_seqs,
                                        self.pad_slot, self.device)
         self._pool = torch.cuda.graph_pool_handle()
         # Largest first, so smaller graphs reuse the pool's blocks.
-        self._mixed = {t: self._capture(self._mixed_in, t, self.max_seqs, logits=False)
+        self._mixed = {t: self._capture(self._mixed_in, t, self.mixed_seqs(t), logits=False)
                        for t in reversed(self.token_sizes)}
         self._decode = {bs: self._capture(self._decode_in, bs, bs, logits=True)
                         for bs in reversed(self.sizes)}
@@ -143,6 +153,10 @@ class CudaGraphRunner(ModelRunner):
     def reserved_slots(self) -> int:
         """The pad slot (one token, one page)."""
         return 1
+
+    def mixed_seqs(self, tokens: int) -> int:
+        """Sequences the mixed graph of ``tokens`` tokens takes."""
+        return min(self.max_seqs, tokens - 1)
 
     def _capture(self, static: _StaticInputs, tokens: int, seqs: int, logits: bool) -> _Graph:
         query_lens = [tokens - seqs + 1] + [1] * (seqs - 1)  # sums to tokens
@@ -168,9 +182,10 @@ class CudaGraphRunner(ModelRunner):
         if inputs.is_decode_only and b <= max(self.sizes, default=0):
             path, static = "decode", self._decode_in
             g = self._decode[next(s for s in self.sizes if s >= b)]
-        elif b <= self.max_seqs and t <= max(self.token_sizes, default=0):
+        elif (size := next((s for s in self.token_sizes
+                            if s >= t and self.mixed_seqs(s) >= b), None)) is not None:
             path, static = "mixed", self._mixed_in
-            g = self._mixed[next(s for s in self.token_sizes if s >= t)]
+            g = self._mixed[size]
         else:
             self.replays["eager"] += 1
             self._logits = None

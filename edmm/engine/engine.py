@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from edmm.engine.config import HOST_POOL_BYTES, EngineConfig
-from edmm.engine.cuda_graph import CudaGraphRunner
+from edmm.engine.cuda_graph import CudaGraphRunner, decode_graph_sizes
 from edmm.engine.detokenizer import IncrementalDetokenizer, StopStringMatcher
 from edmm.engine.errors import (
     ContextLengthError,
@@ -35,9 +35,9 @@ from edmm.engine.hooks import ParallelHooks
 from edmm.engine.kv_manager import KVCacheManager, KVStats
 from edmm.engine.outputs import CompletionOutput, RequestOutput, RequestTiming
 from edmm.engine.prefix_cache import PrefixCache
-from edmm.engine.runner import ModelRunner
+from edmm.engine.runner import Launch, ModelRunner
 from edmm.engine.sampling import FinishReason, Sampler, SamplingParams, is_stop
-from edmm.engine.scheduler import Scheduler, SchedulerConfig
+from edmm.engine.scheduler import Resolved, ScheduledBatch, Scheduler, SchedulerConfig
 from edmm.engine.sequence import SPECULATED, SequenceKind, SlotHints
 from edmm.engine.sequence import Sequence as Seq
 from edmm.engine.step_cost import StepCostModel, StepShape, StepTimeModel
@@ -252,6 +252,9 @@ class Engine:
                                           self.tokenizer is not None)
         self._states: dict[str, _RequestState] = {}
         self._closed = False
+        self._async = config.uses_async_scheduling
+        # The launched step whose outputs the next `step` returns (async scheduling).
+        self._in_flight: tuple[Launch, list[Seq | None]] | None = None
 
     # ------------------------------------------------------------------ requests
     def make_request(self, request_id: str, prompt: PromptInput,
@@ -272,8 +275,10 @@ class Engine:
         hints = hints if hints is not None else SlotHints()
         if request.cache_salt is not None:
             hints = dataclasses.replace(hints, cache_salt=request.cache_salt)
-        self.scheduler.add(Seq.new(request.request_id, request.prompt_token_ids, request.params,
-                                   hints=hints, priority=request.priority))
+        seq = Seq.new(request.request_id, request.prompt_token_ids, request.params,
+                      hints=hints, priority=request.priority)
+        seq.max_num_tokens = min(seq.num_tokens + request.params.max_tokens, self.max_model_len)
+        self.scheduler.add(seq)
 
     def add_request(self, request_id: str, prompt: PromptInput,
                     params: SamplingParams | None = None,
@@ -340,24 +345,59 @@ class Engine:
         return self.scheduler.reprioritize(request_id, priority)
 
     def has_unfinished(self) -> bool:
-        """True while any request waits or runs."""
-        return self.scheduler.has_unfinished()
+        """True while any request waits or runs, or a launched step awaits its outputs."""
+        return self.scheduler.has_unfinished() or self._in_flight is not None
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[RequestOutput]:
-        """Run one scheduled step; return the outputs of the requests that got a token."""
+        """Run one scheduled step; return the outputs of the requests that got a token.
+
+        With async scheduling (`EngineConfig.async_scheduling`) the step is launched and the
+        one launched by the previous call is finished meanwhile: the outputs returned are the
+        previous step's (a step that needs every sampled token on the host first, one with
+        logits processors, waits for them instead)."""
         self.last_step = None
+        if self._in_flight is not None and (not self._async or self._needs_host_tokens()):
+            return self._finish(self._take_in_flight())
         restored = self.kv.restored_tokens()
         batch = self.scheduler.schedule()
         if batch.is_empty:
+            if self._in_flight is not None:
+                return self._finish(self._take_in_flight())
             if self.has_unfinished() and not batch.preempted:
                 raise SchedulerStallError(
                     f"{len(self.scheduler.waiting)} waiting request(s) cannot be admitted")
             self.kv.reclaim()  # idle: release slots retired by zero-copy commits
             return []
         t0 = time.perf_counter()
-        sampled = self.runner.execute(batch)
-        seconds = time.perf_counter() - t0
+        launch = self.runner.launch(batch, self._in_flight[0] if self._in_flight else None)
+        launched = launch, self.scheduler.advance(batch)
+        if self._async:
+            previous, self._in_flight = self._in_flight, launched
+            outputs = self._finish(previous) if previous is not None else []
+        else:
+            outputs = self._finish(launched)
+        self._record_step(batch, restored, time.perf_counter() - t0)
+        return outputs
+
+    def _needs_host_tokens(self) -> bool:
+        """True when a running request's next sample needs its last token on the host (its
+        logits processors read the output so far)."""
+        return any(s.params.logits_processors for s in self.scheduler.running)
+
+    def _take_in_flight(self) -> tuple[Launch, list[Seq | None]]:
+        launched, self._in_flight = self._in_flight, None
+        assert launched is not None
+        return launched
+
+    def _finish(self, launched: tuple[Launch, list[Seq | None]]) -> list[RequestOutput]:
+        """Wait for a launched step's sampled tokens, put them in place and process them."""
+        launch, seqs = launched
+        resolved = self.scheduler.resolve(launch.batch, seqs, launch.tokens())
+        return [self._process(r) for r in resolved]
+
+    def _record_step(self, batch: ScheduledBatch, restored: float, seconds: float) -> None:
+        """What the step computed and its seconds (modelled when a step-time model is set)."""
         shape = StepShape(tuple(len(s.token_ids) for s in batch.seqs),
                           tuple(s.context_len for s in batch.seqs),
                           self.kv.restored_tokens() - restored,
@@ -367,23 +407,23 @@ class Engine:
             seconds = self.step_time_model(shape)
         self.last_step = dataclasses.replace(shape, seconds=seconds)
         self.step_cost.observe(batch.num_tokens, seconds)
-        return [self._process(seq) for seq in self.scheduler.update(batch, sampled)]
 
-    def _process(self, seq: Seq) -> RequestOutput:
+    def _process(self, r: Resolved) -> RequestOutput:
         """Detokenize a sequence's new token and finish it if it stops here."""
+        seq, token = r.seq, r.token
         state = self._states[seq.request_id]
-        token = seq.token_ids[-1]
-        reason = is_stop(token, seq.num_output_tokens, seq.params, self.eos_token_ids)
-        may_stop = seq.num_output_tokens >= seq.params.min_tokens
+        generated = r.index + 1 - seq.num_prompt_tokens
+        reason = is_stop(token, generated, seq.params, self.eos_token_ids)
+        may_stop = generated >= seq.params.min_tokens
         if state.push(token, check_stop_strings=may_stop):
             reason = FinishReason.STOP
-        if reason is None and seq.num_tokens >= self.max_model_len:
+        if reason is None and r.index + 1 >= self.max_model_len:
             reason = FinishReason.LENGTH
         if reason is not None:
             self.scheduler.finish(seq, reason.value)
             del self._states[seq.request_id]
             self._count_finished(seq)
-        return _output(seq, state)
+        return _output(seq, state, r.index + 1)
 
     def _count_finished(self, seq: Seq) -> None:
         c = self._counters
@@ -431,6 +471,9 @@ class Engine:
         self._closed = True
         if self.parallel is not None:
             self.parallel.close()
+        if self._in_flight is not None:
+            self._in_flight[0].tokens()  # the device is done with the step's slots
+            self._in_flight = None
         for request_id in list(self._states):
             self.abort(request_id)
         for seq in [*self.scheduler.spec_waiting, *self.scheduler.spec_running]:
@@ -465,9 +508,12 @@ def _token_id(value: object) -> int | None:
         return None
 
 
-def _output(seq: Seq, state: _RequestState) -> RequestOutput:
+def _output(seq: Seq, state: _RequestState, num_tokens: int) -> RequestOutput:
+    """The request's output through its first ``num_tokens`` tokens (tokens past them are
+    still on the device)."""
     req = state.request
-    completion = CompletionOutput(0, state.text, seq.output_token_ids, seq.finish_reason)
+    completion = CompletionOutput(0, state.text, seq.token_ids[seq.num_prompt_tokens:num_tokens],
+                                  seq.finish_reason)
     return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion],
                          seq.is_finished, seq.num_cached_tokens, seq.prefix_hit,
                          RequestTiming(seq.first_scheduled_ns, seq.memory_wait_steps))
@@ -597,5 +643,6 @@ def _build_runner(config: EngineConfig, model: CausalLM, arena: KVArena,
     token_sizes = tuple(t for t in config.cuda_graph_token_sizes
                         if t <= config.max_num_batched_tokens)
     # Mixed graphs take the running sequences and as many speculative prefills.
-    return CudaGraphRunner(model, arena, config.device, sampler, token_sizes=token_sizes,
-                           max_seqs=2 * config.max_num_seqs)
+    return CudaGraphRunner(model, arena, config.device, sampler,
+                           sizes=decode_graph_sizes(config.max_num_seqs),
+                           token_sizes=token_sizes, max_seqs=2 * config.max_num_seqs)

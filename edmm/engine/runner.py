@@ -11,6 +11,14 @@ Three stages, each replaceable on its own:
 - `sample`: logits only for the rows that sample (the last token of each sequence that reaches
   its end this step), then the `Sampler`.
 
+`execute` runs the three and waits for the sampled tokens. `launch` queues them on the device
+and returns at once (`Launch.tokens` waits): with async scheduling the engine schedules and
+launches the next step meanwhile. Such a step may decode a token whose value is still on the
+device (`ScheduledSeq.pending_input`): `prepare` takes it from the previous launch's sampled
+tokens, on the device. On CUDA every host-to-device copy of a step goes through one pinned
+staging buffer (a copy from pageable memory would wait for the device) and the sampled
+tokens come back into pinned memory.
+
 The runner sees only the batch; it never reads scheduler state.
 """
 
@@ -62,6 +70,70 @@ class ModelInputs:
         return all(q == 1 for q in self.meta.query_lens)
 
 
+class Launch:
+    """A step queued on the device; its sampled tokens come to the host on their own.
+
+    ``rows``: each sampling request's row of ``tokens_dev``, for a next step that decodes the
+    token before it reaches the host (`ModelRunner.prepare`).
+    """
+
+    def __init__(self, batch: ScheduledBatch, sample_seqs: list[int], tokens_dev: Tensor,
+                 host: Tensor | None, event: torch.cuda.Event | None) -> None:
+        self.batch = batch
+        self.sample_seqs = sample_seqs  # [N] batch index of each sampled row
+        self.tokens_dev = tokens_dev  # [N] int64 on the device
+        self.rows = {batch.seqs[i].request_id: r for r, i in enumerate(sample_seqs)}
+        self._host = host  # [N] pinned copy of tokens_dev (CUDA); None: tokens_dev is here
+        self._event = event  # recorded after the copy to ``host``
+        self._tokens: list[int | None] | None = None
+
+    def tokens(self) -> list[int | None]:
+        """The sampled token of each entry of the batch (None: it did not sample); waits for
+        the device (the GIL is free meanwhile)."""
+        if self._tokens is None:
+            if self._event is not None:
+                self._event.synchronize()
+            values = (self._host if self._host is not None else self.tokens_dev).tolist()
+            out: list[int | None] = [None] * len(self.batch.seqs)
+            for i, token in zip(self.sample_seqs, values, strict=True):
+                out[i] = int(token)
+            self._tokens = out
+        return self._tokens
+
+
+class PinnedRing:
+    """Pinned host buffers used in turn for host <-> device copies that must not wait for the
+    device's queue (a copy from pageable memory would): a buffer is reused only once the copy
+    last made from it is done (its event), and grows when a step needs more."""
+
+    def __init__(self, device: torch.device, dtype: torch.dtype, size: int = 4) -> None:
+        self.device, self.dtype = device, dtype
+        self._bufs: list[Tensor | None] = [None] * size
+        self._events: list[torch.cuda.Event | None] = [None] * size
+        self._next = 0
+
+    def take(self, n: int) -> tuple[Tensor, int]:
+        """A pinned buffer of at least ``n`` elements that no pending copy uses, and its
+        index for `done`."""
+        i, self._next = self._next, (self._next + 1) % len(self._bufs)
+        event = self._events[i]
+        if event is not None:
+            event.synchronize()
+        buf = self._bufs[i]
+        if buf is None or buf.numel() < n:
+            buf = torch.empty(max(n, 4096, 2 * (buf.numel() if buf is not None else 0)),
+                              dtype=self.dtype, pin_memory=True)
+            self._bufs[i] = buf
+        return buf, i
+
+    def done(self, i: int) -> torch.cuda.Event:
+        """Mark buffer ``i``'s copy queued on the current stream; its event."""
+        event = torch.cuda.Event()
+        event.record()
+        self._events[i] = event
+        return event
+
+
 class ModelRunner:
     """Runs scheduled batches through ``model`` with KV in ``arena``."""
 
@@ -71,6 +143,9 @@ class ModelRunner:
         self.arena = arena
         self.device = torch.device(device)
         self.sampler = sampler if sampler is not None else Sampler()
+        cuda = self.device.type == "cuda"
+        self._inputs = PinnedRing(self.device, torch.int64) if cuda else None
+        self._outputs = PinnedRing(self.device, torch.int64) if cuda else None
 
     @property
     def reserved_slots(self) -> int:
@@ -80,40 +155,74 @@ class ModelRunner:
     def execute(self, batch: ScheduledBatch) -> list[int | None]:
         """Compute a step; return the sampled token of each sequence of the batch (None for
         those that do not sample this step, e.g. a prefill chunk short of the prompt's end)."""
-        out: list[int | None] = [None] * len(batch.seqs)
         if batch.is_empty:
-            return out
-        inputs = self.prepare(batch)
+            return [None] * len(batch.seqs)
+        return self.launch(batch).tokens()
+
+    def launch(self, batch: ScheduledBatch, previous: Launch | None = None) -> Launch:
+        """Queue a (non-empty) step on the device and return without waiting for it;
+        ``previous``: the launch whose sampled tokens this step's pending inputs are."""
+        inputs = self.prepare(batch, previous)
         with torch.inference_mode():
             hidden = self.forward(inputs)  # [T, hidden]
             tokens = self.sample(hidden, inputs)  # [N]
-        for i, token in zip(inputs.sample_seqs, tokens.tolist(), strict=True):
-            out[i] = int(token)
-        return out
+        if self._outputs is None or not inputs.sample_seqs:
+            return Launch(batch, inputs.sample_seqs, tokens, None, None)
+        host, i = self._outputs.take(len(inputs.sample_seqs))
+        host = host[:len(inputs.sample_seqs)]
+        host.copy_(tokens, non_blocking=True)
+        return Launch(batch, inputs.sample_seqs, tokens, host, self._outputs.done(i))
 
-    def prepare(self, batch: ScheduledBatch) -> ModelInputs:
-        """Flatten a batch into device tensors (two host-to-device copies: token ids and
-        sampled rows, then the attention metadata, whose token indices are the positions)."""
+    def prepare(self, batch: ScheduledBatch, previous: Launch | None = None) -> ModelInputs:
+        """Flatten a batch into device tensors, in one host-to-device copy: the token ids,
+        the sampled rows, the attention metadata (whose token indices are the positions) and,
+        for pending inputs, where their values sit in ``previous``'s sampled tokens."""
         ids: list[int] = []
         rows: list[int] = []
         sample_seqs: list[int] = []
+        dst: list[int] = []  # rows of ids whose value is pending
+        src: list[int] = []  # their rows in previous.tokens_dev
         for i, s in enumerate(batch.seqs):
+            if s.pending_input:
+                if previous is None or s.request_id not in previous.rows:
+                    raise ValueError(f"{s.request_id!r}: pending input without its launch")
+                dst.append(len(ids) + len(s.token_ids) - 1)
+                src.append(previous.rows[s.request_id])
             ids.extend(s.token_ids)
             if s.sample:
                 rows.append(len(ids) - 1)
                 sample_seqs.append(i)
-        meta = AttentionMetadata.build(
+        meta = AttentionMetadata(
             [s.slot for s in batch.seqs], [len(s.token_ids) for s in batch.seqs],
-            [s.context_len for s in batch.seqs], self.device)
+            [s.context_len for s in batch.seqs])
+        parts = [*meta.index_arrays(), *(np.asarray(v, dtype=np.int64)
+                                         for v in (ids, rows, dst, src))]
+        views = self._to_device(np.concatenate(parts)).split([len(p) for p in parts])
+        meta = meta.with_tensors(views[:6])
+        input_ids, sample_rows, dst_t, src_t = views[6:]
+        if dst:
+            assert previous is not None
+            input_ids[dst_t] = previous.tokens_dev[src_t]  # [len(dst)], on the device
         assert meta.token_index is not None
-        input_ids, sample_rows = int64_tensor(ids + rows, self.device).split(
-            [len(ids), len(rows)])
         return ModelInputs(
             input_ids=input_ids, positions=meta.token_index, meta=meta,
             sample_rows=sample_rows, sample_seqs=sample_seqs,
             params=[batch.seqs[i].params for i in sample_seqs],
             rngs=[batch.seqs[i].rng for i in sample_seqs],
             output_token_ids=[batch.seqs[i].output_token_ids for i in sample_seqs])
+
+    def _to_device(self, values: np.ndarray) -> Tensor:
+        """``values`` (int64) on the device: through a pinned buffer on CUDA, so the copy is
+        queued without waiting for the device's work."""
+        host = torch.from_numpy(values)
+        if self._inputs is None:
+            return host.to(self.device)
+        buf, i = self._inputs.take(len(values))
+        staged = buf[:len(values)]
+        staged.copy_(host)
+        out = staged.to(self.device, non_blocking=True)
+        self._inputs.done(i)
+        return out
 
     def forward(self, inputs: ModelInputs) -> Tensor:
         """Hidden states ``[T, hidden]``; writes the new tokens' KV into the arena in place."""

@@ -37,6 +37,16 @@ retained session's KV.
 
 The scheduler is the one owner of sequence status and token accounting; it hands the runner a
 plain `ScheduledBatch` and takes the sampled tokens back in `update`.
+
+**Async scheduling.** `update` is two halves that may run a step apart: `advance` accounts
+for a step as soon as it is launched (its tokens have KV; each sampling sequence gets a
+`PENDING_TOKEN` in the sampled token's place), `resolve` writes the sampled values once they
+reach the host. So the next step can be scheduled and launched while the device still computes
+this one: a decoding sequence whose last token is pending is scheduled with that placeholder
+(`ScheduledSeq.pending_input`) and the runner takes its value from the previous step's
+tokens on the device. A sequence that reaches ``max_num_tokens`` is not scheduled past it;
+one that stops on a token only its value reveals (EOS, a stop string) computes one more
+token in the step already in flight, which `resolve` drops (`Sequence.num_pending`).
 """
 
 from __future__ import annotations
@@ -53,7 +63,13 @@ from edmm.engine.errors import EngineConfigError, IntegrityError
 from edmm.engine.kv_manager import KVCacheManager
 from edmm.engine.prefix_cache import EntryRank, PrefixHit
 from edmm.engine.sampling import RequestRng, SamplingParams
-from edmm.engine.sequence import ABORTED, SPECULATED, Sequence, SequenceStatus
+from edmm.engine.sequence import (
+    ABORTED,
+    PENDING_TOKEN,
+    SPECULATED,
+    Sequence,
+    SequenceStatus,
+)
 from edmm.memory import NoFreeSlotError, PoolExhaustedError
 
 
@@ -114,11 +130,23 @@ class ScheduledSeq:
     # logits processors (they need them); empty otherwise.
     output_token_ids: list[int] = field(default_factory=list)
     speculative: bool = False  # an agent's speculative prefill (never samples)
+    # Its one token is the previous step's sample, still on the device (async scheduling):
+    # the runner takes the value from that step's sampled tokens.
+    pending_input: bool = False
 
     @property
     def context_len(self) -> int:
         """Tokens with KV in the slot after this step."""
         return self.start + len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class Resolved:
+    """A sampled token in its place: ``seq.token_ids[index] == token``."""
+
+    seq: Sequence
+    token: int
+    index: int
 
 
 @dataclass
@@ -238,7 +266,9 @@ class Scheduler:
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Stop a sequence (``reason``: a FinishReason value, ABORTED or SPECULATED) and
-        release its slot (to the prefix cache, with the sequence's slot hints)."""
+        release its slot (to the prefix cache, with the sequence's slot hints); tokens still
+        pending are dropped first (`drop_pending`)."""
+        self.drop_pending(seq)
         if seq.status == SequenceStatus.RUNNING:
             self._running(seq).remove(seq)
             self._release_slot(seq)
@@ -303,15 +333,21 @@ class Scheduler:
             return 0
         return next((size - t for size in sorted(self.config.padded_token_sizes) if size >= t), 0)
 
-    def update(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Sequence]:
-        """Account for a computed step: advance ``num_computed_tokens``, append the sampled
-        tokens (one per sampling entry of ``batch``); return the sequences that got one."""
-        if len(sampled) != len(batch.seqs):
-            raise ValueError(f"{len(sampled)} results for {len(batch.seqs)} scheduled sequences")
-        out = []
+    def update(self, batch: ScheduledBatch, sampled: list[int | None]) -> list[Resolved]:
+        """Account for a computed step (`advance`, then `resolve`); the sequences that got a
+        token, with it."""
+        seqs = self.advance(batch)
+        return self.resolve(batch, seqs, sampled)
+
+    def advance(self, batch: ScheduledBatch) -> list[Sequence | None]:
+        """Account for a launched step: its tokens have KV now, each sampling entry's sequence
+        gets a `PENDING_TOKEN`; speculative prefills that computed their last token finish.
+        Returns the entries' sequences, for `resolve`."""
+        seqs: list[Sequence | None] = []
         done = []
-        for item, token in zip(batch.seqs, sampled, strict=True):
+        for item in batch.seqs:
             seq = self._seqs[item.request_id]
+            seqs.append(seq)
             seq.num_computed_tokens = item.context_len
             if seq.is_speculative:
                 self.speculated[seq.hints.tag or ""] += len(item.token_ids)
@@ -319,20 +355,50 @@ class Scheduler:
                 if seq.num_uncomputed_tokens == 0:
                     done.append(seq)
             if item.sample:
-                if token is None:
-                    raise ValueError(f"request {item.request_id!r} was sampled but got no token")
-                seq.append_token(token)
-                out.append(seq)
-            assert seq.slot is not None
-            self.kv.track(seq.slot, seq.token_ids, seq.num_computed_tokens, seq.hints.cache_salt)
+                seq.append_token(PENDING_TOKEN)
+                seq.num_pending += 1
         for seq in done:
             self.finish(seq, SPECULATED)
+        return seqs
+
+    def resolve(self, batch: ScheduledBatch, seqs: list[Sequence | None],
+                sampled: list[int | None]) -> list[Resolved]:
+        """Write the sampled tokens of an advanced step in their places (``seqs``: what
+        `advance` returned) and index the KV they complete; the sequences that got a token,
+        with it. A sequence finished meanwhile (stopped, aborted) gets nothing."""
+        if len(sampled) != len(batch.seqs):
+            raise ValueError(f"{len(sampled)} results for {len(batch.seqs)} scheduled sequences")
+        out = []
+        for item, seq, token in zip(batch.seqs, seqs, sampled, strict=True):
+            assert seq is not None
+            if item.sample:
+                if token is None:
+                    raise ValueError(f"request {item.request_id!r} was sampled but got no token")
+                if seq.is_finished:
+                    continue
+                seq.token_ids[item.context_len] = token
+                seq.num_pending -= 1
+                out.append(Resolved(seq, token, item.context_len))
+            if seq.slot is not None and not seq.is_finished:
+                self.kv.track(seq.slot, seq.token_ids, seq.num_computed_tokens,
+                              seq.hints.cache_salt)
         return out
+
+    def drop_pending(self, seq: Sequence) -> None:
+        """Forget the tokens a sequence that stops now was given after its last resolved one
+        (their KV, computed by a step in flight, stays valid but unused)."""
+        if seq.num_pending:
+            del seq.token_ids[-seq.num_pending:]
+            seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
+            seq.num_pending = 0
 
     def _schedule_running(self, batch: ScheduledBatch, budget: int) -> int:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
+            if seq.num_pending and seq.will_stop:
+                i += 1  # its pending token is its last: nothing more to compute
+                continue
             n = min(seq.num_uncomputed_tokens, budget)
             if not self._grow_or_preempt(seq, seq.num_computed_tokens + n, batch):
                 break  # ``seq`` itself was preempted: it was the last running sequence
@@ -406,7 +472,8 @@ class Scheduler:
         return ScheduledSeq(
             request_id=seq.request_id, slot=seq.slot, token_ids=seq.token_ids[start:start + n],
             start=start, sample=sample, params=seq.params, rng=seq.rng,
-            output_token_ids=outputs, speculative=seq.is_speculative)
+            output_token_ids=outputs, speculative=seq.is_speculative,
+            pending_input=seq.num_pending > 0)
 
     # ------------------------------------------------------------------ memory
     def _grow_or_preempt(self, seq: Sequence, num_tokens: int, batch: ScheduledBatch) -> bool:

@@ -59,6 +59,9 @@ class SlotHints:
 
 
 ABORTED = "abort"  # finish reason of an aborted request (besides FinishReason's stop/length)
+# A sampled token whose value is still on the device (async scheduling): it holds its place in
+# ``token_ids`` until `Scheduler.resolve` writes the value; never hashed, never sent out.
+PENDING_TOKEN = -1
 SPECULATED = "speculated"  # finish reason of a speculative prefill that computed all its tokens
 
 
@@ -84,6 +87,10 @@ class Sequence:
     arrival: int = -1  # when the scheduler first queued it (its admission order among equals)
     first_scheduled_ns: int | None = None  # wall clock (time.time_ns) of its first admission
     memory_wait_steps: int = 0  # steps it headed the queue and was not admitted: memory short
+    # Most tokens (prompt + output) it can reach: past this it surely stops (its max_tokens,
+    # the model's length); a step in flight never computes a token beyond it. None: no bound.
+    max_num_tokens: int | None = None
+    num_pending: int = 0  # sampled tokens at the end of token_ids still on the device
 
     @classmethod
     def new(cls, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
@@ -108,8 +115,14 @@ class Sequence:
 
     @property
     def num_output_tokens(self) -> int:
-        """Tokens generated so far."""
+        """Tokens generated so far (those still on the device included)."""
         return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def will_stop(self) -> bool:
+        """True when the tokens it has (pending ones included) reach ``max_num_tokens``: it
+        stops once they resolve, so no step computes more of it."""
+        return self.max_num_tokens is not None and self.num_tokens >= self.max_num_tokens
 
     @property
     def num_uncomputed_tokens(self) -> int:

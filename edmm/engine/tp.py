@@ -45,7 +45,7 @@ from edmm.engine.config import EngineConfig
 from edmm.engine.cuda_graph import CudaGraphRunner
 from edmm.engine.engine import Engine
 from edmm.engine.errors import EngineError
-from edmm.engine.runner import ModelRunner
+from edmm.engine.runner import Launch, ModelRunner
 from edmm.engine.sampling import RequestRng, SamplingParams
 from edmm.engine.scheduler import ScheduledBatch, ScheduledSeq
 from edmm.memory import KVArena, KVMemoryError, KVSpec, PagePool
@@ -271,12 +271,12 @@ class LeaderRunner(ModelRunner):
         """The wrapped runner's."""
         return self.inner.reserved_slots
 
-    def execute(self, batch: ScheduledBatch) -> list[int | None]:
-        """Broadcast the step, then compute it; the sampled tokens (rank 0 samples)."""
-        if not batch.is_empty:
-            self.hooks.send(PlanKind.STEP, [PlannedSeq(s.slot, s.token_ids, s.start, s.sample)
-                                            for s in batch.seqs])
-        return self.inner.execute(batch)
+    def launch(self, batch: ScheduledBatch, previous: Launch | None = None) -> Launch:
+        """Broadcast the step, then launch it (rank 0 samples). Several ranks never schedule
+        asynchronously, so no input is pending (``previous`` is unused)."""
+        self.hooks.send(PlanKind.STEP, [PlannedSeq(s.slot, s.token_ids, s.start, s.sample)
+                                        for s in batch.seqs])
+        return self.inner.launch(batch)
 
     def close(self) -> None:
         """Release the wrapped runner's graphs and slot."""

@@ -73,8 +73,8 @@ class DecodeConfig:
 
     sliced_reduce: the reduce launch gets a program per (sequence, query head, head-dim
     slice), as many slices as keep each program's partials near 8 KB (one at 8 splits, four
-    at 64), so its loads spread over more SMs. Measured on the H200 (2026-12-03, batch 1, 64
-    splits): it gains 0.1-0.25 us per layer (benchmarks/results/2026-12-03-h200-decode-s17).
+    at 64), so its loads spread over more SMs. Measured on an H200 (batch 1, 64 splits): it
+    gains 0.1-0.25 us per layer.
 
     cuda: the split kernel is the CUDA C++ one (`edmm.kernels._cuda_decode`, compiled at run
     time; fp16/bf16 on compute capability 9.0+, else the Triton kernel of the same tile runs):
@@ -136,8 +136,8 @@ class PrefillConfig:
 
     def __post_init__(self) -> None:
         if self.warp_specialize and (self.num_warps, self.num_stages) != (4, 2):
-            # Triton 3.6 gives NaN with 3 stages on the H200 (GPU test of that config, session
-            # 4); 4 warps per warpgroup is what its Hopper pass partitions.
+            # Triton 3.6 gives NaN with 3 stages on an H200 (a GPU test of that config); 4
+            # warps per warpgroup is what its Hopper pass partitions.
             raise KernelInputError("warp_specialize needs num_warps=4, num_stages=2, got "
                                    f"{self.num_warps}, {self.num_stages}")
 

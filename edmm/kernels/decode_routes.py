@@ -1,6 +1,6 @@
 """Measured launch parameters of the split-K decode kernel, per batch size and context.
 
-`python -m edmm.bench.scripts.decode_sweep` times split counts and launch configs (CUDA-graph
+`python -m benchmarks.kernels.decode_sweep` times split counts and launch configs (CUDA-graph
 medians on a real arena) and writes the fastest per (batch, context) as a JSON routing table:
 
     {"device": ..., "date": ..., "command": ..., "routes": [

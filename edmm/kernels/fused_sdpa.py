@@ -7,7 +7,7 @@ square, where top-left and end alignment agree), merged by their log-sum-exps. E
 takes host-side lengths, so this path is for eager passes (a CUDA graph replays one
 shape), and the arena's views go in as they are: no gather, no copy of the KV.
 
-A measured candidate, not the engine's: `python -m edmm.bench.attention` times it beside the
+A measured candidate, not the engine's: `python -m benchmarks.kernels.attention` times it beside the
 Triton kernels (on the H200 it loses on a cached prefix and on chunked prefill; see
 `edmm.model.attention_triton`).
 """

@@ -1,6 +1,6 @@
 """Measured routes of the decode step's projections: the skinny kernel or cuBLAS, per shape.
 
-`python -m edmm.bench.scripts.matmul_sweep` times, for every projection of a model (qkv,
+`python -m benchmarks.kernels.matmul_sweep` times, for every projection of a model (qkv,
 o_proj, gate_up, down, LM head) and every decode batch size, ``F.linear`` (cuBLAS) and the
 skinny kernel's launch configs (CUDA-graph medians over as many distinct weights as the model
 has layers, so nothing is served from L2) and writes each shape's fastest as a JSON table:

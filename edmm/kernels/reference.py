@@ -1,8 +1,8 @@
 """SDPA references of the kernels: per-sequence strided views of the arena, no triton.
 
 Slower than the kernels and they read context lengths on the host; used by tests (in float64)
-and as the baseline of ``edmm.bench.attention``. An FP8 cache's values are multiplied by the
-layer's ``kv_scale`` [2, Hkv] (K scales, V scales) in the reference's dtype.
+and as the baseline of ``benchmarks.kernels.attention``. An FP8 cache's values are multiplied
+by the layer's ``kv_scale`` [2, Hkv] (K scales, V scales) in the reference's dtype.
 """
 
 from __future__ import annotations

@@ -29,8 +29,8 @@ merges the left one, Hugging Face the one listed first. Neither happened on ~41 
 ASCII source files under Qwen's ranks, with every split of a token listed as a merge
 (`edmm.model.qwen_vocab.bpe_merges`) or with one recovered merge per token, the form of
 Qwen2.5's published tokenizer.json (`edmm.model.qwen_vocab.recovered_merges`;
-`benchmarks/results/2026-12-03-cpu-ascii-bpe/`). The tests compare the two on random ASCII
-text. ``PromptEncoder(fast_bpe=False)`` turns it off.
+``python -m benchmarks.scripts.ascii_bpe_check`` checks a corpus). The tests compare the two
+on random ASCII text. ``PromptEncoder(fast_bpe=False)`` turns it off.
 """
 
 from __future__ import annotations

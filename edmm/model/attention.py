@@ -14,6 +14,7 @@ and an FP8 cache stores each layer's K and V divided by their per-head scales (`
 from __future__ import annotations
 
 import abc
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -88,6 +89,15 @@ class AttentionMetadata:
         have = self.slot_index.device if self.slot_index is not None else None
         if have is not None and have.type == device.type and device.index in (None, have.index):
             return self
+        parts = self.index_arrays()
+        flat = torch.from_numpy(np.concatenate(parts))
+        return self.with_tensors(flat.to(device, non_blocking=True).split(
+            [len(p) for p in parts]))
+
+    def index_arrays(self) -> list[np.ndarray]:
+        """The host arrays of the derived index tensors, in `with_tensors`' order: slot and
+        index in the slot of each token ``[T]``, each sequence's last row ``[B]``, slot ids
+        ``[B]``, context lengths ``[B]``, query start offsets ``[B+1]`` (all int64)."""
         slot_ids, query_lens, context_lens = (
             np.asarray(v, dtype=np.int64)
             for v in (self.slot_ids, self.query_lens, self.context_lens))  # [B] each
@@ -96,10 +106,11 @@ class AttentionMetadata:
         # token j of sequence b sits at row starts[b] + j and slot index c_b - q_b + j
         token_index = np.arange(starts[-1], dtype=np.int64) + np.repeat(
             context_lens - query_lens - starts[:-1], query_lens)  # [T]
-        parts = [np.repeat(slot_ids, query_lens), token_index, starts[1:] - 1, slot_ids,
-                 context_lens, starts]
-        flat = torch.from_numpy(np.concatenate(parts))
-        views = flat.to(device, non_blocking=True).split([len(p) for p in parts])
+        return [np.repeat(slot_ids, query_lens), token_index, starts[1:] - 1, slot_ids,
+                context_lens, starts]
+
+    def with_tensors(self, views: Sequence[Tensor]) -> AttentionMetadata:
+        """A copy whose index tensors are ``views`` (`index_arrays` on a device)."""
         return AttentionMetadata(
             self.slot_ids,
             self.query_lens,

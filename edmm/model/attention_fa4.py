@@ -20,8 +20,8 @@ Triton prefill ran 462-478 TFLOP/s for 512 queries on a 16K prefix against FA4's
 FP8 engine's prefill attention takes up to ~1.3x FA4's (the FP8 tiles' conversion aside), for
 twice the tokens in the same memory.
 
-Measured on the H200 (issue 20, one layer, Qwen2.5-7B heads, CUDA-event medians): 512 queries
-on a 16K prefix 611-614 TFLOP/s against 420 for the Triton kernel, a 16K one-pass prefill
+Measured on an H200 (one layer, Qwen2.5-7B heads, CUDA-event medians): 512 queries on a 16K
+prefix 611-614 TFLOP/s against 420 for the Triton kernel, a 16K one-pass prefill
 700-720 against 490.
 
 The arena must map each slot `FA4_KV_TILE` tokens past its context (``read_align``, see

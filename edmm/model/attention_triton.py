@@ -9,11 +9,10 @@ pass with no single-query sequence skips the decode launch. Sliding-window layer
 the reference SDPA backend. Every kernel reads and writes the cache in its dtype, FP8 with the
 layer's scales (`edmm.model.kv_quant`).
 
-cuDNN's fused attention (`edmm.kernels.fused_sdpa`) was measured as a route for long eager
-passes and not taken: slower on a cached prefix (439 vs 480 TFLOP/s for 512 queries over 16K)
-and on a 16K prefill in 2048-token chunks (432 vs 494), faster only on one fresh 16K pass
-(449 vs 460 ms for the whole model), a pass the engine's token budget never runs
-(benchmarks/results/2026-11-30-h200-session6/).
+cuDNN's fused attention (`edmm.kernels.fused_sdpa`) was measured on an H200 as a route for
+long eager passes and not taken: slower on a cached prefix (439 vs 480 TFLOP/s for 512 queries
+over 16K) and on a 16K prefill in 2048-token chunks (432 vs 494), faster only on one fresh 16K
+pass (449 vs 460 ms for the whole model), a pass the engine's token budget never runs.
 """
 
 from __future__ import annotations
@@ -35,8 +34,7 @@ from edmm.model.kv_quant import is_fp8
 
 # Hopper: the warp-specialized kernel, 478 TFLOP/s against 421 for the default on 512 tokens
 # over a 16K prefix, 490 against 429 (the best earlier config) on a 16K prefill in 2048-token
-# chunks (H200, `python -m edmm.bench.attention --prefill-sweep`,
-# benchmarks/results/2026-11-30-h200-session4/attention-sweep.md).
+# chunks (H200, `python -m benchmarks.kernels.attention --prefill-sweep`).
 # Elsewhere (or fp32) the default kernel runs with its default launch parameters.
 PREFILL = PrefillConfig(block_m=128, block_n=128, num_warps=4, num_stages=2,
                         warp_specialize=True, reverse=True)
@@ -47,10 +45,9 @@ PREFILL_FP8 = PrefillConfig(block_m=128, block_n=64, num_warps=4, num_stages=2,
                             warp_specialize=True, reverse=True)
 # Single-query rows of a mixed batch: the split kernel merges its own splits. At the default
 # split count (~17 at 16K) the fused merge costs about what the reduce launch does (batch 1,
-# 16K, 16 splits, 64x4x3 with PDL: 20.3 vs 19.9 us per layer; without: 21.2 vs 21.4;
-# benchmarks/results/2026-12-01-h200-decode-modes/decode-sweep-1.json), and a mixed CUDA graph
-# with no such row at replay runs one near-empty launch per layer instead of two (the reduce
-# kernel took 28 x 0.9 us of a 512-token step in the session-8 profile).
+# 16K, 16 splits, 64x4x3 with PDL: 20.3 vs 19.9 us per layer on an H200; without: 21.2 vs
+# 21.4), and a mixed CUDA graph with no such row at replay runs one near-empty launch per layer
+# instead of two (the reduce kernel took 28 x 0.9 us of a 512-token step in an H200 profile).
 VARLEN_DECODE = DecodeConfig(fused=True, pdl=True)
 
 

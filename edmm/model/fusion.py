@@ -2,7 +2,7 @@
 
 Eager PyTorch runs a residual add and RMSNorm as ~9 kernels, RoPE as ~10 and SiLU-and-multiply
 as 2; at one token per sequence (decode) each is a few microseconds of launch and latency,
-~1.4 ms of a 7B decode step on an H200 (measured with `python -m edmm.bench.scripts.profile_model`).
+~1.4 ms of a 7B decode step on an H200 (measured with `python -m benchmarks.scripts.profile_model`).
 `PointwiseOps.compile` turns each chain into one Triton kernel with ``torch.compile``
 (dynamic shapes, so one compile serves every token count), except SiLU-and-multiply, which
 takes the hand-written `edmm.kernels.silu_mul` where triton is installed (the compiled form

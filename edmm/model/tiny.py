@@ -1,9 +1,10 @@
 """The embedded models: a tiny Qwen2 trained for the tool-call format, and its random twin.
 
 ``default_model()`` is the folder of the shipped tool model (package data, a few MB: the
-``tiny`` preset's architecture and tokenizer trained by :mod:`edmm.model.train_tool_model`
-on generated tool-use conversations; it knows the format, not the world). It is the default
-model of ``LLM()``, ``AgentEngine()``, ``edmm serve`` and ``edmm demo``.
+``tiny`` preset's architecture and tokenizer trained by the source repository's
+``training/train_tool_model.py`` on generated tool-use conversations; it knows the format, not
+the world). It is the default model of ``LLM()``, ``AgentEngine()``, ``edmm serve`` and
+``edmm demo``.
 
 ``ensure_tiny_model()`` builds the random tiny model once (no downloads, ~1 s) under
 ``$EDMM_CACHE`` or ``~/.cache/edmm`` and returns the HF-format folder, loadable with
@@ -41,8 +42,8 @@ def default_model() -> Path:
     """The shipped tool model's folder (config, safetensors weights, tokenizer, template)."""
     if not _is_complete(TOOL_MODEL_DIR):
         raise ModelNotFoundError(f"the embedded tool model is missing from {TOOL_MODEL_DIR} "
-                                "(a broken install?); rebuild it with "
-                                "python -m edmm.model.train_tool_model --out FOLDER")
+                                "(a broken install?); reinstall edmm, or rebuild it in a source "
+                                "checkout with python -m training.train_tool_model --out FOLDER")
     return TOOL_MODEL_DIR
 
 

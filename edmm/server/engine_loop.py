@@ -76,17 +76,32 @@ class _Stream:
         self.put_ns: int | None = None
         self.taken = threading.Event()
 
-    def put(self, item: _Item) -> bool:
-        """Thread-safe; a closed event loop (its client is gone) drops the item. True for
-        the first item."""
-        first = self.put_ns is None
-        if first:
-            self.put_ns = time.time_ns()
+
+def _hand_over(items: list[tuple[_Stream, _Item]]) -> list[bool]:
+    """Hand items to their streams from the engine thread: one wake-up of each event loop
+    for all of its items (a step's outputs cost one cross-thread call, not one per request);
+    a closed event loop drops its items. Whether each item was its stream's first."""
+    now = time.time_ns()
+    firsts = []
+    by_loop: dict[asyncio.AbstractEventLoop, list[tuple[_Stream, _Item]]] = {}
+    for stream, item in items:
+        firsts.append(stream.put_ns is None)
+        if stream.put_ns is None:
+            stream.put_ns = now
+        by_loop.setdefault(stream.loop, []).append((stream, item))
+    for loop, batch in by_loop.items():
         try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+            loop.call_soon_threadsafe(_deliver, batch)
         except RuntimeError:
-            self.taken.set()  # nobody will take it
-        return first
+            for stream, _ in batch:
+                stream.taken.set()  # nobody will take it
+    return firsts
+
+
+def _deliver(batch: list[tuple[_Stream, _Item]]) -> None:
+    """On the event loop: queue each item on its stream."""
+    for stream, item in batch:
+        stream.queue.put_nowait(item)
 
 
 class OutputStream:
@@ -281,15 +296,15 @@ class EngineLoop(Generic[E]):
             self._fail_all(EngineStepError(f"the engine failed: {e}"))
             return
         self.num_steps += 1
-        firsts = []
+        items: list[tuple[_Stream, _Item]] = []
         for out in outputs:
             stream = self._streams.get(out.request_id)
             if stream is None:
                 continue  # a request nobody listens to (e.g. speculation)
             if out.finished:
                 del self._streams[out.request_id]
-            if stream.put(out):
-                firsts.append(stream)
+            items.append((stream, out))
+        firsts = [s for (s, _), first in zip(items, _hand_over(items), strict=True) if first]
         if firsts and self._handback_wait_s > 0:
             _await_taken(firsts, self._handback_wait_s)
 
@@ -313,12 +328,14 @@ class EngineLoop(Generic[E]):
 
     def _fail_all(self, error: BaseException) -> None:
         self._unstepped.clear()
+        items: list[tuple[_Stream, _Item]] = []
         for request_id, stream in list(self._streams.items()):
             try:
                 self.engine.abort(request_id)
             except Exception:
                 logger.exception("abort of %s failed", request_id)
-            stream.put(error)
+            items.append((stream, error))
+        _hand_over(items)
         self._streams.clear()
 
 

@@ -277,10 +277,13 @@ def check_owners(agent: AgentEngine) -> None:
 
 
 # ---------------------------------------------------------------------- the test
-@pytest.fixture(scope="module", params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.fixture(scope="module", params=["cpu", "cpu-async",
+                                        pytest.param("cuda", marks=pytest.mark.gpu)])
 def device(request: pytest.FixtureRequest) -> str:
-    """The host twin on the CPU; on CUDA, CUDA-graph decode and mixed batches (speculation
-    riding along in decode steps), Triton attention."""
+    """The host twin on the CPU (``cpu-async``: with async scheduling, the agent engine's
+    steps launched before the previous step's tokens are processed); on CUDA, CUDA-graph
+    decode and mixed batches (speculation riding along in decode steps), Triton attention,
+    async scheduling (its default there)."""
     return str(request.param)
 
 
@@ -297,7 +300,9 @@ def engines(tiny_dir: Path, device: str,
         if key not in built:
             config = engine_config(tiny_dir, num_pages=num_pages, max_num_batched_tokens=budget,
                                    max_num_seqs=8, speculative_tokens_when_busy=8,
-                                   device=device, kv_offload_bytes=OFFLOAD_BYTES)
+                                   device=device.removesuffix("-async"),
+                                   kv_offload_bytes=OFFLOAD_BYTES,
+                                   async_scheduling=True if device.endswith("-async") else None)
             built[key] = AgentEngine(config, clock=clock)
         return built[key], clock
 
@@ -320,7 +325,8 @@ def reference_engine(tiny_dir: Path, device: str) -> Iterator[Callable[[], Engin
             engines.pop().close()
         if not engines:
             engines.append(Engine(engine_config(tiny_dir, enable_prefix_caching=False,
-                                                device=device)))
+                                                device=device.removesuffix("-async"),
+                                                async_scheduling=False)))
         return engines[-1]
 
     yield get

@@ -100,13 +100,13 @@ def test_config_and_command() -> None:
 def test_modes(monkeypatch: pytest.MonkeyPatch) -> None:
     """``--modes`` picks the sessions run (stream always); without the non-streamed one the
     tokens come from the streamed resume and no total is reported."""
-    from edmm import cli
     from edmm.bench import live
+    from edmm.bench.commands.live import live_modes
 
-    assert cli._live_modes("raw") == ("stream", "raw")
-    assert cli._live_modes("whole,stream,raw") == live.MODES
+    assert live_modes("raw") == ("stream", "raw")
+    assert live_modes("whole,stream,raw") == live.MODES
     with pytest.raises(Exception, match="modes must be among"):
-        cli._live_modes("stream,sdk")
+        live_modes("stream,sdk")
     with pytest.raises(ValueError, match="modes"):
         LiveBenchConfig(modes=("raw",))
     streamed = live._Resume(5.0, 6.0, 600, 599, "hit", "s", 0, 1, 0)

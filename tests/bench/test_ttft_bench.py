@@ -39,9 +39,9 @@ def test_chunked_full_prefill_matches_one_pass(chunk: int) -> None:
     """A full prefill in passes of ``chunk`` tokens (uneven, even, more than the prompt) fills
     the same KV and picks the same token as one pass, on both engines."""
     pytest.importorskip("transformers")
-    from edmm.bench.ttft import EdmmSide, HFSide, TTFTBenchConfig
+    from edmm.bench.model_ops import EdmmSide, HFSide, ModelOpsConfig
 
-    cfg = TTFTBenchConfig(model="tiny", device="cpu", dtype="float32", contexts=(96,),
+    cfg = ModelOpsConfig(model="tiny", device="cpu", dtype="float32", contexts=(96,),
                           new_tokens=16)
     edmm = EdmmSide(cfg, 96)
     ids = torch.randint(0, edmm.cfg.vocab_size, (96,), generator=torch.Generator().manual_seed(0))
@@ -64,7 +64,7 @@ def test_chunked_full_prefill_matches_one_pass(chunk: int) -> None:
 def test_attention_flag_names_the_sides() -> None:
     """``--attention`` takes a comma list of backend names; on the CPU the one EDMM side is
     the reference SDPA whatever was asked (the GPU backends are for CUDA-graph runs)."""
-    from edmm.bench.ttft import TTFTBenchConfig, edmm_sides
+    from edmm.bench.model_ops import ModelOpsConfig, edmm_sides
     from edmm.cli import build_parser
 
     args = build_parser().parse_args(["bench", "ttft", "--attention", "fa4,triton"])
@@ -72,9 +72,9 @@ def test_attention_flag_names_the_sides() -> None:
     assert build_parser().parse_args(["bench", "ttft"]).attention == ("auto",)
     with pytest.raises(SystemExit):
         build_parser().parse_args(["bench", "ttft", "--attention", "fa4,flash"])
-    cpu = TTFTBenchConfig(device="cpu", attentions=("fa4", "triton"))
+    cpu = ModelOpsConfig(device="cpu", attentions=("fa4", "triton"))
     assert edmm_sides(cpu) == {"edmm": "sdpa"}
-    assert edmm_sides(TTFTBenchConfig(device="cpu", eager=True)) == {"edmm-eager": "sdpa"}
+    assert edmm_sides(ModelOpsConfig(device="cpu", eager=True)) == {"edmm-eager": "sdpa"}
 
 
 def test_engine_config_names_its_attention() -> None:
@@ -109,10 +109,10 @@ def test_bench_ttft_through_the_engine(tmp_path: Path) -> None:
 def test_plot_title_names_transformers_only_when_it_ran(
         monkeypatch: pytest.MonkeyPatch, tmp_path: Path, engines: tuple[str, ...],
         title: str) -> None:
-    from edmm.bench import ttft
+    from edmm.bench import model_ops
     titles: list[str] = []
-    monkeypatch.setattr(ttft, "plot_bars", lambda *args, **kw: titles.append(args[5]))
+    monkeypatch.setattr(model_ops, "plot_bars", lambda *args, **kw: titles.append(args[5]))
     summary = [{"engine": e, "op": "full prefill", "context_tokens": 48,
                 "trimmed_mean_ms": 1.0} for e in engines]
-    assert ttft._plot(summary, tmp_path, "cpu", "tiny") == ["plot: ttft-full.png"]
+    assert model_ops._plot(summary, tmp_path, "cpu", "tiny") == ["plot: ttft-full.png"]
     assert titles == [title]

@@ -34,9 +34,9 @@ def test_bench_ttft_times_each_kv_dtype_and_batched_decodes(tmp_path: Path) -> N
 def test_a_batched_decode_step_decodes_every_copy_alike(kv_cache_dtype: str) -> None:
     """The copies `fill_batch` makes hold the slot's KV on their own pages, and a decode step
     of the batch picks, for each, the token the slot alone picks."""
-    from edmm.bench.ttft import EdmmSide, TTFTBenchConfig
+    from edmm.bench.model_ops import EdmmSide, ModelOpsConfig
 
-    cfg = TTFTBenchConfig(model="tiny", device="cpu", dtype="float32", contexts=(48,),
+    cfg = ModelOpsConfig(model="tiny", device="cpu", dtype="float32", contexts=(48,),
                           new_tokens=16, decode_batches=(1, 3))
     side = EdmmSide(cfg, 48, kv_cache_dtype=kv_cache_dtype)
     try:

@@ -7,18 +7,19 @@ import pytest
 from engine_helpers import NEW_TOKENS, HFCase, MakeEngine, greedy, run_to_completion
 
 from edmm.engine import Engine, ScheduledBatch
+from edmm.engine.runner import Launch
 
 
 def record_batches(engine: Engine) -> list[ScheduledBatch]:
-    """Spy on the batches the runner executes."""
+    """Spy on the batches the runner launches."""
     batches: list[ScheduledBatch] = []
-    execute = engine.runner.execute
+    launch = engine.runner.launch
 
-    def spy(batch: ScheduledBatch) -> list[int | None]:
+    def spy(batch: ScheduledBatch, previous: Launch | None = None) -> Launch:
         batches.append(batch)
-        return execute(batch)
+        return launch(batch, previous)
 
-    engine.runner.execute = spy  # type: ignore[method-assign]
+    engine.runner.launch = spy  # type: ignore[method-assign]
     return batches
 
 

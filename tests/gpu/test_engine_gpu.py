@@ -78,16 +78,24 @@ def _staggered(engine: Engine, prompts: list[list[int]]) -> dict[str, list[int]]
     return done
 
 
-def test_mixed_graphs_match_eager_with_staggered_requests(tmp_path: Path) -> None:
+@pytest.mark.parametrize("small", [False, True], ids=["default-sizes", "graphs-of-few-tokens"])
+def test_mixed_graphs_match_eager_with_staggered_requests(tmp_path: Path, small: bool) -> None:
+    """With ``small``, mixed graphs of 3-16 tokens take fewer sequences than the engine
+    runs (``T - 1``): a step of decodes beside a short prefill replays one of them."""
     folder = _folder(tmp_path)
     g = torch.Generator().manual_seed(2)
     prompts = [torch.randint(0, 2048, (n,), generator=g).tolist() for n in (150, 60, 600)]
     kw = {"model": str(folder), "device": "cuda", "dtype": "float32", "num_pages": 64,
           "num_slots": 8, "max_num_seqs": 4, "max_num_batched_tokens": 256}
+    if small:
+        kw["cuda_graph_token_sizes"] = (3, 4, 6, 8, 16, 32, 64, 128, 256)
     fast = Engine(EngineConfig(**kw))
     runner = fast.runner
     assert isinstance(runner, CudaGraphRunner)
-    assert runner.token_sizes == (32, 64, 96, 128, 160, 192, 224, 256)  # > 2 x max_num_seqs
+    sizes = (3, 4, 6, 8, 16, 32, 64, 128, 256) if small else (
+        32, 64, 96, 128, 160, 192, 224, 256)  # the config's, up to the token budget
+    assert runner.token_sizes == sizes
+    assert [runner.mixed_seqs(t) for t in sizes[:4]] == ([2, 3, 5, 7] if small else [8] * 4)
     got = _staggered(fast, prompts)
     fast.check_integrity()
     assert runner.replays["mixed"] >= 5 and runner.replays["eager"] == 0

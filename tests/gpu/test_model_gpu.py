@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from edmm.bench.scripts.matmul_sweep import projections
+from benchmarks.kernels.matmul_sweep import projections
 from edmm.kernels._common import SkinnyConfig
 from edmm.kernels.fa4 import fa4_usable
 from edmm.kernels.matmul_routes import MatmulRoutes, route_row

@@ -57,7 +57,7 @@ def test_falls_back_to_the_triton_kernel_where_it_cannot_run(make_cache: Any,
 def test_sweep_letter_and_route_flag(tmp_path: Path) -> None:
     """``c`` sets `DecodeConfig.cuda`; the sweep leaves such configs out of the modes the
     kernel lacks; a routing table keeps the flag."""
-    from edmm.bench.scripts import decode_sweep as sweep
+    from benchmarks.kernels import decode_sweep as sweep
     from edmm.kernels.decode_routes import DecodeRoutes
 
     config, clustered = sweep.parse_configs("64x4x3rc,64x4x2ck")

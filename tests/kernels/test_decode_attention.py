@@ -346,7 +346,7 @@ def test_sliced_reduce_equals_the_one_slice_merge_in_float32(make_cache: MakeCac
 def test_sweep_letter_and_route_flag_of_the_sliced_reduce(tmp_path: Path) -> None:
     """``r`` after a sweep config's numbers sets `DecodeConfig.sliced_reduce`; a routing
     table keeps the flag."""
-    from edmm.bench.scripts import decode_sweep as sweep
+    from benchmarks.kernels import decode_sweep as sweep
     from edmm.kernels.decode_routes import DecodeRoutes
 
     configs = sweep.parse_configs("64x2x3r,16x4x3btr")
@@ -382,7 +382,7 @@ def test_decode_parts_calls_run_the_routed_kernel() -> None:
     """`decode_parts`' per-layer calls (the GPU bench of where a layer's time goes) at a
     small context: ``full`` is the kernel's result, ``split only`` writes the partials its
     merge would read, the launch floor writes one value per program."""
-    from edmm.bench.scripts.decode_parts import part_fns
+    from benchmarks.kernels.decode_parts import part_fns
 
     torch.manual_seed(0)
     kv = torch.randn(1, 40, 28, 2, 4, 128).to(torch.bfloat16)  # Qwen2.5-7B heads, 28 layers
@@ -401,7 +401,7 @@ def test_read_floor_kernel_reads_exactly_the_layer_bytes() -> None:
     of slots 0 .. B - 1, tokens < context, of one layer: whole token rows, or per KV head as
     the decode kernel reads them; over the arena's view or a contiguous copy of the same
     shape. Every program's sum against torch's."""
-    from edmm.bench.scripts.decode_parts import Floor, stream_fns
+    from benchmarks.kernels.decode_parts import Floor, stream_fns
 
     torch.manual_seed(0)
     kv = torch.randn(3, 50, 4, 2, 4, 16)  # [S, M, L, 2, Hkv, D]

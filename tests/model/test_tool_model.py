@@ -1,5 +1,5 @@
 """The shipped tool model: loads through the ordinary code, equals transformers greedily, and
-follows the tool-call format; its training corpus renders as the server renders requests."""
+follows the tool-call format."""
 
 from __future__ import annotations
 
@@ -12,8 +12,6 @@ import torch
 from edmm import LLM, SamplingParams
 from edmm.model import load_tokenizer
 from edmm.model.tiny import default_model
-from edmm.model.tool_corpus import conversation
-from edmm.model.train_tool_model import IGNORE, completion_text, render_example
 from edmm.server.tool_parser import parse_reply
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -90,16 +88,3 @@ def test_json_when_asked(llm: Any) -> None:
     out = llm.chat([{"role": "user", "content": "Lisbon is a city in Portugal. Return the city "
                      "and country as JSON."}], GREEDY)[0].outputs[0].text
     assert json.loads(out) == {"city": "Lisbon", "country": "Portugal"}
-
-
-def test_corpus_is_deterministic_and_labels_only_replies() -> None:
-    assert conversation(7) == conversation(7)
-    assert conversation(7) != conversation(8)
-    tok = load_tokenizer(default_model())
-    for i in range(20):
-        tools, messages = conversation(i)
-        ids, labels = render_example(tok, tools, messages)
-        target = tok.decode([t for t, y in zip(ids, labels, strict=True) if y != IGNORE])
-        replies = "".join(completion_text(m) for m in messages if m["role"] == "assistant")
-        assert target == replies
-        assert tok.decode(ids).endswith(replies[-len(completion_text(messages[-1])):])

@@ -68,7 +68,7 @@ from edmm.bench.agents.matrix import AgentsBenchConfig, Matrix, page_size, token
 from edmm.bench.agents.policies import POLICIES, Policy
 from edmm.bench.agents.trace import Job
 from edmm.bench.live import LiveBenchConfig, launched_server, load_tokenizer, resolve_tokenizer
-from edmm.bench.report import Environment, Progress, ResultWriter, collect_environment
+from edmm.bench.results import Environment, Progress, ResultWriter, collect_environment
 from edmm.bench.stats import mean, percentile
 from edmm.engine import EngineConfig
 from edmm.model.tiny import default_model

@@ -5,8 +5,8 @@ sessions, one thread each; every thread of every process takes the next job from
 queue, so the loop keeps ``load`` jobs running, whichever process runs them. Processes rather
 than threads of one process: an agent framework's own work per request and per streamed chunk
 (the SDK's is ~15 ms a request at 16K in ``edmm bench live``) holds one interpreter's GIL, and
-32 sessions in one process made the load generator, not the server, set the pace (H200,
-session 12: the server's Python threads were busy ~17% of the run while resumes waited ~0.9 s).
+32 sessions in one process made the load generator, not the server, set the pace (on an H200
+the server's Python threads were busy ~17% of such a run while resumes waited ~0.9 s).
 Real agents are separate processes or machines. Each process reports its CPU time over its
 wall time, so a run shows whether its busiest client was saturated (`ClientStats.cpu_max`).
 

@@ -30,7 +30,7 @@ from edmm.bench.agents.engine_io import KVBallast, ballast_slots, pages_in_use, 
 from edmm.bench.agents.policies import BASELINES, POLICIES, Policy
 from edmm.bench.agents.replay import ReplayClock, ReplayConfig, Replayer, ReplayError, RunResult
 from edmm.bench.agents.trace import GeneratorConfig, Job, ToolTimes, generate, read_jsonl, scale
-from edmm.bench.report import Progress
+from edmm.bench.results import Progress
 from edmm.engine import Engine, EngineConfig
 from edmm.engine.step_cost import STEP_TIME_MODELS
 from edmm.memory import KVSpec

@@ -9,7 +9,7 @@ refuses a condition measured twice. It writes the same files as one run (``agent
 ``agents.md``, ``agents.csv``, ``agents-timeline.csv``) plus the knee plot, the resume-TTFT CDF
 at the highest load every policy ran, engine-wait against oversubscription, KV pages in use
 over time (at the highest oversubscription and load merged), and ``agents-readme-table.md``
-(the README's policy table of these rows); ``agents.md`` lists the knees, the issue's
+(the README's policy table of these rows); ``agents.md`` lists the knees, the
 targets with PASS / MISS and the margin (`edmm.bench.agents.targets`), and where every row
 came from.
 """
@@ -33,7 +33,7 @@ from edmm.bench.agents.plots import (
     plot_wait_vs_oversub,
 )
 from edmm.bench.agents.targets import MARGIN_NOTE, SUSTAIN_TTFT_MS, check_targets, knees
-from edmm.bench.report import Environment, ResultWriter
+from edmm.bench.results import Environment, ResultWriter
 
 NAME = "agents"
 # meta keys that must agree (the runs' own oversubscriptions and loads may differ).

@@ -24,7 +24,7 @@ from edmm.bench.agents.plots import load_label, plot_pages, plot_ttft_cdf, plot_
 from edmm.bench.agents.policies import BASELINES
 from edmm.bench.agents.targets import MARGIN_NOTE, SUSTAIN_TTFT_MS, check_targets
 from edmm.bench.agents.trace import Job, trace_digest, write_jsonl
-from edmm.bench.report import Environment, ResultWriter, collect_environment
+from edmm.bench.results import Environment, ResultWriter, collect_environment
 from edmm.bench.stats import mean, percentile
 
 NAME = "agents"

@@ -1,4 +1,5 @@
-"""Issue 19's targets, checked on the summary rows of `edmm bench agents` (one run or merged).
+"""The agent-workload targets, checked on the summary rows of `edmm bench agents` (one run or
+merged).
 
 - **Knees.** Per policy (long tools, main oversubscription), walking the loads upwards: the
   first load whose p90 resume TTFT exceeds 1 s is the knee; the sustainable load is the load
@@ -12,7 +13,8 @@
   1.5x and ``edmm``'s p90 resume TTFT at the main oversubscription <= 1.3x its own at the
   check one (1x); at 1x and in the short-tool mix, ``edmm`` no worse than the best baseline by
   more than 3% on any of `COMPARED`; offload restore >= 40 GiB/s beside decode steps and a
-  decode step beside a restore <= 1.1x alone (the ``restore_overlap`` micro-bench).
+  decode step beside a restore <= 1.1x alone (the micro-bench
+  ``python -m benchmarks.scripts.restore_overlap`` writes ``restore-overlap.json``).
 """
 
 from __future__ import annotations

@@ -1,0 +1,225 @@
+"""``edmm bench agents``: its options, and the run: the trace replayed in process
+(`edmm.bench.agents.report`) or over HTTP (`edmm.bench.agents.http`)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from edmm.argparsing import float_at_least, int_at_least, int_list
+from edmm.bench.commands.common import OUT_HELP, default_out_dir, device_tag, print_report
+
+if TYPE_CHECKING:
+    from edmm.bench.agents.matrix import AgentsBenchConfig
+    from edmm.bench.agents.trace import Job
+
+NAME = "agents"
+HELP = ("many agent sessions replayed from a trace under KV policies (lru, ttl, offload, "
+        "rewarm, edmm), in process")
+DESCRIPTION = (
+    "Replay a trace of agent jobs (generated, or --trace) against the engine under each KV "
+    "policy on the same trace and seed; report job completion time, resume TTFT, recomputed "
+    "tokens, hit rates, offload traffic and KV pages over time.")
+MATRIX_POLICIES = "lru,ttl,offload,rewarm,edmm"
+HTTP_POLICIES = "lru,offload,edmm"
+
+
+def _step_model(text: str) -> str:
+    from edmm.engine.step_cost import STEP_TIME_MODELS
+
+    if text not in STEP_TIME_MODELS:
+        raise argparse.ArgumentTypeError(
+            f"unknown step-time model {text!r} (known: {', '.join(sorted(STEP_TIME_MODELS))})")
+    return text
+
+
+def _floats(text: str) -> tuple[float, ...]:
+    try:
+        return tuple(float(x) for x in text.split(",") if x)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"expected comma-separated numbers, got {text!r}") from e
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of ``edmm bench agents``: the trace, the matrix, the engine, HTTP."""
+    _add_trace_arguments(parser)
+    _add_matrix_arguments(parser)
+    _add_engine_arguments(parser)
+    _add_http_arguments(parser)
+    parser.add_argument("--write-trace", type=Path, default=None,
+                        help="write the (scaled) trace here and exit")
+    parser.add_argument("--out", type=Path, default=None, help=OUT_HELP)
+
+
+def _add_trace_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--model", default=None,
+        help="preset or local HF folder (default: the embedded tiny model)")
+    add("--device", default="cpu", help="cpu, or cuda (cuda:N)")
+    add("--dtype", default=None,
+        help="weights and KV dtype (default: float32 on the CPU, bfloat16 on CUDA)")
+    add("--trace", type=Path, default=None,
+        help="your own JSONL trace (docs/benchmarks.md: 'Replaying your own trace')")
+    add("--jobs", type=int_at_least(1), default=64,
+        help="jobs of a generated trace (a closed loop's --loads need as many)")
+    add("--seed", type=int, default=0, help="seed of the generated trace")
+    add("--turns", type=int_list, default=(10, 40), help="low,high turns per generated job")
+    add("--token-scale", type=float_at_least(0.0), default=1.0,
+        help="multiply every token count (e.g. 0.02 for the tiny CPU model)")
+    add("--time-scale", type=float_at_least(0.0), default=1.0,
+        help="multiply every tool time (a run that fits in minutes)")
+
+
+def _add_matrix_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--policies", default=None,
+        help=f"comma-separated (default: {MATRIX_POLICIES}; with --http {HTTP_POLICIES}); also "
+             "edmm-no-<retention|offload|prefetch|template|streamed|predicted|gate|admission>")
+    add("--loads", type=_floats, default=(8, 32, 64),
+        help="concurrent sessions (closed loop) or jobs/s (open loop)")
+    add("--mode", choices=("closed", "open"), default="closed",
+        help="closed: --loads sessions at once; open: Poisson job arrivals")
+    add("--oversub", type=float_at_least(1.0), default=2.0,
+        help="working set / KV pool of the main matrix")
+    add("--check-oversub", type=float_at_least(0.0), default=1.0,
+        help="oversubscription of the edmm vs best-baseline check (0: none)")
+    add("--no-short-mix", action="store_true", help="skip the short-tool (< 1 s) check")
+    add("--mix", choices=("long", "short"), default="long",
+        help="tool mix of the main matrix (short: every tool under a second)")
+    add("--no-checks", action="store_true",
+        help="run the main matrix only (no 1x / short-mix checks): a subset for `edmm bench "
+             "agents-merge`")
+    add("--lean", action="store_true",
+        help="write agents.json, agents.md and the timeline only (the merge writes the rest)")
+    add("--step-log", action="store_true",
+        help="also write agents-steps.csv: one row per engine step (its tokens, speculative "
+             "tokens, engine and agent-layer seconds)")
+    add("--working-set-sessions", type=int_at_least(1), default=None,
+        help="sessions the pool is sized for (default: the load; open loop: 16)")
+    add("--clock", choices=("virtual", "wall", "model"), default="virtual",
+        help="virtual: skip idle time (steps still timed for real); model: steps take "
+             "--step-model's modelled seconds (explore policies at a GPU's speeds without it; "
+             "deterministic)")
+    add("--step-model", type=_step_model, default="h200-qwen2.5-7b",
+        help="the step-time model of --clock model (fitted to measured runs)")
+
+
+def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--threads", type=int_at_least(1), default=None,
+        help="torch CPU threads (default: torch's)")
+    add("--max-num-batched-tokens", type=int_at_least(1), default=2048,
+        help="the engine's token budget per step")
+    add("--max-num-seqs", type=int_at_least(1), default=64,
+        help="most sequences running at once")
+    add("--graph-sizes", type=int_list, default=None,
+        help="token counts of the captured mixed-batch CUDA graphs (default: the engine's)")
+    add("--busy-spec-tokens", type=int_at_least(0), default=None,
+        help="speculative tokens riding along busy steps (default: the engine's)")
+    add("--no-spec-in-padding", action="store_true",
+        help="CUDA: speculation never fills the padding of busy prefill steps")
+    add("--host-page-size", type=int_at_least(4096), default=1 << 16,
+        help="page size of the host twin in bytes (CPU runs)")
+
+
+def _add_http_arguments(parser: argparse.ArgumentParser) -> None:
+    add = parser.add_argument
+    add("--http", action="store_true",
+        help="replay over HTTP instead: edmm serve + the openai SDK, at the first load and "
+             "--oversub, the same trace, KV pool and policies as in process (all but rewarm), "
+             "wall clock; writes agents-http.*; needs the server extras")
+    add("--http-overlap-tail", type=int_at_least(0), default=0,
+        help="with --http: start the next policy's server once this many of the run's jobs "
+             "are left (0: after the run)")
+    add("--http-stages", action="store_true",
+        help="with --http: each server logs its requests' stages (EDMM_STAGE_LOG); writes "
+             "agents-http-stages.*")
+    add("--http-clients", type=int_at_least(0), default=0,
+        help="with --http: client processes the sessions run in, one thread a session (0: one "
+             "per 4 sessions)")
+    add("--server-arg", action="append", default=[],
+        help="extra edmm serve option with --http, repeatable")
+
+
+def _config(args: argparse.Namespace) -> AgentsBenchConfig:
+    import dataclasses
+
+    from edmm.bench.agents.matrix import AgentsBenchConfig
+    from edmm.bench.agents.trace import GeneratorConfig
+
+    if len(args.turns) != 2 or args.turns[0] > args.turns[1]:
+        args.parser.error(f"--turns takes low,high with low <= high, got {args.turns}")
+    policies = args.policies or (HTTP_POLICIES if args.http else MATRIX_POLICIES)
+    return AgentsBenchConfig(
+        model=args.model, device=args.device, dtype=args.dtype, trace=args.trace,
+        jobs=args.jobs, seed=args.seed,
+        generator=dataclasses.replace(GeneratorConfig(), turns=tuple(args.turns)),
+        token_scale=args.token_scale, time_scale=args.time_scale,
+        policies=tuple(p for p in policies.split(",") if p), loads=args.loads,
+        mode=args.mode, oversubscription=args.oversub,
+        check_oversubscription=args.check_oversub or None, short_mix=not args.no_short_mix,
+        working_set_sessions=args.working_set_sessions, clock=args.clock,
+        step_model=args.step_model, host_page_size=args.host_page_size,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_num_seqs=args.max_num_seqs, cuda_graph_token_sizes=args.graph_sizes,
+        speculative_tokens_when_busy=args.busy_spec_tokens,
+        speculation_fills_padding=not args.no_spec_in_padding, mix=args.mix,
+        checks=not args.no_checks, lean=args.lean, step_log=args.step_log)
+
+
+def _trace(args: argparse.Namespace, cfg: AgentsBenchConfig) -> list[Job]:
+    """The run's long-tool jobs; a bad ``--trace`` file, or a closed loop of more sessions than
+    the trace has jobs (it would never hold that many), is a one-line usage error."""
+    from edmm.bench.agents.matrix import load_trace
+    from edmm.bench.agents.trace import TraceError
+
+    try:
+        jobs = load_trace(cfg)["long"]
+    except (TraceError, OSError) as e:
+        args.parser.error(f"--trace: {e}")
+    if cfg.mode == "closed" and max(cfg.loads) > len(jobs):
+        args.parser.error(
+            f"--loads: a closed loop of {max(cfg.loads):g} sessions needs at least as many jobs; "
+            f"the trace has {len(jobs)} (raise --jobs, or give a longer --trace)")
+    return jobs
+
+
+def _run_http(args: argparse.Namespace, cfg: AgentsBenchConfig, out: Path) -> int:
+    from edmm.bench.agents.http import HttpBenchError, HttpReplayConfig, run_http_bench
+
+    try:
+        hcfg = HttpReplayConfig(bench=cfg, load=int(args.loads[0]), policies=cfg.policies,
+                                server_args=tuple(args.server_arg),
+                                overlap_tail=args.http_overlap_tail,
+                                clients=args.http_clients, stages=args.http_stages)
+    except HttpBenchError as e:
+        args.parser.error(str(e))
+    print_report(run_http_bench(hcfg, out))
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    """Build the trace (or write it and stop), replay it in process or over HTTP, print the
+    report; a SIGTERM (a time limit) still leaves the files of the runs done."""
+    import signal
+
+    import torch
+
+    from edmm.bench.agents.report import run_agents_bench
+    from edmm.bench.agents.trace import write_jsonl
+
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    cfg = _config(args)
+    jobs = _trace(args, cfg)
+    if args.write_trace is not None:
+        print(f"wrote {write_jsonl(jobs, args.write_trace)}")
+        return 0
+    out = args.out or default_out_dir(device_tag(args.device.startswith("cuda")))
+    if args.http:
+        return _run_http(args, cfg, out)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a time limit: files still written
+    print_report(run_agents_bench(cfg, out, log=lambda s: print(s, file=sys.stderr, flush=True)))
+    return 0

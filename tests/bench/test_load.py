@@ -1,0 +1,130 @@
+"""`edmm bench load` and its peers, against a stand-in server whose timings are known (the real
+peers, vLLM on a GPU, run on the device machine)."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from edmm.bench.load import (
+    LoadConfig,
+    Prompts,
+    RequestRecord,
+    ratio_rows,
+    run_load_bench,
+    summarize_level,
+)
+from edmm.bench.peers import (
+    PeerError,
+    ServerSpec,
+    VLLMOptions,
+    edmm_spec,
+    parse_peer,
+    served,
+    vllm_spec,
+)
+
+STANDIN = Path(__file__).with_name("standin_server.py")
+
+
+def standin(first_ms: float = 40.0, token_ms: float = 8.0, name: str = "stand-in") -> ServerSpec:
+    return ServerSpec(name, launch=(sys.executable, str(STANDIN), "--port", "{port}",
+                                    "--first-ms", str(first_ms), "--token-ms", str(token_ms)),
+                      ready_timeout_s=60.0)
+
+
+def test_prompts_fresh_and_shared() -> None:
+    cfg = LoadConfig(prompt_tokens=(40,), token_range=(10, 1000))
+    fresh = Prompts(cfg, 40, "fresh").take(3)
+    assert all(len(p) == 40 and all(10 <= t < 1000 for t in p) for p in fresh)
+    assert len({tuple(p[:8]) for p in fresh}) == 3
+    shared = Prompts(cfg, 40, "shared")
+    a, b = shared.take(2)
+    assert a[:30] == b[:30] and a[30:] != b[30:]  # 75% common, the rest each its own
+    assert Prompts(cfg, 40, "shared").take(1) == [a]  # seeded
+
+
+def test_config_is_checked() -> None:
+    with pytest.raises(ValueError, match="prefix modes"):
+        LoadConfig(prefixes=("odd",))
+    with pytest.raises(ValueError, match="token_range"):
+        LoadConfig(token_range=(5, 5))
+    assert LoadConfig(min_requests=8, rounds=2).requests(32) == 64
+    assert LoadConfig(min_requests=8, rounds=2).requests(1) == 8
+
+
+def test_level_summary_and_ratios() -> None:
+    recs = [RequestRecord(ttft_s=0.1, e2e_s=0.5, itl_s=[0.01] * 3, output_tokens=4,
+                          prompt_tokens=10, cached_tokens=5),
+            RequestRecord(ttft_s=0.3, e2e_s=0.9, itl_s=[0.02] * 3, output_tokens=4,
+                          prompt_tokens=10, cached_tokens=5),
+            RequestRecord(error="HTTP 500: boom")]
+    row = summarize_level("A", 10, "fresh", 2, recs, wall_s=2.0)
+    assert (row["requests"], row["errors"], row["output_tok_s"]) == (3, 1, 4.0)
+    assert row["ttft_p50_ms"] == pytest.approx(200.0)
+    assert row["itl_p50_ms"] == pytest.approx(15.0)
+    assert row["tpot_p50_ms"] == pytest.approx((400 / 3 + 600 / 3) / 2)
+    assert row["cached_frac"] == pytest.approx(0.5)
+    other = dict(row, server="B", output_tok_s=8.0, ttft_p50_ms=100.0)
+    ratios = ratio_rows([row, other], base="A")
+    assert len(ratios) == 1 and ratios[0]["output_tok_s_ratio"] == pytest.approx(2.0)
+    assert ratios[0]["ttft_p50_ms_ratio"] == pytest.approx(0.5)
+
+
+def test_vllm_peers_command_lines() -> None:
+    opts = VLLMOptions("/m", python_path="/site", kv_cache_bytes=10 << 30, offload_gib=8,
+                       max_model_len=4096)
+    apc = vllm_spec("vllm", opts, "served")
+    cmd = " ".join(apc.launch)
+    for flag in ("serve /m", "--load-format dummy", "--enable-prefix-caching",
+                 "--enable-auto-tool-choice", "--tool-call-parser hermes",
+                 f"--kv-cache-memory-bytes {10 << 30}", "--max-model-len 4096",
+                 "--served-model-name served", "--port {port}"):
+        assert flag in cmd
+    assert "--kv-offloading-size" not in cmd and "fp8" not in cmd
+    assert apc.env["PYTHONPATH"].split(":")[0] == "/site"
+    assert apc.env["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
+    assert "--kv-offloading-size 8" in " ".join(vllm_spec("vllm-offload", opts, "s").launch)
+    assert "--kv-cache-dtype fp8" in " ".join(vllm_spec("vllm-fp8", opts, "s").launch)
+    assert parse_peer("http://h:1/", None, "s").url == "http://h:1"
+    with pytest.raises(PeerError, match="needs --peer-model-dir"):
+        parse_peer("vllm", None, "s")
+    with pytest.raises(PeerError, match="unknown peer"):
+        parse_peer("sglang", opts, "s")
+    assert "--model" in edmm_spec(["--model", "x"]).launch
+
+
+def test_a_server_that_fails_to_start_says_why(tmp_path: Path) -> None:
+    spec = ServerSpec("broken", launch=(sys.executable, "-c", "import sys; print('no GPU here');"
+                                        " sys.exit(3)"), ready_timeout_s=30)
+    with pytest.raises(PeerError, match="exited with 3:\nno GPU here"), served(spec, tmp_path):
+        pass
+    assert (tmp_path / "broken.log").read_text().strip() == "no GPU here"
+
+
+def test_load_curve_against_a_stand_in(tmp_path: Path) -> None:
+    """Two stand-ins with known timings measured in turn: the table and plot have both, the
+    tokens add up, TTFT and ITL sit at the stand-ins' delays, the launched processes are
+    gone afterwards."""
+    cfg = LoadConfig(prompt_tokens=(32,), output_tokens=6, concurrency=(1, 3),
+                     prefixes=("fresh", "shared"), min_requests=3, rounds=1.0,
+                     token_range=(10, 1000), device="cpu")
+    paths = run_load_bench(cfg, [standin(40, 8, "slow"), standin(20, 4, "fast")], tmp_path)
+    doc = json.loads(Path(paths["json"]).read_text())
+    rows = {(r["server"], r["prefix"], r["concurrency"]): r for r in doc["summary"]}
+    assert len(rows) == 8
+    for (server, _, c), r in rows.items():
+        assert r["errors"] == 0 and r["requests"] == 3
+        first, token = (40, 8) if server == "slow" else (20, 4)
+        assert first <= r["ttft_p50_ms"] < first + 200
+        assert token * 0.8 <= r["itl_p50_ms"] < token + 50
+        assert r["cached_frac"] == pytest.approx(0.5, abs=0.02)
+        assert r["output_tok_s"] * r["wall_s"] == pytest.approx(18)
+    assert rows[("fast", "fresh", 1)]["ttft_p50_ms"] < rows[("slow", "fresh", 1)]["ttft_p50_ms"]
+    assert "Ratios (each server over slow)" in Path(paths["md"]).read_text()
+    if "png" in paths:
+        assert Path(paths["png"]).stat().st_size > 10_000
+    assert (tmp_path / "logs" / "slow.log").exists()
