@@ -140,7 +140,8 @@ def _step_parts(side: EdmmSide, ids: torch.Tensor, keep: int, end: int,
                 parts[k].append((b - a) * 1e3)
             parts["total"].append((t[-1] - t[0]) * 1e3)
             n = end - keep  # the inputs of the step above are still loaded
-            graph = (runner._decode[1] if n == 1 else runner._mixed[n]).graph
+            graph = runner.graph_for(n)
+            assert graph is not None
             torch.cuda.synchronize()
             t0 = time.perf_counter()
             graph.replay()

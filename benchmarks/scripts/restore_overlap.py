@@ -37,6 +37,7 @@ import torch
 
 from edmm.bench.results import collect_environment
 from edmm.engine import Engine, EngineConfig, SamplingParams
+from edmm.memory import KVArena, KVSpec, PagePool, open_backend
 from edmm.memory.copies import StreamCopier, SyncCopier
 from edmm.memory.offload import HostKVStore
 from edmm.model import resolve_preset
@@ -66,8 +67,7 @@ def _decoding(engine: Engine, args: argparse.Namespace) -> None:
     for i in range(args.batch):
         ids = torch.randint(0, vocab, (args.context,), generator=g).tolist()
         engine.add_request(f"r{i}", ids, params)
-    while any(s.num_computed_tokens < args.context for s in engine.scheduler.running) or \
-            engine.scheduler.waiting:
+    while engine.num_prefilling():
         engine.step()
     for _ in range(5):  # warm the decode graph
         engine.step()
@@ -85,7 +85,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     token_bytes = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * 2  # bf16
     restore_tokens = int(args.restore_gib * 2**30) // token_bytes
     engine = _engine(args, restore_tokens)
-    arena = engine.kv.arena
+    # The paused session's slot: an arena of its own on the engine's GPU, beside the engine's.
+    backend = open_backend("cuda")
+    pool = PagePool(backend, -(-restore_tokens * token_bytes // backend.page_size))
+    spec = KVSpec(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, torch.bfloat16)
+    arena = KVArena(pool, spec, num_slots=1, max_tokens=restore_tokens)
     side = StreamCopier(arena.kv.device)
     store = HostKVStore(arena, capacity_bytes=2 * restore_tokens * token_bytes, copier=side)
     session = arena.allocate()
@@ -131,7 +135,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "restored_equal": restored_equal,
     }
     store.release(saved)
-    arena.free(session)
+    del view
+    arena.close()
+    pool.close()
+    backend.close()
     engine.close()
     return result
 

@@ -11,8 +11,8 @@ over the runs after one warm-up:
 
 - ``begin``: `ServerSessions.begin` of the resume (the stage log's ``engine_picked->begun``:
   the session named, the tool results matched, the turn queued);
-- ``cache match``: `PrefixCache.acquire` in the resume's admission (the claimed branch
-  matched, adopted, the session's old entry retired);
+- ``cache match``: the KV match in the resume's admission, as the scheduler times it
+  (`PrefixHit.seconds`: the claimed branch matched, adopted, the session's old entry retired);
 - ``first step``: the step that admits the resume and gives its first token (the model's
   forward included).
 
@@ -31,9 +31,9 @@ from typing import Any
 from edmm.bench.results import ResultWriter, collect_environment
 from edmm.bench.stats import summarize
 from edmm.engine import SamplingParams
-from edmm.server.sessions import Turn, TurnEnd
 from edmm.server.state import ServerConfig, ServerState
 from edmm.server.tool_parser import ParsedToolCall
+from edmm.server.turns import Turn
 
 RESULT_TOKENS = 512
 
@@ -60,25 +60,25 @@ def _resume(state: ServerState, rng: random.Random, context: int, tag: str,
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     vocab = engine.validator.vocab_size
     first = [rng.randrange(vocab) for _ in range(context - RESULT_TOKENS)]
-    sessions.begin(Turn(engine.make_request(f"{tag}-0", first, params), tag))
+    ended = Turn(engine.make_request(f"{tag}-0", first, params), asked_session=tag)
+    ended.session_id = sessions.begin(ended)
     _run_out(state)
     ctx = sessions.agent.session_context(tag)
     mid = len(ctx) // 2
     predicted = [*ctx[:mid], *(rng.randrange(vocab) for _ in range(RESULT_TOKENS)), *ctx[mid:]]
     call = ParsedToolCall("lookup", "{}", id=f"call-{tag}")
-    sessions.end(TurnEnd(tag, f"{tag}-0", [call], predicted_prompt=predicted))
+    ended.calls, ended.predicted_prompt = [call], predicted
+    sessions.end(ended)
     _run_out(state)
-    turn = Turn(engine.make_request(f"{tag}-1", predicted, params), tag,
-                ((call.id, "stored"),))
-    index = engine.kv.index
-    acquire = index.acquire
+    turn = Turn(engine.make_request(f"{tag}-1", predicted, params), asked_session=tag,
+                tool_results=((call.id, "stored"),))
     spans: dict[str, list[float]] = {"begin": [], "cache match": [], "first step": []}
-    index.acquire = _timed(acquire, spans["cache match"])  # type: ignore[method-assign]
-    try:
-        _timed(sessions.begin, spans["begin"])(turn)
-        _timed(sessions.step, spans["first step"])()
-    finally:
-        del index.acquire  # the class's method again
+    _timed(sessions.begin, spans["begin"])(turn)
+    outputs = _timed(sessions.step, spans["first step"])()
+    hit = next((o.prefix_hit for o in outputs if o.request_id == f"{tag}-1"), None)
+    if hit is None:
+        raise RuntimeError(f"session {tag}: the resume matched no cached KV")
+    spans["cache match"].append(hit.seconds * 1e3)
     _run_out(state)
     if sessions.agent.session_metrics(tag).spec_hits != 1:
         raise RuntimeError(f"session {tag}: the resume was no speculation hit")

@@ -51,6 +51,7 @@ from edmm.agent.types import (
     AgentStats,
     SessionMetrics,
     SessionState,
+    SessionTag,
     TokenLayout,
     ToolCall,
     ToolContent,
@@ -287,7 +288,7 @@ class AgentEngine:
         session.require(S.AWAITING_TOOL, "predict_prompt")
         window = session.window
         assert window is not None
-        spec_id = _spec_id(_branch_tag(session_id, PromptSource.name))
+        spec_id = _spec_id(SessionTag.branch(session_id, PromptSource.name))
         window.predicted_prompt = self.engine.make_request(spec_id, prompt).prompt_token_ids
         self._run_sources(session, lambda src: src.on_prompt(window))
 
@@ -340,7 +341,7 @@ class AgentEngine:
         assert window is not None
         self._stop_speculation(session, window)
         self._learn(window, results, started)
-        claim = tuple(_branch_tag(session_id, key) for key in sorted(window.branches))
+        claim = tuple(SessionTag.branch(session_id, key) for key in sorted(window.branches))
         self._submit_turn(session, request, claim, resume=True)
         session.resume_started = started
         session.transition(S.RESUMING)
@@ -435,15 +436,15 @@ class AgentEngine:
         disagree (speculation or KV tagged for no session, abandoned sessions holding KV)."""
         self.engine.check_integrity()
         live_specs = set(self.engine.speculation_ids())
-        owned_tags: set[str] = set()
+        owned_tags: set[SessionTag] = set()
         for session in self._sessions.values():
             live_specs -= self._check_session(session, live_specs)
             owned_tags |= self._tags(session)
         if live_specs:
             raise AgentError(f"speculation without a session: {sorted(live_specs)}")
-        stray = {t for t in self.engine.kv.tags() if t.startswith(_TAG_PREFIXES)} - owned_tags
+        stray = {t for t in self.engine.kv.tags() if isinstance(t, SessionTag)} - owned_tags
         if stray:
-            raise AgentError(f"KV tagged for no session: {sorted(stray)}")
+            raise AgentError(f"KV tagged for no session: {sorted(stray, key=repr)}")
 
     def close(self) -> None:
         """Close every session and the engine (if this object built it)."""
@@ -466,8 +467,8 @@ class AgentEngine:
                 self._by_request.get(session.request_id) != session.id):
             raise AgentError(f"session {session.id!r}: request map out of sync")
         if session.state == S.ABANDONED and any(
-                self.engine.kv.tagged(t) for t in (_session_tag(session.id),
-                                                   _lost_tag(session.id))):
+                self.engine.kv.tagged(t) for t in (SessionTag.session(session.id),
+                                                   SessionTag.lost(session.id))):
             raise AgentError(f"abandoned session {session.id!r} still holds KV")
         keys = session.window.branches if session.window is not None else set()
         owned = live_specs & self._spec_ids(session.id, keys)
@@ -475,12 +476,12 @@ class AgentEngine:
             raise AgentError(f"session {session.id!r} speculates in {session.state}")
         return owned
 
-    def _tags(self, session: Session) -> set[str]:
+    def _tags(self, session: Session) -> set[SessionTag]:
         """The tags the session's KV may carry: its own, its open window's branches, the
         branches that lost at its resumes."""
         keys = session.window.branches if session.window is not None else set()
-        return {_session_tag(session.id), _lost_tag(session.id),
-                *(_branch_tag(session.id, k) for k in keys)}
+        return {SessionTag.session(session.id), SessionTag.lost(session.id),
+                *(SessionTag.branch(session.id, k) for k in keys)}
 
     def _get(self, session_id: str) -> Session:
         session = self._sessions.get(session_id)
@@ -515,7 +516,7 @@ class AgentEngine:
                                 tuple(tools) if tools is not None else None,
                                 self.config.reserialize_arguments, self._encoder)
 
-    def _submit_turn(self, session: Session, request: Request, claim: tuple[str, ...],
+    def _submit_turn(self, session: Session, request: Request, claim: tuple[SessionTag, ...],
                      resume: bool) -> None:
         """Queue a turn whose slot is the session's (tagged) and may adopt ``claim``, at its
         place in the `AgentConfig.admission` order."""
@@ -528,8 +529,8 @@ class AgentEngine:
             self._unadmitted[request.request_id] = self._clock()
         rank, priority = self._retention.retention(
             PausedSession(len(request.prompt_token_ids), False, None))
-        self.engine.submit(request, SlotHints(_session_tag(session.id), rank, priority, claim,
-                                              stale_tag=_lost_tag(session.id)))
+        self.engine.submit(request, SlotHints(SessionTag.session(session.id), rank, priority, claim,
+                                              stale_tag=SessionTag.lost(session.id)))
         prompt = request.prompt_token_ids
         session.ended_at = None
         session.previous = session.context  # compared with the prompt when the turn ends
@@ -579,8 +580,8 @@ class AgentEngine:
         # The losing branches become speculation entries under the session's "lost" tag: no
         # unmapping here, on the resume's critical path; they are reused or evicted first
         # like any other, and freed with the session.
-        tags = [_branch_tag(session.id, k) for k in session.window.branches]
-        self.engine.kv.retag(tags, _lost_tag(session.id), EntryRank.SPECULATIVE)
+        tags = [SessionTag.branch(session.id, k) for k in session.window.branches]
+        self.engine.kv.retag(tags, SessionTag.lost(session.id), EntryRank.SPECULATIVE)
         session.window = None
         session.resume_started = None
         session.transition(S.GENERATING)
@@ -590,7 +591,7 @@ class AgentEngine:
         assert session.window is not None
         if not session.window.branches:
             return
-        branches = {_branch_tag(session.id, k) for k in session.window.branches}
+        branches = {SessionTag.branch(session.id, k) for k in session.window.branches}
         m = session.metrics
         if hit is None or hit.claimed not in branches:
             m.spec_misses += 1
@@ -609,7 +610,7 @@ class AgentEngine:
         assert session.window is not None
         if not spec.token_ids or len(spec.token_ids) > self.engine.max_model_len:
             return
-        tag = _branch_tag(session.id, spec.key)
+        tag = SessionTag.branch(session.id, spec.key)
         # The branch extends the session's KV (all of its context but the last token, which
         # has none): dropped if that KV is gone by the time it is admitted.
         base = min(common_prefix_len(session.context, spec.token_ids), len(session.context) - 1)
@@ -619,7 +620,7 @@ class AgentEngine:
         self.engine.speculate(_spec_id(tag), spec.token_ids,
                               SlotHints(tag, EntryRank.SPECULATIVE, min_cached=max(base, 0),
                                         cache_salt=session.cache_salt,
-                                        stale_tag=_lost_tag(session.id)))
+                                        stale_tag=SessionTag.lost(session.id)))
         session.window.branches.add(spec.key)
 
     def _branch_pays(self, session: Session, new_tokens: int, base: int) -> bool:
@@ -628,31 +629,30 @@ class AgentEngine:
         gate = self.config.speculation_gate
         if gate is None:
             return True
-        m = session.metrics
-        arena = self.engine.kv.arena
+        m, kv = session.metrics, self.engine.kv
         plan = BranchPlan(
-            new_tokens=new_tokens, shared_pages=base * arena.spec.token_bytes // arena.page_size,
+            new_tokens=new_tokens, shared_pages=kv.layout().full_pages(base),
             hits=m.spec_hits, partials=m.spec_partial, misses=m.spec_misses,
             engine_idle=not self.engine.has_unfinished(),
-            padding_free=bool(self.engine.scheduler.config.padded_token_sizes),
-            token_s=self.engine.step_cost.per_token_s(), page_s=arena.driver.per_page_s())
+            padding_free=self.engine.padding_free,
+            token_s=self.engine.step_cost.per_token_s(), page_s=kv.page_seconds())
         return gate.pays(plan)
 
     def _stop_speculation(self, session: Session, window: ToolWindow) -> None:
         """Stop the window's prefills where they are (their KV stays claimable)."""
         for key in window.branches:
-            tag = _branch_tag(session.id, key)
+            tag = SessionTag.branch(session.id, key)
             self.engine.stop_speculation(_spec_id(tag))
             session.metrics.tokens_speculated += self.engine.take_speculated_tokens(tag)
 
     def _drop_branches(self, session: Session, window: ToolWindow) -> None:
         self._stop_speculation(session, window)
-        self.engine.kv.discard(_branch_tag(session.id, k) for k in window.branches)
+        self.engine.kv.discard(SessionTag.branch(session.id, k) for k in window.branches)
 
     def _drop_kv(self, session: Session) -> None:
         if session.window is not None:
             self._drop_branches(session, session.window)
-        self.engine.kv.discard([_session_tag(session.id), _lost_tag(session.id)])
+        self.engine.kv.discard([SessionTag.session(session.id), SessionTag.lost(session.id)])
 
     def _promote_overdue(self) -> None:
         """Turns waiting for their first token longer than `AgentConfig.admission_bound_s`
@@ -695,7 +695,7 @@ class AgentEngine:
     def _retain(self, session: Session, paused: PausedSession) -> None:
         """Rank the session's KV as the retention policy ranks ``paused``."""
         rank, priority = self._retention.retention(paused)
-        self.engine.kv.set_retention(_session_tag(session.id), rank, priority)
+        self.engine.kv.set_retention(SessionTag.session(session.id), rank, priority)
 
     def _apply_retention(self, session: Session) -> None:
         window = session.window
@@ -703,16 +703,16 @@ class AgentEngine:
         waited = self._clock() - window.started
         remaining = None if window.expected_s is None else window.expected_s - waited
         self._retain(session, PausedSession(len(session.context), True, remaining, waited))
-        tag = _session_tag(session.id)
+        tag = SessionTag.session(session.id)
         lead = self.config.prefetch_lead_s
         # Prefetch in the window around the expected return only: a call well past it is
         # not coming back any sooner for that, and restoring it whenever pages are free
         # would copy it back and forth (the resume restores it anyway). Nor while a request
         # waits for memory: the copy would take the pages it waits for and be evicted again
-        # before the resume (48 of 50 prefetches in the modelled 2x replay,
-        # benchmarks/results/2026-12-04-h200-agents-pinned-host/).
+        # before the resume (48 of 50 prefetches were, in a modelled replay whose sessions
+        # needed twice the KV memory there was).
         if (self.config.prefetch and remaining is not None and -lead < remaining <= lead
-                and not self.engine.scheduler.memory_short
+                and not self.engine.memory_short()
                 and self.engine.kv.offloaded_tokens(tag)):
             self.engine.kv.restore(tag)  # prefetch: back before the tool returns, if room
 
@@ -751,10 +751,7 @@ class AgentEngine:
                 self._memo[key] = r.content
 
     def _spec_ids(self, session_id: str, keys: Iterable[str]) -> set[str]:
-        return {_spec_id(_branch_tag(session_id, k)) for k in keys}
-
-
-_TAG_PREFIXES = ('["session",', '["branch",', '["lost",')  # the agent's tags (JSON lists)
+        return {_spec_id(SessionTag.branch(session_id, k)) for k in keys}
 
 
 def _recomputed(previous: list[int], prompt: list[int], cached: int) -> int:
@@ -766,21 +763,10 @@ def _recomputed(previous: list[int], prompt: list[int], cached: int) -> int:
     return max(0, common_prefix_len(previous, prompt) - cached)
 
 
-def _session_tag(session_id: str) -> str:
-    return json.dumps(["session", session_id])
-
-
-def _lost_tag(session_id: str) -> str:
-    """The tag of the session's branches that lost at a resume (freed with the session)."""
-    return json.dumps(["lost", session_id])
-
-
-def _branch_tag(session_id: str, key: str) -> str:
-    return json.dumps(["branch", session_id, key])
-
-
-def _spec_id(tag: str) -> str:
-    return "\x00spec" + tag  # outside any client's request id space
+def _spec_id(tag: SessionTag) -> str:
+    """The request id of the speculative prefill of branch ``tag``: outside any client's
+    request id space (a client's id never starts with a NUL)."""
+    return "\x00spec" + json.dumps([tag.kind.value, tag.session_id, tag.key])
 
 
 def _counters(m: SessionMetrics) -> dict[str, int]:

@@ -14,6 +14,44 @@ from edmm.engine.errors import EngineConfigError
 ToolContent = str | Sequence[int]  # text (tokenized with the model's tokenizer) or token ids
 
 
+class TagKind(enum.Enum):
+    """Whose KV a `SessionTag` names."""
+
+    SESSION = "session"  # the session's own context: its last turn's KV
+    BRANCH = "branch"  # one speculation branch of its open tool window
+    LOST = "lost"  # the branches that lost at its resumes (freed with the session)
+
+
+@dataclass(frozen=True)
+class SessionTag:
+    """The tag of an agent session's prefix-cache entries (`edmm.engine.CacheTag`): a value,
+    compared and hashed by its fields, never parsed. ``key`` names a branch (its speculation
+    source's key) and is empty for the other kinds."""
+
+    session_id: str
+    kind: TagKind
+    key: str = ""
+
+    def __post_init__(self) -> None:
+        if (self.kind is TagKind.BRANCH) != bool(self.key):
+            raise ValueError(f"{self!r}: a branch tag has a key, other tags none")
+
+    @classmethod
+    def session(cls, session_id: str) -> SessionTag:
+        """The tag of the session's own KV."""
+        return cls(session_id, TagKind.SESSION)
+
+    @classmethod
+    def branch(cls, session_id: str, key: str) -> SessionTag:
+        """The tag of the session's speculation branch ``key``."""
+        return cls(session_id, TagKind.BRANCH, key)
+
+    @classmethod
+    def lost(cls, session_id: str) -> SessionTag:
+        """The tag of the session's branches that lost at a resume."""
+        return cls(session_id, TagKind.LOST)
+
+
 class SessionState(enum.IntEnum):
     """Execution state of an agent session, in lifecycle order.
 

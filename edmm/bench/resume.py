@@ -129,7 +129,7 @@ class _Runner:
 
     def drop_base(self) -> None:
         self.agent.engine.kv.discard([_BASE_TAG])
-        self.agent.engine.kv.reclaim()
+        self.agent.engine.reclaim()
 
     def iteration(self, group: str, context: list[int]) -> _Iteration:
         """One session on the cached context: a first turn, a tool window, a timed resume."""
@@ -149,7 +149,7 @@ class _Runner:
         spec = _speculation(self.agent.session_metrics(sid))
         self.agent.close_session(sid)
         self.agent.engine.kv.discard([_B_TAG])
-        self.agent.engine.kv.reclaim()  # off the clock: only the base entry stays
+        self.agent.engine.reclaim()  # off the clock: only the base entry stays
         hit = out.prefix_hit
         return _Iteration(ttft, len(out.prompt_token_ids), out.num_cached_tokens,
                           hit.seconds * 1e3 if hit is not None else 0.0, spec)
@@ -286,7 +286,7 @@ def measure_interference(agent: AgentEngine, cfg: ResumeBenchConfig, context: in
     while engine.has_unfinished() or engine.has_speculation():
         engine.step()
     engine.kv.discard(["bench:spec"])
-    engine.kv.reclaim()
+    engine.reclaim()
     return rows
 
 

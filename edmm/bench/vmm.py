@@ -164,9 +164,9 @@ def _bare_remap_host(page: int, n: int) -> float:
     import mmap
     import os
 
-    from edmm.memory.host import _load_libc
+    from edmm.memory.host import load_libc
 
-    libc = _load_libc()
+    libc = load_libc()
     fd = os.memfd_create("edmm-bare", os.MFD_CLOEXEC)
     os.ftruncate(fd, n * page)
     base = libc.mmap(None, n * page, 0, 0x02 | 0x20 | 0x4000, -1, 0)

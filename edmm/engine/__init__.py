@@ -10,10 +10,10 @@ from edmm.engine.errors import (
     InvalidRequestError,
     SchedulerStallError,
 )
-from edmm.engine.kv_manager import KVCacheManager, KVStats
+from edmm.engine.kv_manager import HeldPages, KVCacheManager, KVLayout, KVStats
 from edmm.engine.kv_policy import AdoptionCost
 from edmm.engine.outputs import CompletionOutput, RequestOutput, RequestTiming
-from edmm.engine.prefix_cache import EntryRank, PrefixCache, PrefixHit
+from edmm.engine.prefix_cache import CacheTag, EntryRank, PrefixCache, PrefixHit
 from edmm.engine.runner import ModelInputs, ModelRunner
 from edmm.engine.sampling import FinishReason, SamplingParams
 from edmm.engine.scheduler import ScheduledBatch, ScheduledSeq, Scheduler, SchedulerConfig
@@ -21,6 +21,7 @@ from edmm.engine.sequence import Sequence, SequenceKind, SequenceStatus, SlotHin
 
 __all__ = [
     "AdoptionCost",
+    "CacheTag",
     "CompletionOutput",
     "ContextLengthError",
     "Engine",
@@ -30,9 +31,11 @@ __all__ = [
     "EngineStats",
     "EntryRank",
     "FinishReason",
+    "HeldPages",
     "IntegrityError",
     "InvalidRequestError",
     "KVCacheManager",
+    "KVLayout",
     "KVStats",
     "ModelInputs",
     "ModelRunner",

@@ -176,20 +176,33 @@ class CudaGraphRunner(ModelRunner):
                 hidden, out = run()
         return _Graph(graph, hidden, out)
 
+    def _route(self, tokens: int, seqs: int, decode_only: bool
+               ) -> tuple[str, _StaticInputs, _Graph] | None:
+        """The path, input buffers and graph of a step of ``tokens`` tokens over ``seqs``
+        sequences: the smallest captured graph that fits; None: it runs eagerly."""
+        if decode_only and seqs <= max(self.sizes, default=0):
+            return "decode", self._decode_in, self._decode[next(s for s in self.sizes
+                                                                if s >= seqs)]
+        size = next((s for s in self.token_sizes if s >= tokens and self.mixed_seqs(s) >= seqs),
+                    None)
+        return None if size is None else ("mixed", self._mixed_in, self._mixed[size])
+
+    def graph_for(self, num_tokens: int, num_seqs: int = 1) -> torch.cuda.CUDAGraph | None:
+        """The graph a step of ``num_tokens`` tokens over ``num_seqs`` sequences replays (a
+        decode graph when each computes one token), None when such a step runs eagerly; its
+        `replay` reruns the last step of that shape alone (profiling)."""
+        route = self._route(num_tokens, num_seqs, num_tokens == num_seqs)
+        return route[2].graph if route is not None else None
+
     def forward(self, inputs: ModelInputs) -> Tensor:
         """Replay the smallest captured graph that fits the batch; else run eagerly."""
-        t, b = inputs.input_ids.shape[0], inputs.meta.num_seqs
-        if inputs.is_decode_only and b <= max(self.sizes, default=0):
-            path, static = "decode", self._decode_in
-            g = self._decode[next(s for s in self.sizes if s >= b)]
-        elif (size := next((s for s in self.token_sizes
-                            if s >= t and self.mixed_seqs(s) >= b), None)) is not None:
-            path, static = "mixed", self._mixed_in
-            g = self._mixed[size]
-        else:
+        t = inputs.input_ids.shape[0]
+        route = self._route(t, inputs.meta.num_seqs, inputs.is_decode_only)
+        if route is None:
             self.replays["eager"] += 1
             self._logits = None
             return super().forward(inputs)
+        path, static, g = route
         self.replays[path] += 1
         static.load(inputs)
         g.graph.replay()

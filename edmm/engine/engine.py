@@ -5,6 +5,10 @@ slots, the `KVCacheManager` (``engine.kv``) owns KV memory (arena, pool, prefix 
 offload), the `ModelRunner` computes. The engine validates and tokenizes requests, decides when
 a request stops (EOS, stop tokens, stop strings, ``max_tokens``, ``max_model_len``) and
 detokenizes incrementally; `stats` returns an `EngineStats` snapshot.
+
+The scheduler and the runner are private: code above the engine (the agent layer, the server,
+the benches) asks the engine (`memory_short`, `padding_free`, `num_prefilling`, `reclaim`) or
+its `KVCacheManager` (``engine.kv``), never their internals.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from edmm.engine.errors import (
 from edmm.engine.hooks import ParallelHooks
 from edmm.engine.kv_manager import KVCacheManager, KVStats
 from edmm.engine.outputs import CompletionOutput, RequestOutput, RequestTiming
-from edmm.engine.prefix_cache import PrefixCache
+from edmm.engine.prefix_cache import CacheTag, PrefixCache
 from edmm.engine.runner import Launch, ModelRunner
 from edmm.engine.sampling import FinishReason, Sampler, SamplingParams, is_stop
 from edmm.engine.scheduler import Resolved, ScheduledBatch, Scheduler, SchedulerConfig
@@ -178,6 +182,52 @@ class RequestValidator:
         return ids
 
 
+@dataclass(frozen=True)
+class StepTiming:
+    """Where one `Engine.step` call's host time went (seconds): scheduling, launching the step
+    (inputs to the device, the forward pass and sampling queued), waiting for sampled tokens
+    (the host idle while the device computes: with async scheduling, the previous step's),
+    and processing them (detokenizing, stop checks, outputs)."""
+
+    schedule_s: float = 0.0
+    launch_s: float = 0.0
+    wait_s: float = 0.0
+    process_s: float = 0.0
+
+
+class _StepClock:
+    """Marks the phases of one step (`StepTiming`)."""
+
+    def __init__(self) -> None:
+        self._t = time.perf_counter()
+        self._marks: dict[str, float] = {}
+
+    def _mark(self, phase: str) -> None:
+        now = time.perf_counter()
+        self._marks[phase] = now - self._t
+        self._t = now
+
+    def scheduled(self) -> None:
+        self._mark("schedule_s")
+
+    def launched(self) -> None:
+        self._mark("launch_s")
+
+    def waited(self) -> None:
+        self._mark("wait_s")
+
+    def finished(self) -> None:
+        self._mark("process_s")
+
+    def step_seconds(self) -> float:
+        """The step's measured time: launching it and waiting for sampled tokens (with async
+        scheduling, the previous step's: in a steady stream, one step of the device's)."""
+        return self._marks.get("launch_s", 0.0) + self._marks.get("wait_s", 0.0)
+
+    def timing(self) -> StepTiming:
+        return StepTiming(**self._marks)
+
+
 class _RequestState:
     """Engine-side state of one request: its text so far and how to extend it."""
 
@@ -234,17 +284,18 @@ class Engine:
                    if config.kv_offload_bytes > 0 and config.enable_prefix_caching else None)
         self.kv = KVCacheManager(arena, PrefixCache(arena, config.prefix_block_size,
                                                     config.enable_prefix_caching, offload))
-        self.scheduler = Scheduler(self.kv, config.scheduler_config(pool.capacity))
+        self._scheduler = Scheduler(self.kv, config.scheduler_config(pool.capacity))
         runner = _build_runner(config, self.model, arena, self.max_model_len, self.attention)
         if isinstance(runner, CudaGraphRunner) and config.speculation_fills_padding:
             self.update_scheduler_config(padded_token_sizes=runner.token_sizes,
                                          padded_max_seqs=runner.max_seqs)
-        self.runner = parallel.wrap_runner(runner) if parallel is not None else runner
+        self._runner = parallel.wrap_runner(runner) if parallel is not None else runner
         self._counters = _Counters()
         self.step_cost = StepCostModel()  # seconds per token of a step, fitted online
         # Modelled step seconds instead of measured ones (replays on a machine without the
         # GPU they model: `StepTimeModel`); None: measured.
         self.step_time_model: StepTimeModel | None = None
+        self.last_step_timing: StepTiming | None = None  # where the last step's host time went
         # What the last step computed and its seconds (None: nothing computed): the modelled
         # clock of `edmm bench agents` charges it, its step log records it.
         self.last_step: StepShape | None = None
@@ -269,7 +320,7 @@ class Engine:
         """Queue a request made by `make_request`; ``hints`` tie its slot to tagged cache
         entries (agent sessions: `SlotHints`)."""
         if (request.request_id in self._states
-                or self.scheduler.get(request.request_id) is not None):
+                or self._scheduler.get(request.request_id) is not None):
             raise InvalidRequestError(f"request id {request.request_id!r} is already in use")
         self._states[request.request_id] = _RequestState(request, self.tokenizer)
         hints = hints if hints is not None else SlotHints()
@@ -278,7 +329,7 @@ class Engine:
         seq = Seq.new(request.request_id, request.prompt_token_ids, request.params,
                       hints=hints, priority=request.priority)
         seq.max_num_tokens = min(seq.num_tokens + request.params.max_tokens, self.max_model_len)
-        self.scheduler.add(seq)
+        self._scheduler.add(seq)
 
     def add_request(self, request_id: str, prompt: PromptInput,
                     params: SamplingParams | None = None,
@@ -302,51 +353,75 @@ class Engine:
             raise InvalidRequestError(
                 f"speculation {spec_id!r} needs a tag and prefix caching to be claimed by")
         self.stop_speculation(spec_id)
-        self.scheduler.add(Seq.new(spec_id, ids, SamplingParams(), SequenceKind.SPECULATIVE,
-                                   hints))
+        self._scheduler.add(Seq.new(spec_id, ids, SamplingParams(), SequenceKind.SPECULATIVE,
+                                    hints))
 
     def stop_speculation(self, spec_id: str) -> bool:
         """Stop a speculative prefill where it is: the KV computed so far stays claimable
         under its tag. False if there is none running or queued under ``spec_id``."""
-        seq = self.scheduler.get(spec_id)
+        seq = self._scheduler.get(spec_id)
         if seq is None or not seq.is_speculative:
             return False
-        self.scheduler.finish(seq, SPECULATED)
+        self._scheduler.finish(seq, SPECULATED)
         return True
 
     def speculation_progress(self, spec_id: str) -> tuple[int, int] | None:
         """``(tokens with KV, tokens)`` of a queued or running speculation, else None."""
-        seq = self.scheduler.get(spec_id)
+        seq = self._scheduler.get(spec_id)
         if seq is None or not seq.is_speculative:
             return None
         return seq.num_computed_tokens, seq.num_tokens
 
     def has_speculation(self) -> bool:
         """True while a speculative prefill waits or runs."""
-        return self.scheduler.has_speculation()
+        return self._scheduler.has_speculation()
 
     def speculation_ids(self) -> list[str]:
         """Ids of the speculative prefills that wait or run."""
-        return [s.request_id for s in (*self.scheduler.spec_waiting, *self.scheduler.spec_running)]
+        sched = self._scheduler
+        return [s.request_id for s in (*sched.spec_waiting, *sched.spec_running)]
 
-    def take_speculated_tokens(self, tag: str) -> int:
+    def take_speculated_tokens(self, tag: CacheTag) -> int:
         """Tokens speculation computed under ``tag`` since the last call (then forgotten)."""
-        return self.scheduler.speculated.pop(tag, 0)
+        return self._scheduler.speculated.pop(tag, 0)
 
     def abort(self, request_id: str) -> bool:
         """Stop a request and release its memory; False if it is unknown or finished."""
         self._states.pop(request_id, None)
-        return self.scheduler.abort(request_id) is not None
+        return self._scheduler.abort(request_id) is not None
 
     def reprioritize(self, request_id: str, priority: float) -> bool:
         """Change a queued or running request's admission priority (`Request.priority`);
         False if it is unknown or finished."""
         check_priority(priority)
-        return self.scheduler.reprioritize(request_id, priority)
+        return self._scheduler.reprioritize(request_id, priority)
 
     def has_unfinished(self) -> bool:
-        """True while any request waits or runs, or a launched step awaits its outputs."""
-        return self.scheduler.has_unfinished() or self._in_flight is not None
+        """True while any request waits or runs, or a launched step has a running request's
+        output to give (speculative prefills aside, as they are for the scheduler)."""
+        if self._scheduler.has_unfinished():
+            return True
+        return self._in_flight is not None and any(
+            seq is not None and not seq.is_finished and not seq.is_speculative
+            for seq in self._in_flight[1])
+
+    def num_prefilling(self) -> int:
+        """Requests (speculation aside) that wait, or run with prompt tokens still to
+        compute."""
+        sched = self._scheduler
+        return len(sched.waiting) + sum(s.num_computed_tokens < s.num_prompt_tokens
+                                        for s in sched.running)
+
+    def memory_short(self) -> bool:
+        """True when the last step preempted a request or left the queue's head waiting for
+        KV memory: pages freed now are wanted by a request (a prefetch must not take them)."""
+        return self._scheduler.memory_short
+
+    @property
+    def padding_free(self) -> bool:
+        """True when steps that prefill are padded to a CUDA graph's size and speculation
+        fills the padding (its tokens then cost no step time of their own)."""
+        return bool(self._scheduler.config.padded_token_sizes)
 
     # ------------------------------------------------------------------ stepping
     def step(self) -> list[RequestOutput]:
@@ -355,46 +430,56 @@ class Engine:
         With async scheduling (`EngineConfig.async_scheduling`) the step is launched and the
         one launched by the previous call is finished meanwhile: the outputs returned are the
         previous step's (a step that needs every sampled token on the host first, one with
-        logits processors, waits for them instead)."""
+        logits processors, waits for them instead). `last_step_timing` says where the call's
+        host time went."""
         self.last_step = None
+        clock = _StepClock()
         if self._in_flight is not None and (not self._async or self._needs_host_tokens()):
-            return self._finish(self._take_in_flight())
+            return self._finish(self._take_in_flight(), clock)
         restored = self.kv.restored_tokens()
-        batch = self.scheduler.schedule()
+        batch = self._scheduler.schedule()
+        clock.scheduled()
         if batch.is_empty:
             if self._in_flight is not None:
-                return self._finish(self._take_in_flight())
+                return self._finish(self._take_in_flight(), clock)
             if self.has_unfinished() and not batch.preempted:
                 raise SchedulerStallError(
-                    f"{len(self.scheduler.waiting)} waiting request(s) cannot be admitted")
+                    f"{len(self._scheduler.waiting)} waiting request(s) cannot be admitted")
             self.kv.reclaim()  # idle: release slots retired by zero-copy commits
             return []
-        t0 = time.perf_counter()
-        launch = self.runner.launch(batch, self._in_flight[0] if self._in_flight else None)
-        launched = launch, self.scheduler.advance(batch)
+        launch = self._runner.launch(batch, self._in_flight[0] if self._in_flight else None)
+        launched = launch, self._scheduler.advance(batch)
+        clock.launched()
         if self._async:
             previous, self._in_flight = self._in_flight, launched
-            outputs = self._finish(previous) if previous is not None else []
+            outputs = self._finish(previous, clock) if previous is not None else []
         else:
-            outputs = self._finish(launched)
-        self._record_step(batch, restored, time.perf_counter() - t0)
+            outputs = self._finish(launched, clock)
+        self._record_step(batch, restored, clock.step_seconds())
+        self.last_step_timing = clock.timing()
         return outputs
 
     def _needs_host_tokens(self) -> bool:
         """True when a running request's next sample needs its last token on the host (its
         logits processors read the output so far)."""
-        return any(s.params.logits_processors for s in self.scheduler.running)
+        return any(s.params.logits_processors for s in self._scheduler.running)
 
     def _take_in_flight(self) -> tuple[Launch, list[Seq | None]]:
         launched, self._in_flight = self._in_flight, None
         assert launched is not None
         return launched
 
-    def _finish(self, launched: tuple[Launch, list[Seq | None]]) -> list[RequestOutput]:
+    def _finish(self, launched: tuple[Launch, list[Seq | None]],
+                clock: _StepClock) -> list[RequestOutput]:
         """Wait for a launched step's sampled tokens, put them in place and process them."""
         launch, seqs = launched
-        resolved = self.scheduler.resolve(launch.batch, seqs, launch.tokens())
-        return [self._process(r) for r in resolved]
+        sampled = launch.tokens()
+        clock.waited()
+        resolved = self._scheduler.resolve(launch.batch, seqs, sampled)
+        outputs = [self._process(r) for r in resolved]
+        clock.finished()
+        self.last_step_timing = clock.timing()
+        return outputs
 
     def _record_step(self, batch: ScheduledBatch, restored: float, seconds: float) -> None:
         """What the step computed and its seconds (modelled when a step-time model is set)."""
@@ -420,7 +505,7 @@ class Engine:
         if reason is None and r.index + 1 >= self.max_model_len:
             reason = FinishReason.LENGTH
         if reason is not None:
-            self.scheduler.finish(seq, reason.value)
+            self._scheduler.finish(seq, reason.value)
             del self._states[seq.request_id]
             self._count_finished(seq)
         return _output(seq, state, r.index + 1)
@@ -432,6 +517,11 @@ class Engine:
         c.prompt_tokens_reused += seq.num_cached_tokens
 
     # ------------------------------------------------------------------ memory, stats
+    def reclaim(self) -> int:
+        """Release the slots retired by zero-copy commits (driver unmaps: off the critical
+        path; the serving loop calls it when idle); return how many."""
+        return self.kv.reclaim()
+
     def reset_prefix_cache(self) -> int:
         """Free every prefix-cache entry (and slots retired by commits); return how many."""
         return self.kv.reset()
@@ -439,13 +529,13 @@ class Engine:
     def update_scheduler_config(self, **changes: Any) -> SchedulerConfig:
         """Change scheduler limits between steps (fields of `SchedulerConfig`, validated);
         return the previous config."""
-        old = self.scheduler.config
-        self.scheduler.config = dataclasses.replace(old, **changes)
+        old = self._scheduler.config
+        self._scheduler.config = dataclasses.replace(old, **changes)
         return old
 
     def stats(self) -> EngineStats:
         """A snapshot of KV memory, the queues and the counters (call on the engine thread)."""
-        c, sched = self._counters, self.scheduler
+        c, sched = self._counters, self._scheduler
         return EngineStats(
             kv=self.kv.stats(), requests_waiting=len(sched.waiting),
             requests_running=len(sched.running),
@@ -460,7 +550,7 @@ class Engine:
     def check_integrity(self) -> None:
         """Raise if the scheduler and the KV memory disagree, or the arena, the pool, the
         prefix index or the host tier breaks an invariant."""
-        self.scheduler.check_integrity()
+        self._scheduler.check_integrity()
         if self.parallel is not None:
             self.parallel.check_integrity()
 
@@ -476,10 +566,10 @@ class Engine:
             self._in_flight = None
         for request_id in list(self._states):
             self.abort(request_id)
-        for seq in [*self.scheduler.spec_waiting, *self.scheduler.spec_running]:
-            self.scheduler.abort(seq.request_id)
-        if isinstance(self.runner, CudaGraphRunner):
-            self.runner.close()
+        for seq in [*self._scheduler.spec_waiting, *self._scheduler.spec_running]:
+            self._scheduler.abort(seq.request_id)
+        if isinstance(self._runner, CudaGraphRunner):
+            self._runner.close()
         self.kv.close()
         self._backend.close()
 

@@ -13,7 +13,10 @@ The choice between truncating a claimed entry in place and branching from it is 
 named policy, `AdoptionCost`, which the index consults.
 
 The agent layer reaches the tagged entries through the same object (`tagged`, `set_retention`,
-`untag`, `retag`, `discard`, `restore`, `offloaded_tokens`); `stats` returns a `KVStats` snapshot.
+`untag`, `retag`, `discard`, `restore`, `offloaded_tokens`) and asks it what a slot's tokens cost
+(`layout`, `page_seconds`); a bench holds pages out of use through it (`hold_pages`,
+`release_held`); `stats` returns a `KVStats` snapshot. Nothing outside the engine touches the
+arena or the index: they are private to this object.
 """
 
 from __future__ import annotations
@@ -21,8 +24,8 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
-from edmm.engine.prefix_cache import EntryRank, PrefixCache, PrefixHit
-from edmm.memory import KVArena, PagePool
+from edmm.engine.prefix_cache import CacheTag, EntryRank, PrefixCache, PrefixHit
+from edmm.memory import KVArena, KVMemoryError
 from edmm.memory.offload import CopyCounters
 
 
@@ -48,6 +51,29 @@ class KVStats:
     write_behind_hits: int = 0  # evictions that found that copy made (no copy then)
 
 
+@dataclass(frozen=True)
+class KVLayout:
+    """What tokens cost in KV memory: the arena's page size, the bytes of one token's KV (all
+    layers, K and V) and the most tokens one slot maps."""
+
+    page_size: int
+    token_bytes: int
+    max_tokens: int
+
+    def full_pages(self, num_tokens: int) -> int:
+        """Pages that a slot's first ``num_tokens`` tokens fill entirely (those a branch of
+        them shares with its source)."""
+        return max(num_tokens, 0) * self.token_bytes // self.page_size
+
+
+@dataclass(frozen=True)
+class HeldPages:
+    """Pages that `KVCacheManager.hold_pages` keeps out of use, mapped in ``slots``."""
+
+    slots: tuple[int, ...]
+    num_pages: int
+
+
 class KVCacheManager:
     """The scheduler's and the agent layer's one handle on KV memory; see the module docstring.
 
@@ -59,72 +85,68 @@ class KVCacheManager:
     def __init__(self, arena: KVArena, index: PrefixCache) -> None:
         if index.arena is not arena:
             raise ValueError("the prefix index must index this arena")
-        self.arena = arena
-        self.index = index
-
-    @property
-    def pool(self) -> PagePool:
-        """The physical page pool under the arena."""
-        return self.arena.pool
+        self._arena = arena
+        self._index = index
+        self._held: set[int] = set()  # slots of `hold_pages`: no sequence's, no entry's
 
     @property
     def caching(self) -> bool:
         """True when finished sequences' KV is kept for reuse (prefix caching on)."""
-        return self.index.enabled
+        return self._index.enabled
 
     @property
     def max_tokens(self) -> int:
         """Most tokens one slot can map."""
-        return self.arena.max_tokens
+        return self._arena.max_tokens
 
     # ------------------------------------------------------------------ the scheduler's seam
-    def match(self, tokens: list[int], max_tokens: int, claim: Collection[str] = (),
-              own_tag: str | None = None, salt: str | None = None) -> PrefixHit | None:
+    def match(self, tokens: list[int], max_tokens: int, claim: Collection[CacheTag] = (),
+              own_tag: CacheTag | None = None, salt: str | None = None) -> PrefixHit | None:
         """A slot whose first ``hit.num_tokens`` tokens of ``tokens`` already have KV (at most
         ``max_tokens``), or None; see `PrefixCache.acquire`. Raises `NoFreeSlotError` /
         `PoolExhaustedError` (nothing changed): `make_room` and retry."""
-        return self.index.acquire(tokens, max_tokens, claim, own_tag, salt)
+        return self._index.acquire(tokens, max_tokens, claim, own_tag, salt)
 
     def cached_prefix(self, tokens: list[int], max_tokens: int) -> int:
         """Tokens of the longest prefix of ``tokens`` (at most ``max_tokens``) with KV in the
         pool now (host copies aside); nothing changes."""
-        found = self.index.lookup(tokens, max_tokens)
+        found = self._index.lookup(tokens, max_tokens)
         return found[1] if found is not None else 0
 
     def allocate(self) -> int:
         """A fresh empty slot (`NoFreeSlotError` when none is free)."""
-        return self.arena.allocate()
+        return self._arena.allocate()
 
     def grow(self, slot: int, num_tokens: int) -> None:
         """Map ``slot`` for its first ``num_tokens`` tokens (`PoolExhaustedError`: unchanged)."""
-        self.arena.grow(slot, num_tokens)
+        self._arena.grow(slot, num_tokens)
 
     def track(self, slot: int, tokens: list[int], num_tokens: int,
               salt: str | None = None) -> None:
         """A live slot now holds KV of ``tokens[:num_tokens]`` (a source for prefix matches
         of the same cache ``salt``)."""
-        self.index.track(slot, tokens, num_tokens, salt)
+        self._index.track(slot, tokens, num_tokens, salt)
 
-    def free(self, slot: int, tokens: list[int], num_tokens: int, tag: str | None = None,
+    def free(self, slot: int, tokens: list[int], num_tokens: int, tag: CacheTag | None = None,
              rank: EntryRank = EntryRank.PLAIN, priority: float = 0.0,
              salt: str | None = None) -> None:
         """The owner is done with ``slot`` (KV of ``tokens[:num_tokens]``): keep it as a cache
         entry with this tag and eviction class, or release it (caching off, or 0 tokens)."""
-        self.index.release(slot, tokens, num_tokens, tag, rank, priority, salt)
+        self._index.release(slot, tokens, num_tokens, tag, rank, priority, salt)
 
     def drop(self, slot: int) -> None:
         """Release ``slot`` and its pages outright (never kept as an entry)."""
-        self.index.release(slot, [], 0)
+        self._index.release(slot, [], 0)
 
     def make_room(self, max_rank: EntryRank = EntryRank.RETAINED,
-                  protect: Collection[str] = ()) -> bool:
+                  protect: Collection[CacheTag] = ()) -> bool:
         """Free memory: the slots retired by zero-copy commits, else one entry of rank <=
         ``max_rank`` whose tag is not in ``protect`` (lowest rank, then priority, then LRU; a
         retained session's KV goes to the host tier first if it fits). False if nothing was
         freed."""
-        return self.arena.reclaim() > 0 or self.index.evict_one(max_rank, protect)
+        return self._arena.reclaim() > 0 or self._index.evict_one(max_rank, protect)
 
-    def restore_claimed(self, tags: Collection[str]) -> bool:
+    def restore_claimed(self, tags: Collection[CacheTag]) -> bool:
         """Bring the host copies of ``tags`` back before a sequence claiming them is admitted,
         evicting any other entry for them if needed (retained ones go to the host tier in
         turn: the sequence would evict them anyway to recompute in the same pages). False if
@@ -132,111 +154,154 @@ class KVCacheManager:
         rather than recompute what the host holds."""
         resident = True
         for tag in tags:
-            if self.index.offloaded_tokens(tag):
-                resident = self.index.restore(tag, evict=EntryRank.RETAINED,
+            if self._index.offloaded_tokens(tag):
+                resident = self._index.restore(tag, evict=EntryRank.RETAINED,
                                               protect=tags) and resident
         return resident
 
-    def mark_stale(self, tag: str, rank: EntryRank, stale_tag: str | None = None) -> None:
+    def mark_stale(self, tag: CacheTag, rank: EntryRank, stale_tag: CacheTag | None = None) -> None:
         """Entries still tagged ``tag`` once its sequence holds a slot: entries of ``rank``
         tagged ``stale_tag`` (None: untagged; valid KV, reused by lookups, evicted in turn,
         freed with ``stale_tag``)."""
-        self.index.retag([tag], stale_tag, rank)
+        self._index.retag([tag], stale_tag, rank)
 
     def entry_slots(self, max_rank: EntryRank = EntryRank.RETAINED) -> list[int]:
         """Slots of cache entries of rank <= ``max_rank``, least recently used first."""
-        return self.index.entry_slots(max_rank)
+        return self._index.entry_slots(max_rank)
 
     def num_tokens(self, slot: int) -> int:
         """Tokens ``slot`` maps."""
-        return self.arena.num_tokens(slot)
+        return self._arena.num_tokens(slot)
 
     def mapped_pages(self, slot: int) -> int:
         """Pages ``slot`` maps."""
-        return len(self.arena.slot_pages(slot))
+        return len(self._arena.slot_pages(slot))
 
     def private_pages(self, slot: int) -> int:
         """Pages mapped by ``slot`` alone (freed with it)."""
-        pool = self.arena.pool
-        return sum(pool.refcount(p) == 1 for p in self.arena.slot_pages(slot))
+        pool = self._arena.pool
+        return sum(pool.refcount(p) == 1 for p in self._arena.slot_pages(slot))
+
+    def layout(self) -> KVLayout:
+        """The page size, the bytes of a token's KV and the most tokens of a slot."""
+        arena = self._arena
+        return KVLayout(arena.page_size, arena.spec.token_bytes, arena.max_tokens)
+
+    def page_seconds(self) -> tuple[float, float] | None:
+        """Mean host seconds to map and to unmap one page, as measured on this arena so far;
+        None until both were seen."""
+        return self._arena.driver.per_page_s()
 
     def tokens_in_pages(self, num_pages: int) -> int:
         """Tokens that ``num_pages`` pages hold."""
-        return max(num_pages, 0) * self.arena.page_size // self.arena.spec.token_bytes
+        return max(num_pages, 0) * self._arena.page_size // self._arena.spec.token_bytes
 
     # ------------------------------------------------------------------ tagged entries
-    def tagged(self, tag: str) -> list[int]:
+    def tagged(self, tag: CacheTag) -> list[int]:
         """Slots of the cache entries tagged ``tag``."""
-        return self.index.tagged(tag)
+        return self._index.tagged(tag)
 
-    def tags(self) -> set[str]:
+    def tags(self) -> set[CacheTag]:
         """The tags of every cache entry and host copy."""
-        return self.index.tags()
+        return self._index.tags()
 
-    def set_retention(self, tag: str, rank: EntryRank, priority: float = 0.0) -> int:
+    def set_retention(self, tag: CacheTag, rank: EntryRank, priority: float = 0.0) -> int:
         """Eviction class and priority of the cache entries tagged ``tag``; return how many."""
-        return self.index.set_retention(tag, rank, priority)
+        return self._index.set_retention(tag, rank, priority)
 
-    def untag(self, tags: Iterable[str], rank: EntryRank) -> int:
+    def untag(self, tags: Iterable[CacheTag], rank: EntryRank) -> int:
         """Turn the entries tagged with any of ``tags`` into plain entries of ``rank`` (no
         memory touched: freed lazily, under pressure); return how many."""
-        return self.index.untag(tags, rank)
+        return self._index.untag(tags, rank)
 
-    def retag(self, tags: Iterable[str], new_tag: str, rank: EntryRank) -> int:
+    def retag(self, tags: Iterable[CacheTag], new_tag: CacheTag, rank: EntryRank) -> int:
         """Move the entries tagged with any of ``tags`` under ``new_tag``, of class ``rank``
         (no memory touched; `discard` of ``new_tag`` frees them); return how many."""
-        return self.index.retag(tags, new_tag, rank)
+        return self._index.retag(tags, new_tag, rank)
 
-    def discard(self, tags: Iterable[str]) -> int:
+    def discard(self, tags: Iterable[CacheTag]) -> int:
         """Free the cache entries tagged with any of ``tags`` (and host copies); how many."""
-        return self.index.discard(tags)
+        return self._index.discard(tags)
 
-    def restore(self, tag: str) -> bool:
+    def restore(self, tag: CacheTag) -> bool:
         """Copy the host copy of ``tag``'s entry back into the arena ahead of its resume (a
         prefetch), into free pages or those of speculation entries only: never at the cost of
         another cache entry (a plain one, such as a turn that just ended, would be recomputed;
         a retained one copied out to come back later). False when there is none or no room."""
-        return self.index.restore(tag, evict=EntryRank.SPECULATIVE)
+        return self._index.restore(tag, evict=EntryRank.SPECULATIVE)
 
-    def offloaded_tokens(self, tag: str) -> int:
+    def offloaded_tokens(self, tag: CacheTag) -> int:
         """Tokens of the host copy of ``tag``'s entry (0: none)."""
-        return self.index.offloaded_tokens(tag)
+        return self._index.offloaded_tokens(tag)
+
+    # ------------------------------------------------------------------ held pages
+    def hold_pages(self, num_pages: int) -> HeldPages:
+        """Map ``num_pages`` pages (a few more where the arena's read alignment rounds a slot
+        up) into fresh slots that no sequence or cache entry uses, until `release_held`: the
+        pool the scheduler sees shrinks by as much (a bench runs one built engine at several
+        memory sizes). Raises `NoFreeSlotError` / `PoolExhaustedError` (nothing held)."""
+        arena = self._arena
+        per_slot = arena.pages_for(arena.max_tokens)
+        slots: list[int] = []
+        left = num_pages
+        try:
+            while left > 0:
+                k = min(left, per_slot)
+                slot = arena.allocate()
+                slots.append(slot)
+                arena.grow(slot, min(arena.max_tokens,
+                                     k * arena.page_size // arena.spec.token_bytes))
+                left -= len(arena.slot_pages(slot))
+        except KVMemoryError:
+            for slot in slots:
+                arena.free(slot)
+            raise
+        self._held.update(slots)
+        return HeldPages(tuple(slots), num_pages - left)
+
+    def release_held(self, held: HeldPages) -> None:
+        """Give the slots and pages of ``held`` back (`KVMemoryError` if they are not held)."""
+        if not self._held.issuperset(held.slots):
+            raise KVMemoryError(f"slots {held.slots} are not held")
+        for slot in held.slots:
+            self._held.remove(slot)
+            self._arena.free(slot)
 
     # ------------------------------------------------------------------ lifetime
     def reclaim(self) -> int:
         """Release the slots retired by zero-copy commits (driver unmaps: off the critical
         path) and count the host copies found done; return how many slots."""
-        if self.index.offload is not None:
-            self.index.offload.poll()
-        return self.arena.reclaim()
+        if self._index.offload is not None:
+            self._index.offload.poll()
+        return self._arena.reclaim()
 
     def pending_copies(self, slot: int) -> int:
         """Host copies that may still run on ``slot`` (side stream; 0 on the CPU)."""
-        return self.index.pending_copies(slot)
+        return self._index.pending_copies(slot)
 
     def restored_tokens(self) -> float:
         """Tokens' worth of host KV copied back so far (copies seen done)."""
-        store = self.index.offload
+        store = self._index.offload
         if store is None:
             return 0.0
-        return store.counters.loaded_bytes / self.arena.spec.token_bytes
+        return store.counters.loaded_bytes / self._arena.spec.token_bytes
 
     def drain_copies(self) -> None:
         """Wait (host) for every host copy issued and count it (benches, shutdown)."""
-        if self.index.offload is not None:
-            self.index.offload.drain()
+        if self._index.offload is not None:
+            self._index.offload.drain()
 
     def reset(self) -> int:
         """Free every cache entry and host copy (and retired slots); return how many entries."""
-        self.arena.reclaim()
-        return self.index.clear()
+        self._arena.reclaim()
+        return self._index.clear()
 
     def stats(self) -> KVStats:
         """A snapshot of the pool, the prefix index and the host tier."""
-        pool, index, store = self.arena.pool, self.index, self.index.offload
+        pool, index, store = self._arena.pool, self._index, self._index.offload
         in_flight = store.poll() if store is not None else 0
         copies = store.counters if store is not None else CopyCounters()
-        cached = {p for slot in index.entry_slots() for p in self.arena.slot_pages(slot)}
+        cached = {p for slot in index.entry_slots() for p in self._arena.slot_pages(slot)}
         return KVStats(
             pages_total=pool.capacity, pages_in_use=pool.num_used, pages_free=pool.num_free,
             cached_pages=len(cached), cache_entries=index.num_entries,
@@ -249,13 +314,18 @@ class KVCacheManager:
 
     def check_integrity(self) -> None:
         """Raise if the arena, the pool, the prefix index or the host tier breaks an
-        invariant."""
-        self.arena.check_integrity()
-        self.index.check_integrity()
+        invariant, or a held slot is not a live slot of its own."""
+        self._arena.check_integrity()
+        self._index.check_integrity()
+        if self._held & set(self._index.entry_slots()):
+            raise KVMemoryError("a held slot is a cache entry")
+        for slot in self._held:
+            self._arena.num_tokens(slot)  # raises unless the slot is live
 
     def close(self) -> None:
         """Free every entry, then the arena and the pool (the manager is unusable after)."""
         self.drain_copies()
-        self.index.clear()
-        self.arena.close()
-        self.arena.pool.close()
+        self._index.clear()
+        self._held.clear()
+        self._arena.close()  # frees every slot still in use (held ones included)
+        self._arena.pool.close()

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import enum
 from collections import OrderedDict
-from collections.abc import Collection, Iterable
+from collections.abc import Collection, Hashable, Iterable
 from dataclasses import dataclass, field
 
 from edmm.engine.kv_policy import AdoptionCost
@@ -61,6 +61,10 @@ from edmm.memory.copies import CopyTicket
 from edmm.memory.offload import HostKV, HostKVStore
 
 _CHAIN_SEED = 0x45444D4D  # "EDMM": the hash chain's value before the first block
+
+# A cache entry's tag: any hashable value, compared by equality only (the index never looks
+# inside one). The agent layer's are `edmm.agent.SessionTag`s.
+CacheTag = Hashable
 
 
 def chain_seed(salt: str | None) -> int:
@@ -93,7 +97,7 @@ class PrefixHit:
     slot: int
     num_tokens: int
     source: int
-    claimed: str | None = None
+    claimed: CacheTag | None = None
     source_tokens: int = 0
     committed: tuple[int, ...] = ()
     rank: EntryRank = EntryRank.PLAIN
@@ -103,7 +107,7 @@ class PrefixHit:
 
 @dataclass
 class _Entry:
-    tag: str | None = None
+    tag: CacheTag | None = None
     rank: EntryRank = EntryRank.PLAIN
     priority: float = 0.0  # within a rank: lower is evicted first
 
@@ -145,7 +149,7 @@ class PrefixCache:
         self.enabled = enabled
         self.offload = offload
         self.policy = policy if policy is not None else AdoptionCost()
-        self._offloaded: dict[str, _Offloaded] = {}  # tag -> its host copy
+        self._offloaded: dict[CacheTag, _Offloaded] = {}  # tag -> its host copy
         self.offloaded_total = 0  # entries copied to the host, over the cache's life
         self.restored_total = 0  # host copies brought back
         self._sources: dict[int, _Source] = {}
@@ -165,15 +169,15 @@ class PrefixCache:
         """Slots held by the cache with rank <= ``max_rank``, least recently used first."""
         return [slot for slot, e in self._lru.items() if e.rank <= max_rank]
 
-    def tagged(self, tag: str) -> list[int]:
+    def tagged(self, tag: CacheTag) -> list[int]:
         """Entry slots tagged ``tag``, least recently used first."""
         return [slot for slot, e in self._lru.items() if e.tag == tag]
 
-    def tags(self) -> set[str]:
+    def tags(self) -> set[CacheTag]:
         """The tags of every entry and host copy."""
         return {e.tag for e in self._lru.values() if e.tag is not None} | set(self._offloaded)
 
-    def offloaded_tokens(self, tag: str) -> int:
+    def offloaded_tokens(self, tag: CacheTag) -> int:
         """Tokens of ``tag``'s host copy (0: none)."""
         off = self._offloaded.get(tag)
         return 0 if off is None else off.kv.num_tokens
@@ -194,7 +198,7 @@ class PrefixCache:
         src.tokens = tokens
         self._extend(slot, src, num_tokens)
 
-    def release(self, slot: int, tokens: list[int], num_tokens: int, tag: str | None = None,
+    def release(self, slot: int, tokens: list[int], num_tokens: int, tag: CacheTag | None = None,
                 rank: EntryRank = EntryRank.PLAIN, priority: float = 0.0,
                 salt: str | None = None) -> None:
         """The owner is done with ``slot``, whose KV holds ``tokens[:num_tokens]``: keep it as
@@ -213,7 +217,7 @@ class PrefixCache:
         self._lru[slot] = _Entry(tag, rank, priority)
         self._write_behind(slot)
 
-    def set_retention(self, tag: str, rank: EntryRank, priority: float = 0.0) -> int:
+    def set_retention(self, tag: CacheTag, rank: EntryRank, priority: float = 0.0) -> int:
         """Set the eviction class and priority of every entry tagged ``tag``; return how many."""
         slots = self.tagged(tag)
         for slot in slots:
@@ -224,12 +228,12 @@ class PrefixCache:
             off.priority = priority  # what a prefetch of it may evict (`restore`)
         return len(slots)
 
-    def untag(self, tags: Iterable[str], rank: EntryRank) -> int:
+    def untag(self, tags: Iterable[CacheTag], rank: EntryRank) -> int:
         """Make the entries tagged with any of ``tags`` plain untagged entries of ``rank`` (no
         memory is touched: stale but valid KV, reusable by lookups, evicted in turn)."""
         return self.retag(tags, None, rank)
 
-    def retag(self, tags: Iterable[str], new_tag: str | None, rank: EntryRank) -> int:
+    def retag(self, tags: Iterable[CacheTag], new_tag: CacheTag | None, rank: EntryRank) -> int:
         """Give the entries tagged with any of ``tags`` the tag ``new_tag`` (None: untagged)
         and eviction class ``rank``; their host copies are dropped. No memory is touched."""
         wanted = set(tags)
@@ -240,7 +244,7 @@ class PrefixCache:
             self._drop_shadow(slot)
         return len(slots)
 
-    def discard(self, tags: Iterable[str]) -> int:
+    def discard(self, tags: Iterable[CacheTag]) -> int:
         """Free every entry tagged with one of ``tags`` (and their host copies); return how
         many entries."""
         wanted = set(tags)
@@ -280,8 +284,8 @@ class PrefixCache:
             return None  # no block matched, or a hash collision
         return best
 
-    def acquire(self, tokens: list[int], max_tokens: int, claim: Collection[str] = (),
-                own_tag: str | None = None, salt: str | None = None) -> PrefixHit | None:
+    def acquire(self, tokens: list[int], max_tokens: int, claim: Collection[CacheTag] = (),
+                own_tag: CacheTag | None = None, salt: str | None = None) -> PrefixHit | None:
         """A slot for a new sequence whose first ``num_tokens`` tokens already have KV: the
         longest cached prefix of ``tokens`` (see `lookup`), or None.
 
@@ -320,7 +324,7 @@ class PrefixCache:
 
     # ------------------------------------------------------------------ eviction
     def evict_one(self, max_rank: EntryRank = EntryRank.RETAINED,
-                  protect: Collection[str] = ()) -> bool:
+                  protect: Collection[CacheTag] = ()) -> bool:
         """Free one entry of rank <= ``max_rank`` (tag not in ``protect``): the lowest rank,
         then the lowest priority, then the least recently used. False if there is none."""
         victim: int | None = None
@@ -336,8 +340,8 @@ class PrefixCache:
         self._free_entry(victim)
         return True
 
-    def restore(self, tag: str, evict: EntryRank | None = None, protect: Collection[str] = ()
-                ) -> bool:
+    def restore(self, tag: CacheTag, evict: EntryRank | None = None,
+                protect: Collection[CacheTag] = ()) -> bool:
         """Copy ``tag``'s host copy back into a fresh slot, as the entry it was (most recently
         used). Without a free slot or pages it fails (False, nothing changes), unless entries
         of rank <= ``evict`` (tags not in ``protect``) are evicted for it first."""
@@ -356,7 +360,7 @@ class PrefixCache:
         self.restored_total += 1
         return True
 
-    def _mapped_slot(self, num_tokens: int, evict: EntryRank | None, protect: Collection[str]
+    def _mapped_slot(self, num_tokens: int, evict: EntryRank | None, protect: Collection[CacheTag]
                      ) -> int | None:
         """A new slot mapping ``num_tokens`` tokens, evicting as `evict_one` allows."""
         while True:
@@ -501,7 +505,7 @@ class PrefixCache:
         """Copies that may still run on ``slot`` (not yet awaited)."""
         return len(self._pending.get(slot, ()))
 
-    def _drop_offloaded(self, tags: set[str]) -> None:
+    def _drop_offloaded(self, tags: set[CacheTag]) -> None:
         for tag in tags & self._offloaded.keys():
             off = self._offloaded.pop(tag)
             assert self.offload is not None
@@ -514,8 +518,8 @@ class PrefixCache:
         self._await(slot)
         self.arena.free(slot)
 
-    def _best_claimed(self, tokens: list[int], max_tokens: int, tags: set[str],
-                      own_tag: str | None, seed: int) -> tuple[int, int] | None:
+    def _best_claimed(self, tokens: list[int], max_tokens: int, tags: set[CacheTag],
+                      own_tag: CacheTag | None, seed: int) -> tuple[int, int] | None:
         """``(slot, n)`` of the claimed entry sharing the longest prefix with ``tokens``; on a
         tie the own-tagged entry wins (nothing to retire), then the most recent one. The
         longest entries are compared first, and one too short to reach the best match so far
@@ -538,7 +542,7 @@ class PrefixCache:
                 best, best_key = (slot, n), key
         return best
 
-    def _adopt(self, slot: int, n: int, own_tag: str | None) -> PrefixHit:
+    def _adopt(self, slot: int, n: int, own_tag: CacheTag | None) -> PrefixHit:
         """Adopt claimed entry ``slot`` truncated to ``n`` tokens; retire the own-tagged
         entries it supersedes (`KVArena.commit`: an index swap, no copy, no driver call).
         When its tail is long, branch from it instead (the entry stays)."""

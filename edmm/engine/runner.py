@@ -114,7 +114,7 @@ class PinnedRing:
 
     def take(self, n: int) -> tuple[Tensor, int]:
         """A pinned buffer of at least ``n`` elements that no pending copy uses, and its
-        index for `done`."""
+        index for `copied`."""
         i, self._next = self._next, (self._next + 1) % len(self._bufs)
         event = self._events[i]
         if event is not None:
@@ -126,7 +126,7 @@ class PinnedRing:
             self._bufs[i] = buf
         return buf, i
 
-    def done(self, i: int) -> torch.cuda.Event:
+    def copied(self, i: int) -> torch.cuda.Event:
         """Mark buffer ``i``'s copy queued on the current stream; its event."""
         event = torch.cuda.Event()
         event.record()
@@ -171,7 +171,7 @@ class ModelRunner:
         host, i = self._outputs.take(len(inputs.sample_seqs))
         host = host[:len(inputs.sample_seqs)]
         host.copy_(tokens, non_blocking=True)
-        return Launch(batch, inputs.sample_seqs, tokens, host, self._outputs.done(i))
+        return Launch(batch, inputs.sample_seqs, tokens, host, self._outputs.copied(i))
 
     def prepare(self, batch: ScheduledBatch, previous: Launch | None = None) -> ModelInputs:
         """Flatten a batch into device tensors, in one host-to-device copy: the token ids,
@@ -221,7 +221,7 @@ class ModelRunner:
         staged = buf[:len(values)]
         staged.copy_(host)
         out = staged.to(self.device, non_blocking=True)
-        self._inputs.done(i)
+        self._inputs.copied(i)
         return out
 
     def forward(self, inputs: ModelInputs) -> Tensor:

@@ -61,7 +61,7 @@ from dataclasses import dataclass, field
 
 from edmm.engine.errors import EngineConfigError, IntegrityError
 from edmm.engine.kv_manager import KVCacheManager
-from edmm.engine.prefix_cache import EntryRank, PrefixHit
+from edmm.engine.prefix_cache import CacheTag, EntryRank, PrefixHit
 from edmm.engine.sampling import RequestRng, SamplingParams
 from edmm.engine.sequence import (
     ABORTED,
@@ -221,7 +221,7 @@ class Scheduler:
         # True when the last `schedule` preempted a request or left the queue's head waiting
         # for KV memory: pages freed now are wanted by a request (what a prefetch must not take)
         self.memory_short = False
-        self.speculated: Counter[str] = Counter()  # tag -> tokens computed by speculation
+        self.speculated: Counter[CacheTag] = Counter()  # tag -> tokens computed by speculation
         self.speculated_total = 0  # tokens computed by speculation, since start
         self._seqs: dict[str, Sequence] = {}
         self._arrivals = itertools.count()
@@ -316,7 +316,8 @@ class Scheduler:
         if batch.preempted:
             return batch
         budget = self._schedule_waiting(batch, budget)
-        if not batch.seqs:
+        if not batch.seqs and not self.running:  # idle (a request whose last token is still
+            # on the device runs: its output waits for the next step)
             self._schedule_speculation(batch, min(budget, self.config.speculative_tokens_when_idle))
             return batch
         busy, padding = self.config.speculative_tokens_when_busy, self._padding(batch)
@@ -586,7 +587,7 @@ class Scheduler:
         session's); False if none."""
         return self.kv.make_room(EntryRank.PLAIN)
 
-    def _make_room(self, protect: tuple[str, ...] = ()) -> bool:
+    def _make_room(self, protect: tuple[CacheTag, ...] = ()) -> bool:
         """Free memory for a request: slots retired by zero-copy commits, a speculation entry,
         else the latest speculative prefill, else any other cache entry (rank, priority, LRU)
         not tagged in ``protect``. False if none is left."""

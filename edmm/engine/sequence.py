@@ -12,7 +12,7 @@ import enum
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
-from edmm.engine.prefix_cache import EntryRank, PrefixHit
+from edmm.engine.prefix_cache import CacheTag, EntryRank, PrefixHit
 from edmm.engine.sampling import RequestRng, SamplingParams
 
 
@@ -49,13 +49,13 @@ class SlotHints:
     session gives a tag it frees with the session, so closing it frees them too.
     """
 
-    tag: str | None = None
+    tag: CacheTag | None = None
     rank: EntryRank = EntryRank.PLAIN
     priority: float = 0.0
-    claim: tuple[str, ...] = ()
+    claim: tuple[CacheTag, ...] = ()
     min_cached: int = 0
     cache_salt: str | None = None
-    stale_tag: str | None = None
+    stale_tag: CacheTag | None = None
 
 
 ABORTED = "abort"  # finish reason of an aborted request (besides FinishReason's stop/length)

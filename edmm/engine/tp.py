@@ -191,6 +191,26 @@ class _RankHooks:
         """Nothing: `serve_rank` returns on `PlanKind.STOP`."""
 
 
+class FollowerHooks(_RankHooks):
+    """A non-zero rank's hooks: they keep the rank's arena and runner for `serve_rank`."""
+
+    def __init__(self, group: RankGroup) -> None:
+        super().__init__(group)
+        self.arena: KVArena | None = None
+        self.runner: ModelRunner | None = None
+
+    def make_arena(self, pool: PagePool, spec: KVSpec, num_slots: int,
+                   max_tokens: int, read_align: int = 1) -> KVArena:
+        """A plain arena, kept: rank 0's operations are replayed on it."""
+        self.arena = super().make_arena(pool, spec, num_slots, max_tokens, read_align)
+        return self.arena
+
+    def wrap_runner(self, runner: ModelRunner) -> ModelRunner:
+        """The runner itself, kept: `serve_rank` drives it."""
+        self.runner = runner
+        return runner
+
+
 class LeaderHooks(_RankHooks):
     """Rank 0's hooks: a journaled arena, a broadcasting runner, the other ranks' lifetimes."""
 
@@ -304,15 +324,19 @@ def planned_batch(seqs: list[PlannedSeq]) -> ScheduledBatch:
                            for i, s in enumerate(seqs)])
 
 
-def serve_rank(engine: Engine, group: RankGroup) -> None:
-    """A non-zero rank's loop: replay and run rank 0's plans until `PlanKind.STOP`."""
+def serve_rank(hooks: FollowerHooks, group: RankGroup) -> None:
+    """A non-zero rank's loop, on the arena and runner of its engine's ``hooks``: replay and
+    run rank 0's plans until `PlanKind.STOP`."""
+    arena, runner = hooks.arena, hooks.runner
+    if arena is None or runner is None:
+        raise TensorParallelError("serve_rank needs the hooks of a built engine")
     while True:
         plan = group.broadcast(None)
-        replay(engine.kv.arena, plan.ops)
+        replay(arena, plan.ops)
         if plan.kind is PlanKind.STEP:
-            engine.runner.execute(planned_batch(plan.seqs))
+            runner.execute(planned_batch(plan.seqs))
         elif plan.kind is PlanKind.CHECK:
-            group.gather(rank_report(engine.kv.arena, group.rank))
+            group.gather(rank_report(arena, group.rank))
         else:
             return
 
@@ -374,9 +398,10 @@ def _rank_main(config: EngineConfig, rank: int, port: int, timeout_s: float,
     group = RankGroup.join(rank, config.tensor_parallel_size, port, torch.device(cfg.device),
                            timeout_s)
     try:
-        engine = Engine(cfg, parallel=_RankHooks(group))
+        hooks = FollowerHooks(group)
+        engine = Engine(cfg, parallel=hooks)
         try:
-            serve_rank(engine, group)
+            serve_rank(hooks, group)
         finally:
             engine.close()
     finally:

@@ -34,7 +34,9 @@ _MAP_FAILED = ctypes.c_void_p(-1).value
 DEFAULT_HOST_PAGE_SIZE = 64 * 1024
 
 
-def _load_libc() -> ctypes.CDLL:
+def load_libc() -> ctypes.CDLL:
+    """The C library with the argument and result types of the calls the host twin makes
+    (``mmap``, ``munmap``, ``mprotect``, ``fallocate``); errors set ``errno``."""
     libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
     libc.mmap.restype = ctypes.c_void_p
     libc.mmap.argtypes = [
@@ -68,7 +70,7 @@ class HostVMM:
             raise ValueError(f"page_size must be a positive multiple of {os_page}, got {page_size}")
         self.page_size = page_size
         self.device = torch.device("cpu")
-        self._libc = _load_libc()
+        self._libc = load_libc()
         self._fd = os.memfd_create("edmm-pages", os.MFD_CLOEXEC)
         self._num_extents = 0
         self._free_extents: list[int] = []

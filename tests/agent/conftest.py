@@ -29,9 +29,8 @@ def make_agent(tiny_dir: Path) -> Iterator[MakeAgent]:
     yield make
     for agent in agents:
         agent.check_integrity()
-        pool = agent.engine.kv.pool
         for session_id in agent.session_ids():
             agent.close_session(session_id)
         agent.engine.reset_prefix_cache()
-        assert pool.num_used == 0
+        assert agent.engine.stats().kv.pages_in_use == 0
         agent.close()

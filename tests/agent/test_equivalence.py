@@ -13,7 +13,6 @@ script every page is back in the pool.
 from __future__ import annotations
 
 import itertools
-import json
 import random
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -24,8 +23,9 @@ from agent_helpers import FakeClock, greedy, run
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from kv_helpers import tiny_engine_config as engine_config
+from tiers import examples
 
-from edmm.agent import AgentEngine, SessionState, TokenLayout, ToolCall, ToolResult
+from edmm.agent import AgentEngine, SessionState, SessionTag, TokenLayout, ToolCall, ToolResult
 from edmm.agent.render import TokenRenderer
 from edmm.engine import Engine
 
@@ -265,15 +265,16 @@ def run_agent(agent: AgentEngine, clock: FakeClock, script: Script, plans: list[
 
 def check_owners(agent: AgentEngine) -> None:
     """Every prefix-cache entry of an agent-only engine is owned by an open session: it
-    carries a tag, and the tag names the session (the agent's tags are JSON lists ``[kind,
-    session id, ...]``). An untagged entry is one no close would free."""
+    carries a tag, and the tag names the session (a `SessionTag`). An untagged entry is one
+    no close would free."""
     open_sessions = set(agent.session_ids())
     kv = agent.engine.kv
     tagged = {slot: tag for tag in kv.tags() for slot in kv.tagged(tag)}
     untagged = set(kv.entry_slots()) - set(tagged)
     assert not untagged, f"entries {sorted(untagged)} are owned by no session"
     for slot, tag in tagged.items():
-        assert json.loads(tag)[1] in open_sessions, f"entry {slot} ({tag}) outlived its session"
+        assert isinstance(tag, SessionTag), f"entry {slot} ({tag!r}) is no session's"
+        assert tag.session_id in open_sessions, f"entry {slot} ({tag}) outlived its session"
 
 
 # ---------------------------------------------------------------------- the test
@@ -313,7 +314,7 @@ def engines(tiny_dir: Path, device: str,
 
 def _clean(agent: AgentEngine) -> bool:
     return not (agent.session_ids() or agent.has_unfinished() or agent.has_speculation()
-                or agent.engine.kv.pool.num_used > agent.engine.runner.reserved_slots)
+                or agent.engine.stats().kv.pages_in_use > agent.engine._runner.reserved_slots)
 
 
 @pytest.fixture(scope="module")
@@ -345,7 +346,7 @@ HEAVY = Script(  # three long sessions in a pool that holds barely one: eviction
     tuple(SessionScript(110 + k, 4, (_HEAVY_STEP, _HEAVY_STEP)) for k in range(3)), 34, 16, 7)
 
 
-@settings(max_examples=300, deadline=None, derandomize=True,
+@settings(max_examples=examples(300), deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(script=script_st)
 @example(script=HEAVY)
@@ -361,18 +362,18 @@ def test_greedy_outputs_identical_with_edmm_on_and_off(
     assert on == off
     agent.check_integrity()
     assert not agent.has_speculation() and not agent.session_ids()
-    arena = agent.engine.kv.arena
-    reserved = agent.engine.runner.reserved_slots  # a CUDA-graph runner's pad slot: one page
+    arena = agent.engine.kv._arena
+    reserved = agent.engine._runner.reserved_slots  # a CUDA-graph runner's pad slot: one page
     cached = arena.stats().slots_in_use - reserved
-    assert cached == agent.engine.kv.index.num_entries + arena.stats().slots_retired
-    assert agent.engine.kv.index.num_entries == 0  # each session's entries went with it
+    assert cached == agent.engine.stats().kv.cache_entries + arena.stats().slots_retired
+    assert agent.engine.stats().kv.cache_entries == 0  # each session's entries went with it
     agent.engine.reset_prefix_cache()  # frees the retired slots
-    assert agent.engine.kv.pool.num_used == reserved
+    assert agent.engine.stats().kv.pages_in_use == reserved
     assert arena.stats().slots_in_use == reserved
     agent.check_integrity()
 
 
-@settings(max_examples=60, deadline=None, derandomize=True,
+@settings(max_examples=examples(60), deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(script=script_st)
 @example(script=Script((SessionScript(6, 4, (ToolStep((CallScript(1, 0.5, "none"),), 0, 0, 0,
@@ -386,4 +387,4 @@ def test_closing_a_session_frees_every_entry_it_made(
     rng = random.Random(script.seed)
     agent, clock = engines(script.num_pages, script.budget)
     run_agent(agent, clock, script, [plan(s, rng) for s in script.sessions], f"o{next(_ids)}")
-    assert agent.engine.kv.index.num_entries == 0
+    assert agent.engine.stats().kv.cache_entries == 0

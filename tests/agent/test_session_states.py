@@ -187,8 +187,7 @@ def test_deadline_abandons_the_session_and_reclaims_its_kv(make_agent: MakeAgent
     paused(agent)
     agent.predict_tool_result("s", "c1", list(range(200, 230)))
     agent.step()  # speculation starts
-    pool = agent.engine.kv.pool
-    assert pool.num_used > 0
+    assert agent.engine.stats().kv.pages_in_use > 0
     clock.advance(599.0)
     agent.step()
     assert agent.session_state("s") == S.AWAITING_TOOL
@@ -196,7 +195,7 @@ def test_deadline_abandons_the_session_and_reclaims_its_kv(make_agent: MakeAgent
     agent.step()
     assert agent.session_state("s") == S.ABANDONED
     assert agent.session_metrics("s").abandoned
-    assert pool.num_used == 0 and not agent.has_speculation()
+    assert agent.engine.stats().kv.pages_in_use == 0 and not agent.has_speculation()
     with pytest.raises(SessionStateError):
         agent.resume("s", "t1", [ToolResult("c1", [5])], greedy())
     with pytest.raises(SessionStateError):
@@ -211,7 +210,7 @@ def test_close_session_while_speculating_frees_everything(make_agent: MakeAgent)
     agent.step()
     assert agent.has_speculation()
     agent.close_session("s")
-    assert not agent.has_speculation() and agent.engine.kv.pool.num_used == 0
+    assert not agent.has_speculation() and agent.engine.stats().kv.pages_in_use == 0
     with pytest.raises(UnknownSessionError):
         agent.session_state("s")
     agent.check_integrity()

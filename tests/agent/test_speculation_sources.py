@@ -8,7 +8,15 @@ from typing import Any
 import pytest
 from agent_helpers import FakeClock, MakeAgent, drain, greedy, run
 
-from edmm.agent import AgentConfig, AgentEngine, TokenLayout, ToolCall, ToolResult, ToolSpec
+from edmm.agent import (
+    AgentConfig,
+    AgentEngine,
+    SessionTag,
+    TokenLayout,
+    ToolCall,
+    ToolResult,
+    ToolSpec,
+)
 from edmm.agent.errors import SessionStateError, UnknownPolicyError
 from edmm.agent.render import TemplateRenderer, TokenRenderer, assistant_message
 from edmm.agent.retention import RETENTION_POLICIES, PausedSession
@@ -319,7 +327,7 @@ def test_offloaded_session_is_prefetched_before_its_tool_returns(make_agent: Mak
     agent.await_tools("s", [ToolCall("c1", "f")], expected_duration_s=5.0)
     agent.add_request("big", list(range(200, 450)), greedy(4))  # 32 pages: the session goes
     run(agent)
-    cache = agent.engine.kv.index
+    cache = agent.engine.kv._index
     assert cache.offloaded_total == int(offload) and cache.num_entries == 1
     while cache.evict_one(max_rank=EntryRank.PLAIN):  # room again (others' entries go)
         pass
@@ -347,20 +355,20 @@ def test_no_prefetch_while_a_request_waits_for_memory(make_agent: MakeAgent) -> 
     agent.await_tools("s", [ToolCall("c1", "f")], expected_duration_s=5.0)
     agent.add_request("big", list(range(200, 450)), greedy(4))  # 32 pages: the session goes
     run(agent)
-    cache = agent.engine.kv.index
+    cache = agent.engine.kv._index
     while cache.evict_one(max_rank=EntryRank.PLAIN):
         pass
     agent.add_request("hog", list(range(300, 450)), greedy(40))  # 19 pages, then more
     agent.add_request("wait", list(range(500, 650)), greedy(4))  # 19 more: does not fit
     agent.step()
-    assert agent.engine.scheduler.memory_short and agent.engine.kv.pool.num_free >= 9
+    assert agent.engine.memory_short() and agent.engine.stats().kv.pages_free >= 9
     clock.advance(4.6)
     agent.step()  # inside the lead, 9 pages free, but "wait" waits for memory
-    assert agent.engine.scheduler.memory_short and cache.restored_total == 0
+    assert agent.engine.memory_short() and cache.restored_total == 0
     agent.abort("wait")
     agent.step()
     agent.step()  # nothing waits: prefetched
-    assert not agent.engine.scheduler.memory_short and cache.restored_total == 1
+    assert not agent.engine.memory_short() and cache.restored_total == 1
     run(agent)
     agent.check_integrity()
 
@@ -373,7 +381,7 @@ def test_resume_restores_an_offloaded_session_making_room(make_agent: MakeAgent)
     agent.await_tools("s", [ToolCall("c1", "f")])
     agent.add_request("big", list(range(200, 450)), greedy(4))
     run(agent)
-    cache = agent.engine.kv.index
+    cache = agent.engine.kv._index
     assert cache.offloaded_total == 1 and cache.num_entries == 1  # the big request's entry
     out = resume_and_run(agent, RESULT)
     assert cache.restored_total == 1 and out.num_cached_tokens == len(context) - 1
@@ -390,7 +398,7 @@ def test_prefetch_off_leaves_the_copy_for_the_resume(make_agent: MakeAgent) -> N
     agent.await_tools("s", [ToolCall("c1", "f")], expected_duration_s=5.0)
     agent.add_request("big", list(range(200, 450)), greedy(4))
     run(agent)
-    cache = agent.engine.kv.index
+    cache = agent.engine.kv._index
     while cache.evict_one(max_rank=EntryRank.PLAIN):
         pass
     clock.advance(4.8)
@@ -426,7 +434,7 @@ def test_a_finished_turn_is_held_until_its_end_is_reported(make_agent: MakeAgent
     context = first_turn(agent)  # 9 pages; its end not reported yet
     agent.add_request("big", list(range(200, 450)), greedy(4))  # 32 pages: the session goes
     run(agent)
-    cache = agent.engine.kv.index
+    cache = agent.engine.kv._index
     assert cache.offloaded_total == (1 if window_s else 0)
     agent.await_tools("s", [ToolCall("c1", "f")])  # reported now
     out = resume_and_run(agent, RESULT)
@@ -441,10 +449,10 @@ def test_end_turn_and_the_window_release_the_hold(make_agent: MakeAgent) -> None
     clock = FakeClock()
     agent = make_agent(AgentConfig(speculation=(), retention="keep", report_window_s=2.0),
                        clock=clock, num_pages=48)
-    cache = agent.engine.kv.index
+    cache = agent.engine.kv._index
 
     def rank(session_id: str) -> EntryRank:
-        (slot,) = cache.tagged(f'["session", "{session_id}"]')
+        (slot,) = cache.tagged(SessionTag.session(session_id))
         plain = slot in cache.entry_slots(max_rank=EntryRank.PLAIN)
         return EntryRank.PLAIN if plain else EntryRank.RETAINED
 

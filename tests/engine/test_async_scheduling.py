@@ -96,13 +96,13 @@ def test_outputs_stream_one_token_at_a_time(qwen2_case: HFCase, make_engine: Mak
     after the step that sampled it; decode steps take their input from the device."""
     engine = make_engine(qwen2_case.folder, async_scheduling=True)
     launches: list[list[bool]] = []
-    launch = engine.runner.launch
+    launch = engine._runner.launch
 
     def spy(batch: Any, previous: Any = None) -> Any:
         launches.append([s.pending_input for s in batch.seqs])
         return launch(batch, previous)
 
-    engine.runner.launch = spy  # type: ignore[method-assign]
+    engine._runner.launch = spy  # type: ignore[method-assign]
     engine.add_request("a", qwen2_case.prompts[1], greedy(max_tokens=8))
     seen: list[list[int]] = []
     while engine.has_unfinished():
@@ -193,3 +193,39 @@ def test_async_scheduling_is_refused_with_tensor_parallel() -> None:
         EngineConfig(async_scheduling=True, tensor_parallel_size=2)
     assert not EngineConfig(tensor_parallel_size=2).uses_async_scheduling
     assert not EngineConfig().uses_async_scheduling  # the CPU: no CUDA graphs
+
+
+def test_step_timing_accounts_for_the_step(qwen2_case: HFCase, make_engine: MakeEngine) -> None:
+    """`Engine.last_step_timing` splits a step's host time into its phases (they add up to
+    no more than the call's wall time); a flush of the step in flight has no launch."""
+    import time
+
+    engine = make_engine(qwen2_case.folder, async_scheduling=True)
+    engine.add_request("a", qwen2_case.prompts[2], greedy(max_tokens=3))
+    phases = []
+    while engine.has_unfinished():
+        t = time.perf_counter()
+        engine.step()
+        wall = time.perf_counter() - t
+        timing = engine.last_step_timing
+        assert timing is not None
+        total = timing.schedule_s + timing.launch_s + timing.wait_s + timing.process_s
+        assert min(timing.schedule_s, timing.launch_s, timing.wait_s, timing.process_s) >= 0
+        assert total <= wall
+        phases.append(timing.launch_s > 0)
+    assert phases == [True, True, True, False]  # 3 tokens: prefill, 2 decodes, the last flush
+
+
+def test_abort_of_the_last_request_leaves_nothing_unfinished(qwen2_case: HFCase,
+                                                             make_engine: MakeEngine) -> None:
+    """The step in flight computed only for the aborted request: the engine has nothing left
+    to give, and the next step finishes the launch without an output."""
+    engine = make_engine(qwen2_case.folder, async_scheduling=True)
+    engine.add_request("a", qwen2_case.prompts[1], greedy(max_tokens=20))
+    engine.step()
+    engine.step()
+    assert engine.has_unfinished()
+    engine.abort("a")
+    assert not engine.has_unfinished()
+    assert engine.step() == []
+    engine.check_integrity()

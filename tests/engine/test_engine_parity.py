@@ -13,13 +13,13 @@ from edmm.engine.runner import Launch
 def record_batches(engine: Engine) -> list[ScheduledBatch]:
     """Spy on the batches the runner launches."""
     batches: list[ScheduledBatch] = []
-    launch = engine.runner.launch
+    launch = engine._runner.launch
 
     def spy(batch: ScheduledBatch, previous: Launch | None = None) -> Launch:
         batches.append(batch)
         return launch(batch, previous)
 
-    engine.runner.launch = spy  # type: ignore[method-assign]
+    engine._runner.launch = spy  # type: ignore[method-assign]
     return batches
 
 

@@ -61,14 +61,14 @@ def test_abort_releases_memory_and_others_continue(
     for i in (2, 3):
         engine.add_request(str(i), qwen2_case.prompts[i], greedy())
     engine.step()
-    used = engine.kv.pool.num_used
+    used = engine.stats().kv.pages_in_use
     assert engine.abort("3")
     assert not engine.abort("3") and not engine.abort("unknown")
-    assert engine.kv.pool.num_used < used
+    assert engine.stats().kv.pages_in_use < used
     final = run_to_completion(engine)
     assert set(final) == {"2"}
     assert final["2"].outputs[0].token_ids == qwen2_case.reference[2]
-    assert engine.kv.pool.num_free == engine.kv.pool.capacity
+    assert engine.stats().kv.pages_free == engine.stats().kv.pages_total
 
 
 def test_stop_token_ids_and_min_tokens(qwen2_case: HFCase, make_engine: MakeEngine) -> None:

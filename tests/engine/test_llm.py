@@ -21,7 +21,8 @@ def llm(tiny_dir: Path) -> Iterator[LLM]:
         yield model
         model.reset_prefix_cache()
         model.llm_engine.check_integrity()
-        assert model.llm_engine.kv.pool.num_free == model.llm_engine.kv.pool.capacity
+        kv = model.llm_engine.stats().kv
+        assert kv.pages_free == kv.pages_total
 
 
 def test_generate_text_ids_and_dicts_in_order(llm: LLM) -> None:

@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kv_helpers import PAGE, SPEC, filled, host_arena, kv_values
+from tiers import examples
 
 from edmm.engine import (
     KVCacheManager,
@@ -80,7 +81,7 @@ def test_a_copy_over_fragmented_blocks_round_trips_in_one_ticket(arena: KVArena)
     assert store.blocks.free == [(0, 6)] and store.used_bytes == 0
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.integers(1, 24), st.lists(st.tuples(st.booleans(), st.integers(0, 9)), max_size=40))
 def test_host_blocks_match_a_set_of_free_blocks(num_blocks: int,
                                                 ops: list[tuple[bool, int]]) -> None:
@@ -269,14 +270,14 @@ def test_restore_claimed_pushes_other_paused_sessions_out_for_a_resume(
 
     store = HostKVStore(arena, capacity_bytes=1 << 20)
     kv = KVCacheManager(arena, PrefixCache(arena, block_size=4, offload=store))
-    _retain(kv.index, arena, TOKENS, "s1")
+    _retain(kv._index, arena, TOKENS, "s1")
     assert kv.make_room() and kv.offloaded_tokens("s1") == 40
-    _retain(kv.index, arena, [9] * 56, "s2")
-    _retain(kv.index, arena, [8] * 32, "s3")  # 7 + 4 of 12 pages: s1's 5 do not fit
+    _retain(kv._index, arena, [9] * 56, "s2")
+    _retain(kv._index, arena, [8] * 32, "s3")  # 7 + 4 of 12 pages: s1's 5 do not fit
     assert not kv.restore("s1")  # a prefetch does not outrank sessions of its own priority
     kv.restore_claimed({"s1", "s3"})  # a resume claiming s1 (and s3, protected)
     assert kv.offloaded_tokens("s1") == 0 and kv.offloaded_tokens("s2") == 56
-    assert kv.offloaded_tokens("s3") == 0 and kv.index.tagged("s3")
+    assert kv.offloaded_tokens("s3") == 0 and kv.tagged("s3")
     kv.check_integrity()
 
 

@@ -80,7 +80,7 @@ def test_decodes_first_then_chunked_prefill_in_budget(make_arena: MakeArena) -> 
     for name, n in (("a", 9), ("b", 14), ("c", 16)):
         seq = sched.get(name)
         assert seq is not None and seq.slot is not None
-        assert seq.num_computed_tokens == n == sched.kv.arena.num_tokens(seq.slot)
+        assert seq.num_computed_tokens == n == sched.kv.num_tokens(seq.slot)
 
 
 def test_max_num_seqs_and_fifo_admission(make_arena: MakeArena) -> None:
@@ -172,8 +172,8 @@ def test_a_self_preempted_sequence_resumes_from_its_kv(make_arena: MakeArena) ->
     assert arena.pool.num_free == 1
     batch = step(sched)  # a takes the last page; b, the last admitted, preempts itself
     assert batch.preempted == ["b"] and work(batch) == [("a", 16, 1, True)]
-    assert sched.kv.index.num_entries == 1  # b's KV is kept while nothing needs it
-    b_slot = sched.kv.index.entry_slots()[0]
+    assert sched.kv.stats().cache_entries == 1  # b's KV is kept while nothing needs it
+    b_slot = sched.kv.entry_slots()[0]
     sched.finish(a, "stop")  # a's slot becomes an entry too; b's is more recent
 
     batch = step(sched)

@@ -133,9 +133,14 @@ def spec_hints(tag: str) -> SlotHints:
     return SlotHints(tag=tag, rank=EntryRank.SPECULATIVE)
 
 
-def test_speculation_only_uses_the_budget_requests_leave(tiny_dir: Path) -> None:
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_speculation_only_uses_the_budget_requests_leave(tiny_dir: Path,
+                                                         async_scheduling: bool) -> None:
+    """With async scheduling too: a step whose only request waits for its last token (still
+    on the device) is not idle, and the engine is done once the request is."""
     engine = Engine(engine_config(tiny_dir, max_num_batched_tokens=64,
-                                  speculative_tokens_when_busy=16))
+                                  speculative_tokens_when_busy=16,
+                                  async_scheduling=async_scheduling))
     prompt = list(range(50, 90))
     engine.add_request("r", prompt, greedy(8))
     engine.step()  # the prompt's prefill
@@ -177,7 +182,7 @@ def test_memory_pressure_drops_speculation_before_preempting(tiny_dir: Path) -> 
     assert engine.speculation_progress("sp") == (128, 200)
     engine.add_request("r", list(range(10, 210)), greedy(8))  # 200 + 8 tokens: 26 pages
     out = run(engine)["r"]
-    assert engine.scheduler.num_preemptions == 0  # the request never lost its KV
+    assert engine._scheduler.num_preemptions == 0  # the request never lost its KV
     assert not engine.has_speculation() and engine.kv.tagged("b") == []  # the branch was dropped
     assert len(out.outputs[0].token_ids) == 8
     engine.check_integrity()
@@ -190,11 +195,11 @@ def test_speculation_pages_are_capped(tiny_dir: Path) -> None:
     engine.speculate("b", list(range(400, 480)), spec_hints("b"))  # 10 pages: over the cap
     while engine.has_speculation():
         engine.step()
-        assert engine.scheduler.speculative_pages() <= 6
+        assert engine._scheduler.speculative_pages() <= 6
     # "b" evicted "a" (older speculation) and then stopped at the cap
     assert engine.kv.tagged("a") == [] and len(engine.kv.tagged("b")) == 1
     (slot,) = engine.kv.tagged("b")
-    assert engine.kv.arena.num_tokens(slot) == 48  # 6 pages x 8 tokens
+    assert engine.kv.num_tokens(slot) == 48  # 6 pages x 8 tokens
     engine.check_integrity()
     engine.close()
 

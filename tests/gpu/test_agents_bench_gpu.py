@@ -50,7 +50,7 @@ def test_speculation_runs_under_sustained_load_on_cuda() -> None:
             (record,) = matrix.run(matrix.plan_main())
             engine = matrix._engine
             assert engine is not None
-            assert bool(engine.scheduler.config.padded_token_sizes) == fills
+            assert engine.padding_free == fills
         finally:
             matrix.close()
         hits[fills] = record.result.sessions["spec_hits"]

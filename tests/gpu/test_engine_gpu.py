@@ -36,10 +36,10 @@ def test_graphs_and_triton_match_eager_and_hf_in_float32(tmp_path: Path) -> None
     kw = {"device": "cuda", "dtype": "float32", "num_pages": 64, "num_slots": 8,
           "max_num_seqs": 4}
     fast = LLM(str(folder), **kw)
-    assert isinstance(fast.llm_engine.runner, CudaGraphRunner)
+    assert isinstance(fast.llm_engine._runner, CudaGraphRunner)
     got = [o.outputs[0].token_ids for o in fast.generate(inputs, params)]
     fast.llm_engine.check_integrity()
-    replays = fast.llm_engine.runner.replays
+    replays = fast.llm_engine._runner.replays
     assert replays["mixed"] >= 1 and replays["decode"] >= 30 and replays["eager"] == 0
     fast.close()
     eager = LLM(str(folder), enforce_eager=True, **kw)
@@ -90,12 +90,16 @@ def test_mixed_graphs_match_eager_with_staggered_requests(tmp_path: Path, small:
     if small:
         kw["cuda_graph_token_sizes"] = (3, 4, 6, 8, 16, 32, 64, 128, 256)
     fast = Engine(EngineConfig(**kw))
-    runner = fast.runner
+    runner = fast._runner
     assert isinstance(runner, CudaGraphRunner)
     sizes = (3, 4, 6, 8, 16, 32, 64, 128, 256) if small else (
         32, 64, 96, 128, 160, 192, 224, 256)  # the config's, up to the token budget
     assert runner.token_sizes == sizes
-    assert [runner.mixed_seqs(t) for t in sizes[:4]] == ([2, 3, 5, 7] if small else [8] * 4)
+    # the 7 usable slots (one is the pad slot) bound a graph's sequences
+    assert [runner.mixed_seqs(t) for t in sizes[:4]] == ([2, 3, 5, 7] if small else [7] * 4)
+    assert runner.graph_for(1) is runner._decode[min(runner.sizes)].graph
+    assert runner.graph_for(100) is runner._mixed[128].graph
+    assert runner.graph_for(257) is None  # past the largest mixed graph: eager
     got = _staggered(fast, prompts)
     fast.check_integrity()
     assert runner.replays["mixed"] >= 5 and runner.replays["eager"] == 0

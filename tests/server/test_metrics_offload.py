@@ -26,7 +26,7 @@ def test_offload_counters_and_host_bytes(tiny_dir: Path) -> None:
     assert engine.kv.make_room()  # to the host
     metrics = ServerMetrics("tiny")
     text = metrics.render(EngineSnapshot.take(sessions, 0, 0)).decode()
-    host_bytes = 40 * engine.kv.arena.spec.token_bytes
+    host_bytes = 40 * engine.kv.layout().token_bytes
     assert _value(text, "edmm_kv_offloads_total") == 1
     assert _value(text, "edmm_kv_restores_total") == 0
     assert _value(text, "edmm_kv_host_bytes") == host_bytes
@@ -48,8 +48,8 @@ def test_admission_memory_waits_counter(tiny_dir: Path) -> None:
     metrics = ServerMetrics("tiny")
     text = metrics.render(EngineSnapshot.take(sessions, 0, 0)).decode()
     assert _value(text, "edmm_admission_memory_waits_total") == 0
-    engine.scheduler.memory_waits.record(running_pages=12)
-    engine.scheduler.memory_waits.record(running_pages=10)
+    engine._scheduler.memory_waits.record(running_pages=12)
+    engine._scheduler.memory_waits.record(running_pages=10)
     text = metrics.render(EngineSnapshot.take(sessions, 0, 0)).decode()
     assert _value(text, "edmm_admission_memory_waits_total") == 2
     assert engine.stats().memory_wait_running_pages == 22

@@ -143,12 +143,13 @@ def test_explicit_session_and_prefix_lookup(server: LiveServer, client: openai.O
 
 def _held(server: LiveServer, session_id: str) -> bool:
     """Whether the session's KV is held above plain cache entries (retained)."""
+    from edmm.agent import SessionTag
     from edmm.engine import EntryRank
 
     def held(b: Any) -> bool:
-        index = b.engine.kv.index
-        slots = index.tagged(json.dumps(["session", session_id]))
-        plain = set(index.entry_slots(max_rank=EntryRank.PLAIN))
+        kv = b.engine.kv
+        slots = kv.tagged(SessionTag.session(session_id))
+        plain = set(kv.entry_slots(max_rank=EntryRank.PLAIN))
         return bool(slots) and not set(slots) <= plain
 
     return bool(server.state.loop.call(held).result(10))

@@ -3,8 +3,8 @@
 - `read_counters`, `pages_in_use`, `pages_total`: the engine's `stats()` snapshot, as the
   bench's counters.
 - `KVBallast`: shrinks the usable KV pool of a built engine (so one engine, built once, runs at
-  several oversubscriptions) by mapping pages into arena slots no sequence uses; the arena's
-  and pool's invariants hold throughout. A KV-manager capacity knob would replace it.
+  several oversubscriptions) by holding pages out of use (`KVCacheManager.hold_pages`); the
+  KV manager's invariants hold throughout.
 """
 
 from __future__ import annotations
@@ -57,23 +57,15 @@ class KVBallast:
     """Holds ``num_pages`` pages of ``engine``'s pool in otherwise unused arena slots."""
 
     def __init__(self, engine: Engine, num_pages: int) -> None:
-        arena = engine.kv.arena
-        per_slot = arena.pages_for(arena.max_tokens)
         self._engine = engine
-        self.slots: list[int] = []
-        left = num_pages
-        while left > 0:
-            k = min(left, per_slot)
-            slot = arena.allocate()
-            self.slots.append(slot)
-            arena.grow(slot, min(arena.max_tokens, k * arena.page_size // arena.spec.token_bytes))
-            left -= len(arena.slot_pages(slot))
-        self.num_pages = num_pages - left
+        self._held = engine.kv.hold_pages(num_pages)
+        self.slots: list[int] = list(self._held.slots)
+        self.num_pages = self._held.num_pages
 
     def release(self) -> None:
         """Give the pages and slots back."""
-        for slot in self.slots:
-            self._engine.kv.arena.free(slot)
+        if self.slots:
+            self._engine.kv.release_held(self._held)
         self.slots.clear()
 
 
