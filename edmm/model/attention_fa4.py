@@ -15,10 +15,8 @@ needs a scratch a CUDA graph can capture, so of a fixed size: the keys a mixed s
 bounded only by the sum of its prefilling sequences' contexts (several ``max_model_len``s, GBs
 for a 32K model at one layer), and the copy itself re-reads and re-writes the context each layer
 (16 MB read, 32 MB written per 16K sequence and layer: ~16 us at 3 TB/s, about 8% of the FA4
-attention of a 512-token chunk on 16K). The price: on the H200 in BF16 the warp-specialized
-Triton prefill ran 462-478 TFLOP/s for 512 queries on a 16K prefix against FA4's 611-614, so an
-FP8 engine's prefill attention takes up to ~1.3x FA4's (the FP8 tiles' conversion aside), for
-twice the tokens in the same memory.
+attention of a 512-token chunk on 16K). The price, an FP8 engine's prefill attention at the
+Triton kernel's speed rather than FA4's, is in ``docs/limits.md`` (FP8 KV cache).
 
 Measured on an H200 (one layer, Qwen2.5-7B heads, CUDA-event medians): 512 queries on a 16K
 prefix 611-614 TFLOP/s against 420 for the Triton kernel, a 16K one-pass prefill

@@ -29,15 +29,9 @@ error in a dot product). vLLM's ``--kv-cache-dtype fp8`` uses scales of 1.0 unle
 checkpoint carries them; a scale of 1.0 would clip a head whose values pass 448 and push a head
 of small values into e4m3's subnormals, which calibration avoids at no cost per step.
 
-Accuracy, measured on the CPU against FP32 KV (the embedded tool model on its chat prompts, a
-prefill then decode steps; `tests/engine/test_fp8_kv_engine.py` holds the bounds): the logits'
-relative error per position (error norm / logit norm) 0.024 on average and 0.107 at most, the
-argmax the same at 97.5-97.8% of positions, KL(FP32 || FP8) 3e-3 on average (BF16 KV: 0.0016,
-0.011, 99.5%). Headrooms of 1 to 64 gave the same errors (a float's relative precision does not
-move with its scale); scales of 1.0 gave a larger worst case (0.157 against 0.102 on one long
-prompt). The greedy outputs of ``edmm demo``'s 13 agent turns and the README's offline prompts
-are FP32 KV's; the README's agent loop answers its tool result in other words. Attention
-outputs over random KV: 4-5% relative error per row on average, 12% at most.
+What FP8 costs in accuracy, and how it was measured, is in ``docs/benchmarks.md`` (FP8 KV
+cache); the bounds the tests hold are in ``tests/engine/test_fp8_kv_engine.py`` (logits of the
+embedded model, greedy outputs) and ``tests/kernels/test_fp8_kv.py`` (each attention path).
 """
 
 from __future__ import annotations
