@@ -63,7 +63,7 @@ def test_the_pool_holds_the_dtype_s_tokens(tiny_dir: Path) -> None:
     for name in ("auto", "bf16", "fp8"):
         engine = Engine(tiny_engine_config(tiny_dir, kv_cache_dtype=name, num_pages=40))
         try:
-            spec[name] = engine.kv.arena.spec
+            spec[name] = engine.kv._arena.spec
             assert engine.stats().kv.pages_total == 40
             scales = engine.model.kv_scales
             if name != "fp8":
@@ -113,7 +113,7 @@ def test_readme_prompts_give_the_same_greedy_tokens_with_fp8() -> None:
     tokens = {}
     for name in ("auto", "fp8"):
         with LLM(kv_cache_dtype=name) as llm:
-            assert llm.llm_engine.kv.arena.spec.dtype == (
+            assert llm.llm_engine.kv._arena.spec.dtype == (
                 FP8_KV_DTYPE if name == "fp8" else torch.float32)
             tokens[name] = [o.outputs[0].token_ids for o in llm.generate(prompts, greedy)]
     assert tokens["fp8"] == tokens["auto"]
@@ -153,7 +153,7 @@ def _agent_turns(kv_cache_dtype: str, offload: bool) -> tuple[list[Any], AgentEn
         agent.step()
     if offload:
         while agent.engine.stats().kv.offloads == 0:  # the retained session: to the host
-            assert agent.engine.kv.index.evict_one()
+            assert agent.engine.kv._index.evict_one()
     messages.append({"role": "tool", "tool_call_id": "call-1", "content": '{"temp": 21}'})
     prompt = render(messages)
     agent.resume("s1", "t1", [ToolResult("call-1", '{"temp": 21}')], greedy, prompt=prompt)
@@ -194,14 +194,14 @@ def test_an_agent_session_keeps_its_fp8_kv(offload: bool, fp32_turns: list[Any])
         metrics = agent.session_metrics("s1")
         kv = agent.engine.stats().kv
         if offload:
-            token_bytes = agent.engine.kv.arena.spec.token_bytes
+            token_bytes = agent.engine.kv._arena.spec.token_bytes
             assert token_bytes == 512 and kv.offloads == kv.restores == 1
             assert kv.offloaded_bytes_total == kv.restored_bytes_total
             assert kv.offloaded_bytes_total % token_bytes == 0
             assert kv.offloaded_bytes_total // token_bytes >= got[2]
         else:
             assert metrics.spec_hits == 1
-        stored = agent.engine.kv.arena.kv
+        stored = agent.engine.kv._arena.kv
         assert stored.dtype == FP8_KV_DTYPE
         agent.check_integrity()
     finally:
@@ -222,7 +222,7 @@ def test_tensor_parallel_ranks_calibrate_their_own_heads(tiny_dir: Path) -> None
             [{"prompt_token_ids": p} for p in prompts], greedy)]
         scales = one.llm_engine.model.kv_scales
     with LLM(str(tiny_dir), tensor_parallel_size=2, **small) as two:
-        assert two.llm_engine.kv.arena.spec.dtype == FP8_KV_DTYPE
+        assert two.llm_engine.kv._arena.spec.dtype == FP8_KV_DTYPE
         local = two.llm_engine.model.kv_scales  # rank 0: KV head 0
         assert scales is not None and local is not None and local.shape[-1] == 1
         torch.testing.assert_close(local[..., 0], scales[..., 0], rtol=1e-5, atol=0)
