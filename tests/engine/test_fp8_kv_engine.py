@@ -208,6 +208,7 @@ def test_an_agent_session_keeps_its_fp8_kv(offload: bool, fp32_turns: list[Any])
         agent.close()
 
 
+@pytest.mark.slow  # a TP=2 process group (the fast tier runs one elsewhere)
 def test_tensor_parallel_ranks_calibrate_their_own_heads(tiny_dir: Path) -> None:
     """TP=2 over gloo: each rank calibrates the scales of its KV head together with the other
     (the calibration pass runs the collectives), and generates what TP=1 does with FP8 KV."""

@@ -40,6 +40,13 @@ from edmm.model.kv_quant import FP8_HEADROOM, FP8_MAX, calibrate_kv_scales, cali
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("compiled_kernels"),
               pytest.mark.skipif(not triton_available(), reason="the kernels need triton")]
 
+
+@pytest.fixture(autouse=True)
+def _seeded() -> None:
+    """Each test's random queries from the same seed (the FP8 error bounds are statistics of
+    them, independent of the test order)."""
+    torch.manual_seed(0)
+
 LAYERS, KV_HEADS, HEAD_DIM, HEADS = 28, 4, 128, 28
 SCALE = HEAD_DIM**-0.5
 MAX_TOKENS = 16384
