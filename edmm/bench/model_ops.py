@@ -17,6 +17,11 @@ time each in the same process), fused pointwise ops and CUDA-graph decode on the
 (``eager``: reference SDPA, no fusion, no graphs); the peer is HF
 transformers' best path for the same work (SDPA, a DynamicCache cropped back between repeats).
 Wall-clock times with the device synchronised around each repeat.
+
+``kv_cache_dtypes`` times each EDMM side once per KV cache dtype (``fp8`` beside ``bf16``:
+`edmm.model.kv_quant`, scales calibrated as the engine does), and ``decode_batches`` adds decode
+steps of that many sequences at each context (op ``decode step xB``; EDMM only): the slot's
+KV copied into B - 1 more slots (their own pages, as B sessions hold), each appending a token.
 """
 
 from __future__ import annotations
@@ -59,6 +64,12 @@ from edmm.model.attention_choice import (
 )
 from edmm.model.attention_triton import PREFILL
 from edmm.model.config import ModelConfig
+from edmm.model.kv_quant import (
+    calibrate_kv_scales,
+    calibration_ids,
+    is_fp8,
+    kv_storage_dtype,
+)
 from edmm.model.loader import load_model
 
 MEASURED_BF16_TFLOPS = 790.0  # dense bf16 matmul on the lent H200 (docs/design.md)
@@ -95,6 +106,10 @@ class ModelOpsConfig:
     # None: the model driven directly on one device; N: through the engine, split over N GPUs
     # (`edmm.bench.model_ops_engine`)
     tensor_parallel_size: int | None = None
+    # KV cache dtypes (`KV_CACHE_DTYPES`) each EDMM side is timed with, one after the other:
+    # the first's rows keep the side's engine label, the others' get "-kv-<name>"
+    kv_cache_dtypes: tuple[str, ...] = ("auto",)
+    decode_batches: tuple[int, ...] = (1,)  # sequences of the decode steps timed (EDMM only)
 
 
 def _sync(device: torch.device) -> None:
@@ -114,7 +129,8 @@ def _timed(out: list[float], device: torch.device) -> Iterator[None]:
 class EdmmSide:
     """The model on a KV arena with one slot, driven directly (no scheduler in the way)."""
 
-    def __init__(self, cfg: ModelOpsConfig, max_ctx: int, attention: str = "auto") -> None:
+    def __init__(self, cfg: ModelOpsConfig, max_ctx: int, attention: str = "auto",
+                 kv_cache_dtype: str = "auto") -> None:
         self.device = torch.device(cfg.device)
         attention = resolve_attention(attention, AttentionCapabilities.probe(cfg.device))
         max_tokens = max_ctx + cfg.new_tokens + 1
@@ -123,13 +139,17 @@ class EdmmSide:
         cuda = self.device.type == "cuda"
         self.backend = open_backend("cuda" if cuda else "host",
                                     host_page_size=cfg.host_page_size)
-        dtype = self.model.model.embed_tokens.weight.dtype
+        dtype = kv_storage_dtype(kv_cache_dtype, self.model.model.embed_tokens.weight.dtype)
+        if is_fp8(dtype):  # the engine's scales: calibrated once, before any KV is written
+            ids = calibration_ids(None, self.cfg.vocab_size)
+            self.model.set_kv_scales(calibrate_kv_scales(self.model, ids))
         spec = KVSpec(self.cfg.num_layers, self.cfg.num_kv_heads, self.cfg.head_dim, dtype)
         align = kv_read_align(attention)
-        pages = -(-max_tokens * spec.token_bytes // self.backend.page_size) + 2
+        batch = max(cfg.decode_batches)
+        pages = batch * (-(-max_tokens * spec.token_bytes // self.backend.page_size) + 2)
         pad = -(-align * spec.token_bytes // self.backend.page_size)  # the pad slot's pages
         self.pool = PagePool(self.backend, pages + pad)
-        self.arena = KVArena(self.pool, spec, num_slots=2, max_tokens=max_tokens,
+        self.arena = KVArena(self.pool, spec, num_slots=batch + 1, max_tokens=max_tokens,
                              read_align=align)
         self.runner: ModelRunner
         if cuda and not cfg.eager:
@@ -142,11 +162,13 @@ class EdmmSide:
                 self.model.set_matmul(RoutedMatmul(matmul_routes))
             # As the engine's mixed graphs: the chunks of a full prefill replay one too.
             chunks = (cfg.full_prefill_chunk,) if cfg.full_prefill_chunk > 1 else ()
-            self.runner = CudaGraphRunner(self.model, self.arena, self.device, sizes=(1,),
+            self.runner = CudaGraphRunner(self.model, self.arena, self.device,
+                                          sizes=tuple(sorted({1, *cfg.decode_batches})),
                                           token_sizes=(cfg.new_tokens, *chunks), max_seqs=1)
         else:
             self.runner = ModelRunner(self.model, self.arena, self.device)
         self.slot = self.arena.allocate()
+        self.copies: list[int] = []  # slots of `fill_batch`'s copies
         self._greedy = [SamplingParams(temperature=0.0)]
 
     @torch.inference_mode()
@@ -178,6 +200,38 @@ class EdmmSide:
             input_ids=ids, positions=meta.token_index, meta=meta,
             sample_rows=meta.last_token_index, sample_seqs=[0], params=self._greedy,
             rngs=[RequestRng()])
+
+    def fill_batch(self, batch: int, n: int) -> None:
+        """Copy the slot's first ``n`` tokens' KV into ``batch - 1`` other slots (their own
+        pages, not shared ones: B sessions' KV, each read from its own memory)."""
+        while len(self.copies) < batch - 1:
+            self.copies.append(self.arena.allocate())
+        src = self.arena.token_bytes_view(self.slot, 0, n)  # [n * token_bytes] uint8
+        for slot in self.copies[:batch - 1]:
+            self.arena.truncate(slot, 0)
+            self.arena.grow(slot, n)
+            self.arena.token_bytes_view(slot, 0, n).copy_(src)
+
+    @torch.inference_mode()
+    def decode_batch(self, token: torch.Tensor, batch: int) -> torch.Tensor:
+        """One decode step of the slot and its first ``batch - 1`` copies, each appending
+        ``token`` [1]; greedy picks [batch]."""
+        slots = [self.slot, *self.copies[:batch - 1]]
+        ctxs = [self.arena.num_tokens(s) + 1 for s in slots]
+        for slot, n in zip(slots, ctxs, strict=True):
+            self.arena.grow(slot, n)
+        meta = AttentionMetadata.build(slots, [1] * batch, ctxs, self.device)
+        assert meta.token_index is not None and meta.last_token_index is not None
+        inputs = ModelInputs(
+            input_ids=token.expand(batch).contiguous(), positions=meta.token_index, meta=meta,
+            sample_rows=meta.last_token_index, sample_seqs=list(range(batch)),
+            params=self._greedy * batch, rngs=[RequestRng() for _ in range(batch)])
+        return self.runner.sample(self.runner.forward(inputs), inputs)
+
+    def truncate_batch(self, batch: int, n: int) -> None:
+        """Cut the slot and its first ``batch - 1`` copies back to ``n`` tokens."""
+        for slot in [self.slot, *self.copies[:batch - 1]]:
+            self.arena.truncate(slot, n)
 
     def truncate(self, n: int) -> None:
         self.arena.truncate(self.slot, n)
@@ -256,7 +310,28 @@ def _measure(side: EdmmSide | HFSide, ids: torch.Tensor, ctx: int, cfg: ModelOps
                  for i, t in enumerate(times)]
         if op == "full prefill":
             side.truncate(ctx)
+    if isinstance(side, EdmmSide):
+        for batch in (b for b in cfg.decode_batches if b > 1):
+            rows += _measure_batch(side, ids, ctx, batch, cfg.repeats, engine, progress)
     return rows
+
+
+def _measure_batch(side: EdmmSide, ids: torch.Tensor, ctx: int, batch: int, repeats: int,
+                   engine: str, progress: Progress) -> list[dict[str, Any]]:
+    """Rows of decode steps of ``batch`` sequences completing ``ctx``-token contexts."""
+    op = f"decode step x{batch}"
+    side.truncate(ctx - 1)
+    side.fill_batch(batch, ctx - 1)
+    times: list[float] = []
+    for i in range(repeats + 1):  # the first repeat is a warm-up
+        side.truncate_batch(batch, ctx - 1)
+        with _timed(times if i else [], side.device):
+            side.decode_batch(ids[ctx - 1:ctx], batch)
+        progress.step(f"{engine} {op} at {ctx}")
+    side.truncate_batch(batch, 0)
+    side.extend(ids[:ctx])  # the single sequence's cache, as the next context expects
+    return [{"engine": engine, "op": op, "context_tokens": ctx, "new_tokens": batch,
+             "iteration": i, "ms": t} for i, t in enumerate(times)]
 
 
 def _summary(rows: list[dict[str, Any]], flops_of: Callable[[str, int], float],
@@ -281,6 +356,10 @@ def _flops(mcfg: ModelConfig, new_tokens: int) -> Callable[[str, int], float]:
     params = layers * (h * (q + 2 * kv) + q * h + 3 * h * inter) + h * mcfg.vocab_size
 
     def flops(op: str, ctx: int) -> float:
+        batch = int(op.rsplit("x", 1)[1]) if op.startswith("decode step x") else 1
+        if batch > 1:  # B sequences of one new token each over ctx keys
+            dense = 2 * params * batch
+            return float(dense + 4 * batch * ctx * mcfg.num_heads * mcfg.head_dim * layers)
         n = {"decode step": 1, "prefill on cached prefix": new_tokens,
              "full prefill": ctx}[op]
         lm_head_rows = 1  # logits only for the last token
@@ -298,6 +377,9 @@ def run_model_ops_bench(cfg: ModelOpsConfig, out_dir: Path) -> dict[str, Path]:
     out_dir.mkdir(parents=True, exist_ok=True)
     max_ctx = max(cfg.contexts)
     if cfg.tensor_parallel_size is not None:
+        if cfg.kv_cache_dtypes != ("auto",) or max(cfg.decode_batches) > 1:
+            raise ValueError("kv_cache_dtypes and decode_batches time the model driven "
+                             "directly, not through the engine (tensor_parallel_size)")
         rows, mcfg = _measure_through_engine(cfg, max_ctx)
     else:
         rows, mcfg = _measure_direct(cfg, max_ctx)
@@ -328,17 +410,22 @@ def _measure_direct(cfg: ModelOpsConfig, max_ctx: int
     sides = edmm_sides(cfg)
     rows: list[dict[str, Any]] = []
     per_ctx = cfg.full_prefill_repeats + 2 * cfg.repeats + 3  # + a warm-up of each op
-    progress = Progress("model ops", (len(sides) + cfg.peer) * len(cfg.contexts) * per_ctx)
+    batched = sum(b > 1 for b in cfg.decode_batches) * (cfg.repeats + 1)
+    runs = len(sides) * len(cfg.kv_cache_dtypes)
+    progress = Progress("model ops", (runs * (per_ctx + batched) + cfg.peer * per_ctx)
+                        * len(cfg.contexts))
     ids: torch.Tensor | None = None
-    for engine, attention in sides.items():
-        edmm = EdmmSide(cfg, max_ctx, attention)
-        mcfg = edmm.cfg
-        if ids is None:  # the same tokens for every side
-            ids = torch.randint(0, mcfg.vocab_size, (max_ctx + 1,), device=edmm.device)
-        for ctx in cfg.contexts:
-            rows += _measure(edmm, ids, ctx, cfg, engine, progress)
-        edmm.close()
-        del edmm
+    for side_label, attention in sides.items():
+        for i, kv_dtype in enumerate(cfg.kv_cache_dtypes):
+            engine = side_label if i == 0 else f"{side_label}-kv-{kv_dtype}"
+            edmm = EdmmSide(cfg, max_ctx, attention, kv_dtype)
+            mcfg = edmm.cfg
+            if ids is None:  # the same tokens for every side
+                ids = torch.randint(0, mcfg.vocab_size, (max_ctx + 1,), device=edmm.device)
+            for ctx in cfg.contexts:
+                rows += _measure(edmm, ids, ctx, cfg, engine, progress)
+            edmm.close()
+            del edmm
     assert ids is not None
     if cfg.peer:
         hf = HFSide(cfg, mcfg)
@@ -379,7 +466,19 @@ def _direct_notes(cfg: ModelOpsConfig) -> list[str]:
               if gpu and not cfg.eager and cfg.full_prefill_chunk > 1 else "")
     return [*gpu, "full prefill: " + (f"chunks of {cfg.full_prefill_chunk} tokens (both "
                                       f"engines{graphs}), each launched without waiting for "
-                                      "the last" if cfg.full_prefill_chunk else "one pass")]
+                                      "the last" if cfg.full_prefill_chunk else "one pass"),
+            *_kv_notes(cfg)]
+
+
+def _kv_notes(cfg: ModelOpsConfig) -> list[str]:
+    notes = [f"KV cache: {', '.join(cfg.kv_cache_dtypes)} (the first under each side's own "
+             "engine label, the others as -kv-<dtype>; fp8: e4m3 with per-layer, per-KV-head "
+             "scales)"]
+    batches = [b for b in cfg.decode_batches if b > 1]
+    if batches:
+        notes.append(f"decode step xB: B sequences of the context (each its own pages), one "
+                     f"token each, B in {batches}; EDMM only")
+    return notes
 
 
 def _engine_notes(cfg: ModelOpsConfig) -> list[str]:
@@ -433,12 +532,13 @@ def _matmul_note(routes: MatmulRoutes | None) -> str:
 
 def _plot(summary: list[dict[str, Any]], out_dir: Path, device: str, model: str) -> list[str]:
     notes = []
-    for op in OPS:
+    batched = [op for op in dict.fromkeys(r["op"] for r in summary) if op not in OPS]
+    for op in (*OPS, *batched):
         rows = [dict(r, context=tokens_label(r["context_tokens"])) for r in summary
                 if r["op"] == op]
         if not rows:
             continue
-        name = f"ttft-{op.split()[0]}.png"
+        name = f"ttft-{op.split()[0]}{'-' + op.split()[-1] if op in batched else ''}.png"
         peer = " beside transformers" if any(r["engine"] == "transformers" for r in rows) else ""
         try:
             plot_bars(rows, "context", "trimmed_mean_ms", "engine", out_dir / name,

@@ -11,6 +11,7 @@ from edmm.engine.scheduler import SchedulerConfig
 from edmm.memory.backends import BACKEND_NAMES
 from edmm.memory.host import DEFAULT_HOST_PAGE_SIZE
 from edmm.model.attention_choice import ATTENTION_CHOICES
+from edmm.model.kv_quant import KV_CACHE_DTYPES
 
 HOST_POOL_BYTES = 4 << 30  # default cap of the host pool (memfd pages are committed on touch)
 # Running sequences by default, by device (vLLM's serving defaults: 1024 on GPUs of >= 70 GiB,
@@ -35,7 +36,12 @@ class EngineConfig:
             embedded tool model (`edmm.model.tiny.default_model`).
         tokenizer: a local tokenizer folder; None: the model folder, if it holds one.
         device: ``"cpu"`` or ``"cuda"`` (``"cuda:N"``).
-        dtype: weights and KV dtype; None: the model config's.
+        dtype: weights dtype (and the KV's with ``kv_cache_dtype="auto"``); None: the model
+            config's.
+        kv_cache_dtype: how the KV cache stores K and V, one of `KV_CACHE_DTYPES`: ``auto``
+            (the weights' dtype), ``bf16``, or ``fp8`` (e4m3 with per-layer, per-KV-head
+            scales calibrated at start-up: half of BF16's bytes per token, so twice the tokens
+            in the same pages; `edmm.model.kv_quant`).
         backend: VMM backend of the KV arena: ``"auto"`` (CUDA on a CUDA device, else the host
             twin), ``"cuda"`` or ``"host"``.
         host_page_size: page size of the host twin in bytes.
@@ -91,6 +97,7 @@ class EngineConfig:
     tokenizer: str | None = None
     device: str = "cpu"
     dtype: str | torch.dtype | None = None
+    kv_cache_dtype: str = "auto"
     backend: str = "auto"
     host_page_size: int = DEFAULT_HOST_PAGE_SIZE
     num_pages: int | None = None
@@ -124,6 +131,9 @@ class EngineConfig:
             raise EngineConfigError("the cuda backend needs device='cuda'")
         if self.backend_kind == "host" and device.type != "cpu":
             raise EngineConfigError("the host backend needs device='cpu'")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise EngineConfigError(
+                f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
         if self.attention not in ATTENTION_CHOICES:
             raise EngineConfigError(
                 f"attention must be one of {ATTENTION_CHOICES}, got {self.attention!r}")

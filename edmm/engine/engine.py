@@ -45,6 +45,7 @@ from edmm.engine.scheduler import Resolved, ScheduledBatch, Scheduler, Scheduler
 from edmm.engine.sequence import SPECULATED, SequenceKind, SlotHints
 from edmm.engine.sequence import Sequence as Seq
 from edmm.engine.step_cost import StepCostModel, StepShape, StepTimeModel
+from edmm.kernels._common import FP8_KV_DTYPE
 from edmm.kernels.decode_routes import default_decode_routes
 from edmm.kernels.matmul_routes import default_matmul_routes
 from edmm.kernels.skinny_matmul import RoutedMatmul
@@ -58,6 +59,12 @@ from edmm.model.attention_choice import (
     build_backend,
     kv_read_align,
     resolve_attention,
+)
+from edmm.model.kv_quant import (
+    calibrate_kv_scales,
+    calibration_ids,
+    is_fp8,
+    kv_storage_dtype,
 )
 from edmm.model.prompt_encoder import TokenIds
 
@@ -265,9 +272,10 @@ class Engine:
         self.tokenizer = _load_tokenizer(config.tokenizer, folder)
         self.eos_token_ids = _eos_token_ids(self.model_config, self.tokenizer, folder)
         self.max_model_len = _max_model_len(config, self.model)
-        dtype = next(self.model.parameters()).dtype
         local = self.model.cfg  # with ``parallel``: this rank's heads
-        spec = KVSpec(local.num_layers, local.num_kv_heads, local.head_dim, dtype)
+        spec = KVSpec(local.num_layers, local.num_kv_heads, local.head_dim,
+                      _kv_dtype(config, self.model, self.tokenizer,
+                                self.model_config.vocab_size))
         self.attention = _attention_name(config)
         self._backend, pool, arena = _build_memory(config, spec, self.max_model_len,
                                                    kv_read_align(self.attention), parallel)
@@ -645,6 +653,22 @@ def _max_model_len(config: EngineConfig, model: CausalLM) -> int:
         raise EngineConfigError(
             f"max_model_len={config.max_model_len} exceeds the model's {limit} positions")
     return config.max_model_len
+
+
+def _kv_dtype(config: EngineConfig, model: CausalLM, tokenizer: Any,
+              vocab_size: int) -> torch.dtype:
+    """The KV cache's storage dtype (``config.kv_cache_dtype`` for this model); for FP8 the
+    model's KV scales are calibrated and set first (every tensor-parallel rank does this
+    together: the pass runs the model's collectives)."""
+    weights = next(model.parameters()).dtype
+    dtype = kv_storage_dtype(config.kv_cache_dtype, weights)
+    if config.uses_cuda_graphs and dtype not in (weights, FP8_KV_DTYPE):
+        raise EngineConfigError(
+            f"kv_cache_dtype={config.kv_cache_dtype!r} with {weights} weights: the GPU kernels "
+            "read KV of the weights' dtype or FP8 (other caches run eagerly: enforce_eager)")
+    if is_fp8(dtype):
+        model.set_kv_scales(calibrate_kv_scales(model, calibration_ids(tokenizer, vocab_size)))
+    return dtype
 
 
 def _attention_name(config: EngineConfig) -> str:

@@ -14,6 +14,8 @@ from dataclasses import dataclass
 import torch
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+FP8_KV_DTYPE = torch.float8_e4m3fn  # a scaled KV cache's storage (edmm.model.kv_quant)
+FP8_MAX = 448.0  # the largest finite e4m3 value: writes clamp to it
 INDEX_DTYPES = (torch.int32, torch.int64)
 MIN_HEAD_DIM = 16  # tl.dot needs K >= 16
 MAX_HEAD_DIM = 128
@@ -241,8 +243,9 @@ def check_head_dim(head_dim: int) -> None:
 def kv_layer_view(kv_cache: torch.Tensor, layer: int, q: torch.Tensor) -> torch.Tensor:
     """Check ``kv_cache`` against ``q`` [.., Hq, D]; return the layer's view, no copy.
 
-    ``kv_cache`` is [slots, max_tokens, layers, 2, Hkv, D] with unit stride on D; the result is
-    [slots, max_tokens, 2, Hkv, D] with the cache's strides.
+    ``kv_cache`` is [slots, max_tokens, layers, 2, Hkv, D] with unit stride on D, in q's dtype
+    or scaled FP8 (`FP8_KV_DTYPE`); the result is [slots, max_tokens, 2, Hkv, D] with the
+    cache's strides.
     """
     if kv_cache.dim() != 6 or kv_cache.shape[3] != 2:
         raise KernelInputError(
@@ -259,12 +262,33 @@ def kv_layer_view(kv_cache: torch.Tensor, layer: int, q: torch.Tensor) -> torch.
         raise KernelInputError(f"head_dim of q ({head_dim}) != kv_cache ({kv_cache.shape[5]})")
     if num_heads % num_kv_heads:
         raise KernelInputError(f"{num_heads} query heads not a multiple of {num_kv_heads}")
-    if q.dtype not in SUPPORTED_DTYPES or kv_cache.dtype != q.dtype:
+    if q.dtype not in SUPPORTED_DTYPES or kv_cache.dtype not in (q.dtype, FP8_KV_DTYPE):
         raise KernelInputError(f"q ({q.dtype}) and kv_cache ({kv_cache.dtype}) must share one "
-                               f"of {SUPPORTED_DTYPES}")
+                               f"of {SUPPORTED_DTYPES}, or the cache be {FP8_KV_DTYPE}")
     if kv_cache.device != q.device:
         raise KernelInputError(f"q on {q.device}, kv_cache on {kv_cache.device}")
     return kv_cache[:, :, layer]
+
+
+def kv_scale_arg(kv: torch.Tensor, kv_scale: torch.Tensor | None) -> torch.Tensor:
+    """The kernels' scale argument for the layer view ``kv`` [S, M, 2, Hkv, D].
+
+    An FP8 cache needs ``kv_scale``: float32 [2, Hkv], contiguous, on kv's device (the layer's
+    K scales, then its V scales: stored values times these are the model's). Other caches
+    ignore it and get ``kv`` back, a placeholder the kernels do not read.
+    """
+    if kv.dtype != FP8_KV_DTYPE:
+        return kv
+    heads = kv.shape[3]
+    if kv_scale is None:
+        raise KernelInputError("an FP8 kv_cache needs kv_scale, float32 [2, Hkv]")
+    if (kv_scale.dtype != torch.float32 or tuple(kv_scale.shape) != (2, heads)
+            or kv_scale.stride() != (heads, 1)):
+        raise KernelInputError(f"kv_scale must be contiguous float32 [2, {heads}], got "
+                               f"{kv_scale.dtype} {tuple(kv_scale.shape)} {kv_scale.stride()}")
+    if kv_scale.device != kv.device:
+        raise KernelInputError(f"kv_scale on {kv_scale.device}, kv_cache on {kv.device}")
+    return kv_scale
 
 
 def check_index(t: torch.Tensor, name: str, length: int, device: torch.device) -> None:

@@ -18,6 +18,11 @@ SMs. With one split the split kernel writes the final output itself and nothing 
 VARLEN, q and out are a packed [T, Hq, D] batch: sequence b's query is row cu_q[b], and
 sequences with other than exactly one query are skipped (the prefill kernel computes those).
 
+FP8: the cache holds scaled e4m3 (`edmm.model.kv_quant`). Tiles are converted to q's dtype
+after the load (exact: every e4m3 value is a bf16 / fp16 one); a program's KV head has one K
+and one V scale, so the K scale multiplies the softmax scale of its scores and the V scale
+its normalised output, and nothing dequantised is ever written.
+
 BALANCED: each split of a sequence gets an equal share of its tokens (within one), not a
 multiple of BLOCK_N, so split counts that are no power of two (a multiple of the SM count)
 keep every split busy; the last tile of each chunk is masked.
@@ -77,6 +82,7 @@ def decode_split_kernel(
     q_ptr, kv_ptr, slot_ids_ptr, ctx_lens_ptr, out_ptr, part_o_ptr, part_lse_ptr, cu_q_ptr,
     kv_desc,  # TMA: descriptor of the layer view as [S, M, 2 * Hkv * D], box [1, BLOCK_N, D]
     count_ptr,  # FUSED: int32 [B * Hkv] counters, zero on entry and on exit
+    kv_scale_ptr,  # FP8: float32 [2, Hkv], the layer's K then V scales
     num_splits,  # a runtime value: no recompile per batch size
     qk_scale,  # softmax scale * log2(e)
     stride_qb, stride_qh,  # q [B, Hq, D]
@@ -89,7 +95,7 @@ def decode_split_kernel(
     VARLEN: tl.constexpr, FUSED: tl.constexpr, MERGE_G: tl.constexpr, MERGE_S: tl.constexpr,
     LSE_S: tl.constexpr, PDL: tl.constexpr, EARLY: tl.constexpr, PREFETCH: tl.constexpr,
     PREFETCH_TOKENS: tl.constexpr, ELEM_BYTES: tl.constexpr, BALANCED: tl.constexpr,
-    TMA: tl.constexpr,
+    TMA: tl.constexpr, FP8: tl.constexpr,
 ):
     """One (sequence, KV head, split): attention of the group's queries over its token chunk;
     with FUSED, the last split of a (sequence, KV head) to finish merges them all."""
@@ -129,6 +135,10 @@ def decode_split_kernel(
     heads = kvh * GROUP + offs_g  # [GROUP_PAD] query heads of this KV head
     q_ptrs = q_ptr + row_q.to(tl.int64) * stride_qb + heads[:, None] * stride_qh + offs_d[None, :]
     q = tl.load(q_ptrs, mask=g_mask[:, None], other=0.0)  # [GROUP_PAD, D]
+    v_scale = 1.0
+    if FP8:  # the head's K scale into the scores' scale, its V scale onto the output
+        qk_scale = qk_scale * tl.load(kv_scale_ptr + kvh)
+        v_scale = tl.load(kv_scale_ptr + tl.num_programs(1) + kvh)
 
     m_i = tl.full([GROUP_PAD], NEG_INIT, tl.float32)
     l_i = tl.zeros([GROUP_PAD], tl.float32)
@@ -141,6 +151,7 @@ def decode_split_kernel(
             k = kv_desc.load([slot.to(tl.int32), n0, k_col]).reshape(BLOCK_N, HEAD_DIM)
             v = kv_desc.load([slot.to(tl.int32), n0, k_col + stride_kkv]).reshape(BLOCK_N,
                                                                                   HEAD_DIM)
+            k, v = k.to(q.dtype), v.to(q.dtype)  # no-ops unless the cache is FP8
             m_i, l_i, acc = _attend_tile(q, k, v, offs_n < BLOCK_N, m_i, l_i, acc, qk_scale,
                                          DOT_PRECISION)
     for n0 in range(tail, end, BLOCK_N):
@@ -149,10 +160,11 @@ def decode_split_kernel(
         tok = offs.to(tl.int64)[:, None] * stride_kt + offs_d[None, :]
         k = tl.load(k_base + tok, mask=n_mask[:, None], other=0.0)  # [BLOCK_N, D]
         v = tl.load(v_base + tok, mask=n_mask[:, None], other=0.0)  # [BLOCK_N, D]
+        k, v = k.to(q.dtype), v.to(q.dtype)  # no-ops unless the cache is FP8
         m_i, l_i, acc = _attend_tile(q, k, v, n_mask, m_i, l_i, acc, qk_scale, DOT_PRECISION)
 
     has = l_i > 0.0  # False for an empty split (or an empty context)
-    o = acc / tl.where(has, l_i, 1.0)[:, None]  # [GROUP_PAD, D]
+    o = acc * (v_scale / tl.where(has, l_i, 1.0))[:, None]  # [GROUP_PAD, D]
     if SINGLE_SPLIT:
         o_ptrs = (out_ptr + row_q.to(tl.int64) * stride_ob + heads[:, None] * stride_oh
                   + offs_d[None, :])

@@ -16,6 +16,10 @@ length is ever loaded.
 
 `prefill_ws_kernel` is the same attention as one warp-specialized loop for Hopper (see its
 docstring).
+
+FP8: the cache holds scaled e4m3 (`edmm.model.kv_quant`); both kernels convert each K/V tile to
+q's dtype after its load (exact) and fold the head's K scale into the scores' scale and its V
+scale into the output.
 """
 
 from __future__ import annotations
@@ -37,7 +41,7 @@ def _load_tile(base, n0, n_end, stride_kt, MASKED: tl.constexpr, HEAD_DIM: tl.co
         x = tl.load(base + tok, mask=(offs_n < n_end)[:, None], other=0.0)
     else:
         x = tl.load(base + tok)
-    return x
+    return x  # in the cache's dtype
 
 
 @triton.jit
@@ -67,12 +71,24 @@ def _attend_range(q, k_base, v_base, stride_kt, lo, hi, tile_end, m_i, l_i, acc,
     """The KV tiles from ``lo`` to ``hi``: whole tiles below every row's limit, or (MASKED)
     the diagonal ones."""
     for n0 in range(lo, hi, BLOCK_N):
-        k = _load_tile(k_base, n0, tile_end, stride_kt, MASKED, HEAD_DIM, BLOCK_N)
+        k = _load_tile(k_base, n0, tile_end, stride_kt, MASKED, HEAD_DIM, BLOCK_N).to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        v = _load_tile(v_base, n0, tile_end, stride_kt, MASKED, HEAD_DIM, BLOCK_N)
+        v = _load_tile(v_base, n0, tile_end, stride_kt, MASKED, HEAD_DIM, BLOCK_N).to(q.dtype)
         m_i, l_i, acc = _softmax_pv(s, v, n0, m_i, l_i, acc, lim, qk_scale, MASKED, BLOCK_N,
                                     DOT_PRECISION)
     return m_i, l_i, acc
+
+
+@triton.jit
+def _head_scales(kv_scale_ptr, kvh, qk_scale, GROUP: tl.constexpr, FP8: tl.constexpr):
+    """The scores' scale and the output's factor of KV head ``kvh`` (the grid's axis 1 being
+    the query heads, GROUP per KV head): ``qk_scale`` and 1, or with FP8 ``qk_scale`` times
+    the head's K scale and its V scale."""
+    v_scale = 1.0
+    if FP8:
+        qk_scale = qk_scale * tl.load(kv_scale_ptr + kvh)
+        v_scale = tl.load(kv_scale_ptr + tl.num_programs(1) // GROUP + kvh)
+    return qk_scale, v_scale
 
 
 @triton.jit
@@ -110,6 +126,7 @@ def _find_tile(cu_q_ptr, num_seqs, steps, BLOCK_M: tl.constexpr, SKIP_SINGLE: tl
 @triton.jit(do_not_specialize=["slot_arg", "ctx_arg", "qlen_arg", "num_seqs", "steps", "qk_scale"])
 def prefill_kernel(
     q_ptr, kv_ptr, out_ptr, cu_q_ptr, slot_ids_ptr, ctx_lens_ptr,
+    kv_scale_ptr,  # FP8: float32 [2, Hkv], the layer's K then V scales
     slot_arg, ctx_arg, qlen_arg,  # the one sequence's slot, tokens, queries when not VARLEN
     num_seqs, steps,  # B and its bit length when VARLEN
     qk_scale,  # softmax scale * log2(e)
@@ -118,7 +135,7 @@ def prefill_kernel(
     stride_ot, stride_oh,  # out [T, Hq, D]
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     VARLEN: tl.constexpr, SKIP_SINGLE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    REVERSE: tl.constexpr,
+    REVERSE: tl.constexpr, FP8: tl.constexpr,
 ):
     """One (query tile, query head) of end-aligned causal attention."""
     if VARLEN:
@@ -149,6 +166,7 @@ def prefill_kernel(
     rows = (q_start + query).to(tl.int64)
     q = tl.load(q_ptr + rows[:, None] * stride_qt + head * stride_qh + offs_d[None, :],
                 mask=m_mask[:, None], other=0.0)  # [BLOCK_M, D]
+    qk_scale, v_scale = _head_scales(kv_scale_ptr, kvh, qk_scale, GROUP, FP8)
 
     k_base = kv_ptr + slot.to(tl.int64) * stride_ks + kvh * stride_kh
     v_base = k_base + stride_kkv
@@ -164,7 +182,7 @@ def prefill_kernel(
                                   m_i, l_i, acc, lim, qk_scale, True, HEAD_DIM, BLOCK_N,
                                   DOT_PRECISION)
 
-    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    o = acc * (v_scale / tl.where(l_i > 0.0, l_i, 1.0))[:, None]
     o_ptrs = out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :]
     tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
 
@@ -172,6 +190,7 @@ def prefill_kernel(
 @triton.jit(do_not_specialize=["num_seqs", "steps", "num_tokens", "qk_scale"])
 def prefill_ws_kernel(
     q_ptr, kv_ptr, out_ptr, cu_q_ptr, slot_ids_ptr, ctx_lens_ptr,
+    kv_scale_ptr,  # FP8: float32 [2, Hkv], the layer's K then V scales
     num_seqs, steps, num_tokens,  # B and its bit length; T, the rows of q
     qk_scale,  # softmax scale * log2(e)
     stride_qt,  # q [T, Hq, D], unit stride on D and Hq * D
@@ -179,6 +198,7 @@ def prefill_ws_kernel(
     stride_ot, stride_oh,  # out [T, Hq, D]
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     SKIP_SINGLE: tl.constexpr, REVERSE: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    FP8: tl.constexpr,
 ):
     """`prefill_kernel` (VARLEN) as one warp-specialized loop: a TMA producer warpgroup feeds
     two consumer warpgroups that split the BLOCK_M rows (Triton's Hopper warp specialization).
@@ -199,6 +219,7 @@ def prefill_ws_kernel(
     m0 = mt * BLOCK_M  # first query of this tile
     head = tl.program_id(1)
     kvh = head // GROUP
+    qk_scale, v_scale = _head_scales(kv_scale_ptr, kvh, qk_scale, GROUP, FP8)
 
     query = m0 + tl.arange(0, BLOCK_M)  # [BLOCK_M]
     last_q = tl.minimum(m0 + BLOCK_M, qlen) - 1
@@ -217,13 +238,13 @@ def prefill_ws_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], tl.float32)
     for n0 in tl.range(0, hi, BLOCK_N, warp_specialize=True):
-        k = k_desc.load([n0, 0])  # [BLOCK_N, D], zeros past tile_end
+        k = k_desc.load([n0, 0]).to(q.dtype)  # [BLOCK_N, D], zeros past tile_end
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        v = v_desc.load([n0, 0])
+        v = v_desc.load([n0, 0]).to(q.dtype)
         m_i, l_i, acc = _softmax_pv(s, v, n0, m_i, l_i, acc, lim, qk_scale, True, BLOCK_N,
                                     DOT_PRECISION)
 
-    o = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    o = acc * (v_scale / tl.where(l_i > 0.0, l_i, 1.0))[:, None]
     rows = (q_start + query).to(tl.int64)
     offs_d = tl.arange(0, HEAD_DIM)
     o_ptrs = out_ptr + rows[:, None] * stride_ot + head * stride_oh + offs_d[None, :]

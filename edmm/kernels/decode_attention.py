@@ -18,6 +18,7 @@ from dataclasses import replace
 import torch
 
 from edmm.kernels._common import (
+    FP8_KV_DTYPE,
     CounterWorkspace,
     DecodeConfig,
     KernelInputError,
@@ -26,6 +27,7 @@ from edmm.kernels._common import (
     decode_tma_usable,
     dot_precision,
     kv_layer_view,
+    kv_scale_arg,
     next_pow2,
     pdl_usable,
     require_triton,
@@ -76,13 +78,15 @@ def decode_attention(
     max_context: int | None = None,
     config: DecodeConfig | None = None,
     workspace: CounterWorkspace | None = None,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Attention of one query token per sequence over its slot's first ``context_lens`` tokens.
 
     Args:
         q: [B, Hq, D] fp16/bf16/fp32, unit stride on D.
         kv_cache: [slots, max_tokens, layers, 2, Hkv, D], any strides with unit stride on D;
-            only tokens < context_len of the slots in ``slot_ids`` are read.
+            only tokens < context_len of the slots in ``slot_ids`` are read. fp16/bf16/fp32,
+            or scaled FP8 (float8_e4m3fn, with ``kv_scale``).
         layer: layer index into ``kv_cache``.
         slot_ids: [B] int32/int64 on q's device.
         context_lens: [B] int32/int64 on q's device, each in [0, max_tokens] (0 gives zeros).
@@ -96,6 +100,8 @@ def decode_attention(
         workspace: the counters of a fused launch (``config.fused``); default a fresh
             zeroed one per call (one more small launch: callers that launch often, or
             capture graphs, keep one `CounterWorkspace`).
+        kv_scale: an FP8 cache's float32 [2, Hkv] K and V scales of ``layer`` (stored values
+            times these are the model's K and V); ignored for other caches.
 
     Returns:
         [B, Hq, D] in q's dtype.
@@ -106,7 +112,7 @@ def decode_attention(
     q = unit_last_stride(q)
     out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [B, Hq, D]
     return _decode(q, kv_cache, layer, None, slot_ids, context_lens, out, scale, num_splits,
-                   max_context, config, workspace, split_batch=q.shape[0])
+                   max_context, config, workspace, kv_scale, split_batch=q.shape[0])
 
 
 def decode_attention_varlen(
@@ -122,6 +128,7 @@ def decode_attention_varlen(
     max_context: int | None = None,
     config: DecodeConfig | None = None,
     workspace: CounterWorkspace | None = None,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`decode_attention` for the sequences with exactly one query of a packed batch, in place.
 
@@ -133,8 +140,8 @@ def decode_attention_varlen(
         cu_seqlens_q: [B + 1]; slot_ids, context_lens: [B] (int32/int64, q's device).
         out: [T, Hq, D] in q's dtype, unit stride on D: row cu_seqlens_q[b] of each
             single-query sequence b is written, no other row.
-        num_splits, max_context, config, workspace: as in `decode_attention` (the default
-            split count assumes a few of the B sequences are single-query).
+        num_splits, max_context, config, workspace, kv_scale: as in `decode_attention` (the
+            default split count assumes a few of the B sequences are single-query).
 
     Returns ``out``. The launch depends on B and the static arguments only (capturable).
     """
@@ -145,17 +152,19 @@ def decode_attention_varlen(
     batch = slot_ids.shape[0]
     check_index(cu_seqlens_q, "cu_seqlens_q", batch + 1, q.device)
     return _decode(unit_last_stride(q), kv_cache, layer, cu_seqlens_q, slot_ids, context_lens,
-                   out, scale, num_splits, max_context, config, workspace,
+                   out, scale, num_splits, max_context, config, workspace, kv_scale,
                    split_batch=min(batch, VARLEN_DECODES))
 
 
 def _decode(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, cu_q: torch.Tensor | None,
             slot_ids: torch.Tensor, context_lens: torch.Tensor, out: torch.Tensor, scale: float,
             num_splits: int | None, max_context: int | None, config: DecodeConfig | None,
-            workspace: CounterWorkspace | None, split_batch: int) -> torch.Tensor:
+            workspace: CounterWorkspace | None, kv_scale: torch.Tensor | None,
+            split_batch: int) -> torch.Tensor:
     """Checks, split count (by default for ``split_batch`` active sequences), partial
     buffers and the launches of both entry points."""
     kv = kv_layer_view(kv_cache, layer, q)  # [S, M, 2, Hkv, D]
+    scale_arg = kv_scale_arg(kv, kv_scale)  # [2, Hkv] float32, or a placeholder
     batch = slot_ids.shape[0] if cu_q is not None else q.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = kv.shape[3]
@@ -166,6 +175,7 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, cu_q: torch.Ten
                                         q.device)
     cfg = config or DecodeConfig()
     if cfg.cuda and cuda_decode_usable(q, kv) is not None:  # the Triton kernel of that tile
+        # (the CUDA kernel reads 16-bit KV of q's dtype only: FP8 caches come here too)
         cfg = replace(cfg, cuda=False, cluster=False)
     limit = MAX_FUSED_SPLITS if cfg.fused else MAX_SPLITS
     if not 1 <= num_splits <= limit:
@@ -181,7 +191,7 @@ def _decode(q: torch.Tensor, kv_cache: torch.Tensor, layer: int, cu_q: torch.Ten
     pdl = cfg.pdl and pdl_usable(q.device)
     prefetch = cfg.prefetch and pdl_usable(q.device)
     _launch_split(q, kv, slot_ids, context_lens, out, part_o, part_lse, cu_q, counters, scale,
-                  num_splits, cfg, fused, pdl, prefetch)
+                  num_splits, cfg, fused, pdl, prefetch, kv_scale=scale_arg)
     if num_splits > 1 and not fused and not merged:
         _launch_reduce(part_o, part_lse, out, cu_q, pdl, cfg.early_launch,
                        sliced=cfg.sliced_reduce)
@@ -204,9 +214,10 @@ def _launch_split(q: torch.Tensor, kv: torch.Tensor, slot_ids: torch.Tensor,
                   context_lens: torch.Tensor, out: torch.Tensor, part_o: torch.Tensor,
                   part_lse: torch.Tensor, cu_q: torch.Tensor | None, counters: torch.Tensor,
                   scale: float, num_splits: int, cfg: DecodeConfig, fused: bool,
-                  pdl: bool, prefetch: bool) -> None:
+                  pdl: bool, prefetch: bool, kv_scale: torch.Tensor | None = None) -> None:
     """Launch the split kernel over (B, Hkv, num_splits): Triton's, or with ``cfg.cuda``
-    the CUDA C++ one (grid (num_splits, Hkv, B), the same partials)."""
+    the CUDA C++ one (grid (num_splits, Hkv, B), the same partials). ``kv_scale``: an FP8
+    cache's checked scales (`kv_scale_arg`)."""
     if cfg.cuda:
         launch_cuda_split(q, kv, slot_ids, context_lens, out, part_o, part_lse, cu_q,
                           scale * math.log2(math.e), num_splits, cfg.num_warps,
@@ -229,7 +240,7 @@ def _launch_split(q: torch.Tensor, kv: torch.Tensor, slot_ids: torch.Tensor,
         q, kv, slot_ids, context_lens, out, part_o, part_lse,
         cu_q if cu_q is not None else slot_ids,  # unused without VARLEN
         _kv_descriptor(kv, cfg.block_n) if tma else kv,  # unused without TMA
-        counters, num_splits,
+        counters, kv if kv_scale is None else kv_scale, num_splits,  # scales unused unless FP8
         scale * math.log2(math.e),
         q.stride(0), q.stride(1),
         kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
@@ -241,7 +252,8 @@ def _launch_split(q: torch.Tensor, kv: torch.Tensor, slot_ids: torch.Tensor,
         VARLEN=cu_q is not None, FUSED=fused, MERGE_G=merge_g, MERGE_S=merge_s, LSE_S=lse_s,
         PDL=pdl, EARLY=cfg.early_launch, PREFETCH=prefetch,
         PREFETCH_TOKENS=cfg.prefetch_tiles * cfg.block_n,
-        ELEM_BYTES=q.element_size(), BALANCED=cfg.balanced, TMA=tma,
+        ELEM_BYTES=kv.element_size(), BALANCED=cfg.balanced, TMA=tma,
+        FP8=kv.dtype == FP8_KV_DTYPE,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **_pdl_launch(pdl),
     )
 

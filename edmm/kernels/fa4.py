@@ -129,6 +129,9 @@ def fa4_varlen_attention(q: torch.Tensor, kv_cache: torch.Tensor, layer: int,
     if q.dtype not in FA4_DTYPES:
         raise KernelInputError(f"FA4 takes {FA4_DTYPES}, got {q.dtype}")
     kv = kv_layer_view(kv_cache, layer, q)  # [S, M, 2, Hkv, D]
+    if kv.dtype != q.dtype:
+        raise KernelInputError(f"FA4 reads K/V of q's dtype ({q.dtype}), got {kv.dtype}: an "
+                               "FP8 cache attends through the Triton prefill kernel")
     if args.seqused_k.shape[0] != kv.shape[0]:
         raise KernelInputError(f"args are for {args.seqused_k.shape[0]} slots, the cache has "
                                f"{kv.shape[0]}")

@@ -15,6 +15,7 @@ import math
 import torch
 
 from edmm.kernels._common import (
+    FP8_KV_DTYPE,
     KernelInputError,
     PrefillConfig,
     cdiv,
@@ -22,6 +23,7 @@ from edmm.kernels._common import (
     dot_precision,
     hopper_or_interpreted,
     kv_layer_view,
+    kv_scale_arg,
     require_triton,
     unit_last_stride,
 )
@@ -36,18 +38,22 @@ def prefill_attention(
     query_len: int,
     scale: float,
     config: PrefillConfig | None = None,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """End-aligned causal attention of one sequence's new tokens.
 
     Args:
         q: [query_len, Hq, D] fp16/bf16/fp32, unit stride on D.
         kv_cache: [slots, max_tokens, layers, 2, Hkv, D]; tokens < context_len of ``slot_id``
-            are read, nothing else.
+            are read, nothing else. fp16/bf16/fp32, or scaled FP8 (float8_e4m3fn, with
+            ``kv_scale``).
         layer, slot_id: where the KV lives.
         context_len: tokens in the slot including the new ones; 1 <= query_len <= context_len.
         query_len: new tokens (== q.shape[0]).
         scale: softmax scale.
         config: launch parameters; default `PrefillConfig()`.
+        kv_scale: an FP8 cache's float32 [2, Hkv] K and V scales of ``layer``; ignored for
+            other caches.
 
     Returns:
         [query_len, Hq, D] in q's dtype.
@@ -63,17 +69,19 @@ def prefill_attention(
                                f"({context_len}) <= max_tokens ({kv_cache.shape[1]})")
     q = unit_last_stride(q)
     kv = kv_layer_view(kv_cache, layer, q)  # [S, M, 2, Hkv, D]
+    scales = kv_scale_arg(kv, kv_scale)  # [2, Hkv] float32, or a placeholder
     out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [Lq, Hq, D]
     cfg = config or PrefillConfig()
     plain = _plain_config(cfg, q, kv)
     if plain is None:
         ids = torch.tensor([0, query_len, slot_id, context_len], dtype=torch.int32)
         ids = ids.to(q.device)
-        _launch_ws(q, kv, out, (ids[:2], ids[2:3], ids[3:]), scale, cfg, skip_single=False)
+        _launch_ws(q, kv, scales, out, (ids[:2], ids[2:3], ids[3:]), scale, cfg,
+                   skip_single=False)
         return out
     cfg = plain
-    _launch(q, kv, out, None, (slot_id, context_len, query_len), cdiv(query_len, cfg.block_m), 1,
-            scale, cfg)
+    _launch(q, kv, scales, out, None, (slot_id, context_len, query_len),
+            cdiv(query_len, cfg.block_m), 1, scale, cfg)
     return out
 
 
@@ -87,6 +95,7 @@ def prefill_attention_varlen(
     scale: float,
     config: PrefillConfig | None = None,
     skip_single: bool = False,
+    kv_scale: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """`prefill_attention` for a batch of B sequences whose queries are packed in q.
 
@@ -94,6 +103,7 @@ def prefill_attention_varlen(
         q: [T, Hq, D]; sequence b owns rows cu_seqlens_q[b] : cu_seqlens_q[b + 1].
         cu_seqlens_q: [B + 1] int32/int64, cumulative query counts starting at 0.
         slot_ids, context_lens: [B] int32/int64.
+        kv_scale: an FP8 cache's scales, as in `prefill_attention`.
 
     Each query_len must be <= its context_len; a sequence may have no queries (a CUDA graph's
     padding). With ``skip_single``, sequences of exactly one query are skipped, their rows of
@@ -113,18 +123,20 @@ def prefill_attention_varlen(
     check_index(context_lens, "context_lens", batch, q.device)
     q = unit_last_stride(q)
     kv = kv_layer_view(kv_cache, layer, q)  # [S, M, 2, Hkv, D]
+    scales = kv_scale_arg(kv, kv_scale)  # [2, Hkv] float32, or a placeholder
     out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [T, Hq, D]
     if batch == 0 or q.shape[0] == 0:
         return out
     cfg = config or PrefillConfig()
     plain = _plain_config(cfg, q, kv)
     if plain is None:
-        _launch_ws(q, kv, out, (cu_seqlens_q, slot_ids, context_lens), scale, cfg, skip_single)
+        _launch_ws(q, kv, scales, out, (cu_seqlens_q, slot_ids, context_lens), scale, cfg,
+                   skip_single)
         return out
     cfg = plain
     tiles = q.shape[0] // cfg.block_m + batch
-    _launch(q, kv, out, (cu_seqlens_q, slot_ids, context_lens), (0, 0, 0), tiles, batch,
-            scale, cfg, skip_single)
+    _launch(q, kv, scales, out, (cu_seqlens_q, slot_ids, context_lens), (0, 0, 0), tiles,
+            batch, scale, cfg, skip_single)
     return out
 
 
@@ -133,7 +145,7 @@ def _check_q(q: torch.Tensor) -> None:
         raise KernelInputError(f"q must be [tokens, Hq, D], got {tuple(q.shape)}")
 
 
-def _launch(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor,
+def _launch(q: torch.Tensor, kv: torch.Tensor, kv_scale: torch.Tensor, out: torch.Tensor,
             varlen: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None,
             single: tuple[int, int, int], tiles: int, batch: int, scale: float,
             cfg: PrefillConfig, skip_single: bool = False) -> None:
@@ -144,7 +156,7 @@ def _launch(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor,
     num_heads, head_dim = q.shape[1], q.shape[2]
     cu_q, slot_ids, ctx_lens = varlen if varlen is not None else (out, out, out)  # unused
     tk.prefill_kernel[(tiles, num_heads)](
-        q, kv, out, cu_q, slot_ids, ctx_lens,
+        q, kv, out, cu_q, slot_ids, ctx_lens, kv_scale,
         *single, batch, batch.bit_length(),
         scale * math.log2(math.e),
         q.stride(0), q.stride(1),
@@ -153,7 +165,7 @@ def _launch(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor,
         GROUP=num_heads // kv.shape[3], HEAD_DIM=head_dim, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, VARLEN=varlen is not None, SKIP_SINGLE=skip_single,
         DOT_PRECISION=dot_precision(q.dtype), REVERSE=cfg.reverse,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        FP8=kv.dtype == FP8_KV_DTYPE, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 
 
@@ -168,19 +180,22 @@ def _plain_config(cfg: PrefillConfig, q: torch.Tensor, kv: torch.Tensor
 
 
 def warp_specialize_usable(q: torch.Tensor, kv: torch.Tensor) -> bool:
-    """Whether the warp-specialized kernel runs here: a Hopper GPU (or the interpreter), a
-    16-bit dtype, and q / KV addresses and strides the copy engine takes (16-byte aligned)."""
+    """Whether the warp-specialized kernel runs here: a Hopper GPU (or the interpreter), 16-bit
+    q (KV of its dtype or FP8), and q / KV addresses and strides the copy engine takes (16-byte
+    aligned)."""
     if not hopper_or_interpreted(q.device):
         return False
     if q.dtype not in (torch.float16, torch.bfloat16) or q.stride(1) != q.shape[2]:
         return False
-    elem = q.element_size()
+    if kv.dtype not in (q.dtype, FP8_KV_DTYPE):
+        return False
     addresses = (q.data_ptr(), kv.data_ptr())
-    strides = (q.stride(0), kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3))
-    return all(a % 16 == 0 for a in addresses) and all(s * elem % 16 == 0 for s in strides)
+    kv_strides = (kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3))
+    return (all(a % 16 == 0 for a in addresses) and q.stride(0) * q.element_size() % 16 == 0
+            and all(s * kv.element_size() % 16 == 0 for s in kv_strides))
 
 
-def _launch_ws(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor,
+def _launch_ws(q: torch.Tensor, kv: torch.Tensor, kv_scale: torch.Tensor, out: torch.Tensor,
                varlen: tuple[torch.Tensor, torch.Tensor, torch.Tensor], scale: float,
                cfg: PrefillConfig, skip_single: bool) -> None:
     """Launch the warp-specialized kernel over (row tiles, Hq); it makes its descriptors on
@@ -194,14 +209,14 @@ def _launch_ws(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor,
     num_heads, head_dim = q.shape[1], q.shape[2]
     triton.set_allocator(functools.partial(_descriptor_scratch, device=q.device))
     tk.prefill_ws_kernel[(q.shape[0] // cfg.block_m + batch, num_heads)](
-        q, kv, out, cu_q, slot_ids, ctx_lens, batch, batch.bit_length(), q.shape[0],
+        q, kv, out, cu_q, slot_ids, ctx_lens, kv_scale, batch, batch.bit_length(), q.shape[0],
         scale * math.log2(math.e),
         q.stride(0),
         kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
         out.stride(0), out.stride(1),
         GROUP=num_heads // kv.shape[3], HEAD_DIM=head_dim, BLOCK_M=cfg.block_m,
         BLOCK_N=cfg.block_n, SKIP_SINGLE=skip_single, REVERSE=cfg.reverse,
-        DOT_PRECISION=dot_precision(q.dtype),
+        DOT_PRECISION=dot_precision(q.dtype), FP8=kv.dtype == FP8_KV_DTYPE,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
 

@@ -5,6 +5,10 @@ the sequence in slot ``s`` at layer ``l``, shape [num_kv_heads, head_dim]. ``kv_
 a strided view in which only tokens ``< context_len`` of the slots in this pass are backed, so
 everything here touches exactly those tokens: writes go in place through ``index_put_`` (or
 slice copies) and reads are per-sequence slices viewed with ``transpose``, never gathers.
+
+The cache's dtype may differ from the model's (`edmm.model.kv_quant`): writes convert to it,
+and an FP8 cache stores each layer's K and V divided by their per-head scales (``kv_scale``
+[2, Hkv] float32 of the layer), which reads multiply back.
 """
 
 from __future__ import annotations
@@ -18,7 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from edmm.model.errors import ModelError
+from edmm.model.errors import KVCacheError, ModelError
+from edmm.model.kv_quant import dequantize_fp8, is_fp8, quantize_fp8
 
 
 class AttentionMetadataError(ModelError):
@@ -119,16 +124,48 @@ class AttentionMetadata:
         )
 
 
-def write_kv(kv_cache: Tensor, layer: int, k: Tensor, v: Tensor, meta: AttentionMetadata) -> None:
-    """Store the new k/v [T, Hkv, D] of ``layer`` at their (slot, token) in place."""
+def write_kv(kv_cache: Tensor, layer: int, k: Tensor, v: Tensor, meta: AttentionMetadata,
+             kv_scale: Tensor | None = None) -> None:
+    """Store the new k/v [T, Hkv, D] of ``layer`` at their (slot, token) in place, converted to
+    the cache's dtype; an FP8 cache needs ``kv_scale`` [2, Hkv] (`quantize_fp8` of each)."""
     if meta.slot_index is None or meta.token_index is None:
         raise AttentionMetadataError("metadata has no index tensors; call meta.to(device)")
+    k, v = _stored(kv_cache, k, v, kv_scale)
     if torch.are_deterministic_algorithms_enabled():
         # Deterministic index_put_ may copy the whole destination; use slice copies instead.
         _write_kv_slices(kv_cache, layer, k, v, meta)
         return
     index = (meta.slot_index, meta.token_index)
-    kv_cache[:, :, layer].index_put_(index, torch.stack((k, v), dim=1))  # [S, M, 2, Hkv, D]
+    new = torch.stack((k, v), dim=1)  # [T, 2, Hkv, D]
+    if is_fp8(kv_cache.dtype):  # as bytes: index_put_ of every device takes uint8
+        kv_cache, new = kv_cache.view(torch.uint8), new.view(torch.uint8)
+    kv_cache[:, :, layer].index_put_(index, new)  # [S, M, 2, Hkv, D]
+
+
+def _stored(kv_cache: Tensor, k: Tensor, v: Tensor, kv_scale: Tensor | None
+            ) -> tuple[Tensor, Tensor]:
+    """k and v [T, Hkv, D] as the cache stores them."""
+    if is_fp8(kv_cache.dtype):
+        if kv_scale is None:
+            raise KVCacheError("an FP8 KV cache needs the layer's kv_scale")
+        return quantize_fp8(k, kv_scale[0]), quantize_fp8(v, kv_scale[1])
+    return k.to(kv_cache.dtype), v.to(kv_cache.dtype)
+
+
+def read_kv(kv_cache: Tensor, slot: int, num_tokens: int, layer: int, dtype: torch.dtype,
+            kv_scale: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """K and V of a slot's first ``num_tokens`` tokens of ``layer`` in ``dtype``, each
+    [Hkv, n, D]: views of the cache when it holds ``dtype``, else converted copies (an FP8
+    cache's multiplied by ``kv_scale`` [2, Hkv])."""
+    k = kv_cache[slot, :num_tokens, layer, 0]  # [n, Hkv, D] view
+    v = kv_cache[slot, :num_tokens, layer, 1]  # [n, Hkv, D] view
+    if is_fp8(kv_cache.dtype):
+        if kv_scale is None:
+            raise KVCacheError("an FP8 KV cache needs the layer's kv_scale")
+        k, v = dequantize_fp8(k, kv_scale[0], dtype), dequantize_fp8(v, kv_scale[1], dtype)
+    elif kv_cache.dtype != dtype:
+        k, v = k.to(dtype), v.to(dtype)
+    return k.transpose(0, 1), v.transpose(0, 1)
 
 
 def _write_kv_slices(
@@ -168,6 +205,9 @@ class AttentionBackend(abc.ABC):
     ``kv_read_align``: the backend's kernels may read a slot's KV up to its context rounded up
     to this many tokens (a kernel loading whole key tiles); the arena they read must map that
     far (`KVArena`'s ``read_align``). 1: never past the context.
+
+    ``kv_scale``: the layer's float32 [2, Hkv] K and V scales, read only when ``kv_cache`` is
+    FP8 (`edmm.model.kv_quant`).
     """
 
     fuses_rope: bool = False
@@ -185,6 +225,7 @@ class AttentionBackend(abc.ABC):
         scale: float,
         window: int | None,
         rope: tuple[Tensor, Tensor] | None = None,
+        kv_scale: Tensor | None = None,  # [2, Hkv] float32, FP8 caches only
     ) -> Tensor:
         """Write k/v into ``kv_cache`` and return the attention output [T, Hq, D]."""
 
@@ -203,15 +244,16 @@ class TorchSDPABackend(AttentionBackend):
         scale: float,
         window: int | None,
         rope: tuple[Tensor, Tensor] | None = None,
+        kv_scale: Tensor | None = None,
     ) -> Tensor:
-        write_kv(kv_cache, layer, k, v, meta)
+        write_kv(kv_cache, layer, k, v, meta, kv_scale)
         out = torch.empty_like(q)  # [T, Hq, D]
         gqa = q.shape[1] != k.shape[1]
         start = 0
         for s, n, c in zip(meta.slot_ids, meta.query_lens, meta.context_lens, strict=True):
             qs = q[start : start + n].transpose(0, 1).unsqueeze(0)  # [1, Hq, n, D]
-            ks = kv_cache[s, :c, layer, 0].transpose(0, 1).unsqueeze(0)  # [1, Hkv, c, D] view
-            vs = kv_cache[s, :c, layer, 1].transpose(0, 1).unsqueeze(0)  # [1, Hkv, c, D] view
+            kc, vc = read_kv(kv_cache, s, c, layer, q.dtype, kv_scale)  # [Hkv, c, D] each
+            ks, vs = kc.unsqueeze(0), vc.unsqueeze(0)  # [1, Hkv, c, D]
             mask = attention_mask(n, c, window, q.device)
             causal = mask is None and n > 1
             o = F.scaled_dot_product_attention(

@@ -7,6 +7,17 @@ kernel (FA4's Hopper forward has no split-KV: 171 us per layer for one 16K decod
 us). RoPE is fused with the KV write as in `TritonAttentionBackend`. Sliding-window layers and
 fp32 fall back to the Triton backend's own paths.
 
+An FP8 KV cache (`edmm.model.kv_quant`) takes the Triton backend's path whole: its prefill
+kernel reads the e4m3 tiles in place and folds the per-head scales into the scores and the
+output. FA4's CuTe forward takes fp16/bf16 K/V only (FP8 is on its list of features it does not
+support), and the other way in, dequantising the keys a pass reads into a bf16 scratch for FA4,
+needs a scratch a CUDA graph can capture, so of a fixed size: the keys a mixed step reads are
+bounded only by the sum of its prefilling sequences' contexts (several ``max_model_len``s, GBs
+for a 32K model at one layer), and the copy itself re-reads and re-writes the context each layer
+(16 MB read, 32 MB written per 16K sequence and layer: ~16 us at 3 TB/s, about 8% of the FA4
+attention of a 512-token chunk on 16K). The price, an FP8 engine's prefill attention at the
+Triton kernel's speed rather than FA4's, is in ``docs/limits.md`` (FP8 KV cache).
+
 Measured on an H200 (one layer, Qwen2.5-7B heads, CUDA-event medians): 512 queries on a 16K
 prefix 611-614 TFLOP/s against 420 for the Triton kernel, a 16K one-pass prefill
 700-720 against 490.
@@ -54,11 +65,14 @@ class FA4AttentionBackend(TritonAttentionBackend):
         scale: float,
         window: int | None,
         rope: tuple[Tensor, Tensor] | None = None,  # cos, sin [T, D]
+        kv_scale: Tensor | None = None,  # [2, Hkv] float32, FP8 caches only
     ) -> Tensor:
         """Rotate (if ``rope``) and write k/v into the cache, then attend; returns [T, Hq, D]."""
         decode_only = all(n == 1 for n in meta.query_lens)
-        if window is not None or decode_only or q.dtype not in FA4_DTYPES:
-            return super().forward(q, k, v, kv_cache, layer, meta, scale, window, rope)
+        if (window is not None or decode_only or q.dtype not in FA4_DTYPES
+                or kv_cache.dtype != q.dtype):  # FP8 (or any other) KV: Triton's prefill
+            return super().forward(q, k, v, kv_cache, layer, meta, scale, window, rope,
+                                   kv_scale)
         from edmm.kernels import decode_attention_varlen, rope_store_kv
         from edmm.kernels.fa4 import fa4_varlen_attention
 

@@ -6,7 +6,8 @@ context lengths as device tensors, so a CUDA graph captured once replays for any
 prefill kernel (end-aligned causal) and single-query ones to the split-K decode kernel in its
 varlen mode; both launches depend on the token and sequence counts only (capturable). An eager
 pass with no single-query sequence skips the decode launch. Sliding-window layers fall back to
-the reference SDPA backend.
+the reference SDPA backend. Every kernel reads and writes the cache in its dtype, FP8 with the
+layer's scales (`edmm.model.kv_quant`).
 
 cuDNN's fused attention (`edmm.kernels.fused_sdpa`) was measured on an H200 as a route for
 long eager passes and not taken: slower on a cached prefix (439 vs 480 TFLOP/s for 512 queries
@@ -29,6 +30,7 @@ from edmm.model.attention import (
     write_kv,
 )
 from edmm.model.fusion import rotary_qk
+from edmm.model.kv_quant import is_fp8
 
 # Hopper: the warp-specialized kernel, 478 TFLOP/s against 421 for the default on 512 tokens
 # over a 16K prefix, 490 against 429 (the best earlier config) on a 16K prefill in 2048-token
@@ -36,6 +38,11 @@ from edmm.model.fusion import rotary_qk
 # Elsewhere (or fp32) the default kernel runs with its default launch parameters.
 PREFILL = PrefillConfig(block_m=128, block_n=128, num_warps=4, num_stages=2,
                         warp_specialize=True, reverse=True)
+# FP8 KV: the same kernel with 64-key tiles. Its consumers convert each e4m3 tile to bf16 in
+# registers before the MMA; with 128-key tiles that needs a 32-byte stack in the compiled
+# sm_90 kernel (tests/kernels/test_compile_sm90.py), with 64 none.
+PREFILL_FP8 = PrefillConfig(block_m=128, block_n=64, num_warps=4, num_stages=2,
+                            warp_specialize=True, reverse=True)
 # Single-query rows of a mixed batch: the split kernel merges its own splits. At the default
 # split count (~17 at 16K) the fused merge costs about what the reduce launch does (batch 1,
 # 16K, 16 splits, 64x4x3 with PDL: 20.3 vs 19.9 us per layer on an H200; without: 21.2 vs
@@ -52,7 +59,8 @@ class TritonAttentionBackend(AttentionBackend):
         max_context: the longest context a decode call (or captured graph) serves; it fixes
             the split count of the decode kernel.
         prefill: launch parameters of the prefill kernel (`PREFILL`, or the default kernel's
-            `PrefillConfig()` for comparisons).
+            `PrefillConfig()` for comparisons); `PREFILL` reads an FP8 cache with
+            `PREFILL_FP8`'s tiles.
         decode_routes: a measured table of the decode kernel's split count and launch config
             per (batch, context) (`edmm.kernels.decode_routes`), looked up for decode batches
             at ``max_context``; None: the kernel's own heuristic.
@@ -79,12 +87,14 @@ class TritonAttentionBackend(AttentionBackend):
         scale: float,
         window: int | None,
         rope: tuple[Tensor, Tensor] | None = None,  # cos, sin [T, D]
+        kv_scale: Tensor | None = None,  # [2, Hkv] float32, FP8 caches only
     ) -> Tensor:
         """Rotate (if ``rope``) and write k/v into the cache, then attend; returns [T, Hq, D]."""
         if window is not None:
             if rope is not None:
                 q, k = rotary_qk(q, k, *rope)
-            return self._fallback.forward(q, k, v, kv_cache, layer, meta, scale, window)
+            return self._fallback.forward(q, k, v, kv_cache, layer, meta, scale, window,
+                                          kv_scale=kv_scale)
         from edmm.kernels import (
             decode_attention,
             decode_attention_varlen,
@@ -97,26 +107,29 @@ class TritonAttentionBackend(AttentionBackend):
             raise AttentionMetadataError("metadata has no device tensors; call meta.to(device)")
         if rope is not None:
             q = rope_store_kv(q, k, v, *rope, kv_cache, layer, meta.slot_index,
-                              meta.token_index)  # [T, Hq, D]
+                              meta.token_index, kv_scale)  # [T, Hq, D]
         else:
-            write_kv(kv_cache, layer, k, v, meta)
+            write_kv(kv_cache, layer, k, v, meta, kv_scale)
         if all(n == 1 for n in meta.query_lens):
             route = (self.decode_routes.lookup(q.shape[0], self.max_context)
                      if self.decode_routes is not None else None)
             if route is None:
                 return decode_attention(q, kv_cache, layer, meta.slot_ids_t,
-                                        meta.context_lens_t, scale, max_context=self.max_context)
+                                        meta.context_lens_t, scale, max_context=self.max_context,
+                                        kv_scale=kv_scale)
             return decode_attention(q, kv_cache, layer, meta.slot_ids_t, meta.context_lens_t,
                                     scale, num_splits=route.num_splits, config=route.config,
-                                    workspace=self.decode_workspace)
+                                    workspace=self.decode_workspace, kv_scale=kv_scale)
         # Mixed: multi-query sequences in query tiles, single-query ones split-K, in place.
+        prefill = PREFILL_FP8 if is_fp8(kv_cache.dtype) and self.prefill == PREFILL else (
+            self.prefill)
         out = prefill_attention_varlen(q, kv_cache, layer, meta.query_start_loc,
                                        meta.slot_ids_t, meta.context_lens_t, scale,
-                                       config=self.prefill, skip_single=True)
+                                       config=prefill, skip_single=True, kv_scale=kv_scale)
         if not meta.placeholder_lists and 1 not in meta.query_lens:
             return out  # eager, and the lists are real: no row for the decode kernel
         return decode_attention_varlen(q, kv_cache, layer, meta.query_start_loc,
                                        meta.slot_ids_t, meta.context_lens_t, out, scale,
                                        max_context=self.max_context, config=VARLEN_DECODE,
-                                       workspace=self.decode_workspace)
+                                       workspace=self.decode_workspace, kv_scale=kv_scale)
 

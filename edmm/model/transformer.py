@@ -11,10 +11,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from edmm.kernels._common import FP8_KV_DTYPE
 from edmm.model.attention import AttentionBackend, AttentionMetadata, TorchSDPABackend
 from edmm.model.config import ModelConfig
 from edmm.model.errors import ContextTooLongError, KVCacheError
 from edmm.model.fusion import PointwiseOps
+from edmm.model.kv_quant import check_kv_scales, is_fp8
 from edmm.model.layers import Matmul, Projection, RMSNorm, SwiGLUMLP
 from edmm.model.rope import RotaryEmbedding, default_max_positions
 
@@ -38,6 +40,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.ops = PointwiseOps()
+        self.kv_scale: Tensor | None = None  # [2, Hkv] of an FP8 cache (`set_kv_scales`)
 
     def forward(
         self, x: Tensor, cos: Tensor, sin: Tensor, kv_cache: Tensor, meta: AttentionMetadata
@@ -52,11 +55,13 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         if self.backend.fuses_rope:  # rotated inside, with the KV write
             o = self.backend.forward(q, k, v, kv_cache, self.layer_idx, meta, self.scale,
-                                     self.window, rope=(cos, sin))  # [T, Hq, D]
+                                     self.window, rope=(cos, sin),
+                                     kv_scale=self.kv_scale)  # [T, Hq, D]
         else:
             q, k = self.ops.rotary_qk(q, k, cos, sin)
             o = self.backend.forward(
-                q, k, v, kv_cache, self.layer_idx, meta, self.scale, self.window
+                q, k, v, kv_cache, self.layer_idx, meta, self.scale, self.window,
+                kv_scale=self.kv_scale,
             )  # [T, Hq, D]
         return self.o_proj(o.reshape(t, self.num_heads * self.head_dim))
 
@@ -134,6 +139,7 @@ class CausalLM(nn.Module):
         self.rotary = RotaryEmbedding(cfg, max_positions or default_max_positions(cfg))
         self.ops = PointwiseOps()  # shared by every layer; see `enable_fusion`
         self.matmul: Matmul = F.linear  # the LM head's; see `set_matmul`
+        self.kv_scales: Tensor | None = None  # [L, 2, Hkv] float32; see `set_kv_scales`
         for m in self.modules():
             if isinstance(m, (Attention, RMSNorm, SwiGLUMLP)):
                 m.ops = self.ops
@@ -149,6 +155,19 @@ class CausalLM(nn.Module):
         for m in self.modules():
             if isinstance(m, Projection):
                 m.matmul = matmul
+
+    def set_kv_scales(self, scales: Tensor | None) -> None:
+        """The scales of an FP8 KV cache (`edmm.model.kv_quant`): ``scales`` [L, 2, Hkv]
+        float32 on the model's device (per layer, K then V, per KV head), kept for the model's
+        life (CUDA graphs read their address); None: caches in a float dtype only."""
+        if scales is not None:
+            cfg = self.cfg
+            check_kv_scales(scales, cfg.num_layers, cfg.num_kv_heads)
+            scales = scales.to(self.model.embed_tokens.weight.device).contiguous()
+        self.kv_scales = scales
+        for m in self.modules():
+            if isinstance(m, Attention):
+                m.kv_scale = scales[m.layer_idx] if scales is not None else None
 
     def set_backend(self, backend: AttentionBackend) -> None:
         """Swap the attention implementation of every layer."""
@@ -202,11 +221,12 @@ class CausalLM(nn.Module):
                 f"kv_cache shape {tuple(kv_cache.shape)} does not match "
                 f"[num_slots, max_tokens, {', '.join(map(str, want))}]"
             )
-        if kv_cache.dtype != self.model.embed_tokens.weight.dtype:
-            raise KVCacheError(
-                f"kv_cache dtype {kv_cache.dtype} != model dtype "
-                f"{self.model.embed_tokens.weight.dtype}"
-            )
+        model_dtype = self.model.embed_tokens.weight.dtype
+        if kv_cache.dtype not in (model_dtype, torch.bfloat16, FP8_KV_DTYPE):
+            raise KVCacheError(f"kv_cache dtype {kv_cache.dtype} is neither the model's "
+                               f"({model_dtype}), bfloat16 nor {FP8_KV_DTYPE}")
+        if is_fp8(kv_cache.dtype) and self.kv_scales is None:
+            raise KVCacheError("an FP8 kv_cache needs the model's KV scales (set_kv_scales)")
         num_slots, max_tokens = kv_cache.shape[0], kv_cache.shape[1]
         if any(not 0 <= s < num_slots for s in meta.slot_ids):
             raise KVCacheError(f"slot ids {meta.slot_ids} out of range [0, {num_slots})")

@@ -22,6 +22,7 @@ from edmm.agent.retention import RETENTION_POLICIES
 from edmm.agent.speculation import SPECULATION_SOURCES
 from edmm.agent.types import ADMISSION_ORDERS
 from edmm.argparsing import ArgumentParser, float_at_least, int_at_least, int_list
+from edmm.model.kv_quant import KV_CACHE_DTYPES
 from edmm.server.collector import raise_threshold
 from edmm.server.http_guard import DEFAULT_MAX_BODY_BYTES
 from edmm.server.state import DEFAULT_MAX_TOOL_OUTPUT_BYTES, ServerConfig, ServerState
@@ -48,6 +49,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="the model name clients send (default: edmm-tiny / folder name)")
     parser.add_argument("--dtype", default=None,
                         help="weights and KV dtype (default: the model config's)")
+    parser.add_argument("--kv-cache-dtype", choices=KV_CACHE_DTYPES, default=None,
+                        help="KV cache storage: auto (the weights' dtype), bf16, or fp8 (e4m3 "
+                             "with per-head scales: twice the tokens of bf16)")
     parser.add_argument("--max-model-len", type=int_at_least(1), default=None,
                         help="most tokens of a sequence, prompt and output (default: the "
                              "model's context)")
@@ -152,8 +156,8 @@ def build_parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace) -> ServerConfig:
     """The `ServerConfig` of parsed ``serve`` options."""
     engine: dict[str, Any] = {}
-    for name in ("tokenizer", "dtype", "max_model_len", "num_pages", "max_num_seqs",
-                 "tensor_parallel_size"):
+    for name in ("tokenizer", "dtype", "kv_cache_dtype", "max_model_len", "num_pages",
+                 "max_num_seqs", "tensor_parallel_size"):
         if getattr(args, name) is not None:
             engine[name] = getattr(args, name)
     if args.kv_offload_gib is not None:

@@ -69,6 +69,45 @@ def _patch_bf16_dot() -> None:
     builder.create_dot = create_dot
 
 
+def _patch_fp8_casts() -> None:
+    """Let the interpreter convert to and from e4m3 (``tl.float8e4nv``) as the GPU does.
+
+    Its bit-level conversion drops the carry of a rounding into the exponent (0.4875 becomes
+    0.25, not 0.5) and reads e4m3's NaN as 480; the GPU's ``cvt.rn.satfinite`` does neither.
+    Conversions that touch e4m3 go through torch's ``float8_e4m3fn`` instead (round to
+    nearest even); the kernels clamp to +-448 before they convert, so saturation never
+    matters.
+    """
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    original = builder.create_fp_to_fp
+    if getattr(original, "_edmm_patched", False):
+        return
+    torch_of = {tl.float8e4nv: torch.float8_e4m3fn, tl.float32: torch.float32,
+                tl.float16: torch.float16, tl.bfloat16: torch.bfloat16}
+
+    def create_fp_to_fp(self, src, dst_type, rounding_mode):  # type: ignore[no-untyped-def]
+        src_ty, dst_ty = src.dtype.scalar, dst_type.scalar
+        if (tl.float8e4nv not in (src_ty, dst_ty) or src_ty not in torch_of
+                or dst_ty not in torch_of):
+            return original(self, src, dst_type, rounding_mode)
+        ints = {1: (np.uint8, torch.uint8), 2: (np.int16, torch.int16),
+                4: (np.int32, torch.int32)}
+        data = np.ascontiguousarray(src.data)
+        np_int, torch_int = ints[data.itemsize]
+        x = torch.from_numpy(data.view(np_int)).view(torch_int).view(torch_of[src_ty])
+        y = x.to(torch_of[dst_ty])
+        np_int, torch_int = ints[y.element_size()]
+        out = y.view(torch_int).numpy().view(interpreter._get_np_dtype(dst_ty))
+        return interpreter.TensorHandle(out, dst_ty)
+
+    create_fp_to_fp._edmm_patched = True  # type: ignore[attr-defined]
+    builder.create_fp_to_fp = create_fp_to_fp
+
+
 def pytest_configure(config: pytest.Config) -> None:
     """Select the interpreter for the session, unless it runs only GPU tests."""
     if config.option.markexpr.replace(" ", "") != "gpu" and "triton" not in sys.modules:
@@ -88,6 +127,7 @@ def _interpreter_problem() -> str | None:
 
     _patch_numpy_24_index()
     _patch_bf16_dot()
+    _patch_fp8_casts()
     kernels = (_triton_decode.decode_split_kernel, _triton_prefill.prefill_kernel, standard.cdiv)
     if not all(isinstance(k, InterpretedFunction) for k in kernels):
         return ("triton was imported before TRITON_INTERPRET=1 could be set (by another test "

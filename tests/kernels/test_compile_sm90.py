@@ -32,14 +32,16 @@ SCRIPT = textwrap.dedent("""
     from edmm.kernels import _triton_decode as td, _triton_prefill as tp, _triton_rope as tr
     from edmm.kernels import _triton_skinny as tsk, _triton_silu as tsi
     from edmm.kernels._common import SkinnyConfig
-    from edmm.model.attention_triton import PREFILL
+    from edmm.model.attention_triton import PREFILL, PREFILL_FP8
 
     PTRS = {"q_ptr": "*bf16", "kv_ptr": "*bf16", "out_ptr": "*bf16", "slot_ids_ptr": "*i32",
             "ctx_lens_ptr": "*i32", "cu_q_ptr": "*i32", "part_o_ptr": "*fp32",
             "part_lse_ptr": "*fp32", "count_ptr": "*i32", "qk_scale": "fp32",
             "k_ptr": "*bf16", "v_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16",
             "q_out_ptr": "*bf16", "slot_index_ptr": "*i64", "token_index_ptr": "*i64",
-            "x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "part_ptr": "*fp32"}
+            "x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "part_ptr": "*fp32",
+            "kv_scale_ptr": "*fp32"}
+    FP8 = {"kv_ptr": "*fp8e4nv"}  # an FP8 KV cache (with its scales)
     CUOBJDUMP = os.path.join(os.path.dirname(nv.__file__), "bin", "cuobjdump")
 
     def compile_sm90(fn, constexprs, types=None, **options):
@@ -67,8 +69,9 @@ SCRIPT = textwrap.dedent("""
                 "warps": k.metadata.num_warps}
 
     d, p, ws, sk = DecodeConfig(), PrefillConfig(), PREFILL, SkinnyConfig()
+    ws8 = PREFILL_FP8
     split = dict(GROUP=7, GROUP_PAD=16, HEAD_DIM=128, SINGLE_SPLIT=False, DOT_PRECISION="tf32",
-                 VARLEN=False, MERGE_G=8, LSE_S=64, BALANCED=False, TMA=False)
+                 VARLEN=False, MERGE_G=8, LSE_S=64, BALANCED=False, TMA=False, FP8=False)
     out = {
         "decode": compile_sm90(
             td.decode_split_kernel,
@@ -94,8 +97,28 @@ SCRIPT = textwrap.dedent("""
            for name, block_n, warps, stages in (("decode_tma", 64, 2, 3),
                                                 ("decode_tma_32x4", 32, 2, 4))},
         "rope_trigger": compile_sm90(
-            tr.rope_store_kernel, dict(HQ_PAD=32, HKV_PAD=4, HALF=64, TRIGGER=True),
+            tr.rope_store_kernel, dict(HQ_PAD=32, HKV_PAD=4, HALF=64, TRIGGER=True, FP8=False),
             num_warps=4),
+        "rope_fp8": compile_sm90(
+            tr.rope_store_kernel, dict(HQ_PAD=32, HKV_PAD=4, HALF=64, TRIGGER=True, FP8=True),
+            types=FP8, num_warps=4),
+        "decode_fp8": compile_sm90(  # the committed routes' common launch, FP8 KV
+            td.decode_split_kernel,
+            dict(split, BLOCK_N=64, FUSED=False, MERGE_S=1, PDL=True, EARLY=False,
+                 PREFETCH=False, PREFETCH_TOKENS=0, ELEM_BYTES=1, FP8=True),
+            types=FP8, num_warps=2, num_stages=3, launch_pdl=True),
+        "decode_fp8_fused": compile_sm90(  # the mixed graphs' VARLEN_DECODE, FP8 KV
+            td.decode_split_kernel,
+            dict(split, BLOCK_N=64, FUSED=True, MERGE_S=4, VARLEN=True, PDL=True,
+                 EARLY=False, PREFETCH=False, PREFETCH_TOKENS=0, ELEM_BYTES=1, FP8=True),
+            types=FP8, num_warps=4, num_stages=3, launch_pdl=True),
+        "decode_fp8_tma": compile_sm90(
+            td.decode_split_kernel,
+            dict(split, BLOCK_N=64, FUSED=False, MERGE_S=1, PDL=True, EARLY=False,
+                 PREFETCH=True, PREFETCH_TOKENS=0, ELEM_BYTES=1, BALANCED=True, TMA=True,
+                 FP8=True),
+            types={**FP8, "kv_desc": "tensordesc<fp8e4nv[1, 64, 128]>"},
+            num_warps=2, num_stages=3, launch_pdl=True),
         **{name: compile_sm90(  # the default launch, and the largest tile the sweep tries
             tsk.skinny_matmul_kernel,
             dict(HAS_BIAS=bias, SPLIT=split, EVEN=True, BLOCK_M=16, BLOCK_N=block_n,
@@ -117,17 +140,20 @@ SCRIPT = textwrap.dedent("""
             td.decode_reduce_kernel, dict(SPLITS_PAD=64, BLOCK_D=32,
                                           VARLEN=False, PDL=True, EARLY=False),
             num_warps=4, launch_pdl=True),
-        "prefill": compile_sm90(
+        **{name: compile_sm90(
             tp.prefill_kernel,
             dict(GROUP=7, HEAD_DIM=128, BLOCK_M=p.block_m, BLOCK_N=p.block_n, VARLEN=True,
-                 SKIP_SINGLE=True, DOT_PRECISION="tf32", REVERSE=p.reverse),
-            num_warps=p.num_warps, num_stages=p.num_stages),
-        **{name: compile_sm90(  # Qwen2.5-7B's head dim, and a small Llama's without GQA
+                 SKIP_SINGLE=True, DOT_PRECISION="tf32", REVERSE=p.reverse, FP8=fp8),
+            types=FP8 if fp8 else None, num_warps=p.num_warps, num_stages=p.num_stages)
+           for name, fp8 in (("prefill", False), ("prefill_fp8", True))},
+        **{name: compile_sm90(  # Qwen2.5-7B's head dim, a small Llama's without GQA, FP8 KV
             tp.prefill_ws_kernel,
-            dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_M=ws.block_m, BLOCK_N=ws.block_n,
-                 SKIP_SINGLE=True, REVERSE=ws.reverse, DOT_PRECISION="tf32"),
-            num_warps=ws.num_warps, num_stages=ws.num_stages)
-           for name, group, head_dim in (("prefill_ws", 7, 128), ("prefill_ws_d64", 1, 64))},
+            dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
+                 SKIP_SINGLE=True, REVERSE=c.reverse, DOT_PRECISION="tf32", FP8=c is ws8),
+            types=FP8 if c is ws8 else None, num_warps=c.num_warps, num_stages=c.num_stages)
+           for name, group, head_dim, c in (("prefill_ws", 7, 128, ws),
+                                            ("prefill_ws_d64", 1, 64, ws),
+                                            ("prefill_ws_fp8", 7, 128, ws8))},
     }
     print(json.dumps(out))
 """)
@@ -147,6 +173,8 @@ def test_default_configs_compile_for_sm90_without_spills() -> None:
     assert report["decode_tma"]["tma"] and report["decode_tma_32x4"]["tma"]
     assert not report["decode"]["tma"]
     assert report["decode_reduce_pdl"]["griddepcontrol"] and report["rope_trigger"]["trigger"]
+    assert report["decode_fp8_tma"]["tma"] and report["decode_fp8_tma"]["prefetch"]
+    assert report["decode_fp8_fused"]["atomic"] and report["rope_fp8"]["trigger"]
     # early launch: the dependents may launch before this kernel's own wait
     assert report["decode_reduce_pdl"]["trigger_first"]
     assert report["decode_fused_w8"]["trigger_first"]
@@ -159,7 +187,7 @@ def test_default_configs_compile_for_sm90_without_spills() -> None:
     assert not report["skinny"]["griddepcontrol"] and not report["skinny"]["prefetch"]
     assert report["silu_trigger"]["trigger"]
     for name, r in report.items():
-        if name in ("decode_reduce_pdl", "decode_reduce_sliced", "rope_trigger",
+        if name in ("decode_reduce_pdl", "decode_reduce_sliced", "rope_trigger", "rope_fp8",
                     "silu_trigger"):
             pass  # no loop: nothing to pipeline
         elif not name.startswith("prefill_ws"):  # its loads are the copy engine's (TMA)
@@ -167,7 +195,8 @@ def test_default_configs_compile_for_sm90_without_spills() -> None:
         assert "STACK:0 " in r["usage"] and "LOCAL:0 " in r["usage"], f"{name}: {r['usage']}"
         assert r["shared"] <= 227 * 1024, f"{name}: {r['shared']} B of shared memory"
     assert report["prefill"]["wgmma"], "prefill: no Hopper matrix instructions (wgmma)"
-    for name in ("prefill_ws", "prefill_ws_d64"):
+    assert report["prefill_fp8"]["wgmma"], "prefill_fp8: no wgmma"
+    for name in ("prefill_ws", "prefill_ws_d64", "prefill_ws_fp8"):
         ws = report[name]
         # Triton drops warp specialization silently when its pass cannot split the loop: then
         # there is no register handover between warpgroups and only num_warps warps.

@@ -64,6 +64,17 @@ def _attentions(text: str) -> tuple[str, ...]:
     return names
 
 
+def _kv_dtypes(text: str) -> tuple[str, ...]:
+    from edmm.model.kv_quant import KV_CACHE_DTYPES
+
+    names = tuple(x for x in text.split(",") if x)
+    bad = [n for n in names if n not in KV_CACHE_DTYPES]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(
+            f"expected comma-separated names of {KV_CACHE_DTYPES}, got {text!r}")
+    return names
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of ``edmm bench ttft``; sizes left unset take `TTFT_DEFAULTS` of the device."""
     add = parser.add_argument
@@ -108,6 +119,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the projections' measured skinny-matmul routing table (written by python -m "
              "benchmarks.kernels.matmul_sweep; default: the committed one; off: cuBLAS for "
              "every projection)")
+    add("--kv-cache-dtype", type=_kv_dtypes, default=("auto",),
+        help="KV cache dtype(s) of the model-level ops, comma-separated, each EDMM side timed "
+             "with each in this run: auto (the weights'), bf16, fp8 (e4m3, per-head scales); "
+             "rows of all but the first are labelled -kv-<dtype>")
+    add("--decode-batch", type=int_list, default=(1,),
+        help="also time decode steps of this many sequences at each context (comma-separated; "
+             "each sequence on its own pages; EDMM only)")
     add("--tensor-parallel-size", type=int_at_least(1), default=None,
         help="split the model over this many GPUs; the model-level ops then run as engine "
              "requests (no transformers peer; default: one device, the model driven directly)")
@@ -130,6 +148,10 @@ def _fill_defaults(parser: argparse.ArgumentParser, args: argparse.Namespace) ->
     if args.only != "groups" and low <= args.new_tokens:
         parser.error(f"--contexts must all exceed --new-tokens = {args.new_tokens} (its "
                      f"default: 512 on CUDA, 32 on the CPU), got {low}")
+    if args.tensor_parallel_size is not None and (args.kv_cache_dtype != ("auto",)
+                                                  or max(args.decode_batch) > 1):
+        parser.error("--kv-cache-dtype and --decode-batch time the model driven directly: "
+                     "not with --tensor-parallel-size")
 
 
 def _run_groups(args: argparse.Namespace, out: Path) -> None:
@@ -159,7 +181,9 @@ def _run_model_ops(args: argparse.Namespace, out: Path) -> None:
                          prefill_kernel=args.prefill_kernel,
                          full_prefill_chunk=args.full_prefill_chunk, attentions=args.attention,
                          decode_routes=args.decode_routes, matmul_routes=args.matmul_routes,
-                         tensor_parallel_size=args.tensor_parallel_size)
+                         tensor_parallel_size=args.tensor_parallel_size,
+                         kv_cache_dtypes=args.kv_cache_dtype,
+                         decode_batches=tuple(args.decode_batch))
     print(Path(run_model_ops_bench(cfg, out)["md"]).read_text())
 
 
