@@ -11,6 +11,7 @@ from edmm.engine.scheduler import SchedulerConfig
 from edmm.memory.backends import BACKEND_NAMES
 from edmm.memory.host import DEFAULT_HOST_PAGE_SIZE
 from edmm.model.attention_choice import ATTENTION_CHOICES
+from edmm.model.loader import LOAD_FORMATS
 
 HOST_POOL_BYTES = 4 << 30  # default cap of the host pool (memfd pages are committed on touch)
 # Running sequences by default, by device (vLLM's serving defaults: 1024 on GPUs of >= 70 GiB,
@@ -34,6 +35,9 @@ class EngineConfig:
         model: a local HF folder or a preset name (random weights, no tokenizer); None: the
             embedded tool model (`edmm.model.tiny.default_model`).
         tokenizer: a local tokenizer folder; None: the model folder, if it holds one.
+        load_format: how weights load (`edmm.model.loader.LOAD_FORMATS`, vLLM's names):
+            ``auto``/``safetensors`` read the folder's weights (a preset: random ones);
+            ``dummy``: random weights for any model (a folder's config.json suffices).
         device: ``"cpu"`` or ``"cuda"`` (``"cuda:N"``).
         dtype: weights and KV dtype; None: the model config's.
         backend: VMM backend of the KV arena: ``"auto"`` (CUDA on a CUDA device, else the host
@@ -89,6 +93,7 @@ class EngineConfig:
 
     model: str | None = None
     tokenizer: str | None = None
+    load_format: str = "auto"
     device: str = "cpu"
     dtype: str | torch.dtype | None = None
     backend: str = "auto"
@@ -124,6 +129,9 @@ class EngineConfig:
             raise EngineConfigError("the cuda backend needs device='cuda'")
         if self.backend_kind == "host" and device.type != "cpu":
             raise EngineConfigError("the host backend needs device='cpu'")
+        if self.load_format not in LOAD_FORMATS:
+            raise EngineConfigError(
+                f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.attention not in ATTENTION_CHOICES:
             raise EngineConfigError(
                 f"attention must be one of {ATTENTION_CHOICES}, got {self.attention!r}")

@@ -30,6 +30,7 @@ from edmm.server.protocol import (
     ChatCompletionRequest,
     Completion,
     CompletionRequest,
+    ModelCard,
     ModelList,
     ToolOutputRequest,
 )
@@ -158,6 +159,10 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
     async def models() -> ModelList:
         return serving.models()
 
+    @app.get("/v1/models/{model:path}", response_model=ModelCard)
+    async def model(model: str) -> ModelCard:
+        return serving.model(model)
+
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(await serving.render_metrics(), media_type=CONTENT_TYPE_LATEST)
@@ -178,11 +183,21 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
         body = parsed.value
         turn = await serving.start_chat(body, x_session_id, owner_of(request.headers), trace,
                                         surrogate_free=parsed.surrogate_free)
+        try:
+            more = await serving.more_choices(body, turn) if body.n > 1 else []
+        except BaseException:
+            serving.abort(turn)
+            raise
         headers = {SESSION_HEADER: turn.session_id}
+
+        def abort() -> None:
+            serving.abort(turn)
+            abort_all(more)
+
         if body.stream:
-            return EventStreamResponse(serving.chat_stream(body, turn),
-                                       lambda: serving.abort(turn), headers=headers)
-        result = await _until_disconnected(request, serving.chat_completion(body, turn))
+            return EventStreamResponse(serving.chat_stream(body, turn, more), abort,
+                                       headers=headers)
+        result = await _until_disconnected(request, serving.chat_completion(body, turn, more))
         return _json(result, headers)
 
     @app.post("/v1/completions", response_model=None)

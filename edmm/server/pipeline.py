@@ -49,6 +49,7 @@ from edmm.server.protocol import ChatCompletionRequest, CompletionRequest, Named
 from edmm.server.sessions import ServerSessions
 from edmm.server.stages import NO_TRACE, Tracer
 from edmm.server.templates import TemplateLimits, render_client_template
+from edmm.server.tool_parser import tool_marker_ids
 
 T = TypeVar("T")
 TEMPLATE_NICENESS = 10  # the client-template process yields the CPU to the server
@@ -86,6 +87,8 @@ class RequestPipeline:
         self.salt_per_key = salt_per_key
         self.max_model_len = engine.max_model_len
         self.validator = engine.validator  # immutable: safe off the engine thread
+        # The tool-call block's start and end tokens (None: they are not single tokens).
+        self.tool_markers = tool_marker_ids(tokenizer)
 
     def start(self) -> None:
         """Probe the model's template for incremental rendering (`ChatPrompts.prepare`) on
@@ -170,7 +173,8 @@ class RequestPipeline:
         except EngineContextLengthError as e:
             raise ContextLengthError(str(e)) from e
         except InvalidRequestError as e:
-            raise BadRequestError(str(e), param="prompt") from e
+            param = "logit_bias" if str(e).startswith("logit_bias") else "prompt"
+            raise BadRequestError(str(e), param=param) from e
         return request if salt is None else dataclasses.replace(request, cache_salt=salt)
 
     def grammars(self, req: ChatCompletionRequest,
@@ -225,7 +229,8 @@ class RequestPipeline:
             ids = prompt
         if not ids:
             raise BadRequestError("prompt is empty", param="prompt")
-        params = sampling_params(req, req.max_tokens, len(ids), self.max_model_len)
+        params = sampling_params(req, req.max_tokens, len(ids), self.max_model_len,
+                                 logprobs=req.logprobs)
         return self.request(ids, params, owner, req.cache_salt)
 
     async def queue(self, request: Request) -> OutputStream:
