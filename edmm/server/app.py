@@ -22,6 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from edmm.openai_errors import error_body
+from edmm.server.auth import ApiKeyGuard
 from edmm.server.body import parse_body
 from edmm.server.errors import APIError, PayloadTooLargeError
 from edmm.server.http_guard import BODY_READ_NS, RequestGuard
@@ -36,6 +37,7 @@ from edmm.server.protocol import (
 )
 from edmm.server.serving import abort_all
 from edmm.server.sessions import owner_of
+from edmm.server.shutdown import DrainGuard
 from edmm.server.state import ServerState
 from edmm.server.validation import check_text
 
@@ -72,6 +74,9 @@ def build_app(state: ServerState) -> FastAPI:
     _add_edmm_routes(app, state)
     if docs:
         _document_chat_body(app)
+    if state.config.api_keys:
+        app.add_middleware(ApiKeyGuard, keys=state.config.api_keys)  # type: ignore[arg-type]
+    app.add_middleware(DrainGuard, draining=state.draining)  # type: ignore[arg-type]
     app.add_middleware(RequestGuard, allowed_hosts=state.config.hosts,  # type: ignore[arg-type]
                        max_body_bytes=state.config.max_body_bytes)
     return app

@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import dataclasses
 import multiprocessing
-import os
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
@@ -32,10 +31,12 @@ from edmm.engine.sampling import LogitsProcessor
 from edmm.model.errors import PromptTooLongError
 from edmm.model.prompt_encoder import PromptEncoder
 from edmm.server.chat_prompts import ChatPrompt, ChatPrompts
+from edmm.server.children import record_semaphores, worker_init
 from edmm.server.engine_loop import EngineLoop, OutputStream
 from edmm.server.errors import APIError, BadRequestError, ContextLengthError
 from edmm.server.guided import GuidedDecoding
 from edmm.server.incremental import RenderedPrompt
+from edmm.server.latency import RequestClock
 from edmm.server.metrics import RequestCounters
 from edmm.server.prompts import (
     client_template,
@@ -145,7 +146,8 @@ class RequestPipeline:
         if self._templates is None:  # below the server's threads on a busy CPU
             self._templates = ProcessPoolExecutor(
                 max_workers=1, mp_context=multiprocessing.get_context("spawn"),
-                initializer=os.nice, initargs=(TEMPLATE_NICENESS,))
+                initializer=worker_init, initargs=(TEMPLATE_NICENESS,))
+            record_semaphores(self._templates)
         return self._templates
 
     # ------------------------------------------------------------------ steps
@@ -239,9 +241,13 @@ class RequestPipeline:
         return stream
 
     async def outputs(self, stream: OutputStream) -> AsyncIterator[RequestOutput]:
-        """The stream's outputs; a request left unfinished is counted as aborted."""
+        """The stream's outputs, timed (`edmm.server.latency`); a request left unfinished is
+        counted as aborted."""
+        latency, clock = self.counters.latency, RequestClock(stream.created_ns)
         try:
             async for out in stream.outputs():
+                if latency is not None:
+                    latency.observe(clock, out)
                 yield out
         finally:
             if stream.aborted:
