@@ -19,6 +19,7 @@ from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from edmm.openai_errors import error_body
@@ -34,6 +35,13 @@ from edmm.server.protocol import (
     ModelCard,
     ModelList,
     ToolOutputRequest,
+)
+from edmm.server.responses import (
+    STREAM_USAGE,
+    ResponseEvents,
+    ResponsesRequest,
+    from_chat,
+    to_chat,
 )
 from edmm.server.serving import abort_all
 from edmm.server.sessions import owner_of
@@ -204,6 +212,31 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
                                        headers=headers)
         result = await _until_disconnected(request, serving.chat_completion(body, turn, more))
         return _json(result, headers)
+
+    @app.post("/v1/responses", response_model=None)
+    async def responses(request: Request,
+                        x_session_id: str | None = Header(default=None, min_length=1,
+                                                          max_length=MAX_SESSION_ID),
+                        ) -> Response:
+        raw, content_type = await request.body(), request.headers.get("content-type")
+        parsed = parse_body(ResponsesRequest, raw, content_type)
+        body = parsed.value
+        try:
+            chat = to_chat(body)
+        except ValidationError as e:
+            raise RequestValidationError(e.errors()) from None
+        if body.stream:
+            chat = chat.model_copy(update={"stream": True, "stream_options": STREAM_USAGE})
+        turn = await serving.start_chat(chat, x_session_id, owner_of(request.headers),
+                                        surrogate_free=parsed.surrogate_free)
+        headers = {SESSION_HEADER: turn.session_id}
+        if body.stream:
+            events = ResponseEvents(body).events(serving.chat_stream(chat, turn))
+            return EventStreamResponse(events, lambda: serving.abort(turn), headers=headers)
+        result = await _until_disconnected(request, serving.chat_completion(chat, turn))
+        if isinstance(result, Response):
+            return result
+        return JSONResponse(from_chat(body, result), headers=headers)
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Response:
