@@ -301,6 +301,12 @@ class SamplingFields(_RequestBody):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
 
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options can only be defined when stream is true")
+        return self
+
     @field_validator("stop", mode="before")
     @classmethod
     def _stop_list(cls, v: Any) -> Any:
