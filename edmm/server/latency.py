@@ -48,7 +48,7 @@ class RequestClock:
     """What one request's timing needs between its outputs (event loop only)."""
 
     start_ns: int
-    tokens: int = 0  # output tokens seen so far
+    seen: int = 0  # output tokens seen so far
     last_ns: int = 0  # when the previous output with tokens came
 
 
@@ -77,9 +77,9 @@ class LatencyMetrics:
         """Account for ``out``, the request's latest output, arriving now."""
         now = time.time_ns()
         tokens = len(out.outputs[0].token_ids)
-        new = tokens - clock.tokens
+        new = tokens - clock.seen
         if new > 0:
-            if clock.tokens == 0:
+            if clock.seen == 0:
                 self._observe("ttft", (now - clock.start_ns) / 1e9)
                 scheduled = out.timing.first_scheduled_ns if out.timing is not None else None
                 if scheduled is not None:
@@ -88,6 +88,6 @@ class LatencyMetrics:
                 gap = (now - clock.last_ns) / 1e9 / new
                 for _ in range(new):
                     self._observe("itl", gap)
-            clock.tokens, clock.last_ns = tokens, now
+            clock.seen, clock.last_ns = tokens, now
         if out.finished:
             self._observe("e2e", (now - clock.start_ns) / 1e9)

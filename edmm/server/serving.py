@@ -187,9 +187,9 @@ class OpenAIServing:
             text = last.outputs[0].text if last is not None else ""
             reply = parse_reply(text) if parses_tools(req) else ParsedReply(text, [])
             if index == 0:
-                finish = await self._finish(turn, last, reply)
+                finish = await self.finish_turn(turn, last, reply)
             else:
-                finish = self._plain_finish(last, reply)
+                finish = self.finish_choice(last, reply)
             message = ResponseMessage(content=reply.content,
                                       tool_calls=response_tool_calls(reply.tool_calls))
             choices.append(ChatChoice(index=index, message=message, finish_reason=finish,
@@ -251,8 +251,8 @@ class OpenAIServing:
             return None
         return ChatLogprobs(content=[self.token_texts.chat(lp) for lp in lps[start:]])
 
-    async def _finish(self, turn: Turn, last: RequestOutput | None,
-                      reply: ParsedReply) -> FinishReason:
+    async def finish_turn(self, turn: Turn, last: RequestOutput | None,
+                          reply: ParsedReply) -> FinishReason:
         """End the turn (`ChatTurns.end`: its session awaits the reply's tool calls, if any,
         before the client sees it); count and return its finish reason."""
         assert last is not None
@@ -261,7 +261,7 @@ class OpenAIServing:
         self._count_finished(last, reason)
         return reason
 
-    def _plain_finish(self, last: RequestOutput | None, reply: ParsedReply) -> FinishReason:
+    def finish_choice(self, last: RequestOutput | None, reply: ParsedReply) -> FinishReason:
         """The finish reason of a choice outside the session (``n > 1``): ``tool_calls`` when
         it made complete calls; counted."""
         assert last is not None
@@ -414,8 +414,8 @@ class _ChatStream:
                 events += self.chunk(index, ChatDelta(content=rest))
             reply = ParsedReply(self.content[index] or None, list(parser.calls), parser.cut)
         serving = self.serving
-        reason = (await serving._finish(self.turn, last, reply) if index == 0
-                  else serving._plain_finish(last, reply))
+        reason = (await serving.finish_turn(self.turn, last, reply) if index == 0
+                  else serving.finish_choice(last, reply))
         return events + self.chunk(index, ChatDelta(), reason, self._logprobs(index))
 
     def _logprobs(self, index: int) -> ChatLogprobs | None:
