@@ -137,7 +137,7 @@ def _alive(pid: int) -> bool:
 
 def _stream(url: str, results: list[tuple[bool, str]]) -> None:
     """One long streamed chat: (it ended with [DONE], its last data line before [DONE])."""
-    body = {"model": "m", "stream": True, "max_tokens": 400, "ignore_eos": True,
+    body = {"model": "m", "stream": True, "max_tokens": 900, "ignore_eos": True,
             "messages": [{"role": "user", "content": "Tell me a long story."}]}
     lines: list[str] = []
     try:
@@ -191,11 +191,14 @@ def test_vllm_style_serve_then_sigterm_drains_and_leaves_nothing(tiny_dir: Path)
         for t in threads:
             t.join(timeout=60)
         assert len(results) == 3
+        ended = 0
         for done, last in results:
             assert done, last  # every stream ends with [DONE] ...
             chunk = json.loads(last[len("data: "):])
             # ... after its last tokens (finished) or an error event (ended by the drain)
             assert "error" in chunk or chunk["choices"][0]["finish_reason"] == "length", chunk
+            ended += "error" in chunk
+        assert ended  # 900 tokens take the tiny model longer than the grace period
         deadline = time.monotonic() + 10
         while any(_alive(pid) for pid in children) and time.monotonic() < deadline:
             time.sleep(0.1)
@@ -267,3 +270,17 @@ def test_clean_stale_semaphores_keeps_live_servers(tmp_path: Path,
     assert children.clean_stale_semaphores() == 1
     assert sorted(p.name for p in tmp_path.iterdir()) == [
         f"{children.LEDGER_PREFIX}{os.getpid()}", "sem.mp-live1"]
+
+
+def test_host_offload_is_sized_from_available_memory_and_capped() -> None:
+    from edmm.server.state import OFFLOAD_SHARE, auto_offload_bytes
+
+    meminfo = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    available = int(meminfo["MemAvailable"].split()[0]) * 1024
+    sized = auto_offload_bytes(1 << 50)
+    assert abs(sized - available * OFFLOAD_SHARE) < 0.05 * available  # memory moves a little
+    assert auto_offload_bytes(1 << 20) == 1 << 20
+    capped = config_from_args(build_parser().parse_args(["--kv-offload-max-gib", "0.5"]))
+    assert capped.engine_config().kv_offload_bytes == min(1 << 29, sized)
+    fixed = config_from_args(build_parser().parse_args(["--kv-offload-gib", "0"]))
+    assert fixed.engine_config().kv_offload_bytes == 0
