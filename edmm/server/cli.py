@@ -359,9 +359,14 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
     checked against the machine: see `check_config`)."""
     execution_aware = not args.no_execution_aware
     names = args.served_model_name or []
+    model = model_ref(args)
+    # vLLM serves a model under MODEL as given; here its folder's name is the reply's name,
+    # and MODEL as given is accepted too
+    aliases = tuple(names[1:]) if names else (
+        (model,) if model is not None and Path(model).name != model else ())
     return ServerConfig(
-        model=model_ref(args), device=_device(args.device), host=args.host, port=args.port,
-        served_model_name=names[0] if names else None, model_aliases=tuple(names[1:]),
+        model=model, device=_device(args.device), host=args.host, port=args.port,
+        served_model_name=names[0] if names else None, model_aliases=aliases,
         execution_aware=execution_aware, engine=_engine_fields(args),
         agent=_agent_fields(args, execution_aware),
         kv_offload_cap_bytes=(int(args.kv_offload_max_gib * 2**30)

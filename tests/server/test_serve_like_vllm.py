@@ -38,6 +38,9 @@ def test_a_vllm_command_line_maps_to_the_config(tmp_path: Path) -> None:
                              "max_num_batched_tokens": 512, "dtype": "bfloat16",
                              "gpu_memory_utilization": 0.8, "seed": 3, "load_format": "dummy"}
     assert args.enable_prefix_caching is True and args.disable_uvicorn_access_log
+    # without --served-model-name: the folder's name, and MODEL as given (vLLM's name)
+    plain = config_from_args(build_parser().parse_args([str(tmp_path)]))
+    assert plain.model_name == tmp_path.name and plain.model_aliases == (str(tmp_path),)
 
 
 def test_api_key_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
