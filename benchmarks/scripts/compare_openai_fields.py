@@ -29,7 +29,7 @@ import httpx
 
 # Keys whose values are compared (enumerations), not only their types.
 ENUM_KEYS = frozenset({"object", "finish_reason", "role", "type", "param", "code", "status"})
-WEATHER = {"type": "function", "function": {
+WEATHER: dict[str, Any] = {"type": "function", "function": {
     "name": "get_weather", "description": "Current weather of a city.",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                    "required": ["city"]}}}
