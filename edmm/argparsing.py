@@ -91,3 +91,17 @@ def int_list(text: str) -> tuple[int, ...]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"expected comma-separated integers >= 1, got {text!r}")
     return values
+
+
+def resolve_device(parser: argparse.ArgumentParser, device: str) -> str:
+    """``auto``: cuda if torch sees a GPU, else cpu; a CUDA device with none here: an error."""
+    import torch
+
+    if device == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        parser.error(f"--device {device}: no CUDA device here (torch {torch.__version__}, "
+                     "torch.cuda.is_available() is False); use --device cpu or auto")
+    if device != "cpu" and not device.startswith("cuda"):
+        parser.error(f"--device must be auto, cpu or cuda[:N], got {device!r}")
+    return device

@@ -174,6 +174,15 @@ def server_command(cfg: LiveBenchConfig, port: int) -> list[str]:
            "127.0.0.1", "--port", str(port), "--log-level", "warning"]
     if cfg.model is not None:
         cmd += ["--model", cfg.model]
+        if not Path(cfg.model).is_dir():  # a preset: random weights, as in process
+            cmd += ["--load-format", "dummy"]
+    # The configuration this bench has always measured (edmm serve's defaults before it took
+    # the agents bench's `edmm` policy): no host offload, every speculation branch.
+    if not any(a.startswith(("--kv-offload-gib", "--kv-offloading-size"))
+               for a in cfg.server_args):
+        cmd += ["--kv-offload-gib", "0"]
+    if not any(a.endswith("speculation-gate") for a in cfg.server_args):
+        cmd += ["--no-speculation-gate"]
     if cfg.tokenizer is not None:
         cmd += ["--tokenizer", cfg.tokenizer]
     if "--max-model-len" not in cfg.server_args:

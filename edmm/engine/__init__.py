@@ -12,7 +12,7 @@ from edmm.engine.errors import (
 )
 from edmm.engine.kv_manager import HeldPages, KVCacheManager, KVLayout, KVStats
 from edmm.engine.kv_policy import AdoptionCost
-from edmm.engine.outputs import CompletionOutput, RequestOutput, RequestTiming
+from edmm.engine.outputs import CompletionOutput, RequestOutput, RequestTiming, TokenLogprobs
 from edmm.engine.prefix_cache import CacheTag, EntryRank, PrefixCache, PrefixHit
 from edmm.engine.runner import ModelInputs, ModelRunner
 from edmm.engine.sampling import FinishReason, SamplingParams
@@ -55,4 +55,5 @@ __all__ = [
     "SequenceKind",
     "SequenceStatus",
     "SlotHints",
+    "TokenLogprobs",
 ]

@@ -12,6 +12,7 @@ from edmm.memory.backends import BACKEND_NAMES
 from edmm.memory.host import DEFAULT_HOST_PAGE_SIZE
 from edmm.model.attention_choice import ATTENTION_CHOICES
 from edmm.model.kv_quant import KV_CACHE_DTYPES
+from edmm.model.loader import LOAD_FORMATS
 
 HOST_POOL_BYTES = 4 << 30  # default cap of the host pool (memfd pages are committed on touch)
 # Running sequences by default, by device (vLLM's serving defaults: 1024 on GPUs of >= 70 GiB,
@@ -35,6 +36,9 @@ class EngineConfig:
         model: a local HF folder or a preset name (random weights, no tokenizer); None: the
             embedded tool model (`edmm.model.tiny.default_model`).
         tokenizer: a local tokenizer folder; None: the model folder, if it holds one.
+        load_format: how weights load (`edmm.model.loader.LOAD_FORMATS`, vLLM's names):
+            ``auto``/``safetensors`` read the folder's weights (a preset: random ones);
+            ``dummy``: random weights for any model (a folder's config.json suffices).
         device: ``"cpu"`` or ``"cuda"`` (``"cuda:N"``).
         dtype: weights dtype (and the KV's with ``kv_cache_dtype="auto"``); None: the model
             config's.
@@ -95,6 +99,7 @@ class EngineConfig:
 
     model: str | None = None
     tokenizer: str | None = None
+    load_format: str = "auto"
     device: str = "cpu"
     dtype: str | torch.dtype | None = None
     kv_cache_dtype: str = "auto"
@@ -134,6 +139,9 @@ class EngineConfig:
         if self.kv_cache_dtype not in KV_CACHE_DTYPES:
             raise EngineConfigError(
                 f"kv_cache_dtype must be one of {KV_CACHE_DTYPES}, got {self.kv_cache_dtype!r}")
+        if self.load_format not in LOAD_FORMATS:
+            raise EngineConfigError(
+                f"load_format must be one of {LOAD_FORMATS}, got {self.load_format!r}")
         if self.attention not in ATTENTION_CHOICES:
             raise EngineConfigError(
                 f"attention must be one of {ATTENTION_CHOICES}, got {self.attention!r}")

@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from edmm.engine.runner import CausalModel, ModelInputs, ModelRunner
+from edmm.engine.runner import CausalModel, ModelInputs, ModelRunner, Picked
 from edmm.engine.sampling import Sampler
 from edmm.memory import KVArena
 from edmm.model.attention import AttentionMetadata
@@ -209,11 +209,11 @@ class CudaGraphRunner(ModelRunner):
         self._logits = g.logits[:t] if g.logits is not None else None
         return g.hidden[:t]
 
-    def sample(self, hidden: Tensor, inputs: ModelInputs) -> Tensor:
+    def sample_picked(self, hidden: Tensor, inputs: ModelInputs) -> Picked:
         """Sample from the logits the decode graph computed, else as `ModelRunner` does."""
         logits, self._logits = self._logits, None
         if logits is None or not inputs.sample_seqs:
-            return super().sample(hidden, inputs)
+            return super().sample_picked(hidden, inputs)
         if len(inputs.sample_seqs) == logits.shape[0]:  # every row samples, in order
             return self.pick(logits, inputs)
         return self.pick(logits[inputs.sample_rows], inputs)

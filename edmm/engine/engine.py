@@ -37,7 +37,7 @@ from edmm.engine.errors import (
 )
 from edmm.engine.hooks import ParallelHooks
 from edmm.engine.kv_manager import KVCacheManager, KVStats
-from edmm.engine.outputs import CompletionOutput, RequestOutput, RequestTiming
+from edmm.engine.outputs import CompletionOutput, RequestOutput, RequestTiming, TokenLogprobs
 from edmm.engine.prefix_cache import CacheTag, PrefixCache
 from edmm.engine.runner import Launch, ModelRunner
 from edmm.engine.sampling import FinishReason, Sampler, SamplingParams, is_stop
@@ -146,6 +146,10 @@ class RequestValidator:
             raise InvalidRequestError(f"sampling params must be SamplingParams, got {params!r}")
         if params.stop and not self.has_tokenizer:
             raise InvalidRequestError("stop strings need a tokenizer; use stop_token_ids")
+        outside = [t for t in params.logit_bias if t >= self.vocab_size]
+        if outside:
+            raise InvalidRequestError(f"logit_bias: token id {outside[0]} is not in the "
+                                      f"vocabulary [0, {self.vocab_size})")
         ids = self.token_ids(prompt_token_ids)
         if not ids:
             raise InvalidRequestError(f"request {request_id!r}: empty prompt")
@@ -237,6 +241,9 @@ class _RequestState:
                       if tokenizer is not None else None)
         self.stops = StopStringMatcher(request.params.stop)
         self.text = ""
+        # Each output token's log probabilities, when the request asked for them.
+        self.logprobs: list[TokenLogprobs] | None = (
+            [] if request.params.logprobs is not None else None)
 
     def push(self, token_id: int, check_stop_strings: bool) -> bool:
         """Detokenize one more token; True if a stop string now ends the text."""
@@ -266,7 +273,8 @@ class Engine:
         self.parallel = parallel
         folder = _model_folder(config.model)
         model_ref = folder if folder is not None else str(config.model)
-        self.model, self.model_config = load_model(model_ref, config.device, config.dtype)
+        self.model, self.model_config = load_model(model_ref, config.device, config.dtype,
+                                                   load_format=config.load_format)
         if parallel is not None:
             self.model = parallel.shard(self.model)  # model.cfg: this rank's heads
         self.tokenizer = _load_tokenizer(config.tokenizer, folder)
@@ -475,8 +483,9 @@ class Engine:
         launch, seqs = launched
         sampled = launch.tokens()
         clock.waited()
+        logprobs = launch.logprobs()
         resolved = self._scheduler.resolve(launch.batch, seqs, sampled)
-        outputs = [self._process(r) for r in resolved]
+        outputs = [self._process(r, logprobs.get(r.seq.request_id)) for r in resolved]
         clock.finished()
         self.last_step_timing = clock.timing()
         return outputs
@@ -493,10 +502,13 @@ class Engine:
         self.last_step = dataclasses.replace(shape, seconds=seconds)
         self.step_cost.observe(batch.num_tokens, seconds)
 
-    def _process(self, r: Resolved) -> RequestOutput:
-        """Detokenize a sequence's new token and finish it if it stops here."""
+    def _process(self, r: Resolved, logprobs: TokenLogprobs | None = None) -> RequestOutput:
+        """Detokenize a sequence's new token (keep its ``logprobs``, if asked for) and finish
+        it if it stops here."""
         seq, token = r.seq, r.token
         state = self._states[seq.request_id]
+        if state.logprobs is not None and logprobs is not None:
+            state.logprobs.append(logprobs)
         generated = r.index + 1 - seq.num_prompt_tokens
         reason = is_stop(token, generated, seq.params, self.eos_token_ids)
         may_stop = generated >= seq.params.min_tokens
@@ -603,7 +615,8 @@ def _output(seq: Seq, state: _RequestState, num_tokens: int) -> RequestOutput:
     still on the device)."""
     req = state.request
     completion = CompletionOutput(0, state.text, seq.token_ids[seq.num_prompt_tokens:num_tokens],
-                                  seq.finish_reason)
+                                  seq.finish_reason,
+                                  list(state.logprobs) if state.logprobs is not None else None)
     return RequestOutput(req.request_id, req.prompt, req.prompt_token_ids, [completion],
                          seq.is_finished, seq.num_cached_tokens, seq.prefix_hit,
                          RequestTiming(seq.first_scheduled_ns, seq.memory_wait_steps))

@@ -7,6 +7,16 @@ from dataclasses import dataclass
 from edmm.engine.prefix_cache import PrefixHit
 
 
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A sampled token's log probability and the most likely tokens at its place (``top``:
+    ``(token_id, logprob)``, most likely first; as many as the request asked for)."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
 @dataclass
 class CompletionOutput:
     """One generated continuation of a prompt, as far as it got."""
@@ -15,6 +25,9 @@ class CompletionOutput:
     text: str  # detokenized output, cut before a matched stop string ("" without a tokenizer)
     token_ids: list[int]
     finish_reason: str | None = None  # "stop", "length", "abort", or None while running
+    # One per token of ``token_ids`` when the request asked for them
+    # (`SamplingParams.logprobs`); None otherwise.
+    logprobs: list[TokenLogprobs] | None = None
 
     @property
     def finished(self) -> bool:

@@ -31,7 +31,19 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from edmm.engine.sampling import RequestRng, Sampler, SamplingParams, apply_logits_processors
+from edmm.engine.outputs import TokenLogprobs
+from edmm.engine.sampling import (
+    OutputCounts,
+    RequestRng,
+    SampledLogprobs,
+    Sampler,
+    SamplingParams,
+    adjust_logits,
+    apply_logits_processors,
+    count_outputs,
+    raw_logprobs,
+    sampled_logprobs,
+)
 from edmm.engine.scheduler import ScheduledBatch
 from edmm.memory import KVArena
 from edmm.model.attention import AttentionMetadata
@@ -63,6 +75,7 @@ class ModelInputs:
     params: list[SamplingParams]  # [N]
     rngs: list[RequestRng]  # [N]
     output_token_ids: list[list[int]] = field(default_factory=list)  # [N], for logits processors
+    counts: list[OutputCounts | None] = field(default_factory=list)  # [N], penalized rows'
 
     @property
     def is_decode_only(self) -> bool:
@@ -70,15 +83,27 @@ class ModelInputs:
         return all(q == 1 for q in self.meta.query_lens)
 
 
+@dataclass(frozen=True)
+class Picked:
+    """What sampling one step gave: the tokens ``[N]`` and, when a row asked for them, their
+    log probabilities (`SampledLogprobs`), on the device."""
+
+    tokens: Tensor  # [N] int64
+    logprobs: SampledLogprobs | None = None
+
+
 class Launch:
     """A step queued on the device; its sampled tokens come to the host on their own.
 
     ``rows``: each sampling request's row of ``tokens_dev``, for a next step that decodes the
-    token before it reaches the host (`ModelRunner.prepare`).
+    token before it reaches the host (`ModelRunner.prepare`). ``logprobs``: the sampled
+    tokens' log probabilities when a row asked for them (on CUDA copied to pinned host memory
+    before ``event``, so reading them never waits for a later step).
     """
 
     def __init__(self, batch: ScheduledBatch, sample_seqs: list[int], tokens_dev: Tensor,
-                 host: Tensor | None, event: torch.cuda.Event | None) -> None:
+                 host: Tensor | None, event: torch.cuda.Event | None,
+                 logprobs: SampledLogprobs | None = None) -> None:
         self.batch = batch
         self.sample_seqs = sample_seqs  # [N] batch index of each sampled row
         self.tokens_dev = tokens_dev  # [N] int64 on the device
@@ -86,6 +111,26 @@ class Launch:
         self._host = host  # [N] pinned copy of tokens_dev (CUDA); None: tokens_dev is here
         self._event = event  # recorded after the copy to ``host``
         self._tokens: list[int | None] | None = None
+        self._logprobs = logprobs
+
+    def logprobs(self) -> dict[str, TokenLogprobs]:
+        """The sampled token's log probabilities of each request that asked for them, by
+        request id (call after `tokens`)."""
+        lp = self._logprobs
+        if lp is None:
+            return {}
+        tokens = self.tokens()
+        chosen, ids, values = lp.chosen.tolist(), lp.top_ids.tolist(), lp.top_values.tolist()
+        out: dict[str, TokenLogprobs] = {}
+        for row, i in enumerate(self.sample_seqs):
+            seq = self.batch.seqs[i]
+            k = seq.params.logprobs
+            token = tokens[i]
+            if k is None or token is None:
+                continue
+            top = tuple(zip(ids[row][:k], values[row][:k], strict=True))
+            out[seq.request_id] = TokenLogprobs(token, chosen[row], top)
+        return out
 
     def tokens(self) -> list[int | None]:
         """The sampled token of each entry of the batch (None: it did not sample); waits for
@@ -165,13 +210,16 @@ class ModelRunner:
         inputs = self.prepare(batch, previous)
         with torch.inference_mode():
             hidden = self.forward(inputs)  # [T, hidden]
-            tokens = self.sample(hidden, inputs)  # [N]
+            picked = self.sample_picked(hidden, inputs)
+        tokens = picked.tokens  # [N]
         if self._outputs is None or not inputs.sample_seqs:
-            return Launch(batch, inputs.sample_seqs, tokens, None, None)
+            return Launch(batch, inputs.sample_seqs, tokens, None, None, picked.logprobs)
+        logprobs = _to_pinned(picked.logprobs)
         host, i = self._outputs.take(len(inputs.sample_seqs))
         host = host[:len(inputs.sample_seqs)]
         host.copy_(tokens, non_blocking=True)
-        return Launch(batch, inputs.sample_seqs, tokens, host, self._outputs.copied(i))
+        return Launch(batch, inputs.sample_seqs, tokens, host, self._outputs.copied(i),
+                      logprobs)
 
     def prepare(self, batch: ScheduledBatch, previous: Launch | None = None) -> ModelInputs:
         """Flatten a batch into device tensors, in one host-to-device copy: the token ids,
@@ -209,7 +257,8 @@ class ModelRunner:
             sample_rows=sample_rows, sample_seqs=sample_seqs,
             params=[batch.seqs[i].params for i in sample_seqs],
             rngs=[batch.seqs[i].rng for i in sample_seqs],
-            output_token_ids=[batch.seqs[i].output_token_ids for i in sample_seqs])
+            output_token_ids=[batch.seqs[i].output_token_ids for i in sample_seqs],
+            counts=[batch.seqs[i].counts for i in sample_seqs])
 
     def _to_device(self, values: np.ndarray) -> Tensor:
         """``values`` (int64) on the device: through a pinned buffer on CUDA, so the copy is
@@ -230,16 +279,41 @@ class ModelRunner:
 
     def sample(self, hidden: Tensor, inputs: ModelInputs) -> Tensor:
         """Next tokens ``[N]`` of the sampled rows of ``hidden`` ``[T, hidden]``."""
+        return self.sample_picked(hidden, inputs).tokens
+
+    def sample_picked(self, hidden: Tensor, inputs: ModelInputs) -> Picked:
+        """`sample`, with the sampled tokens' log probabilities where a row asks for them."""
         if not inputs.sample_seqs:
-            return torch.empty(0, dtype=torch.int64)
+            return Picked(torch.empty(0, dtype=torch.int64))
         return self.pick(self.model.compute_logits(hidden[inputs.sample_rows]), inputs)
 
-    def pick(self, logits: Tensor, inputs: ModelInputs) -> Tensor:
-        """Next tokens ``[N]`` from the sampled rows' float32 logits ``[N, vocab]``: logits
-        processors, then the sampler."""
-        if any(p.logits_processors for p in inputs.params):
-            logits = apply_logits_processors(logits, inputs.params, inputs.output_token_ids)
-        return self.sampler(logits, inputs.params, inputs.rngs)  # [N]
+    def pick(self, logits: Tensor, inputs: ModelInputs) -> Picked:
+        """Next tokens ``[N]`` from the sampled rows' float32 logits ``[N, vocab]``: the raw
+        log probabilities where asked for, penalties and logit biases, logits processors, then
+        the sampler; the penalized rows count their new token on the device."""
+        params = inputs.params
+        raw = raw_logprobs(logits, params)  # [N, V] or None
+        if any(p.penalized or p.logit_bias for p in params):
+            logits = adjust_logits(logits, params, inputs.counts)
+        if any(p.logits_processors for p in params):
+            logits = apply_logits_processors(logits, params, inputs.output_token_ids)
+        tokens = self.sampler(logits, params, inputs.rngs)  # [N]
+        if any(c is not None for c in inputs.counts):
+            count_outputs(tokens, inputs.counts)
+        return Picked(tokens, sampled_logprobs(raw, tokens, params) if raw is not None
+                      else None)
+
+
+def _to_pinned(lp: SampledLogprobs | None) -> SampledLogprobs | None:
+    """``lp`` copied to pinned host memory, queued on the current stream (CUDA)."""
+    if lp is None:
+        return None
+
+    def pinned(t: Tensor) -> Tensor:
+        host = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        return host.copy_(t, non_blocking=True)
+
+    return SampledLogprobs(pinned(lp.chosen), pinned(lp.top_ids), pinned(lp.top_values))
 
 
 def int64_tensor(values: list[int], device: torch.device | str) -> Tensor:

@@ -62,7 +62,7 @@ from dataclasses import dataclass, field
 from edmm.engine.errors import EngineConfigError, IntegrityError
 from edmm.engine.kv_manager import KVCacheManager
 from edmm.engine.prefix_cache import CacheTag, EntryRank, PrefixHit
-from edmm.engine.sampling import RequestRng, SamplingParams
+from edmm.engine.sampling import OutputCounts, RequestRng, SamplingParams
 from edmm.engine.sequence import (
     ABORTED,
     PENDING_TOKEN,
@@ -129,6 +129,7 @@ class ScheduledSeq:
     # The tokens generated so far, given only to a sampling entry whose params have
     # logits processors (they need them); empty otherwise.
     output_token_ids: list[int] = field(default_factory=list)
+    counts: OutputCounts | None = None  # its output's token counts (penalized params only)
     speculative: bool = False  # an agent's speculative prefill (never samples)
     # Its one token is the previous step's sample, still on the device (async scheduling):
     # the runner takes the value from that step's sampled tokens.
@@ -473,7 +474,7 @@ class Scheduler:
         return ScheduledSeq(
             request_id=seq.request_id, slot=seq.slot, token_ids=seq.token_ids[start:start + n],
             start=start, sample=sample, params=seq.params, rng=seq.rng,
-            output_token_ids=outputs, speculative=seq.is_speculative,
+            counts=seq.counts, output_token_ids=outputs, speculative=seq.is_speculative,
             pending_input=seq.num_pending > 0)
 
     # ------------------------------------------------------------------ memory

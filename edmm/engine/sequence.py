@@ -13,7 +13,7 @@ from collections.abc import Sequence as Seq
 from dataclasses import dataclass
 
 from edmm.engine.prefix_cache import CacheTag, EntryRank, PrefixHit
-from edmm.engine.sampling import RequestRng, SamplingParams
+from edmm.engine.sampling import OutputCounts, RequestRng, SamplingParams
 
 
 class SequenceStatus(enum.IntEnum):
@@ -91,6 +91,7 @@ class Sequence:
     # the model's length); a step in flight never computes a token beyond it. None: no bound.
     max_num_tokens: int | None = None
     num_pending: int = 0  # sampled tokens at the end of token_ids still on the device
+    counts: OutputCounts | None = None  # its output's token counts (penalized params only)
 
     @classmethod
     def new(cls, request_id: str, prompt_token_ids: Seq[int], params: SamplingParams,
@@ -101,7 +102,8 @@ class Sequence:
         ids = prompt_token_ids[:] if isinstance(prompt_token_ids, list) else list(prompt_token_ids)
         return cls(request_id, ids, len(prompt_token_ids), params,
                    RequestRng.for_params(params), kind=kind,
-                   hints=hints if hints is not None else SlotHints(), priority=priority)
+                   hints=hints if hints is not None else SlotHints(), priority=priority,
+                   counts=OutputCounts() if params.penalized else None)
 
     @property
     def is_speculative(self) -> bool:

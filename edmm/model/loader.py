@@ -15,6 +15,7 @@ from torch import Tensor
 from edmm.model.attention import AttentionBackend
 from edmm.model.config import PRESETS, ModelConfig, parse_dtype, resolve_preset
 from edmm.model.errors import (
+    ConfigError,
     MissingTensorError,
     ModelNotFoundError,
     ShapeMismatchError,
@@ -25,6 +26,10 @@ from edmm.model.transformer import CausalLM
 logger = logging.getLogger(__name__)
 
 _ROTARY_SUFFIXES = ("rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached")
+# How weights load (vLLM's ``--load-format`` names): ``auto`` and ``safetensors`` read a
+# folder's safetensors (a preset has random weights); ``dummy`` random-inits every model, a
+# folder's too (its config.json is all it needs).
+LOAD_FORMATS = ("auto", "safetensors", "dummy")
 
 
 @dataclass(frozen=True)
@@ -191,6 +196,7 @@ def load_model(
     backend: AttentionBackend | None = None,
     strict: bool = False,
     seed: int = 0,
+    load_format: str = "auto",
 ) -> tuple[CausalLM, ModelConfig]:
     """Load a model from a local HF folder, or random-init a preset from ``PRESETS``.
 
@@ -201,11 +207,14 @@ def load_model(
         max_positions: rotary cache length (default: see :class:`CausalLM`).
         backend: attention backend (default: reference SDPA).
         strict: raise on unexpected checkpoint tensors instead of ignoring them.
-        seed: random-init seed for presets.
+        seed: random-init seed for presets (and ``dummy`` loads).
+        load_format: one of `LOAD_FORMATS`; ``dummy``: random weights, a folder's too.
 
     Returns:
         ``(model, config)``, the model in eval mode with ``requires_grad`` off.
     """
+    if load_format not in LOAD_FORMATS:
+        raise ConfigError(f"load_format must be one of {LOAD_FORMATS}, got {load_format!r}")
     path = Path(folder_or_preset)
     if path.is_dir():
         cfg = ModelConfig.from_folder(path)
@@ -223,7 +232,7 @@ def load_model(
         max_positions,
         backend,
     )
-    if path.is_dir():
+    if path.is_dir() and load_format != "dummy":
         load_weights(model, path, strict=strict)
     else:
         init_random(model, seed=seed)

@@ -19,9 +19,11 @@ from fastapi import FastAPI, Header, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
+from pydantic import ValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from edmm.openai_errors import error_body
+from edmm.server.auth import ApiKeyGuard
 from edmm.server.body import parse_body
 from edmm.server.errors import APIError, PayloadTooLargeError
 from edmm.server.http_guard import BODY_READ_NS, RequestGuard
@@ -30,11 +32,20 @@ from edmm.server.protocol import (
     ChatCompletionRequest,
     Completion,
     CompletionRequest,
+    ModelCard,
     ModelList,
     ToolOutputRequest,
 )
+from edmm.server.responses import (
+    STREAM_USAGE,
+    ResponseEvents,
+    ResponsesRequest,
+    from_chat,
+    to_chat,
+)
 from edmm.server.serving import abort_all
 from edmm.server.sessions import owner_of
+from edmm.server.shutdown import DrainGuard
 from edmm.server.state import ServerState
 from edmm.server.validation import check_text
 
@@ -71,6 +82,9 @@ def build_app(state: ServerState) -> FastAPI:
     _add_edmm_routes(app, state)
     if docs:
         _document_chat_body(app)
+    if state.config.api_keys:
+        app.add_middleware(ApiKeyGuard, keys=state.config.api_keys)  # type: ignore[arg-type]
+    app.add_middleware(DrainGuard, draining=state.draining)  # type: ignore[arg-type]
     app.add_middleware(RequestGuard, allowed_hosts=state.config.hosts,  # type: ignore[arg-type]
                        max_body_bytes=state.config.max_body_bytes)
     return app
@@ -158,6 +172,10 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
     async def models() -> ModelList:
         return serving.models()
 
+    @app.get("/v1/models/{model:path}", response_model=ModelCard)
+    async def model(model: str) -> ModelCard:
+        return serving.model(model)
+
     @app.get("/metrics")
     async def metrics() -> Response:
         return Response(await serving.render_metrics(), media_type=CONTENT_TYPE_LATEST)
@@ -178,12 +196,47 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
         body = parsed.value
         turn = await serving.start_chat(body, x_session_id, owner_of(request.headers), trace,
                                         surrogate_free=parsed.surrogate_free)
+        try:
+            more = await serving.more_choices(body, turn) if body.n > 1 else []
+        except BaseException:
+            serving.abort(turn)
+            raise
+        headers = {SESSION_HEADER: turn.session_id}
+
+        def abort() -> None:
+            serving.abort(turn)
+            abort_all(more)
+
+        if body.stream:
+            return EventStreamResponse(serving.chat_stream(body, turn, more), abort,
+                                       headers=headers)
+        result = await _until_disconnected(request, serving.chat_completion(body, turn, more))
+        return _json(result, headers)
+
+    @app.post("/v1/responses", response_model=None)
+    async def responses(request: Request,
+                        x_session_id: str | None = Header(default=None, min_length=1,
+                                                          max_length=MAX_SESSION_ID),
+                        ) -> Response:
+        raw, content_type = await request.body(), request.headers.get("content-type")
+        parsed = parse_body(ResponsesRequest, raw, content_type)
+        body = parsed.value
+        try:
+            chat = to_chat(body)
+        except ValidationError as e:
+            raise RequestValidationError(e.errors()) from None
+        if body.stream:
+            chat = chat.model_copy(update={"stream": True, "stream_options": STREAM_USAGE})
+        turn = await serving.start_chat(chat, x_session_id, owner_of(request.headers),
+                                        surrogate_free=parsed.surrogate_free)
         headers = {SESSION_HEADER: turn.session_id}
         if body.stream:
-            return EventStreamResponse(serving.chat_stream(body, turn),
-                                       lambda: serving.abort(turn), headers=headers)
-        result = await _until_disconnected(request, serving.chat_completion(body, turn))
-        return _json(result, headers)
+            events = ResponseEvents(body).events(serving.chat_stream(chat, turn))
+            return EventStreamResponse(events, lambda: serving.abort(turn), headers=headers)
+        result = await _until_disconnected(request, serving.chat_completion(chat, turn))
+        if isinstance(result, Response):
+            return result
+        return JSONResponse(from_chat(body, result), headers=headers)
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Response:

@@ -70,6 +70,7 @@ class _Stream:
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id
+        self.created_ns = time.time_ns()
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[_Item] = asyncio.Queue()
         self.step_ns: int | None = None
@@ -117,6 +118,12 @@ class OutputStream:
     def request_id(self) -> str:
         """The request's id."""
         return self._stream.request_id
+
+    @property
+    def created_ns(self) -> int:
+        """Wall-clock nanoseconds when the request's submission was made (the server took it
+        up: `edmm.server.latency`)."""
+        return self._stream.created_ns
 
     @property
     def engine_ns(self) -> tuple[int | None, int | None]:
@@ -171,6 +178,7 @@ class EngineLoop(Generic[E]):
         self._unstepped: list[_Stream] = []  # queued since the last step (engine thread)
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._stopping = False
+        self._refusing: BaseException | None = None  # set by `end_all`: new requests fail
         self.error: BaseException | None = None  # set if the thread died
         self.num_steps = 0
 
@@ -234,6 +242,17 @@ class EngineLoop(Generic[E]):
     def abort(self, request_id: str) -> None:
         """Abort a request (from any thread)."""
         self._put(lambda: self._abort(request_id))
+
+    def end_all(self, error: BaseException) -> None:
+        """End every request in flight with ``error`` (each is aborted; its consumer gets the
+        error) and fail every request submitted from now on with it; any thread (a no-op
+        once the loop stopped)."""
+        def end() -> None:
+            self._refusing = error
+            self._fail_all(error)
+
+        with contextlib.suppress(ServiceUnavailableError):
+            self._put(end)
 
     # ------------------------------------------------------------------ engine thread
     def _put(self, command: Callable[[], None]) -> None:
@@ -312,6 +331,9 @@ class EngineLoop(Generic[E]):
                 future: concurrent.futures.Future[T]) -> None:
         if not future.set_running_or_notify_cancel():
             return  # the caller left before its request was queued
+        if self._refusing is not None:
+            future.set_exception(self._refusing)
+            return
         try:
             result = submit(self.engine)
         except Exception as e:

@@ -19,7 +19,6 @@ second (`check_grammar` is also what an in-process check runs).
 from __future__ import annotations
 
 import multiprocessing
-import os
 import re
 import time
 from concurrent.futures import Future, ProcessPoolExecutor
@@ -28,6 +27,8 @@ from typing import Literal
 
 import llguidance
 from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
+
+from edmm.server.children import record_semaphores, worker_init
 
 PROBE_NICENESS = 10  # the probe process yields the CPU to the server
 _MAX_MESSAGE_CHARS = 500
@@ -178,6 +179,7 @@ class GrammarProbe:
             self._pool = ProcessPoolExecutor(
                 max_workers=1, mp_context=multiprocessing.get_context("spawn"),
                 initializer=_init_worker, initargs=(self._spec,))
+            record_semaphores(self._pool)
         return self._pool.submit(_check_in_worker, grammars, self._budget, self._limits)
 
     def restart(self) -> None:
@@ -201,7 +203,7 @@ class _Worker:
 
 
 def _init_worker(spec: TokenizerSpec) -> None:
-    os.nice(PROBE_NICENESS)
+    worker_init(PROBE_NICENESS)
     _Worker.tokenizer = spec.build()
     _Worker.vocab_size = spec.vocab_size
 

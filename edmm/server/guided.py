@@ -284,7 +284,7 @@ class GuidedDecoding:
                 tools = [f for f in tools if f.name == choice.function.name]
             parts = [g for f in tools for g in self.pattern_grammars(f.parameters, "tools")]
             return [*grammars, *parts, self.tool_calls_grammar(
-                tools, req.parallel_tool_calls and choice == "required")]
+                tools, req.parallel_tool_calls is not False and choice == "required")]
         fmt = req.response_format
         if fmt is None or fmt.type == "text":
             return grammars

@@ -2,7 +2,10 @@
 
 Engine-side values (KV pages, session states, speculation outcomes, prefix hits) are read when
 ``/metrics`` is scraped, in one call on the engine thread, so they are consistent with each
-other; request counters kept by the HTTP layer live in `RequestCounters`.
+other; request counters kept by the HTTP layer live in `RequestCounters`, its latency
+histograms in `edmm.server.latency`. With ``vllm_names`` the page also carries vLLM's names of
+the same values (``vllm:num_requests_running``, ``vllm:kv_cache_usage_perc``,
+``vllm:prefix_cache_hits_total`` ..., labels ``model_name`` and ``engine``).
 """
 
 from __future__ import annotations
@@ -17,17 +20,21 @@ from prometheus_client.registry import Collector
 
 from edmm.agent import AgentStats, SessionState
 from edmm.engine import EngineStats
+from edmm.server.latency import VLLM_ENGINE, LatencyMetrics
 from edmm.server.sessions import ServerSessions
 
 SPECULATION_OUTCOMES = ("hit", "partial", "miss")
+# vLLM's finish reasons of vllm:request_success (a reply with tool calls stopped).
+VLLM_REASONS = {"stop": "stop", "length": "length", "tool_calls": "stop", "abort": "abort"}
 
 
 @dataclass
 class RequestCounters:
-    """Counters of the HTTP layer (event-loop thread only)."""
+    """Counters of the HTTP layer (event-loop thread only); ``latency``: its histograms."""
 
     finished: Counter[str] = field(default_factory=Counter)  # by finish reason
     generation_tokens: int = 0
+    latency: LatencyMetrics | None = None
 
 
 @dataclass(frozen=True)
@@ -48,11 +55,13 @@ class EngineSnapshot:
 class ServerMetrics(Collector):
     """The app's registry and the collector that renders a snapshot into it."""
 
-    def __init__(self, model_name: str) -> None:
+    def __init__(self, model_name: str, vllm_names: bool = False) -> None:
         self.model_name = model_name
-        self.requests = RequestCounters()
+        self.vllm_names = vllm_names
         self.registry = CollectorRegistry(auto_describe=False)
         self.registry.register(self)
+        self.requests = RequestCounters(
+            latency=LatencyMetrics(self.registry, model_name, vllm_names))
         self._snapshot: EngineSnapshot | None = None
 
     def render(self, snapshot: EngineSnapshot) -> bytes:
@@ -68,6 +77,8 @@ class ServerMetrics(Collector):
         yield from self._session_metrics(snap.sessions)
         yield from self._engine_metrics(snap)
         yield from self._request_metrics(snap)
+        if self.vllm_names:
+            yield from self._vllm_metrics(snap)
 
     def _counter(self, name: str, doc: str, value: float) -> CounterMetricFamily:
         c = CounterMetricFamily(name, doc, labels=["model_name"])
@@ -142,3 +153,43 @@ class ServerMetrics(Collector):
         for reason in ("stop", "length", "tool_calls", "abort"):
             finished.add_metric([self.model_name, reason], r.finished.get(reason, 0))
         yield finished
+
+    def _vllm_metrics(self, snap: EngineSnapshot,
+                      ) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        """The snapshot under vLLM's names (its histograms: `LatencyMetrics`)."""
+        labels, values = ["model_name", "engine"], [self.model_name, VLLM_ENGINE]
+        e, kv = snap.engine, snap.engine.kv
+
+        def gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
+            g = GaugeMetricFamily(name, doc, labels=labels)
+            g.add_metric(values, value)
+            return g
+
+        def counter(name: str, doc: str, value: float) -> CounterMetricFamily:
+            c = CounterMetricFamily(name, doc, labels=labels)
+            c.add_metric(values, value)
+            return c
+
+        yield gauge("vllm:num_requests_running", "Requests in the engine's batches.",
+                    e.requests_running)
+        yield gauge("vllm:num_requests_waiting", "Requests waiting for admission.",
+                    e.requests_waiting)
+        yield gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.",
+                    kv.pages_in_use / kv.pages_total if kv.pages_total else 0.0)
+        yield counter("vllm:prefix_cache_queries", "Prefix cache queries, in prompt tokens.",
+                      e.prompt_tokens)
+        yield counter("vllm:prefix_cache_hits", "Prefix cache hits, in cached tokens.",
+                      e.prompt_tokens_reused)
+        yield counter("vllm:num_preemptions", "Preemptions by the engine.", e.num_preemptions)
+        yield counter("vllm:prompt_tokens", "Prompt tokens of finished requests.",
+                      e.prompt_tokens)
+        yield counter("vllm:generation_tokens", "Generated tokens.",
+                      self.requests.generation_tokens)
+        success = CounterMetricFamily("vllm:request_success", "Finished requests by reason.",
+                                      labels=[*labels, "finished_reason"])
+        reasons: Counter[str] = Counter()
+        for reason, count in self.requests.finished.items():
+            reasons[VLLM_REASONS.get(reason, reason)] += count
+        for reason in ("stop", "length", "abort"):
+            success.add_metric([*values, reason], reasons.get(reason, 0))
+        yield success

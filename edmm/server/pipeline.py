@@ -19,7 +19,6 @@ import asyncio
 import contextlib
 import dataclasses
 import multiprocessing
-import os
 import uuid
 from collections.abc import AsyncIterator, Callable, Sequence
 from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
@@ -32,10 +31,12 @@ from edmm.engine.sampling import LogitsProcessor
 from edmm.model.errors import PromptTooLongError
 from edmm.model.prompt_encoder import PromptEncoder
 from edmm.server.chat_prompts import ChatPrompt, ChatPrompts
+from edmm.server.children import record_semaphores, worker_init
 from edmm.server.engine_loop import EngineLoop, OutputStream
 from edmm.server.errors import APIError, BadRequestError, ContextLengthError
 from edmm.server.guided import GuidedDecoding
 from edmm.server.incremental import RenderedPrompt
+from edmm.server.latency import RequestClock
 from edmm.server.metrics import RequestCounters
 from edmm.server.prompts import (
     client_template,
@@ -49,6 +50,7 @@ from edmm.server.protocol import ChatCompletionRequest, CompletionRequest, Named
 from edmm.server.sessions import ServerSessions
 from edmm.server.stages import NO_TRACE, Tracer
 from edmm.server.templates import TemplateLimits, render_client_template
+from edmm.server.tool_parser import tool_marker_ids
 
 T = TypeVar("T")
 TEMPLATE_NICENESS = 10  # the client-template process yields the CPU to the server
@@ -86,6 +88,8 @@ class RequestPipeline:
         self.salt_per_key = salt_per_key
         self.max_model_len = engine.max_model_len
         self.validator = engine.validator  # immutable: safe off the engine thread
+        # The tool-call block's start and end tokens (None: they are not single tokens).
+        self.tool_markers = tool_marker_ids(tokenizer)
 
     def start(self) -> None:
         """Probe the model's template for incremental rendering (`ChatPrompts.prepare`) on
@@ -142,7 +146,8 @@ class RequestPipeline:
         if self._templates is None:  # below the server's threads on a busy CPU
             self._templates = ProcessPoolExecutor(
                 max_workers=1, mp_context=multiprocessing.get_context("spawn"),
-                initializer=os.nice, initargs=(TEMPLATE_NICENESS,))
+                initializer=worker_init, initargs=(TEMPLATE_NICENESS,))
+            record_semaphores(self._templates)
         return self._templates
 
     # ------------------------------------------------------------------ steps
@@ -170,7 +175,8 @@ class RequestPipeline:
         except EngineContextLengthError as e:
             raise ContextLengthError(str(e)) from e
         except InvalidRequestError as e:
-            raise BadRequestError(str(e), param="prompt") from e
+            param = "logit_bias" if str(e).startswith("logit_bias") else "prompt"
+            raise BadRequestError(str(e), param=param) from e
         return request if salt is None else dataclasses.replace(request, cache_salt=salt)
 
     def grammars(self, req: ChatCompletionRequest,
@@ -225,7 +231,8 @@ class RequestPipeline:
             ids = prompt
         if not ids:
             raise BadRequestError("prompt is empty", param="prompt")
-        params = sampling_params(req, req.max_tokens, len(ids), self.max_model_len)
+        params = sampling_params(req, req.max_tokens, len(ids), self.max_model_len,
+                                 logprobs=req.logprobs)
         return self.request(ids, params, owner, req.cache_salt)
 
     async def queue(self, request: Request) -> OutputStream:
@@ -234,9 +241,13 @@ class RequestPipeline:
         return stream
 
     async def outputs(self, stream: OutputStream) -> AsyncIterator[RequestOutput]:
-        """The stream's outputs; a request left unfinished is counted as aborted."""
+        """The stream's outputs, timed (`edmm.server.latency`); a request left unfinished is
+        counted as aborted."""
+        latency, clock = self.counters.latency, RequestClock(stream.created_ns)
         try:
             async for out in stream.outputs():
+                if latency is not None:
+                    latency.observe(clock, out)
                 yield out
         finally:
             if stream.aborted:

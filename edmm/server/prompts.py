@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import math
 from array import array
 from collections.abc import Sequence
 from typing import Any
 
 from edmm.engine import SamplingParams
-from edmm.engine.sampling import InvalidSamplingParams, LogitsProcessor
+from edmm.engine.sampling import MAX_LOGPROBS, InvalidSamplingParams, LogitsProcessor
 from edmm.model.errors import PromptTooLongError
 from edmm.model.prompt_encoder import EncodedText, PromptEncoder, TokenIds
 from edmm.server.errors import BadRequestError, ContextLengthError
@@ -23,6 +24,7 @@ from edmm.server.protocol import (
     ToolMessage,
     UserMessage,
     content_text,
+    unsupported_field,
 )
 from edmm.server.templates import TemplateLimits, render_client_template
 from edmm.server.tool_parser import ParsedToolCall
@@ -230,9 +232,17 @@ def render_chat(tokenizer: Any, messages: list[dict[str, Any]],
 
 
 def check_chat_options(req: ChatCompletionRequest) -> None:
-    """Reject options this server does not implement (rather than ignore them silently)."""
-    if req.logprobs or req.top_logprobs:
-        raise BadRequestError("logprobs are not supported", param="logprobs")
+    """Reject options this server does not implement (rather than ignore them silently), and
+    combinations that ask for nothing meaningful."""
+    check_known_fields(req)
+    if req.top_logprobs is not None and not req.logprobs:
+        raise BadRequestError("top_logprobs needs logprobs set to true", param="top_logprobs")
+    if req.top_logprobs is not None and req.top_logprobs > MAX_LOGPROBS:
+        raise BadRequestError(f"top_logprobs must be at most {MAX_LOGPROBS}",
+                              param="top_logprobs")
+    if req.n > 1 and _constrains(req):
+        raise BadRequestError("n > 1 cannot be combined with constrained decoding (a forced "
+                              "tool choice or a JSON response format)", param="n")
     choice = req.tool_choice
     if choice is not None and choice != "none" and not req.tools:
         raise BadRequestError("tool_choice needs tools", param="tool_choice")
@@ -250,6 +260,32 @@ def _is_forced(req: ChatCompletionRequest) -> bool:
     return req.tool_choice is not None and req.tool_choice not in ("none", "auto")
 
 
+def _constrains(req: ChatCompletionRequest) -> bool:
+    return _is_forced(req) or (req.response_format is not None
+                               and req.response_format.type != "text")
+
+
+def check_known_fields(req: SamplingFields) -> None:
+    """400 naming the first field OpenAI or vLLM defines that this server does not implement,
+    when the request asks for something with it (`UNSUPPORTED_FIELDS`)."""
+    found = unsupported_field(req.model_extra)
+    if found is not None:
+        name, value = found
+        hint = " (use tools and tool_choice)" if name in ("functions", "function_call") else ""
+        raise BadRequestError(f"{name} is not supported by this server{hint}; got "
+                              f"{_short(value)}", param=name, code="unsupported_parameter")
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def chat_logprobs(req: ChatCompletionRequest) -> int | None:
+    """The top log probabilities a chat asks for per token (None: no logprobs)."""
+    return (req.top_logprobs or 0) if req.logprobs else None
+
+
 def parses_tools(req: ChatCompletionRequest) -> bool:
     """True when the reply's ``<tool_call>`` blocks become tool calls."""
     return bool(req.tools) and req.tool_choice != "none"
@@ -257,9 +293,13 @@ def parses_tools(req: ChatCompletionRequest) -> bool:
 
 def sampling_params(req: SamplingFields, max_tokens: int | None, prompt_len: int,
                     max_model_len: int,
-                    processors: list[LogitsProcessor] | None = None) -> SamplingParams:
-    """The engine's params for a request; 400 if it asks for more than the context holds."""
-    _check_common_options(req)
+                    processors: list[LogitsProcessor] | None = None, *,
+                    logprobs: int | None = None, ban: Sequence[int] = (),
+                    stop_token_ids: Sequence[int] = ()) -> SamplingParams:
+    """The engine's params for a request; 400 if it asks for more than the context holds or
+    for a value the engine refuses. ``logprobs``: top log probabilities per token (None:
+    none); ``ban``: token ids the reply may not contain (besides the request's
+    ``logit_bias``); ``stop_token_ids``: besides the request's."""
     limit = max_model_len - prompt_len
     if limit < 1:
         raise ContextLengthError(
@@ -278,14 +318,25 @@ def sampling_params(req: SamplingFields, max_tokens: int | None, prompt_len: int
             top_k=-1 if req.top_k is None else req.top_k, seed=req.seed,
             max_tokens=max_tokens or limit, stop=list(req.stop),
             min_tokens=min(req.min_tokens, max_tokens or limit), ignore_eos=req.ignore_eos,
-            logits_processors=list(processors or []))
+            logits_processors=list(processors or []),
+            presence_penalty=req.presence_penalty or 0.0,
+            frequency_penalty=req.frequency_penalty or 0.0,
+            logit_bias={**logit_bias(req), **dict.fromkeys(ban, -math.inf)},
+            logprobs=logprobs,
+            stop_token_ids=[*(req.stop_token_ids or []), *stop_token_ids])
     except InvalidSamplingParams as e:
-        raise BadRequestError(str(e), param=e.field) from e
+        param = {"logprobs": "top_logprobs" if isinstance(req, ChatCompletionRequest)
+                 else "logprobs"}.get(e.field, e.field)
+        raise BadRequestError(str(e), param=param) from e
 
 
-def _check_common_options(req: SamplingFields) -> None:
-    if req.n != 1:
-        raise BadRequestError("only n=1 is supported", param="n")
-    for name in ("presence_penalty", "frequency_penalty"):
-        if getattr(req, name):
-            raise BadRequestError(f"{name} is not supported", param=name)
+def logit_bias(req: SamplingFields) -> dict[int, float]:
+    """The request's ``logit_bias`` with token-id keys (OpenAI sends them as strings)."""
+    out: dict[int, float] = {}
+    for key, value in (req.logit_bias or {}).items():
+        try:
+            out[int(key)] = value
+        except ValueError:
+            raise BadRequestError(f"logit_bias keys must be token ids, got {key!r}",
+                                  param="logit_bias") from None
+    return out

@@ -1,31 +1,95 @@
 """Pydantic models of the OpenAI-compatible protocol (the subset this server implements).
 
-Request models ignore unknown top-level fields (SDKs send many optional ones) but validate the
-ones they declare: a field of the wrong type or out of range is a 400. vLLM's extra sampling
-fields (``top_k``, ``min_tokens``, ``ignore_eos``) and the ``edmm`` extension are accepted too.
+Unknown fields are treated as vLLM's server treats them, everywhere (a request body, a message,
+``stream_options``, the ``edmm`` extension): ignored, and named in a debug log line. The fields
+a request model declares are validated: a wrong type or a value out of range is a 400. A field
+that OpenAI or vLLM defines and this server cannot honour is a 400 naming it whenever it asks
+for something (`UNSUPPORTED_FIELDS`; its neutral values pass), never silently ignored. vLLM's
+extra sampling fields (``top_k``, ``min_tokens``, ``ignore_eos``, ``stop_token_ids``,
+``cache_salt``) and the ``edmm`` extension are accepted too.
 """
 
 from __future__ import annotations
 
+import logging
 import time
 import uuid
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+logger = logging.getLogger(__name__)
 
 # ---------------------------------------------------------------------------- shared pieces
 
 
-class _Strict(BaseModel):
-    """A nested object: unknown fields are errors (they usually mean a typo)."""
-
-    model_config = ConfigDict(extra="forbid")
-
-
 class _Lenient(BaseModel):
-    """A top-level request body or message: unknown fields are ignored."""
+    """An object of a request: unknown fields are dropped, as vLLM's server does, and named in
+    a debug log line."""
 
     model_config = ConfigDict(extra="ignore")
+
+    @model_validator(mode="wrap")
+    @classmethod
+    def _log_unknown(cls, data: Any, handler: Any) -> Any:
+        if isinstance(data, dict):
+            known = {f.alias or name for name, f in cls.model_fields.items()} | set(
+                cls.model_fields)
+            unknown = [k for k in data if k not in known]
+            if unknown:
+                logger.debug("%s: ignored unknown fields %s", cls.__name__, unknown)
+        return handler(data)
+
+
+_Strict = _Lenient  # one rule for every object of a request (the module docstring)
+
+
+class _RequestBody(BaseModel):
+    """A top-level request body: unknown fields are kept aside (``model_extra``, for
+    `unsupported_field`) and otherwise ignored, as vLLM's server does."""
+
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="after")
+    def _log_unknown(self) -> _RequestBody:
+        if self.model_extra:
+            logger.debug("%s: ignored unknown fields %s", type(self).__name__,
+                         sorted(self.model_extra))
+        return self
+
+# Fields OpenAI or vLLM defines that this server does not implement, with the values that ask
+# for nothing (a request may send those); any other value is a 400 naming the field.
+UNSUPPORTED_FIELDS: dict[str, tuple[Any, ...]] = {
+    "functions": (None, []), "function_call": (None, "none", "auto"),  # legacy: use tools
+    "audio": (None,), "modalities": (None, ["text"]), "prediction": (None,),
+    "web_search_options": (None,), "use_beam_search": (None, False), "min_p": (None, 0, 0.0),
+    "repetition_penalty": (None, 1, 1.0), "length_penalty": (None, 1, 1.0),
+    "include_stop_str_in_output": (None, False), "skip_special_tokens": (None, True),
+    "spaces_between_special_tokens": (None, True), "truncate_prompt_tokens": (None,),
+    "prompt_logprobs": (None,), "logprob_token_ids": (None,), "allowed_token_ids": (None,),
+    "bad_words": (None, []), "add_generation_prompt": (None, True),
+    "continue_final_message": (None, False), "add_special_tokens": (None, False),
+    "documents": (None,), "chat_template": (None,), "mm_processor_kwargs": (None,),
+    "media_io_kwargs": (None,), "structured_outputs": (None,), "guided_json": (None,),
+    "guided_regex": (None,), "guided_choice": (None,), "guided_grammar": (None,),
+    "return_tokens_as_token_ids": (None, False), "return_token_ids": (None, False),
+    "return_token_offsets": (None, False), "return_prompt_text": (None, False),
+    "return_assistant_tokens_mask": (None, False), "kv_transfer_params": (None,),
+    "ec_transfer_params": (None,), "vllm_xargs": (None,), "repetition_detection": (None,),
+    "thinking_token_budget": (None,), "priority": (None, 0), "echo": (None, False),
+    "suffix": (None,), "best_of": (None, 1), "prompt_embeds": (None,),
+}
+
+
+def unsupported_field(extra: dict[str, Any] | None) -> tuple[str, Any] | None:
+    """The first of a request's unknown fields (``model_extra``) that `UNSUPPORTED_FIELDS`
+    names with a value asking for something, and that value; None if there is none."""
+    for name, value in (extra or {}).items():
+        neutral = UNSUPPORTED_FIELDS.get(name)
+        if neutral is not None and not any((value == v and type(value) is type(v))
+                                           or value is v for v in neutral):
+            return name, value
+    return None
 
 
 def random_id(prefix: str) -> str:
@@ -142,9 +206,15 @@ ChatMessage = Annotated[SystemMessage | UserMessage | AssistantMessage | ToolMes
 
 
 class StreamOptions(_Strict):
-    """``include_usage``: send a last chunk with the usage and no choices."""
+    """``include_usage``: send a last chunk with the usage and no choices;
+    ``continuous_usage_stats`` (vLLM's): every chunk carries the usage so far;
+    ``include_obfuscation`` (OpenAI's): every delta chunk carries an ``obfuscation`` field of
+    random characters that hides the length of its content (off unless asked for, as vLLM's
+    server sends none)."""
 
-    include_usage: bool = False
+    include_usage: bool | None = False
+    continuous_usage_stats: bool | None = False
+    include_obfuscation: bool | None = False
 
 
 class JsonSchemaSpec(_Lenient):
@@ -208,26 +278,34 @@ class EdmmExtension(_Strict):
         return v
 
 
-class SamplingFields(_Lenient):
+class SamplingFields(_RequestBody):
     """Fields shared by chat and text completions."""
 
     model: str
     max_tokens: int | None = Field(default=None, ge=1)
     temperature: float | None = Field(default=None, ge=0, le=2)
     top_p: float | None = Field(default=None, gt=0, le=1)
-    n: int = Field(default=1, ge=1)
-    seed: int | None = None
+    n: int = Field(default=1, ge=1, le=128)
+    seed: int | None = Field(default=None, ge=-(2**63), lt=2**64)
     stop: list[str] = Field(default_factory=list)  # a string or null is accepted too
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(default=None, ge=-2, le=2)
     frequency_penalty: float | None = Field(default=None, ge=-2, le=2)
+    logit_bias: dict[str, float] | None = None
     user: str | None = None
     # vLLM extras
     cache_salt: str | None = Field(default=None, min_length=1, max_length=256)  # KV scope
     top_k: int | None = Field(default=None, ge=-1)
     min_tokens: int = Field(default=0, ge=0)
     ignore_eos: bool = False
+    stop_token_ids: list[int] | None = None
+
+    @model_validator(mode="after")
+    def _stream_options_need_stream(self) -> SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options can only be defined when stream is true")
+        return self
 
     @field_validator("stop", mode="before")
     @classmethod
@@ -249,10 +327,10 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     tools: list[ChatTool] | None = None
     tool_choice: ToolChoice | None = None
-    parallel_tool_calls: bool = True
+    parallel_tool_calls: bool | None = True
     response_format: ResponseFormat | None = None
     logprobs: bool | None = None
-    top_logprobs: int | None = None
+    top_logprobs: int | None = Field(default=None, ge=0)
     chat_template_kwargs: dict[str, Any] | None = None
     edmm: EdmmExtension | None = None
 
@@ -269,10 +347,7 @@ class CompletionRequest(SamplingFields):
     """``POST /v1/completions``: a text prompt or token ids (or a list of either)."""
 
     prompt: Prompt
-    echo: bool = False
-    logprobs: int | None = None
-    suffix: str | None = None
-    best_of: int | None = None
+    logprobs: int | None = Field(default=None, ge=0)
 
 
 # ---------------------------------------------------------------------------- responses
@@ -301,21 +376,51 @@ class Usage(BaseModel):
 
 
 class ResponseMessage(BaseModel):
-    """The assistant message of a chat completion choice."""
+    """The assistant message of a chat completion choice (``tool_calls`` left out when there
+    are none, as OpenAI does)."""
 
     role: Literal["assistant"] = "assistant"
     content: str | None = None
-    tool_calls: list[ToolCall] = Field(default_factory=list)
+    tool_calls: list[ToolCall] | None = Field(default=None, exclude_if=lambda v: not v)
 
 
 FinishReason = Literal["stop", "length", "tool_calls", "abort"]
+
+
+class TopLogprob(BaseModel):
+    """One of the most likely tokens at a place: its text, log probability and UTF-8 bytes."""
+
+    token: str
+    logprob: float
+    bytes: list[int] | None = None
+
+
+class TokenLogprob(TopLogprob):
+    """A generated token's log probability, with the most likely tokens at its place."""
+
+    top_logprobs: list[TopLogprob] = Field(default_factory=list)
+
+
+class ChatLogprobs(BaseModel):
+    """A chat choice's ``logprobs``: one entry per generated token."""
+
+    content: list[TokenLogprob] | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    """A text completion choice's ``logprobs`` (the legacy format)."""
+
+    tokens: list[str] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+    text_offset: list[int] = Field(default_factory=list)
 
 
 class ChatChoice(BaseModel):
     index: int
     message: ResponseMessage
     finish_reason: FinishReason | None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletion(BaseModel):
@@ -355,11 +460,12 @@ class ChatChunkChoice(BaseModel):
     index: int
     delta: ChatDelta
     finish_reason: FinishReason | None = None
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
 
 
 class ChatCompletionChunk(BaseModel):
-    """One server-sent event of a streamed chat completion."""
+    """One server-sent event of a streamed chat completion (``obfuscation``: only with
+    ``stream_options.include_obfuscation``)."""
 
     id: str
     object: Literal["chat.completion.chunk"] = "chat.completion.chunk"
@@ -367,13 +473,14 @@ class ChatCompletionChunk(BaseModel):
     model: str
     choices: list[ChatChunkChoice]
     usage: Usage | None = None
+    obfuscation: str | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class CompletionChoice(BaseModel):
     index: int
     text: str
     finish_reason: FinishReason | None
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
 
 
 class Completion(BaseModel):
@@ -385,6 +492,7 @@ class Completion(BaseModel):
     model: str
     choices: list[CompletionChoice]
     usage: Usage | None = None
+    obfuscation: str | None = Field(default=None, exclude_if=lambda v: v is None)
 
 
 class ModelCard(BaseModel):

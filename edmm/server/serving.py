@@ -9,19 +9,29 @@ chunks, counting them in the server's metrics.
 
 from __future__ import annotations
 
+import asyncio
+import copy
+import dataclasses
 import json
+import secrets
 from collections.abc import AsyncIterator, Sequence
 from typing import Any
 
 from pydantic import BaseModel
 
-from edmm.engine import Engine, Request, RequestOutput
+from edmm.engine import Engine, Request, RequestOutput, TokenLogprobs
+from edmm.engine.sampling import MAX_LOGPROBS
 from edmm.server.engine_loop import EngineLoop, OutputStream
 from edmm.server.errors import APIError, BadRequestError, ModelNotFoundError
 from edmm.server.guided import GuidedDecoding
 from edmm.server.metrics import EngineSnapshot, ServerMetrics
-from edmm.server.pipeline import RequestPipeline
-from edmm.server.prompts import check_chat_options, parses_tools, response_tool_calls
+from edmm.server.pipeline import RequestPipeline, new_request_id
+from edmm.server.prompts import (
+    check_chat_options,
+    check_known_fields,
+    parses_tools,
+    response_tool_calls,
+)
 from edmm.server.protocol import (
     ChatChoice,
     ChatChunkChoice,
@@ -29,15 +39,20 @@ from edmm.server.protocol import (
     ChatCompletionChunk,
     ChatCompletionRequest,
     ChatDelta,
+    ChatLogprobs,
     Completion,
     CompletionChoice,
+    CompletionLogprobs,
     CompletionRequest,
     FinishReason,
     FunctionCallDelta,
     ModelCard,
     ModelList,
     ResponseMessage,
+    StreamOptions,
+    TokenLogprob,
     ToolCallDelta,
+    TopLogprob,
     Usage,
     random_id,
 )
@@ -49,6 +64,8 @@ from edmm.server.turns import ChatTurns, Turn
 from edmm.server.validation import check_conversation, check_text, check_tool_names
 
 SSE_DONE = "data: [DONE]\n\n"
+TOKEN_TEXT_CACHE = 1 << 16  # token texts kept for log probabilities
+OBFUSCATION_MAX = 24  # most bytes of one chunk's obfuscation (before base64)
 
 
 def sse(payload: BaseModel | dict[str, Any]) -> str:
@@ -63,18 +80,25 @@ class OpenAIServing:
     ``client_templates``: the limits of client-supplied chat templates; None: they are refused.
     ``salt_per_key``: every request's prefix-cache salt includes its owner (its API key), so
     clients share no cached KV and ``usage.cached_tokens`` tells nothing across them.
+    ``aliases``: further names clients may send for the model (the first name, ``model_name``,
+    is the one responses carry). ``force_include_usage``: every stream ends with a usage
+    chunk, asked for or not (vLLM's ``--enable-force-include-usage``).
     """
 
     def __init__(self, loop: EngineLoop[ServerSessions], engine: Engine, tokenizer: Any,
                  model_name: str, metrics: ServerMetrics,
                  guided: GuidedDecoding | None,
                  client_templates: TemplateLimits | None = None,
-                 salt_per_key: bool = False) -> None:
+                 salt_per_key: bool = False, aliases: Sequence[str] = (),
+                 force_include_usage: bool = False) -> None:
         self.loop = loop
         self.pipeline = RequestPipeline(loop, engine, tokenizer, metrics.requests, guided,
                                         client_templates, salt_per_key)
         self.turns = ChatTurns(self.pipeline)
         self.model_name = model_name
+        self.model_names = [model_name, *(a for a in aliases if a != model_name)]
+        self.force_include_usage = force_include_usage
+        self.token_texts = TokenTexts(tokenizer)
         self.metrics = metrics
         self.max_model_len = engine.max_model_len
         self.stages = StageLog.from_env()
@@ -89,12 +113,17 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ models, metrics
     def models(self) -> ModelList:
-        """``GET /v1/models``."""
-        return ModelList(data=[ModelCard(id=self.model_name, max_model_len=self.max_model_len)])
+        """``GET /v1/models``: the served model under each of its names."""
+        return ModelList(data=[self.model(name) for name in self.model_names])
+
+    def model(self, model: str) -> ModelCard:
+        """``GET /v1/models/{model}``; 404 unless it names the served model."""
+        self.check_model(model)
+        return ModelCard(id=model, max_model_len=self.max_model_len)
 
     def check_model(self, model: str) -> None:
-        """404 unless ``model`` is the served model."""
-        if model != self.model_name:
+        """404 unless ``model`` is a name of the served model."""
+        if model not in self.model_names:
             raise ModelNotFoundError(model)
 
     async def render_metrics(self) -> bytes:
@@ -125,74 +154,119 @@ class OpenAIServing:
         if turn.stream is not None:
             turn.stream.abort()
 
-    async def chat_completion(self, req: ChatCompletionRequest, turn: Turn) -> ChatCompletion:
-        """Run a queued chat turn to the end: the whole response."""
-        last = None
-        async for out in self.turns.outputs(turn):
-            last = out
-        text = last.outputs[0].text if last is not None else ""
-        reply = parse_reply(text) if parses_tools(req) else ParsedReply(text, [])
-        finish = await self._finish(turn, last, reply)
-        message = ResponseMessage(content=reply.content,
-                                  tool_calls=response_tool_calls(reply.tool_calls))
+    async def more_choices(self, req: ChatCompletionRequest, turn: Turn) -> list[OutputStream]:
+        """Queue choices 1..n-1 of a chat with ``n > 1``: the turn's prompt as plain requests
+        outside its session (the session follows choice 0), each seeded ``seed + index``
+        when the request is seeded."""
+        streams: list[OutputStream] = []
+        try:
+            for index in range(1, req.n):
+                params = turn.request.params
+                if params.seed is not None:
+                    params = dataclasses.replace(params, seed=params.seed + index)
+                request = dataclasses.replace(turn.request, request_id=new_request_id(),
+                                              params=params)
+                streams.append(await self.pipeline.queue(request))
+        except BaseException:
+            abort_all(streams)
+            raise
+        return streams
+
+    async def chat_completion(self, req: ChatCompletionRequest, turn: Turn,
+                              more: Sequence[OutputStream] = ()) -> ChatCompletion:
+        """Run a queued chat turn (and its ``more`` choices, `more_choices`) to the end: the
+        whole response."""
+        try:
+            done = await asyncio.gather(
+                self._last(self.turns.outputs(turn)),
+                *(self._last(self.pipeline.outputs(stream)) for stream in more))
+        finally:
+            abort_all(more)
+        choices, usage = [], Usage.of(len(turn.request.prompt_token_ids), 0, 0)
+        for index, last in enumerate(done):
+            text = last.outputs[0].text if last is not None else ""
+            reply = parse_reply(text) if parses_tools(req) else ParsedReply(text, [])
+            if index == 0:
+                finish = await self.finish_turn(turn, last, reply)
+            else:
+                finish = self.finish_choice(last, reply)
+            message = ResponseMessage(content=reply.content,
+                                      tool_calls=response_tool_calls(reply.tool_calls))
+            choices.append(ChatChoice(index=index, message=message, finish_reason=finish,
+                                      logprobs=self._chat_logprobs(last, 0)))
+            usage = _add_usage(usage, _usage_of(last, cached=index == 0))
         response = ChatCompletion(id=random_id("chatcmpl"), model=self.model_name,
-                                  choices=[ChatChoice(index=0, message=message,
-                                                      finish_reason=finish)],
-                                  usage=_usage(turn.request, last))
+                                  choices=choices, usage=usage)
         turn.trace.mark("first_event")
         turn.trace.finish(response.id, False, len(turn.request.prompt_token_ids))
         return response
 
-    async def chat_stream(self, req: ChatCompletionRequest,
-                          turn: Turn) -> AsyncIterator[str]:
-        """Run a queued chat turn as server-sent events (aborted if the client leaves); an
-        error after the stream started is sent as an error event."""
+    @staticmethod
+    async def _last(outputs: AsyncIterator[RequestOutput]) -> RequestOutput | None:
+        last = None
+        async for out in outputs:
+            last = out
+        return last
+
+    async def chat_stream(self, req: ChatCompletionRequest, turn: Turn,
+                          more: Sequence[OutputStream] = ()) -> AsyncIterator[str]:
+        """Run a queued chat turn (and its ``more`` choices) as server-sent events (aborted
+        if the client leaves); an error after the stream started is sent as an error event,
+        and the stream always ends with ``[DONE]``."""
         try:
-            async for event in self._chat_events(req, turn, random_id("chatcmpl")):
+            async for event in self._chat_events(req, turn, random_id("chatcmpl"), more):
                 yield event
         except APIError as e:
             yield sse(e.body())
+        finally:
+            abort_all(more)
         yield SSE_DONE
 
-    async def _chat_events(self, req: ChatCompletionRequest, turn: Turn,
-                           cid: str) -> AsyncIterator[str]:
-        yield self._chunk(cid, ChatDelta(role="assistant", content=""))
-        parser = StreamingToolParser() if parses_tools(req) else None
-        sent, content, last = 0, "", None
-        async for out in self.turns.outputs(turn):
-            last = out
-            text = _stable_text(out, turn.request.params.stop)  # all of it at the end
-            delta, sent = _chat_delta(parser, text, sent)
-            if delta is not None:
-                content += delta.content or ""
-                event = self._chunk(cid, delta)
+    async def _chat_events(self, req: ChatCompletionRequest, turn: Turn, cid: str,
+                           more: Sequence[OutputStream]) -> AsyncIterator[str]:
+        opts = req.stream_options or StreamOptions()
+        stream = _ChatStream(self, req, turn, cid, 1 + len(more))
+        for index in range(stream.n):
+            yield stream.chunk(index, ChatDelta(role="assistant", content=""))
+        sources: list[AsyncIterator[RequestOutput]] = [
+            self.turns.outputs(turn), *(self.pipeline.outputs(s) for s in more)]
+        async for index, out in _merged(sources):
+            if out is None:  # the choice ended
+                yield await stream.finish(index)
+                continue
+            event = stream.delta(index, out)
+            if event is not None:
                 turn.trace.mark("first_event")
                 yield event
-        reply = ParsedReply(content or None, [])
-        if parser is not None and last is not None:
-            rest = parser.finish(last.outputs[0].text)  # an unclosed or invalid block
-            if rest:
-                content += rest
-                yield self._chunk(cid, ChatDelta(content=rest))
-            reply = ParsedReply(content or None, list(parser.calls), parser.cut)
-        yield self._chunk(cid, ChatDelta(), await self._finish(turn, last, reply))
         turn.trace.finish(cid, True, len(turn.request.prompt_token_ids))
-        opts = req.stream_options
-        if opts is not None and opts.include_usage:
+        if opts.include_usage or self.force_include_usage:
             yield sse(ChatCompletionChunk(id=cid, model=self.model_name, choices=[],
-                                          usage=_usage(turn.request, last)))
+                                          usage=stream.usage()))
 
-    def _chunk(self, cid: str, delta: ChatDelta, finish: FinishReason | None = None) -> str:
-        choice = ChatChunkChoice(index=0, delta=delta, finish_reason=finish)
-        return sse(ChatCompletionChunk(id=cid, model=self.model_name, choices=[choice]))
+    def _chat_logprobs(self, out: RequestOutput | None, start: int) -> ChatLogprobs | None:
+        """The chat ``logprobs`` of ``out``'s tokens from ``start`` on (None when not asked
+        for)."""
+        lps = out.outputs[0].logprobs if out is not None else None
+        if lps is None:
+            return None
+        return ChatLogprobs(content=[self.token_texts.chat(lp) for lp in lps[start:]])
 
-    async def _finish(self, turn: Turn, last: RequestOutput | None,
-                      reply: ParsedReply) -> FinishReason:
+    async def finish_turn(self, turn: Turn, last: RequestOutput | None,
+                          reply: ParsedReply) -> FinishReason:
         """End the turn (`ChatTurns.end`: its session awaits the reply's tool calls, if any,
         before the client sees it); count and return its finish reason."""
         assert last is not None
         awaits = await self.turns.end(turn, reply)
         reason = "tool_calls" if awaits else _reason(last.outputs[0].finish_reason)
+        self._count_finished(last, reason)
+        return reason
+
+    def finish_choice(self, last: RequestOutput | None, reply: ParsedReply) -> FinishReason:
+        """The finish reason of a choice outside the session (``n > 1``): ``tool_calls`` when
+        it made complete calls; counted."""
+        assert last is not None
+        reason = ("tool_calls" if reply.tool_calls and not reply.cut
+                  else _reason(last.outputs[0].finish_reason))
         self._count_finished(last, reason)
         return reason
 
@@ -202,11 +276,10 @@ class OpenAIServing:
         """Validate and queue every prompt of a text-completion request."""
         self.check_model(req.model)
         check_text(req.model_dump(exclude_defaults=True))
-        if req.echo or req.logprobs is not None or req.suffix is not None:
-            raise BadRequestError("echo, logprobs and suffix are not supported")
-        if req.best_of not in (None, 1):
-            raise BadRequestError("best_of is not supported", param="best_of")
-        requests = await self.pipeline.completion_requests(req, owner)
+        check_known_fields(req)
+        if req.logprobs is not None and req.logprobs > MAX_LOGPROBS:
+            raise BadRequestError(f"logprobs must be at most {MAX_LOGPROBS}", param="logprobs")
+        requests = _copies(await self.pipeline.completion_requests(req, owner), req.n)
         queued: list[tuple[Request, OutputStream]] = []
         try:
             for request in requests:
@@ -228,8 +301,9 @@ class OpenAIServing:
                 assert last is not None
                 reason = _reason(last.outputs[0].finish_reason)
                 self._count_finished(last, reason)
-                choices.append(CompletionChoice(index=index, text=last.outputs[0].text,
-                                                finish_reason=reason))
+                choices.append(CompletionChoice(
+                    index=index, text=last.outputs[0].text, finish_reason=reason,
+                    logprobs=self.token_texts.completion(last.outputs[0].logprobs, 0, 0)))
                 usage = _add_usage(usage, _usage(request, last))
         finally:  # an error or a client that left: the other prompts stop too
             abort_all([stream for _, stream in queued])
@@ -241,41 +315,243 @@ class OpenAIServing:
                                 ) -> AsyncIterator[str]:
         """Server-sent events of queued prompts, one after the other."""
         cid, usage = random_id("cmpl"), Usage.of(0, 0, 0)
+        opts = req.stream_options or StreamOptions()
         try:
             for index, (request, stream) in enumerate(queued):
-                async for event, last in self._completion_events(cid, index, request, stream):
+                async for event, out in self._completion_events(cid, index, request, stream,
+                                                                opts, usage):
                     yield event
-                    if last is not None:
-                        usage = _add_usage(usage, _usage(request, last))
+                    if out.finished:
+                        usage = _add_usage(usage, _usage(request, out))
         except APIError as e:
             yield sse(e.body())
         else:
-            if req.stream_options is not None and req.stream_options.include_usage:
+            if opts.include_usage or self.force_include_usage:
                 yield sse(Completion(id=cid, model=self.model_name, choices=[], usage=usage))
         finally:
             abort_all([stream for _, stream in queued])
         yield SSE_DONE
 
     async def _completion_events(self, cid: str, index: int, request: Request,
-                                 stream: OutputStream,
-                                 ) -> AsyncIterator[tuple[str, RequestOutput | None]]:
-        sent = 0
+                                 stream: OutputStream, opts: StreamOptions, before: Usage,
+                                 ) -> AsyncIterator[tuple[str, RequestOutput]]:
+        """One prompt's chunks and the output each was made of (``before``: the usage of
+        the prompts streamed earlier, for ``continuous_usage_stats``)."""
+        sent = lp_sent = 0
         async for out in self.pipeline.outputs(stream):
             text = _stable_text(out, request.params.stop)
             reason = _reason(out.outputs[0].finish_reason) if out.finished else None
             if reason is not None:
                 self._count_finished(out, reason)
             if len(text) > sent or reason is not None:
-                choice = CompletionChoice(index=index, text=text[sent:], finish_reason=reason)
-                yield sse(Completion(id=cid, model=self.model_name, choices=[choice])), (
-                    out if out.finished else None)
-                sent = len(text)
+                lps = out.outputs[0].logprobs
+                choice = CompletionChoice(
+                    index=index, text=text[sent:], finish_reason=reason,
+                    logprobs=self.token_texts.completion(lps, lp_sent, sent))
+                chunk = Completion(id=cid, model=self.model_name, choices=[choice])
+                if opts.continuous_usage_stats:
+                    chunk.usage = _add_usage(before, _usage(request, out))
+                if opts.include_obfuscation:
+                    chunk.obfuscation = obfuscation()
+                yield sse(chunk), out
+                sent, lp_sent = len(text), len(lps or ())
 
     # ------------------------------------------------------------------ shared
     def _count_finished(self, out: RequestOutput, reason: str) -> None:
         counters = self.metrics.requests
         counters.finished[reason] += 1
         counters.generation_tokens += len(out.outputs[0].token_ids)
+
+
+class _ChatStream:
+    """The state of a streamed chat's choices: each one's tool-call parser, what of its text
+    and log probabilities was sent, its last output; `chunk` makes an event with the stream
+    options applied (``continuous_usage_stats``, ``include_obfuscation``)."""
+
+    def __init__(self, serving: OpenAIServing, req: ChatCompletionRequest, turn: Turn,
+                 cid: str, n: int) -> None:
+        self.serving, self.turn, self.cid, self.n = serving, turn, cid, n
+        self.opts = req.stream_options or StreamOptions()
+        self.stop = turn.request.params.stop
+        self.parsers = [StreamingToolParser() if parses_tools(req) else None
+                        for _ in range(n)]
+        self.sent, self.lp_sent = [0] * n, [0] * n
+        self.content = [""] * n
+        self.last: list[RequestOutput | None] = [None] * n
+
+    def chunk(self, index: int, delta: ChatDelta, finish: FinishReason | None = None,
+              logprobs: ChatLogprobs | None = None) -> str:
+        """One chunk event of choice ``index``."""
+        choice = ChatChunkChoice(index=index, delta=delta, finish_reason=finish,
+                                 logprobs=logprobs)
+        chunk = ChatCompletionChunk(id=self.cid, model=self.serving.model_name,
+                                    choices=[choice])
+        if self.opts.continuous_usage_stats:
+            chunk.usage = self.usage()
+        if self.opts.include_obfuscation:
+            chunk.obfuscation = obfuscation()
+        return sse(chunk)
+
+    def delta(self, index: int, out: RequestOutput) -> str | None:
+        """The event of choice ``index``'s new stable text in ``out`` (None: nothing new)."""
+        self.last[index] = out
+        text = _stable_text(out, self.stop)  # all of it at the end
+        delta, self.sent[index] = _chat_delta(self.parsers[index], text, self.sent[index])
+        if delta is None:
+            return None
+        self.content[index] += delta.content or ""
+        return self.chunk(index, delta, logprobs=self._logprobs(index))
+
+    async def finish(self, index: int) -> str:
+        """The last events of choice ``index``: the rest of an unclosed or invalid tool-call
+        block, then the finish reason (the turn's end reported first for choice 0)."""
+        last, parser, events = self.last[index], self.parsers[index], ""
+        reply = ParsedReply(self.content[index] or None, [])
+        if parser is not None and last is not None:
+            rest = parser.finish(last.outputs[0].text)  # an unclosed or invalid block
+            if rest:
+                self.content[index] += rest
+                events += self.chunk(index, ChatDelta(content=rest))
+            reply = ParsedReply(self.content[index] or None, list(parser.calls), parser.cut)
+        serving = self.serving
+        reason = (await serving.finish_turn(self.turn, last, reply) if index == 0
+                  else serving.finish_choice(last, reply))
+        return events + self.chunk(index, ChatDelta(), reason, self._logprobs(index))
+
+    def _logprobs(self, index: int) -> ChatLogprobs | None:
+        out = self.last[index]
+        lps = out.outputs[0].logprobs if out is not None else None
+        if not lps or len(lps) <= self.lp_sent[index]:
+            return None
+        start, self.lp_sent[index] = self.lp_sent[index], len(lps)
+        return self.serving._chat_logprobs(out, start)
+
+    def usage(self) -> Usage:
+        """The usage so far, over every choice (cached tokens: choice 0's)."""
+        done = sum(len(o.outputs[0].token_ids) for o in self.last if o is not None)
+        first = self.last[0]
+        return Usage.of(len(self.turn.request.prompt_token_ids), done,
+                        first.num_cached_tokens if first is not None else 0)
+
+
+_END = object()
+
+
+async def _merged(sources: Sequence[AsyncIterator[RequestOutput]],
+                  ) -> AsyncIterator[tuple[int, RequestOutput | None]]:
+    """``(index, output)`` of several output streams as they come, and ``(index, None)`` when
+    stream ``index`` ends; the first error of any stream is raised (the others are left, which
+    aborts them). One stream is read directly."""
+    if len(sources) == 1:
+        async for out in sources[0]:
+            yield 0, out
+        yield 0, None
+        return
+    queue: asyncio.Queue[tuple[int, Any]] = asyncio.Queue()
+
+    async def pump(index: int, source: AsyncIterator[RequestOutput]) -> None:
+        try:
+            async for out in source:
+                await queue.put((index, out))
+            await queue.put((index, _END))
+        except BaseException as e:
+            await queue.put((index, e))
+            raise
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(sources)]
+    try:
+        left = len(tasks)
+        while left:
+            index, item = await queue.get()
+            if isinstance(item, BaseException):
+                raise item
+            if item is _END:
+                left -= 1
+                yield index, None
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+class TokenTexts:
+    """The texts of tokens in log probabilities, decoded one token at a time by a tokenizer
+    of the event loop's own (a copy, made at first use; the pipeline's is the tokenizing
+    thread's); without a tokenizer a token reads ``token_id:N`` (vLLM's form)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._source = tokenizer
+        self._tokenizer: Any = None
+        self._texts: dict[int, str] = {}
+
+    def text(self, token_id: int) -> str:
+        """The text of one token (partial UTF-8 decodes to U+FFFD, as OpenAI shows it)."""
+        text = self._texts.get(token_id)
+        if text is None:
+            if self._source is None:
+                text = f"token_id:{token_id}"
+            else:
+                if self._tokenizer is None:
+                    self._tokenizer = copy.deepcopy(self._source)
+                text = str(self._tokenizer.decode([token_id]))
+            if len(self._texts) < TOKEN_TEXT_CACHE:
+                self._texts[token_id] = text
+        return text
+
+    def _top(self, token_id: int, logprob: float) -> TopLogprob:
+        text = self.text(token_id)
+        return TopLogprob(token=text, logprob=logprob, bytes=list(text.encode("utf-8")))
+
+    def chat(self, lp: TokenLogprobs) -> TokenLogprob:
+        """One token's entry of a chat choice's ``logprobs.content``."""
+        text = self.text(lp.token_id)
+        return TokenLogprob(token=text, logprob=lp.logprob, bytes=list(text.encode("utf-8")),
+                            top_logprobs=[self._top(t, v) for t, v in lp.top])
+
+    def completion(self, lps: Sequence[TokenLogprobs] | None, start: int,
+                   offset: int) -> CompletionLogprobs | None:
+        """The legacy ``logprobs`` of a text completion's tokens from ``start`` on, their
+        text offsets counted from ``offset`` (None when not asked for)."""
+        if lps is None:
+            return None
+        out = CompletionLogprobs()
+        for lp in lps[start:]:
+            text = self.text(lp.token_id)
+            out.tokens.append(text)
+            out.token_logprobs.append(lp.logprob)
+            out.top_logprobs.append({self.text(t): v for t, v in lp.top})
+            out.text_offset.append(offset)
+            offset += len(text)
+        return out
+
+
+def obfuscation() -> str:
+    """Random characters of a random length for ``stream_options.include_obfuscation``."""
+    return secrets.token_urlsafe(secrets.randbelow(OBFUSCATION_MAX) + 1)
+
+
+def _copies(requests: list[Request], n: int) -> list[Request]:
+    """Each prompt's request ``n`` times (``n`` choices each: new ids, seeded ``seed + i``)."""
+    if n == 1:
+        return requests
+    out = []
+    for request in requests:
+        for i in range(n):
+            params = request.params
+            if params.seed is not None and i:
+                params = dataclasses.replace(params, seed=params.seed + i)
+            out.append(request if i == 0 else dataclasses.replace(
+                request, request_id=new_request_id(), params=params))
+    return out
+
+
+def _usage_of(out: RequestOutput | None, cached: bool) -> Usage:
+    """The completion tokens of one choice (and its cached prompt tokens if ``cached``)."""
+    if out is None:
+        return Usage.of(0, 0, 0)
+    return Usage.of(0, len(out.outputs[0].token_ids), out.num_cached_tokens if cached else 0)
 
 
 def abort_all(streams: Sequence[OutputStream]) -> None:

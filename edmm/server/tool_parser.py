@@ -28,6 +28,7 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
+from typing import Any
 
 TOOL_CALL_START = "<tool_call>"
 TOOL_CALL_END = "</tool_call>"
@@ -35,6 +36,20 @@ _BLOCK = re.compile(re.escape(TOOL_CALL_START) + r"(.*?)" + re.escape(TOOL_CALL_
 _NAME_THEN_ARGS = re.compile(r'\s*\{\s*"name"\s*:\s*("(?:[^"\\]|\\.)*")\s*,\s*"arguments"\s*:\s*')
 _CALL_TAIL = re.compile(r"\s*\}\s*" + re.escape(TOOL_CALL_END))
 _DECODER = json.JSONDecoder()
+
+
+def tool_marker_ids(tokenizer: Any) -> tuple[int, int] | None:
+    """The token ids of `TOOL_CALL_START` and `TOOL_CALL_END` when each is one token of
+    ``tokenizer`` that its decoding keeps (Qwen's, Hermes'); else None."""
+    if tokenizer is None:
+        return None
+    ids = []
+    for marker in (TOOL_CALL_START, TOOL_CALL_END):
+        encoded = tokenizer.encode(marker, add_special_tokens=False)
+        if len(encoded) != 1 or tokenizer.decode(encoded, skip_special_tokens=True) != marker:
+            return None
+        ids.append(int(encoded[0]))
+    return ids[0], ids[1]
 
 
 @dataclass(frozen=True)

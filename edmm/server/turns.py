@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from edmm.agent.render import assistant_message
-from edmm.engine import Request, RequestOutput
+from edmm.engine import Request, RequestOutput, SamplingParams
 from edmm.engine.sampling import LogitsProcessor
 from edmm.server.engine_loop import EngineLoop, OutputStream, Submission
 from edmm.server.errors import APIError, BadRequestError, ServiceUnavailableError
@@ -46,6 +46,7 @@ from edmm.server.guided import GrammarLogitsProcessor
 from edmm.server.incremental import RenderedPrompt
 from edmm.server.pipeline import RequestPipeline, new_request_id
 from edmm.server.prompts import (
+    chat_logprobs,
     client_template,
     predicted_messages,
     prompt_limit,
@@ -155,8 +156,7 @@ class ChatTurns:
                                       prompt_limit(self.max_model_len, chat.completion_limit),
                                       text, trace)
         try:
-            params = sampling_params(chat, chat.completion_limit, len(prompt.ids),
-                                     self.max_model_len)
+            params = self.params(chat, len(prompt.ids))
             request = self.pipeline.request(prompt.ids, params, owner, chat.cache_salt,
                                             submission.request_id)
         except APIError as e:
@@ -189,12 +189,28 @@ class ChatTurns:
         """Send ``turn`` to the engine thread from the event loop, with the ``processors``
         of its grammars."""
         if processors:
-            params = sampling_params(chat, chat.completion_limit,
-                                     len(turn.request.prompt_token_ids), self.max_model_len,
-                                     processors)
+            params = self.params(chat, len(turn.request.prompt_token_ids), processors)
             turn.request = dataclasses.replace(turn.request, params=params)
         turn.trace.mark("request_made")
         submission.send(lambda b: _begin(b, turn))
+
+    def params(self, chat: ChatCompletionRequest, prompt_len: int,
+               processors: list[LogitsProcessor] | None = None) -> SamplingParams:
+        """A chat's sampling params: ``tool_choice: "none"`` with tools bans the tool-call
+        block's start token (the reply is text; the prompt keeps its tools, so it extends the
+        session's as any turn does); ``parallel_tool_calls: false`` stops the reply at the end
+        of its first call (where the format's markers are single tokens)."""
+        markers = self.pipeline.tool_markers
+        ban: tuple[int, ...] = ()
+        stops: tuple[int, ...] = ()
+        if markers is not None and chat.tools:
+            if chat.tool_choice == "none":
+                ban = (markers[0],)
+            elif chat.parallel_tool_calls is False:
+                stops = (markers[1],)
+        return sampling_params(chat, chat.completion_limit, prompt_len, self.max_model_len,
+                               processors, logprobs=chat_logprobs(chat), ban=ban,
+                               stop_token_ids=stops)
 
     # ------------------------------------------------------------------ streaming
     async def outputs(self, turn: Turn) -> AsyncIterator[RequestOutput]:

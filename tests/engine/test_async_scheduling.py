@@ -229,3 +229,26 @@ def test_abort_of_the_last_request_leaves_nothing_unfinished(qwen2_case: HFCase,
     assert not engine.has_unfinished()
     assert engine.step() == []
     engine.check_integrity()
+
+
+def test_penalties_biases_and_logprobs_match_sync(qwen2_case: HFCase,
+                                                  make_engine: MakeEngine) -> None:
+    """Penalized requests count their output on the device: async scheduling samples what the
+    synchronous engine samples, with the same log probabilities, beside unpenalized ones."""
+    penalized = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, presence_penalty=1.0,
+                               frequency_penalty=0.5, logprobs=3)
+    biased = SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS,
+                            logit_bias={qwen2_case.reference[0][0]: -100.0})
+    prompts = qwen2_case.prompts
+    arrivals = {0: [("pen", prompts[0], penalized), ("plain", prompts[1], greedy())],
+                3: [("bias", prompts[0], biased)]}
+    sync, fast = _both(make_engine, qwen2_case.folder, lambda e: _run(e, arrivals),
+                       max_num_seqs=4)
+    _same(sync, fast)
+    assert fast["plain"].outputs[0].token_ids == qwen2_case.reference[1]
+    assert fast["pen"].outputs[0].token_ids != qwen2_case.reference[0]
+    assert fast["bias"].outputs[0].token_ids[0] != qwen2_case.reference[0][0]
+    a, b = sync["pen"].outputs[0].logprobs, fast["pen"].outputs[0].logprobs
+    assert a is not None and b is not None and len(b) == NEW_TOKENS
+    assert [e.token_id for e in b] == [e.token_id for e in a]
+    assert [e.logprob for e in b] == pytest.approx([e.logprob for e in a], abs=1e-5)

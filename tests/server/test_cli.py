@@ -36,9 +36,15 @@ def test_options_map_to_the_config() -> None:
 def test_policy_and_engine_size_options() -> None:
     from edmm.agent import AgentConfig
     from edmm.agent.gate import SpeculationGate
+    from edmm.bench.agents.policies import POLICIES
 
     default = config_from_args(build_parser().parse_args([]))
-    assert default.agent_config() == AgentConfig() and default.engine == {}
+    base = AgentConfig()
+    # the defaults are the policy the benchmarks measure as `edmm`, host offload sized from the
+    # machine's memory (capped)
+    assert default.agent_config() == POLICIES.create("edmm").agent_config(
+        base.tool_timeout_s, base.prefetch_lead_s)
+    assert default.engine == {} and default.kv_offload_cap_bytes == 32 << 30
     off = config_from_args(build_parser().parse_args(["--no-execution-aware"]))
     assert off.agent_config() == AgentConfig.off()
     # offload: EDMM off, paused KV kept and copied to host, no prefetch
@@ -119,10 +125,9 @@ def test_serve_freezes_the_start_up_objects_and_raises_the_young_threshold(
     request would walk it all: ~0.2 s on a dev CPU with torch and a tokenizer loaded)."""
     import gc
 
-    import uvicorn
-
     from edmm.server import app as app_module
     from edmm.server import cli
+    from edmm.server.shutdown import DrainingServer
 
     seen: list[int] = []
     closed: list[bool] = []
@@ -132,11 +137,11 @@ def test_serve_freezes_the_start_up_objects_and_raises_the_young_threshold(
     monkeypatch.setattr(app_module, "build_app", lambda s: "app")
     thresholds: list[tuple[int, int, int]] = []
 
-    def run(app: object, **kw: object) -> None:
+    def run(app: object, state: object, **kw: object) -> None:
         seen.append(gc.get_freeze_count())
         thresholds.append(gc.get_threshold())
 
-    monkeypatch.setattr(uvicorn, "run", run)
+    monkeypatch.setattr(DrainingServer, "run_app", run)
     before, before_gc = sys.getswitchinterval(), gc.get_threshold()
     try:
         gc.unfreeze()

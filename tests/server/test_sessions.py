@@ -193,9 +193,11 @@ def test_bad_extension_is_400(server: LiveServer) -> None:
             "edmm": {"expected_tool_duration_s": -1}}
     resp = httpx.post(f"{server.url}/v1/chat/completions", headers=AUTH, json=body)
     assert resp.status_code == 400 and resp.json()["error"]["param"] == "edmm"
+    # an unknown field is ignored here as anywhere in a request (vLLM's rule)
     body["edmm"] = {"unknown_hint": 1}
-    resp = httpx.post(f"{server.url}/v1/chat/completions", headers=AUTH, json=body)
-    assert resp.status_code == 400
+    body["max_tokens"] = 2
+    resp = httpx.post(f"{server.url}/v1/chat/completions", headers=AUTH, json=body, timeout=30)
+    assert resp.status_code == 200, resp.text
 
 
 def test_close_session_releases_it(server: LiveServer, client: openai.OpenAI) -> None:

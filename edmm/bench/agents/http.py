@@ -147,8 +147,8 @@ def serve_args(policy: Policy, engine: EngineConfig, prefetch_lead_s: float,
             "--tool-timeout-s", repr(agent.tool_timeout_s)]
     if not agent.prefetch:
         args.append("--no-prefetch")
-    if agent.speculation_gate is not None:
-        args.append("--speculation-gate")
+    args.append("--speculation-gate" if agent.speculation_gate is not None
+                else "--no-speculation-gate")
     assert engine.num_pages is not None and engine.max_model_len is not None
     args += ["--num-pages", str(engine.num_pages), "--num-slots", str(engine.num_slots),
              "--max-model-len", str(engine.max_model_len),
@@ -157,9 +157,8 @@ def serve_args(policy: Policy, engine: EngineConfig, prefetch_lead_s: float,
              "--cuda-graph-sizes", ",".join(str(n) for n in engine.cuda_graph_token_sizes),
              "--host-page-size", str(engine.host_page_size)]
     if engine.dtype is not None:
-        args += ["--dtype", str(engine.dtype)]
-    if engine.kv_offload_bytes:
-        args += ["--kv-offload-gib", repr(engine.kv_offload_bytes / 2**30)]
+        args += ["--dtype", str(engine.dtype).removeprefix("torch.")]
+    args += ["--kv-offload-gib", repr(engine.kv_offload_bytes / 2**30)]  # 0: off
     if engine.speculative_tokens_when_busy is not None:
         args += ["--busy-spec-tokens", str(engine.speculative_tokens_when_busy)]
     if not engine.speculation_fills_padding:

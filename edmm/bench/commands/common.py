@@ -5,7 +5,6 @@ Light to import (torch loads on first call), so that building the command line s
 
 from __future__ import annotations
 
-import argparse
 import datetime as _dt
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -27,20 +26,6 @@ def device_tag(use_cuda: bool) -> str:
     if not use_cuda or not torch.cuda.is_available():
         return "cpu"
     return torch.cuda.get_device_name().replace("NVIDIA ", "").replace(" ", "-").lower()
-
-
-def resolve_device(parser: argparse.ArgumentParser, device: str) -> str:
-    """``auto``: cuda if torch sees a GPU, else cpu; a CUDA device with none here: an error."""
-    import torch
-
-    if device == "auto":
-        return "cuda" if torch.cuda.is_available() else "cpu"
-    if device.startswith("cuda") and not torch.cuda.is_available():
-        parser.error(f"--device {device}: no CUDA device here (torch {torch.__version__}, "
-                     "torch.cuda.is_available() is False); use --device cpu or auto")
-    if device != "cpu" and not device.startswith("cuda"):
-        parser.error(f"--device must be auto, cpu or cuda[:N], got {device!r}")
-    return device
 
 
 def cpu_note(device: str) -> None:

@@ -5,13 +5,12 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from edmm.argparsing import float_at_least, fraction, int_at_least, int_list
+from edmm.argparsing import float_at_least, fraction, int_at_least, int_list, resolve_device
 from edmm.bench.commands.common import (
     OUT_HELP,
     cpu_note,
     default_out_dir,
     device_tag,
-    resolve_device,
 )
 
 NAME = "live"

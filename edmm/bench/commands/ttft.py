@@ -8,14 +8,13 @@ import argparse
 from dataclasses import dataclass
 from pathlib import Path
 
-from edmm.argparsing import fraction, int_at_least, int_list
+from edmm.argparsing import fraction, int_at_least, int_list, resolve_device
 from edmm.bench.commands.common import (
     OUT_HELP,
     cpu_note,
     default_out_dir,
     device_tag,
     plot_line,
-    resolve_device,
 )
 
 NAME = "ttft"
