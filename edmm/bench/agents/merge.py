@@ -32,7 +32,13 @@ from edmm.bench.agents.plots import (
     plot_ttft_cdf,
     plot_wait_vs_oversub,
 )
-from edmm.bench.agents.targets import MARGIN_NOTE, SUSTAIN_TTFT_MS, check_targets, knees
+from edmm.bench.agents.targets import (
+    ALL_TURN_P90,
+    MARGIN_NOTE,
+    SUSTAIN_TTFT_MS,
+    check_targets,
+    knee_line,
+)
 from edmm.bench.results import Environment, ResultWriter
 
 NAME = "agents"
@@ -139,7 +145,6 @@ def merge(folders: Sequence[Path], out: Path, oversub: float | None = None,
                   key=_sort_key)
     restore = next((p.restore for p in parts if p.restore is not None), None)
     checks = check_targets(rows, oversub, check_oversub, restore)
-    kn = knees(rows, oversub)
     env_doc = dict(bench[0].doc["environment"])
     env_doc["command"] = "edmm bench agents-merge " + " ".join(str(f) for f in folders)
     fields: dict[str, Any] = {k: env_doc.get(k) for k in Environment.__dataclass_fields__}
@@ -147,8 +152,7 @@ def merge(folders: Sequence[Path], out: Path, oversub: float | None = None,
     writer = ResultWriter(out, NAME, env)
     for p in bench:
         writer.add_rows(p.doc.get("rows", []))
-    notes = [f"sustainable load (p90 resume TTFT <= {SUSTAIN_TTFT_MS / 1e3:g} s, long tools, "
-             f"x{oversub:g}): " + ("; ".join(k.describe() for k in kn.values()) or "none run"),
+    notes = [knee_line(rows, oversub, ALL_TURN_P90), knee_line(rows, oversub),
              *(c.line() for c in checks), MARGIN_NOTE,
              "merged from: " + "; ".join(
                  f"{p.folder.name} ({(p.doc.get('environment') or {}).get('command', '')})"
@@ -177,6 +181,8 @@ README_COLUMNS = (("policy", "policy", "{}"), ("tools", "tools", "{}"),
                   ("JCT mean s", "jct_mean_s", "{:.3g}"),
                   ("resume TTFT p50 ms", "resume_ttft_p50_ms", "{:.3g}"),
                   ("p90 ms", "resume_ttft_p90_ms", "{:.3g}"),
+                  ("all-turn TTFT p90 ms", "ttft_p90_ms", "{:.3g}"),
+                  ("prefill amp.", "prefill_amp", "{:.3g}"),
                   ("recomputed tokens", "recomputed_tokens", "{}"),
                   ("prefix hit rate", "prefix_hit_rate", "{:.3g}"),
                   ("spec. hits", "spec_hit", "{}"), ("spec. misses", "spec_miss", "{}"),

@@ -239,6 +239,17 @@ def subagents_of(jobs: Sequence[Job]) -> dict[str, Job]:
     return {j.job_id: j for j in jobs if j.parent is not None}
 
 
+def first_jobs(jobs: Sequence[Job], n: int) -> list[Job]:
+    """The first ``n`` top-level jobs with the subagents they run (a trace of its own)."""
+    keep = {j.job_id for j in top_level(jobs)[:n]}
+    grew = True
+    while grew:  # subagents of kept jobs, at any depth
+        more = {j.job_id for j in jobs if j.parent in keep} - keep
+        keep |= more
+        grew = bool(more)
+    return [j for j in jobs if j.job_id in keep]
+
+
 @dataclass(frozen=True)
 class GeneratorConfig:
     """Settings of `generate` (defaults: the published statistics, see the module docstring).
@@ -507,5 +518,5 @@ def _check(ok: bool, name: str, value: Any, want: str) -> None:
 
 
 __all__ = ["GeneratorConfig", "Job", "ToolTimes", "TraceError", "Turn", "TurnShape",
-           "check_jobs", "generate", "job_from_dict", "job_to_dict", "read_jsonl", "scale",
-           "subagents_of", "top_level", "turn_shapes", "write_jsonl"]
+           "check_jobs", "first_jobs", "generate", "job_from_dict", "job_to_dict", "read_jsonl",
+           "scale", "subagents_of", "top_level", "turn_shapes", "write_jsonl"]
