@@ -127,7 +127,7 @@ def test_fleet_summary_columns(fleet_runs) -> None:
     matrix, records = fleet_runs
     jobs = matrix.mixes["long"]
     rows = summary_rows(records)
-    kinds = {t["kind"] for t in records[0].result.turns}
+    kinds = {t["turn_kind"] for t in records[0].result.turns}
     assert kinds == {"first", "tool", "user"}
     for row, rec in zip(rows, records, strict=True):
         assert row["jobs"] == 4  # top-level jobs; subagents are part of theirs
@@ -167,7 +167,8 @@ def test_a_hand_made_replay_counts_what_users_feel(tiny_dir: Path, tmp_path: Pat
     turns = {(t["job"], t["turn"]): t for t in rec.result.turns}
     # prompts: 20; 24 + [B] 7 [A] + 3; 39 - 3 reasoning + [U] 5 [U] + 3; keep 10 + 1+6+1+3.
     assert [turns[("x", i)]["prompt_tokens"] for i in range(4)] == [20, 36, 46, 21]
-    assert [turns[("x", i)]["kind"] for i in range(4)] == ["first", "tool", "user", "tool"]
+    assert [turns[("x", i)]["turn_kind"] for i in range(4)] == ["first", "tool", "user",
+                                                                 "tool"]
     # new: all 20 (the type's first session); 36 - 24; 46 - 20 (from the first reasoning
     # token on); 21 - 10 (the kept prefix). The second session's first turn: 20 - 10 shared.
     assert [turns[("x", i)]["new_tokens"] for i in range(4)] == [20, 12, 26, 11]
@@ -182,7 +183,7 @@ def test_a_hand_made_replay_counts_what_users_feel(tiny_dir: Path, tmp_path: Pat
 
 def test_summary_column_helpers_on_hand_made_rows() -> None:
     def turn(kind: str, ttft: float, prompt: int, cached: int, new: int) -> dict[str, object]:
-        return {"kind": kind, "resume": kind != "first", "ttft_s": ttft,
+        return {"turn_kind": kind, "resume": kind != "first", "ttft_s": ttft,
                 "prompt_tokens": prompt, "cached_tokens": cached, "new_tokens": new}
 
     turns = [turn("first", 0.5, 100, 0, 100), turn("tool", 0.1, 150, 100, 50),

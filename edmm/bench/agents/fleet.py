@@ -273,13 +273,14 @@ class _Session:
         cfg = self.cfg
         seconds = min(self.rng.lognormvariate(math.log(cfg.user_s), cfg.user_sigma),
                       cfg.user_cap_s)
-        tokens = self._lognormal(cfg.user_tokens, 0.8, 1, 4000)
+        tokens = self._lognormal(cfg.user_tokens, 0.8, 1, int(0.05 * cfg.context_limit))
         return Turn(out, reasoning_tokens=think, user_tokens=tokens, user_s=round(seconds, 4))
 
     def _compact(self, turn: Turn) -> Turn:
         """``turn`` with the context rewritten to the shared prefix plus a summary, which the
         result (or the user message) carries ahead of its own tokens."""
-        summary = self._lognormal(self.cfg.summary_tokens, 0.3, 256, None)
+        summary = self._lognormal(self.cfg.summary_tokens, 0.3, 16,
+                                  int(0.1 * self.cfg.context_limit))
         if turn.user_tokens:
             return Turn(turn.output_tokens, reasoning_tokens=turn.reasoning_tokens,
                         user_tokens=turn.user_tokens + summary, user_s=turn.user_s,

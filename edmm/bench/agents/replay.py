@@ -23,12 +23,12 @@ the turns since the last user message is dropped (`edmm.bench.agents.context`). 
 ``keep_tokens`` cuts the context first (compaction). A subagent starts when its parent's call
 is made, beside the loop's sessions, and its end returns that call.
 
-Every turn's row says what kind it is (``first``, ``tool``: after a tool result, ``user``:
-after a user message), its TTFT (from the request to its first token) and its ``new_tokens``:
-the prompt less what an unbounded prefix cache would hold (the session's context before it
-up to the first changed token; on a first turn, the agent type's shared prefix once a session
-of the type has started). A job's ``tool_s`` is every wait on tools and users, its
-subagents' included; its engine-wait the rest of its completion time.
+Every turn's row says what kind it is (``turn_kind``: ``first``, ``tool`` after a tool result,
+``user`` after a user message), its TTFT (from the request to its first token) and its
+``new_tokens``: the prompt less what an unbounded prefix cache would hold (the session's
+context before it up to the first changed token; on a first turn, the agent type's shared
+prefix once a session of the type has started). A job's ``tool_s`` is every wait on tools
+and users, its subagents' included; its engine-wait the rest of its completion time.
 """
 
 from __future__ import annotations
@@ -367,7 +367,7 @@ class Replayer:
             "job": jr.job.job_id, "turn": jr.turn, "prompt_tokens": prompt,
             "cached_tokens": out.num_cached_tokens,
             "ttft_s": now - (jr.resumed_at if jr.resumed_at is not None else jr.admitted),
-            "resume": jr.turn > 0, "kind": jr.kind, "new_tokens": prompt - jr.kept,
+            "resume": jr.turn > 0, "turn_kind": jr.kind, "new_tokens": prompt - jr.kept,
             "agent": jr.job.agent, "subagent": jr.parent is not None})
 
     def _turn_done(self, jr: _JobRun, prompt: list[int], output: list[int]) -> None:

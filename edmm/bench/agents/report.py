@@ -114,7 +114,7 @@ def ttft_columns(turns: Sequence[dict[str, Any]]) -> dict[str, float | None]:
 
 
 def _kind(turn: dict[str, Any]) -> str:
-    return str(turn.get("kind") or ("tool" if turn["resume"] else "first"))
+    return str(turn.get("turn_kind") or ("tool" if turn["resume"] else "first"))
 
 
 def prefill_columns(turns: Sequence[dict[str, Any]], off_path: int) -> dict[str, Any]:

@@ -11,7 +11,8 @@ merged).
 - **Targets** (PASS / MISS with the margin, or NOT MEASURED saying what is missing):
   sustainable load ``edmm`` >= 1.5x ``lru`` and >= 1.2x the best of ``ttl`` / ``offload`` /
   ``rewarm``; at all-turn p90, ``edmm`` >= 1.3x ``offload`` (as against vLLM with its
-  offloading connector) and >= 1.8x ``lru`` (as against vLLM's prefix caching); at the highest
+  offloading connector) and >= 1.8x ``lru`` (as against vLLM's prefix caching), and over HTTP
+  the same against the real peers (`peer_checks`: ``vllm-offload``, ``vllm``); at the highest
   load ``lru`` sustains, mean engine-wait ``lru`` / ``edmm`` >=
   1.5x and ``edmm``'s p90 resume TTFT at the main oversubscription <= 1.3x its own at the
   check one (1x); at 1x and in the short-tool mix, ``edmm`` no worse than the best baseline by
@@ -163,6 +164,18 @@ def check_targets(rows: Sequence[Row], oversub: float, check_oversub: float | No
     out += _no_worse_checks(rows, check_oversub, oversub)
     out += _restore_checks(restore)
     return out
+
+
+PEER_TARGETS = (("vllm-offload", 1.3), ("vllm", 1.8))  # peer name, edmm's ratio at least
+
+
+def peer_checks(rows: Sequence[Row], oversub: float) -> list[TargetCheck]:
+    """Sustainable load at all-turn p90 TTFT, ``edmm`` over each vLLM peer (`PEER_TARGETS`:
+    its offloading connector, its prefix caching), where the rows have both."""
+    every = knees(rows, oversub, metric=ALL_TURN_P90)
+    return [_ratio_check(f"sustainable load, all-turn p90, edmm / {peer} (x{oversub:g})",
+                         target, every.get("edmm"), every.get(peer))
+            for peer, target in PEER_TARGETS if peer in every]
 
 
 def _at_or_below(by: Mapping[tuple[Any, ...], Row], limit: float | None,
