@@ -60,10 +60,12 @@ class Statistic:
     number: float | None
 
 
-def trace_statistics(jobs: Sequence[Job], horizon_s: float = HORIZON_S) -> list[Statistic]:
+def trace_statistics(jobs: Sequence[Job], time_scale: float = 1.0) -> list[Statistic]:
     """Every statistic of `TARGETS` that ``jobs`` can speak to (rows for statistics the trace
-    has nothing for, e.g. a codex median in a trace without codex sessions, read "-")."""
-    values = _measure(jobs, horizon_s)
+    has nothing for, e.g. a codex median in a trace without codex sessions, read "-").
+    ``time_scale``: the trace's times were scaled by it (the 1-10 minute calls and the 5-minute
+    horizon are scaled alike; the idealised engine's speeds are not)."""
+    values = _measure(jobs, time_scale)
     return [Statistic(name, target, goal, *values.get(name, ("-", None)))
             for name, (target, goal) in TARGETS.items()]
 
@@ -87,7 +89,7 @@ def stats_table(stats: Sequence[Statistic],
     return "\n".join(lines)
 
 
-def _measure(jobs: Sequence[Job], horizon_s: float) -> dict[str, tuple[str, float | None]]:
+def _measure(jobs: Sequence[Job], time_scale: float) -> dict[str, tuple[str, float | None]]:
     out: dict[str, tuple[str, float | None]] = {}
     top = top_level(jobs)
     shapes = {j.job_id: turn_shapes(j) for j in jobs}
@@ -104,10 +106,10 @@ def _measure(jobs: Sequence[Job], horizon_s: float) -> dict[str, tuple[str, floa
     prompt = sum(s.prompt for ss in shapes.values() for s in ss)
     output = sum(s.output for ss in shapes.values() for s in ss)
     out["input : output tokens"] = (f"{prompt / output:.0f} : 1", prompt / output)
-    out.update(_tool_stats(jobs))
+    out.update(_tool_stats(jobs, time_scale))
     out.update(_compaction_stats(top))
     out["prefix hit rate, unbounded retention"] = _hit_rate(jobs, shapes)
-    out["idle / active KV time, 5-min horizon"] = _idle_active(jobs, horizon_s)
+    out["idle / active KV time, 5-min horizon"] = _idle_active(jobs, HORIZON_S * time_scale)
     users = [sum(1 for t in j.turns if t.user_tokens) for j in top]
     out["user messages per session, mean"] = (f"{sum(users) / len(users):.2f}",
                                               sum(users) / len(users))
@@ -143,7 +145,7 @@ def _prefix_stats(jobs: Sequence[Job]) -> dict[str, tuple[str, float | None]]:
     return out
 
 
-def _tool_stats(jobs: Sequence[Job]) -> dict[str, tuple[str, float | None]]:
+def _tool_stats(jobs: Sequence[Job], time_scale: float) -> dict[str, tuple[str, float | None]]:
     out: dict[str, tuple[str, float | None]] = {}
     by_agent: dict[str, list[float]] = defaultdict(list)
     times = []
@@ -161,7 +163,7 @@ def _tool_stats(jobs: Sequence[Job]) -> dict[str, tuple[str, float | None]]:
         out["tool latency median, claude-code"] = (f"{med:.3g} s (all calls)", None)
     total = sum(times)
     if total > 0:
-        lo, hi = LONG_CALL_S
+        lo, hi = (x * time_scale for x in LONG_CALL_S)
         share = sum(x for x in times if lo <= x <= hi) / total
         out["share of tool time in calls of 1-10 min"] = (f"{share:.0%}", share)
     return out
