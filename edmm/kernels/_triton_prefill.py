@@ -75,26 +75,39 @@ def _attend_range(q, k_base, v_base, stride_kt, lo, hi, tile_end, m_i, l_i, acc,
     return m_i, l_i, acc
 
 
+SCAN: tl.constexpr = tl.constexpr(128)  # sequences `_find_tile` reads at once
+
+
 @triton.jit
 def _find_tile(cu_q_ptr, num_seqs, BLOCK_M: tl.constexpr, SKIP_SINGLE: tl.constexpr,
                REVERSE: tl.constexpr):
     """Sequence and tile index within it of this program's flat tile (-1: a spare tile).
     With SKIP_SINGLE, sequences of one query own no tile; with REVERSE, a sequence's last
-    tile (the most keys) comes first."""
+    tile (the most keys) comes first. The sequences' tile counts are read `SCAN` at a time
+    and summed with a vector scan: a CUDA graph's padding sequences (hundreds in a graph for
+    many running sequences) cost each program a few vector loads, not a load per sequence."""
     blk = tl.program_id(0)
     seen = blk * 0
     seq = blk * 0 - 1
     tile = blk * 0
-    for i in range(0, num_seqs):
-        n_q = (tl.load(cu_q_ptr + i + 1) - tl.load(cu_q_ptr + i)).to(tl.int32)
+    for start in range(0, num_seqs, SCAN):
+        idx = start + tl.arange(0, SCAN)  # [SCAN] sequence indices
+        valid = idx < num_seqs
+        n_q = (tl.load(cu_q_ptr + idx + 1, mask=valid, other=0)
+               - tl.load(cu_q_ptr + idx, mask=valid, other=0)).to(tl.int32)  # [SCAN]
         if SKIP_SINGLE:
             n_q = tl.where(n_q == 1, 0, n_q)
-        n_tiles = (n_q + BLOCK_M - 1) // BLOCK_M
-        hit = (blk >= seen) & (blk < seen + n_tiles)
-        seq = tl.where(hit, i, seq)
-        own = n_tiles - 1 - (blk - seen) if REVERSE else blk - seen
-        tile = tl.where(hit, own, tile)
-        seen += n_tiles
+        n_tiles = (n_q + BLOCK_M - 1) // BLOCK_M  # [SCAN]
+        ends = seen + tl.cumsum(n_tiles, 0)  # [SCAN] flat index past each sequence's tiles
+        starts = ends - n_tiles
+        hit = (blk >= starts) & (blk < ends)  # [SCAN], at most one lane
+        found = tl.max(tl.where(hit, idx, -1), 0)
+        first = tl.max(tl.where(hit, starts, -1), 0)
+        count = tl.max(tl.where(hit, n_tiles, 0), 0)
+        own = count - 1 - (blk - first) if REVERSE else blk - first
+        tile = tl.where(found >= 0, own, tile)
+        seq = tl.where(found >= 0, found, seq)
+        seen += tl.sum(n_tiles, 0)
     return seq, tile
 
 

@@ -167,6 +167,34 @@ def test_mixed_batch_single_queries_split_k(make_cache: MakeCache, check_close: 
     check_close(out[:44], ref, dtype)
 
 
+@SMALLS
+def test_many_padding_sequences_span_several_scans(make_cache: MakeCache,
+                                                    check_close: CheckClose,
+                                                    small: PrefillConfig) -> None:
+    """A graph for many running sequences: hundreds of single-query and empty sequences around
+    the prefills (more than one `SCAN` of them, the tile finder's vector width), a prefill after
+    the first scan; with single queries skipped, the prefill rows match the reference."""
+    dtype = _dtype(small)
+    cache = make_cache(LENS, dtype=dtype, num_slots=4, max_tokens=MAX_TOKENS)
+    seqs = [(1, 1)] * 100 + [(3, 40)] + [(2, 1)] * 30 + [(0, 9)] + [(1, 1)] * 3
+    real = sum(ql for _, ql in seqs)
+    qs = [torch.randn(ql, 4, 32).to(dtype) for _, ql in seqs]
+    q = torch.cat([*qs, torch.randn(7, 4, 32).to(dtype)])  # 7 padding rows
+    ends = torch.tensor([ql for _, ql in seqs]).cumsum(0)
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), ends, ends[-1:].repeat(10)])
+    slots = torch.tensor([s for s, _ in seqs] + [0] * 10)
+    lens = torch.tensor([LENS[s] for s, _ in seqs] + [1] * 10)
+    out = prefill_attention_varlen(q, cache.kv, 1, cu, slots, lens, 0.2, config=small,
+                                   skip_single=True)
+    for i in (100, 131):  # the two prefills' rows
+        s, ql = seqs[i]
+        start = int(cu[i])
+        ref = prefill_attention_reference(qs[i], cache.kv, 1, s, LENS[s], 0.2,
+                                          dtype=torch.float64)
+        check_close(out[start:start + ql], ref, dtype)
+    assert real == int(cu[-1]) and cu.shape[0] - 1 == len(seqs) + 10 > 128
+
+
 def test_cache_is_not_written(make_cache: MakeCache) -> None:
     cache = make_cache(LENS, dtype=torch.float32, num_slots=4, max_tokens=MAX_TOKENS)
     before = cache.backing.clone()
