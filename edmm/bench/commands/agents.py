@@ -162,6 +162,10 @@ def _add_http_arguments(parser: argparse.ArgumentParser) -> None:
     add("--http-clients", type=int_at_least(0), default=0,
         help="with --http: client processes the sessions run in, one thread a session (0: one "
              "per 4 sessions)")
+    add("--tokenizer", default=None,
+        help="with --http: the tokenizer folder of edmm serve and the clients (default: the "
+             "model's; beside a preset the Qwen2.5 vocabulary; give the vLLM peers' folder so "
+             "every engine counts the same tokens)")
     add("--server-arg", action="append", default=[],
         help="extra edmm serve option with --http, repeatable")
     add("--peer", action="append", default=[], metavar="PEER",
@@ -272,7 +276,7 @@ def _http_config(args: argparse.Namespace, cfg: AgentsBenchConfig) -> HttpReplay
                        extra_args=tuple(args.peer_arg)) if args.peer_model_dir else None
     try:
         hcfg = HttpReplayConfig(bench=cfg, load=loads[0], loads=loads, policies=cfg.policies,
-                                server_args=tuple(args.server_arg),
+                                tokenizer=args.tokenizer, server_args=tuple(args.server_arg),
                                 overlap_tail=args.http_overlap_tail,
                                 clients=args.http_clients, stages=args.http_stages,
                                 peers=tuple(args.peer), vllm=vllm,
