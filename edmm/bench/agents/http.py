@@ -83,9 +83,15 @@ from edmm.bench.agents.http_metrics import (
     edmm_states,
     parse_metrics,
 )
-from edmm.bench.agents.matrix import AgentsBenchConfig, Matrix, page_size, token_bytes
+from edmm.bench.agents.matrix import (
+    AgentsBenchConfig,
+    Matrix,
+    load_trace,
+    page_size,
+    token_bytes,
+)
 from edmm.bench.agents.policies import POLICIES, Policy
-from edmm.bench.agents.report import prefill_columns, state_columns, ttft_columns
+from edmm.bench.agents.report import prefill_columns, run_meta, state_columns, ttft_columns
 from edmm.bench.agents.targets import ALL_TURN_P90, knee_line, peer_checks
 from edmm.bench.agents.trace import Job, first_jobs, subagents_of, top_level
 from edmm.bench.live import LiveBenchConfig, launched_server, load_tokenizer, resolve_tokenizer
@@ -608,10 +614,10 @@ def write_http_results(runs: Sequence[HttpRun], cfg: HttpReplayConfig, env: Envi
         "no server reports bytes moved on /metrics",
     ]
     paths = writer.write(summary, "Agent workloads over HTTP", notes,
-                         meta={"seed": b.seed, "jobs": b.jobs, "token_scale": b.token_scale,
-                               "time_scale": b.time_scale, "model": b.model,
+                         meta={**run_meta(cfg.matrix_config(), load_trace(b)["long"]),
+                               "clock": "wall", "mode": "closed", "http": True,
                                "load": cfg.load, "loads": list(cfg.all_loads),
-                               "peers": list(cfg.peers), "oversub": b.oversubscription})
+                               "peers": list(cfg.peers), "check_oversub": None})
     paths["timeline"] = _write_timeline(runs, out_dir / f"{NAME}-timeline.csv")
     extra = comparison_lines(summary, in_process_rows(out_dir, cfg))
     if extra:

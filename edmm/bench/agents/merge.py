@@ -1,10 +1,11 @@
 """`edmm bench agents-merge`: one report from several `edmm bench agents` folders.
 
 A full-size matrix does not fit one device call, so it runs as subsets (``--policies``,
-``--loads``, ``--oversub``, ``--mix``, ``--lean``), each into its own folder. The merge reads
-each folder's ``agents.json`` (and ``agents-timeline.csv``; a ``restore-overlap.json`` of the
-micro-bench, if a folder holds one), refuses folders that did not replay the same trace with
-the same seed, scales, engine settings and source tree (`MergeError` names what differs), and
+``--loads``, ``--oversub``, ``--mix``, ``--lean``; over HTTP ``--peer`` too), each into its own
+folder. The merge reads each folder's ``agents.json`` (or ``agents-http.json``, and its
+timeline; a ``restore-overlap.json`` of the micro-bench, if a folder holds one), refuses
+folders that did not replay the same trace with the same seed, scales, clock (in process and
+over HTTP do not mix), engine settings and source tree (`MergeError` names what differs), and
 refuses a condition measured twice. It writes the same files as one run (``agents.json``,
 ``agents.md``, ``agents.csv``, ``agents-timeline.csv``) plus the knee plot, the resume-TTFT CDF
 at the highest load every policy ran, engine-wait against oversubscription, KV pages in use
@@ -38,6 +39,7 @@ from edmm.bench.agents.targets import (
     SUSTAIN_TTFT_MS,
     check_targets,
     knee_line,
+    peer_checks,
 )
 from edmm.bench.results import Environment, ResultWriter
 
@@ -72,8 +74,11 @@ class Part:
 
 
 def read_part(folder: Path) -> Part:
-    """A folder written by `edmm bench agents` (or holding the restore micro-bench only)."""
+    """A folder written by `edmm bench agents` (in process, or over HTTP: ``agents-http.json``
+    where there is no ``agents.json``), or holding the restore micro-bench only."""
     doc_path = folder / f"{NAME}.json"
+    if not doc_path.exists() and (folder / f"{NAME}-http.json").exists():
+        doc_path = folder / f"{NAME}-http.json"
     restore_path = folder / "restore-overlap.json"
     restore = json.loads(restore_path.read_text())["result"] if restore_path.exists() else None
     if not doc_path.exists():
@@ -83,7 +88,7 @@ def read_part(folder: Path) -> Part:
     doc = json.loads(doc_path.read_text())
     if "meta" not in doc:
         raise MergeError(f"{doc_path}: no 'meta' (written before merges were possible)")
-    tl_path = folder / f"{NAME}-timeline.csv"
+    tl_path = doc_path.with_name(f"{doc_path.stem}-timeline.csv")
     timeline = list(csv.DictReader(tl_path.open())) if tl_path.exists() else []
     return Part(folder, doc, timeline, restore)
 
@@ -153,7 +158,8 @@ def merge(folders: Sequence[Path], out: Path, oversub: float | None = None,
     for p in bench:
         writer.add_rows(p.doc.get("rows", []))
     notes = [knee_line(rows, oversub, ALL_TURN_P90), knee_line(rows, oversub),
-             *(c.line() for c in checks), MARGIN_NOTE,
+             *(c.line() for c in peer_checks(rows, oversub)), *(c.line() for c in checks),
+             MARGIN_NOTE,
              "merged from: " + "; ".join(
                  f"{p.folder.name} ({(p.doc.get('environment') or {}).get('command', '')})"
                  for p in bench),

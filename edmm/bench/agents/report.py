@@ -30,7 +30,7 @@ from edmm.bench.agents.targets import (
     check_targets,
     knee_line,
 )
-from edmm.bench.agents.trace import Job, trace_digest, write_jsonl
+from edmm.bench.agents.trace import Job, top_level, trace_digest, write_jsonl
 from edmm.bench.results import Environment, ResultWriter, collect_environment
 from edmm.bench.stats import mean, percentile
 
@@ -323,7 +323,7 @@ def write_results(matrix: Matrix, cfg: AgentsBenchConfig, env: Environment,
 
 def run_meta(cfg: AgentsBenchConfig, jobs: Sequence[Job]) -> dict[str, Any]:
     """What runs merged into one report must share (`edmm.bench.agents.merge`)."""
-    return {"trace_sha256": trace_digest(jobs), "seed": cfg.seed, "jobs": len(jobs),
+    return {"trace_sha256": trace_digest(jobs), "seed": cfg.seed, "jobs": len(top_level(jobs)),
             "token_scale": cfg.token_scale, "time_scale": cfg.time_scale, "mode": cfg.mode,
             "model": cfg.model, "device": cfg.device, "dtype": cfg.dtype, "clock": cfg.clock,
             "max_num_seqs": cfg.max_num_seqs,
