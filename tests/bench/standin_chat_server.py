@@ -17,6 +17,7 @@ import argparse
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -122,6 +123,37 @@ def build(first_ms: float, token_ms: float) -> FastAPI:
         return JSONResponse({"error": {"message": f"no {path}"}}, status_code=404)
 
     return app
+
+
+# The ``vllm serve`` options `edmm.bench.peers.vllm_spec` and the agent replay pass (each one in
+# vLLM 0.26's ``vllm serve --help``): the fake ``vllm`` refuses any other, as vLLM would.
+VLLM_FLAGS = frozenset({
+    "--host", "--port", "--served-model-name", "--load-format", "--enable-prefix-caching",
+    "--enable-auto-tool-choice", "--tool-call-parser", "--enable-prompt-tokens-details",
+    "--disable-uvicorn-access-log", "--kv-cache-memory-bytes", "--max-model-len",
+    "--kv-offloading-size", "--kv-cache-dtype", "--max-num-seqs", "--max-num-batched-tokens",
+    "--enforce-eager"})
+
+
+def write_fake_vllm(root: Path) -> Path:
+    """A ``vllm`` package under ``root`` (returned: a ``PYTHONPATH`` entry) whose CLI appends its
+    arguments to the file ``$FAKE_VLLM_ARGV``, refuses options not in `VLLM_FLAGS` (exit 2, as
+    argparse does) and serves this stand-in."""
+    cli = root / "vllm" / "entrypoints" / "cli"
+    cli.mkdir(parents=True)
+    for d in (root / "vllm", root / "vllm" / "entrypoints", cli):
+        (d / "__init__.py").write_text("")
+    (cli / "main.py").write_text(
+        "import json, os, sys\n"
+        f"sys.path.insert(0, {str(Path(__file__).parent)!r})\n"
+        "from standin_chat_server import VLLM_FLAGS, main\n"
+        "with open(os.environ['FAKE_VLLM_ARGV'], 'a') as f:\n"
+        "    f.write(json.dumps(sys.argv[1:]) + '\\n')\n"
+        "bad = [a for a in sys.argv[3:] if a.startswith('--') and a not in VLLM_FLAGS]\n"
+        "if sys.argv[1] != 'serve' or bad:\n"
+        "    sys.exit(f'vllm: error: unrecognized arguments: {bad}')\n"
+        "main(sys.argv[3:])\n")
+    return root
 
 
 def main(argv: list[str] | None = None) -> None:

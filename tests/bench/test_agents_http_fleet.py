@@ -49,6 +49,7 @@ def _one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the server subprocesses too
 
 
+@pytest.mark.slow  # two edmm serve subprocesses and their client processes
 @pytest.mark.usefixtures("_one_thread")
 def test_a_fleet_through_edmm_serve(tmp_path: Path) -> None:
     pytest.importorskip("openai")
@@ -76,34 +77,18 @@ def test_a_fleet_through_edmm_serve(tmp_path: Path) -> None:
     assert "running_pages" in lines[0] and len(lines) > 2
 
 
-def _fake_vllm(tmp_path: Path) -> Path:
-    """A ``vllm`` package whose CLI runs the stand-in and records its arguments."""
-    root = tmp_path / "fake"
-    cli = root / "vllm" / "entrypoints" / "cli"
-    cli.mkdir(parents=True)
-    for d in (root / "vllm", root / "vllm" / "entrypoints", cli):
-        (d / "__init__.py").write_text("")
-    (cli / "main.py").write_text(
-        "import json, os, sys\n"
-        f"sys.path.insert(0, {str(STANDIN.parent)!r})\n"
-        "from standin_chat_server import main\n"
-        "with open(os.environ['FAKE_VLLM_ARGV'], 'a') as f:\n"
-        "    f.write(json.dumps(sys.argv[1:]) + '\\n')\n"
-        "main(sys.argv[3:])\n")
-    return root
-
-
+@pytest.mark.slow  # four stand-in server subprocesses and their client processes
 def test_vllm_peers_get_edmm_memory_and_are_measured(tmp_path: Path,
                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     pytest.importorskip("openai")
     from edmm.bench.agents.http import HttpReplayConfig, run_http_bench
-    from edmm.bench.agents.http_client import template_tokens
     from edmm.bench.agents.http_peers import peer_options
     from edmm.bench.live import load_tokenizer
+    from tests.bench.standin_chat_server import write_fake_vllm
 
     argv_file = tmp_path / "argv.jsonl"
     monkeypatch.setenv("FAKE_VLLM_ARGV", str(argv_file))
-    opts = VLLMOptions("/models/tiny", python_path=str(_fake_vllm(tmp_path)))
+    opts = VLLMOptions("/models/tiny", python_path=str(write_fake_vllm(tmp_path / "fake")))
     cfg = HttpReplayConfig(bench=bench(warmup=False), load=1, loads=(1, 2), policies=(),
                            peers=("vllm", "vllm-offload"), vllm=opts, clients=1,
                            request_timeout_s=60)
@@ -113,7 +98,7 @@ def test_vllm_peers_get_edmm_memory_and_are_measured(tmp_path: Path,
     assert set(rows) == {(p, ld) for p in ("vllm", "vllm-offload") for ld in (1.0, 2.0)}
     launches = [json.loads(x) for x in argv_file.read_text().splitlines()]
     assert len(launches) == 4
-    tok = template_tokens(load_tokenizer(None))
+    tok = load_tokenizer(None)
     for i, argv in enumerate(launches):  # loads 1, 1, 2, 2; vllm before vllm-offload
         at = dataclasses.replace(cfg, load=(1, 2)[i // 2])
         matrix = Matrix(at.matrix_config())
@@ -146,6 +131,7 @@ def test_vllm_peers_get_edmm_memory_and_are_measured(tmp_path: Path,
     assert (tmp_path / "out" / "logs" / "vllm-apc.log").exists()
 
 
+@pytest.mark.slow  # a stand-in server subprocess and client processes
 def test_a_url_peer_gets_nothing_edmm_specific(tmp_path: Path) -> None:
     pytest.importorskip("openai")
     import httpx

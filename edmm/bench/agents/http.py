@@ -73,6 +73,7 @@ from edmm.bench.agents.http_client import (
     JobResult,
     client_processes,
     new_event,
+    prefix_excess,
     replay_clients,
     template_tokens,
 )
@@ -334,7 +335,7 @@ def _run_policy(run: HttpRun, matrix: Matrix, jobs: list[Job], cfg: HttpReplayCo
                 live: LiveBenchConfig, tok: Any, wait_turn: Callable[[], None]) -> None:
     folder = live.tokenizer or live.model  # the client processes load the same tokenizer
     engine = matrix.engine_config(run.policy.offload)
-    args = serve_args(run.policy, server_engine(engine, matrix.cfg, jobs, template_tokens(tok)),
+    args = serve_args(run.policy, server_engine(engine, matrix.cfg, jobs, tok),
                       matrix.cfg.prefetch_lead_s)
     live = dataclasses.replace(live, server_args=(*args, *live.server_args))
     t0 = time.perf_counter()
@@ -363,7 +364,7 @@ def _run_policy(run: HttpRun, matrix: Matrix, jobs: list[Job], cfg: HttpReplayCo
             run.stage_records = [r for r in read_log(str(log)).values()
                                  if r["marks"].get("arrive", 0) >= measured_ns]
     assert run.clients is not None
-    pool = server_engine(engine, matrix.cfg, jobs, template_tokens(tok)).num_pages
+    pool = server_engine(engine, matrix.cfg, jobs, tok).num_pages
     assert pool is not None
     run.summary = {**summarize_http(run, matrix.cfg, pool - 1, run.clients.makespan_s,
                                     start_s), **edmm_counters(before, after)}
@@ -411,14 +412,17 @@ def _pct(xs: list[float], q: float) -> float | None:
 
 
 def server_engine(engine: EngineConfig, cfg: AgentsBenchConfig, jobs: Sequence[Job],
-                  template: int) -> EngineConfig:
-    """``engine`` with room for a chat prompt: the template's ``template`` tokens where they
-    exceed a job's system prompt (tiny traces), a forced call's token limit; the pool then
+                  tokenizer: Any) -> EngineConfig:
+    """``engine`` with room for a chat prompt of ``tokenizer``: the template's tokens where
+    they exceed a job's system prompt (tiny traces), the agent types' rendered prefixes where
+    they exceed the trace's (`prefix_excess`), a forced call's token limit; the pool then
     holds at least one such sequence (as `pool_pages` keeps one longest sequence)."""
     assert engine.max_model_len is not None and engine.num_pages is not None
+    template = template_tokens(tokenizer)
     extra = max(0, template - min(j.system_tokens for j in jobs)) + CALL_MAX_TOKENS
     if any(j.agent for j in jobs):  # chat messages' own tokens, turn after turn
         extra += TEMPLATE_TOKENS_PER_TURN * max(len(j.turns) for j in jobs)
+        extra += max(0, prefix_excess(tokenizer, jobs))
     longest = -(-(engine.max_model_len + extra) // 64) * 64
     per_seq = math.ceil(longest * token_bytes(cfg) / page_size(cfg))
     return dataclasses.replace(engine, max_model_len=longest,
@@ -563,9 +567,9 @@ def write_http_results(runs: Sequence[HttpRun], cfg: HttpReplayConfig, env: Envi
     _identity(runs)
     b = cfg.bench
     writer = ResultWriter(out_dir, NAME, env)
-    for r in runs:
-        writer.add_rows(r.jobs)
-        writer.add_rows(r.turns)
+    for r in runs:  # each row with its condition, as in process (the merge's plots select by it)
+        condition = {"tools": "long", "oversub": b.oversubscription, "load": float(r.cfg.load)}
+        writer.add_rows([{**row, **condition} for row in (*r.jobs, *r.turns)])
     summary = [r.summary for r in runs if r.summary]
     loads = ", ".join(f"{x:g}" for x in cfg.all_loads)
     notes = [
@@ -629,9 +633,11 @@ def write_http_results(runs: Sequence[HttpRun], cfg: HttpReplayConfig, env: Envi
 
 
 def _write_timeline(runs: Sequence[HttpRun], path: Path) -> Path:
-    """Every run's /metrics samples (pages by state; vLLM's KV usage), one row each."""
-    rows = [{"policy": r.label or r.policy.name, "load": r.cfg.load, **s}
-            for r in runs for s in r.samples]
+    """Every run's /metrics samples (pages by state; vLLM's KV usage), one row each, with
+    the run's condition and KV pool (``pages_total``) as the in-process timeline has them."""
+    rows = [{"policy": r.label or r.policy.name, "load": r.cfg.load, "tools": "long",
+             "oversub": r.cfg.bench.oversubscription, "pages_total": r.summary.get("pages", ""),
+             **s} for r in runs for s in r.samples]
     keys: list[str] = []
     for row in rows:
         keys += [k for k in row if k not in keys]

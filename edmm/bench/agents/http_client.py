@@ -33,7 +33,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from edmm.bench.agents.chat import ChatTexts, Conversation, job_chat
+from edmm.bench.agents.chat import ChatTexts, Conversation, agent_tools, job_chat
 from edmm.bench.agents.policies import POLICIES, Policy
 from edmm.bench.agents.trace import Job, Turn
 from edmm.bench.live import TOOL, load_tokenizer
@@ -178,6 +178,16 @@ def template_tokens(tokenizer: Any) -> int:
     """Prompt tokens of an empty conversation with the tool: what the chat template adds."""
     bare = [{"role": "system", "content": ""}, {"role": "user", "content": TASK}]
     return ChatTexts(tokenizer, _WORDS).count(bare, [TOOL], generation=True)
+
+
+def prefix_excess(tokenizer: Any, jobs: Sequence[Job], tags: Sequence[str] = ("warm", "run")
+                  ) -> int:
+    """Most tokens by which an agent type's shared prefix, as the client renders it (its
+    system message and tool schemas, under each run ``tags``), exceeds the trace's
+    ``prefix_tokens``: the schemas' JSON is a floor a small ``--token-scale`` goes below."""
+    texts, tools = ChatTexts(tokenizer, _WORDS), agent_tools(jobs)
+    return max((texts.agent(j.agent, tools[j.agent], j.prefix_tokens, tag).prefix_tokens
+                - j.prefix_tokens for j in jobs if j.agent for tag in tags), default=0)
 
 
 def _merge_call(into: dict[str, Any], delta: Any) -> None:

@@ -32,7 +32,6 @@ from edmm.bench.agents.http import (
     summarize_http,
     untimed,
 )
-from edmm.bench.agents.http_client import template_tokens
 from edmm.bench.agents.http_metrics import (
     Probe,
     Sampler,
@@ -49,14 +48,14 @@ SERVED_NAME = "edmm-agents"  # the model name vLLM peers serve under
 
 
 def peer_options(cfg: HttpReplayConfig, matrix: Matrix, jobs: list[Job],
-                 template: int) -> VLLMOptions:
+                 tokenizer: Any) -> VLLMOptions:
     """How a vLLM peer starts at this load point: EDMM's KV memory, context limit, running
     sequences, token budget and offload memory, unless ``cfg.vllm`` (or
     ``cfg.peer_offload_gib``) says otherwise."""
     if cfg.vllm is None:
         raise HttpBenchError("a vLLM peer needs its options (--peer-model-dir)")
     base = cfg.vllm
-    engine = server_engine(matrix.engine_config(False), matrix.cfg, jobs, template)
+    engine = server_engine(matrix.engine_config(False), matrix.cfg, jobs, tokenizer)
     assert engine.num_pages is not None and engine.max_model_len is not None
     kv = base.kv_cache_bytes or (engine.num_pages - 1) * page_size(matrix.cfg)
     offload = cfg.peer_offload_gib
@@ -77,8 +76,7 @@ def replay_peer(cfg: HttpReplayConfig, peer: str, log_dir: Path | None = None) -
     live = live_config(cfg)
     tok = chat_tokenizer(live)
     folder = live.tokenizer or live.model
-    template = template_tokens(tok)
-    opts = peer_options(cfg, matrix, jobs, template) if not peer.startswith("http") else None
+    opts = peer_options(cfg, matrix, jobs, tok) if not peer.startswith("http") else None
     spec = parse_peer(peer, opts, SERVED_NAME)
     run = HttpRun(POLICIES.create("lru"), cfg, engine=spec.kind, label=peer)
     t0 = time.perf_counter()
@@ -97,7 +95,7 @@ def replay_peer(cfg: HttpReplayConfig, peer: str, log_dir: Path | None = None) -
             run.samples = sampler.stop()
         after = _metrics(probe)
     assert run.clients is not None
-    pages = server_engine(matrix.engine_config(False), matrix.cfg, jobs, template).num_pages
+    pages = server_engine(matrix.engine_config(False), matrix.cfg, jobs, tok).num_pages
     assert pages is not None
     run.summary = {**summarize_http(run, matrix.cfg, pages - 1, run.clients.makespan_s,
                                     start_s), **vllm_counters(before, after)}

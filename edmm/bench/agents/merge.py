@@ -239,8 +239,9 @@ def plot_merged(rows: Sequence[dict[str, Any]], detail: Sequence[dict[str, Any]]
 def _plot_pages(figure: Any, timeline: Sequence[dict[str, str]], path: Path,
                 device: str, mode: str) -> Path | None:
     """Pages in use over time per policy, at the highest oversubscription and then load of
-    the timeline's long-tool runs (where memory is shortest); None without such rows."""
-    long = [t for t in timeline if t.get("tools") == "long"]
+    the timeline's long-tool runs (where memory is shortest); None without such rows (a
+    peer's rows over HTTP, with its KV usage but no pages, are left out)."""
+    long = [t for t in timeline if t.get("tools") == "long" and t.get("pages_used")]
     if not long:
         return None
     oversub = max(float(t["oversub"]) for t in long)
