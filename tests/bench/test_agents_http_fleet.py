@@ -171,3 +171,21 @@ def test_parse_vllm_metrics_sums_engines() -> None:
     c = vllm_counters({"prefix_cache_hits": 20.0, "prefix_cache_queries": 40.0}, m)
     assert c["server_prefix_hit_rate"] == pytest.approx(0.5)  # (40-20) / (80-40)
     assert c["external_prefix_hit_rate"] is None
+
+
+def test_the_server_context_holds_the_rendered_prefixes() -> None:
+    """At a small token scale an agent type's tool schemas outgrow its trace prefix: the
+    server's context grows by the excess (the replay's prompts were refused without it)."""
+    from edmm.bench.agents.http import server_engine
+    from edmm.bench.agents.http_client import prefix_excess
+    from edmm.bench.live import load_tokenizer
+
+    tok = load_tokenizer(None)
+    small = Matrix(bench(generator=FleetConfig(num_jobs=2), jobs=2, token_scale=0.01, seed=1))
+    jobs = small.mixes["long"]
+    excess = prefix_excess(tok, jobs)
+    assert excess > 0
+    base = small.engine_config(False)
+    assert base.max_model_len is not None
+    engine = server_engine(base, small.cfg, jobs, tok)
+    assert engine.max_model_len is not None and engine.max_model_len >= base.max_model_len + excess
