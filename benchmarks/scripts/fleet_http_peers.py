@@ -1,5 +1,5 @@
-"""A small agent fleet over HTTP against ``edmm serve``, vLLM APC and vLLM + offload, sized to
-fit one device call (under 8 minutes of wall time on an H100 with the defaults).
+"""A small agent fleet over HTTP against ``edmm serve``, vLLM APC and vLLM + offload, sized for
+one device call: ``--budget-s`` bounds when a load point may still start.
 
     PYTHONPATH=.:/tmp/site python3 -m benchmarks.scripts.fleet_http_peers --out DIR \\
         [--loads 3,6] [--budget-s 420] [--dry-run]
