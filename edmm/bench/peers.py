@@ -99,14 +99,15 @@ class VLLMOptions:
 
 def vllm_spec(peer: str, opts: VLLMOptions, served_name: str) -> ServerSpec:
     """The `ServerSpec` of one of `VLLM_PEERS`: APC always on, hermes tool calls (the agent
-    replay sends tools), the model served under ``served_name``."""
+    replay sends tools), cached prompt tokens in each response's usage (as EDMM reports
+    them), the model served under ``served_name``."""
     if peer not in VLLM_PEERS:
         raise PeerError(f"unknown vLLM peer {peer!r} (known: {', '.join(VLLM_PEERS)})")
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", opts.model_dir,
            "--host", "127.0.0.1", "--port", "{port}", "--served-model-name", served_name,
            "--load-format", opts.load_format, "--enable-prefix-caching",
            "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-           "--disable-uvicorn-access-log"]
+           "--enable-prompt-tokens-details", "--disable-uvicorn-access-log"]
     if opts.kv_cache_bytes is not None:
         cmd += ["--kv-cache-memory-bytes", str(opts.kv_cache_bytes)]
     if opts.max_model_len is not None:

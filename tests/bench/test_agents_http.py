@@ -84,8 +84,9 @@ def test_in_process_rows_of_the_same_load_point_go_beside(tmp_path: Path) -> Non
     (tmp_path / "agents.json").write_text(json.dumps({"summary": rows, "meta": meta}))
     found = in_process_rows(tmp_path, cfg)
     assert [(r["policy"], r["wait_mean_s"]) for r in found] == [("lru", 1.5), ("edmm", 1.0)]
-    lines = comparison_lines([{"policy": "edmm", "wait_mean_s": 1.25}], found)
-    assert "| edmm |" in lines[-1] and "1.25 / 1" in lines[-1]
+    lines = comparison_lines([{"policy": "edmm", "load": 2.0, "wait_mean_s": 1.25}], found)
+    assert "| edmm | 2 |" in lines[-1] and "1.25 / 1" in lines[-1]  # paired by load too
+    assert comparison_lines([{"policy": "edmm", "load": 4.0, "wait_mean_s": 1.0}], found) == []
     other = HttpReplayConfig(bench=_bench(seed=1), load=2, policies=("lru",))
     assert in_process_rows(tmp_path, other) == []  # another trace: nothing beside
 

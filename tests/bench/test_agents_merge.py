@@ -134,7 +134,7 @@ def test_cli_subsets_merge_into_one_report(tmp_path: Path) -> None:
         got = run("agents", *common, "--policies", policy, "--out", str(tmp_path / name))
         assert got.returncode == 0, got.stderr[-2000:]
         assert sorted(p.name for p in (tmp_path / name).iterdir()) == [
-            "agents-timeline.csv", "agents.json", "agents.md"]
+            "agents-timeline.csv", "agents-trace-stats.md", "agents.json", "agents.md"]
     got = run("agents-merge", str(tmp_path / "p1"), str(tmp_path / "p2"), "--out",
               str(tmp_path / "all"))
     assert got.returncode == 0, got.stderr[-2000:]
@@ -162,3 +162,25 @@ def test_readme_table_heads_the_load_by_the_loop() -> None:
     rows = [_row("lru", 4, 48.0)]
     assert readme_table(rows).startswith("| policy | tools | KV oversub. | sessions |")
     assert readme_table(rows, "open").startswith("| policy | tools | KV oversub. | jobs/s |")
+
+
+def test_http_parts_merge_with_their_peers(tmp_path: Path) -> None:
+    """Folders of the HTTP replay (``agents-http.json``) merge like in-process ones: the
+    all-turn knee of every engine and the peer targets; an in-process part (another clock)
+    is refused."""
+    def every(policy: str, load: float, p90: float) -> dict[str, Any]:
+        return _row(policy, load, p90 / 2, ttft_p90_ms=p90)
+
+    a = _folder(tmp_path, "a", [every("edmm", 8, 400), every("vllm", 8, 900),
+                                every("vllm-offload", 8, 600)], clock="wall")
+    b = _folder(tmp_path, "b", [every("edmm", 16, 800), every("vllm", 16, 1900),
+                                every("vllm-offload", 16, 1400)], clock="wall")
+    for f in (a, b):
+        (f / "agents.json").rename(f / "agents-http.json")
+    md = merge([a, b], tmp_path / "out")["md"].read_text()
+    assert "p90 TTFT of every turn" in md and "vllm: 8.8 (under 1 s at 8, over at 16)" in md
+    assert "PASS: sustainable load, all-turn p90, edmm / vllm (x2): 1.82x" in md  # 16 / 8.8
+    assert "edmm / vllm-offload (x2)" in md
+    inproc = _folder(tmp_path, "c", [every("lru", 8, 300)], clock="virtual")
+    with pytest.raises(MergeError, match="clock"):
+        merge([a, inproc], tmp_path / "out2")

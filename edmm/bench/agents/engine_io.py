@@ -1,7 +1,7 @@
 """The only place the agent bench reaches past `AgentEngine`'s public methods.
 
 - `read_counters`, `pages_in_use`, `pages_total`: the engine's `stats()` snapshot, as the
-  bench's counters.
+  bench's counters; `pages_by_state` splits the pool by what holds each page.
 - `KVBallast`: shrinks the usable KV pool of a built engine (so one engine, built once, runs at
   several oversubscriptions) by holding pages out of use (`KVCacheManager.hold_pages`); the
   KV manager's invariants hold throughout.
@@ -30,6 +30,7 @@ class EngineCounters:
     restore_s: float
     memory_wait_steps: int  # steps whose admissions waited for memory, over the engine's life
     memory_wait_running_pages: int  # pages running requests held then, summed
+    cached_pages: int = 0  # pages held by prefix-cache entries (paused sessions, prefixes)
 
 
 def pages_in_use(engine: Engine) -> int:
@@ -50,7 +51,20 @@ def read_counters(agent: AgentEngine, reserved_pages: int = 0) -> EngineCounters
     return EngineCounters(kv.pages_total - reserved_pages, kv.pages_in_use - reserved_pages,
                           kv.offload_bytes, kv.offloads, kv.offloaded_bytes_total, kv.offload_s,
                           kv.restores, kv.restored_bytes_total, kv.restore_s,
-                          stats.memory_wait_steps, stats.memory_wait_running_pages)
+                          stats.memory_wait_steps, stats.memory_wait_running_pages,
+                          kv.cached_pages)
+
+
+PAGE_STATES = ("running_pages", "paused_gpu_pages", "host_pages", "free_pages")
+
+
+def pages_by_state(total: int, used: int, cached: int, host_bytes: float,
+                   page_bytes: int) -> dict[str, float]:
+    """KV pages by state: mapped by running (or waiting) requests, held by prefix-cache
+    entries (paused sessions' KV and shared prefixes, on the GPU), their host copies (bytes
+    held over the page size) and free."""
+    return {"running_pages": max(used - cached, 0), "paused_gpu_pages": cached,
+            "host_pages": round(host_bytes / page_bytes, 2), "free_pages": max(total - used, 0)}
 
 
 class KVBallast:

@@ -1,4 +1,5 @@
-"""Replay a trace over HTTP at one load point of the matrix: ``edmm serve`` + the ``openai`` SDK.
+"""Replay a trace over HTTP at load points of the matrix: ``edmm serve`` (and peers: vLLM, or
+any OpenAI-compatible URL) + the ``openai`` SDK.
 
 The same trace as the in-process matrix (`edmm.bench.agents.matrix.load_trace`: the same seed
 and scales), the same engine (`Matrix.engine_config` of a matrix of this one load and
@@ -20,15 +21,25 @@ every prompt reaches the trace's context and the pool is as oversubscribed. With
 last turn generates the trace's output length (EOS ignored). Results are appended (the trace's
 ``mid_prompt`` and ``reasoning_stripped`` are not replayed: the chat template decides).
 
+Fleet traces (`edmm.bench.agents.fleet`) replay as chat too (`edmm.bench.agents.chat`): each
+agent type's system prompt and tools, the same in all its sessions; every call turn forced to
+the trace's tool; user messages after the user's time; a compaction keeps the system prompt
+and sends the summary as a user message before the call's result; a subagent runs in its
+parent's thread while the parent's call waits. The reasoning a user message drops in process
+is not dropped over HTTP (it is part of the padded result, as any output beyond the call).
+
 ``load`` jobs run at once (closed loop), in client processes of a few sessions each
 (`edmm.bench.agents.http_client`: one process of 32 threads made the load generator, not the
 server, set the pace), after a warm-up as in process (the first two jobs, two at once, with
 other text and no tool time).
-Measured at the client per turn: the streamed TTFT (first content or tool-call delta), prompt
-and cached tokens, a digest of the output (greedy outputs compared with ``lru``'s); per job the
-JCT and engine-wait (JCT minus tool time); from ``/metrics`` before and after: lost context
-tokens, restores, offloads, preemptions, speculation outcomes, and KV pages in use (sampled).
-Recomputed tokens and the prefix hit rate are the in-process matrix's (`client_columns`).
+Measured at the client per turn: the streamed TTFT (first content or tool-call delta) by kind
+of turn, prompt and cached tokens and the truly new ones (`chat.Conversation`), a digest of the
+output (greedy outputs compared with ``lru``'s); per job the JCT and engine-wait (JCT minus
+tool and user time); from ``/metrics`` before and after: lost context tokens, restores,
+offloads, preemptions, speculation outcomes, and KV pages by state (sampled;
+`edmm.bench.agents.http_metrics`). Recomputed tokens and the prefix hit rate are the
+in-process matrix's (`client_columns`). With several loads every engine runs at each, the
+lowest first; peers (`edmm.bench.agents.http_peers`) after EDMM's policies at each load.
 
 Every policy's server starts and warms up first, all at once, before anything is measured;
 they then run one after the other. ``overlap_tail``: the next run starts once this run has no
@@ -41,10 +52,10 @@ send meanwhile are counted, ``overlapped_turns``).
 from __future__ import annotations
 
 import contextlib
+import csv
 import dataclasses
 import json
 import math
-import re
 import tempfile
 import threading
 import time
@@ -53,6 +64,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from edmm.bench.agents.chat import agent_tools
 from edmm.bench.agents.http_client import (
     CALL_MAX_TOKENS,
     ClientSpec,
@@ -61,13 +73,30 @@ from edmm.bench.agents.http_client import (
     JobResult,
     client_processes,
     new_event,
+    prefix_excess,
     replay_clients,
     template_tokens,
 )
-from edmm.bench.agents.matrix import AgentsBenchConfig, Matrix, page_size, token_bytes
+from edmm.bench.agents.http_metrics import (
+    Probe,
+    Sampler,
+    edmm_counters,
+    edmm_states,
+    parse_metrics,
+)
+from edmm.bench.agents.matrix import (
+    AgentsBenchConfig,
+    Matrix,
+    load_trace,
+    page_size,
+    token_bytes,
+)
 from edmm.bench.agents.policies import POLICIES, Policy
-from edmm.bench.agents.trace import Job
+from edmm.bench.agents.report import prefill_columns, run_meta, state_columns, ttft_columns
+from edmm.bench.agents.targets import ALL_TURN_P90, knee_line, peer_checks
+from edmm.bench.agents.trace import Job, first_jobs, subagents_of, top_level
 from edmm.bench.live import LiveBenchConfig, launched_server, load_tokenizer, resolve_tokenizer
+from edmm.bench.peers import VLLMOptions
 from edmm.bench.results import Environment, Progress, ResultWriter, collect_environment
 from edmm.bench.stats import mean, percentile
 from edmm.engine import EngineConfig
@@ -76,16 +105,8 @@ from edmm.server.stages import engine_split_ms, read_log, spans_ms
 
 NAME = "agents-http"
 TOOL_TIMEOUT_S = 1e6  # the in-process replay's (`ReplayConfig.tool_timeout_s`)
-_METRIC_RE = re.compile(r'^(edmm_\w+?)(?:_total)?(?:\{([^}]*)\})?\s+(\S+)$')
-_OUTCOME_RE = re.compile(r'outcome="(\w+)"')
-# /metrics counters kept per run (the change over the run) and the summary's names for them.
-COUNTERS = {"edmm_recomputed_tokens": "lost_context_tokens", "edmm_kv_restores": "restores",
-            "edmm_kv_offloads": "offloads", "edmm_preemptions": "preemptions",
-            "edmm_speculated_tokens": "spec_tokens", "edmm_speculation_outcomes:hit": "spec_hit",
-            "edmm_speculation_outcomes:partial": "spec_partial",
-            "edmm_speculation_outcomes:miss": "spec_miss",
-            "edmm_session_resumes": "server_resumes", "edmm_engine_steps": "engine_steps",
-            "edmm_admission_memory_waits": "memory_wait_steps"}
+TEMPLATE_TOKENS_PER_TURN = 24  # a fleet turn's chat-template tokens beyond the trace's
+SERVER_NAMES = {"edmm": "edmm serve", "vllm": "vLLM", "url": "URL"}  # the rows' ``server``
 
 
 def http_policies() -> list[str]:
@@ -102,6 +123,10 @@ class HttpReplayConfig:
     bench: AgentsBenchConfig = field(default_factory=AgentsBenchConfig)
     load: int = 2
     policies: tuple[str, ...] = ("lru", "offload", "edmm")
+    loads: tuple[int, ...] = ()  # every load point (empty: ``load`` alone)
+    peers: tuple[str, ...] = ()  # `edmm.bench.peers.parse_peer` names: vllm, vllm-offload, URL
+    vllm: VLLMOptions | None = None  # how vLLM peers start (None: no vLLM peer)
+    peer_offload_gib: float | None = None  # None: EDMM's offload memory at the load
     tokenizer: str | None = None  # see `LiveBenchConfig.tokenizer`
     server_args: tuple[str, ...] = ()
     start_timeout_s: float = 300.0
@@ -117,14 +142,19 @@ class HttpReplayConfig:
         if unknown:
             raise HttpBenchError(f"over HTTP only {allowed} run (rewarm re-sends the history "
                                  f"from the client), got {unknown}")
-        if not self.policies:
-            raise HttpBenchError("no policy to run")
-        if self.load < 1:
-            raise HttpBenchError(f"load must be >= 1, got {self.load}")
+        if not self.policies and not self.peers:
+            raise HttpBenchError("no policy and no peer to run")
+        if min(self.all_loads) < 1:
+            raise HttpBenchError(f"loads must be >= 1, got {self.all_loads}")
         if self.overlap_tail < 0:
             raise HttpBenchError(f"overlap_tail must be >= 0, got {self.overlap_tail}")
         if self.clients < 0:
             raise HttpBenchError(f"clients must be >= 0, got {self.clients}")
+
+    @property
+    def all_loads(self) -> tuple[int, ...]:
+        """The load points, ascending."""
+        return tuple(sorted(set(self.loads))) if self.loads else (self.load,)
 
     def matrix_config(self) -> AgentsBenchConfig:
         """The in-process matrix of this one load point (its pool is this run's)."""
@@ -166,95 +196,40 @@ def serve_args(policy: Policy, engine: EngineConfig, prefetch_lead_s: float,
     return args
 
 
-# ---------------------------------------------------------------- metrics
-
-
-def parse_metrics(text: str) -> dict[str, float]:
-    """``edmm_*`` samples of a Prometheus text page: ``name`` (``_total`` dropped), with
-    ``:outcome`` for the speculation outcomes."""
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        m = _METRIC_RE.match(line)
-        if not m:
-            continue
-        name, labels, value = m.group(1), m.group(2) or "", m.group(3)
-        outcome = _OUTCOME_RE.search(labels)
-        out[f"{name}:{outcome.group(1)}" if outcome else name] = float(value)
-    return out
-
-
-class _Pages:
-    """Samples ``edmm_kv_pages_in_use`` every ``every_s`` until stopped."""
-
-    def __init__(self, client: _Probe, every_s: float) -> None:
-        self.samples: list[float] = []
-        self._client, self._every = client, every_s
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="pages", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        while not self._stop.wait(self._every):
-            try:
-                self.samples.append(self._client.metrics()["edmm_kv_pages_in_use"])
-            except Exception:  # a sample lost to a busy server: the next one counts
-                continue
-
-    def stop(self) -> list[float]:
-        self._stop.set()
-        self._thread.join()
-        return self.samples
-
-
-# ---------------------------------------------------------------- the server's metrics
-
-
-class _Probe:
-    """The server's ``/metrics`` (httpx), from the bench's own process."""
-
-    def __init__(self, url: str, timeout: float) -> None:
-        import httpx
-
-        self.url = url
-        self.http = httpx.Client(timeout=timeout)
-
-    def close(self) -> None:
-        self.http.close()
-
-    def metrics(self) -> dict[str, float]:
-        """The server's ``/metrics``, parsed."""
-        return parse_metrics(self.http.get(f"{self.url}/metrics").text)
-
-
 # ---------------------------------------------------------------- one run
 
 
 @dataclass
-class _Run:
+class HttpRun:
     """One policy's replay: its rows, its client side and the tail signal of `overlap_tail`."""
 
     policy: Policy
     cfg: HttpReplayConfig
+    engine: str = "edmm"  # what the server is (`http_client.ENGINES`)
+    label: str = ""  # the rows' name of a peer (default: the policy's)
     call_tokens: int = 0  # tokens of the forced tool call (measured in the warm-up)
     turns: list[dict[str, Any]] = field(default_factory=list)
     jobs: list[dict[str, Any]] = field(default_factory=list)
     summary: dict[str, Any] = field(default_factory=dict)
     clients: ClientStats | None = None  # the measured run's
     stage_records: list[dict[str, Any]] = field(default_factory=list)  # the measured run's
+    samples: list[dict[str, float]] = field(default_factory=list)  # /metrics over the run
     tail: threading.Event = field(default_factory=threading.Event)
     overlapped: Any = field(default_factory=new_event)  # the next run started (processes read it)
 
     def replay(self, url: str, tokenizer: str | None, jobs: Sequence[Job], tag: str = "run",
                load: int | None = None) -> None:
-        """Every job, ``load`` (default: the config's) at a time, in client processes. The
-        measured run (``tag`` "run") records its rows and its client side and, with
-        `overlap_tail`, sets ``tail`` once at most that many jobs run and none is left to
-        start."""
+        """Every top-level job of ``jobs``, ``load`` (default: the config's) at a time, in
+        client processes (a subagent with its parent). The measured run (``tag`` "run")
+        records its rows and its client side and, with `overlap_tail`, sets ``tail`` once at
+        most that many jobs run and none is left to start."""
         load = load or self.cfg.load
         record, overlap = tag == "run", self.cfg.overlap_tail
         spec = ClientSpec(url, tokenizer, self.policy.name, self.cfg.request_timeout_s, tag,
-                          self.call_tokens)
-        progress = Progress(f"http {self.policy.name} {tag}", len(jobs))
+                          self.call_tokens, self.engine, self.label, subagents_of(jobs),
+                          agent_tools(jobs))
+        jobs = top_level(jobs)
+        progress = Progress(f"http {spec.name} {tag}", len(jobs))
         count = {"started": 0, "running": 0}
 
         def check_tail() -> None:
@@ -271,7 +246,7 @@ class _Run:
             count["running"] -= 1
             self.call_tokens = self.call_tokens or result.call_tokens
             if record:
-                self.jobs.append(result.job)
+                self.jobs += [result.job, *result.subagent_jobs]
                 self.turns.extend(result.turns)
             progress.step(f"job {result.job['job']}")
             check_tail()
@@ -282,16 +257,17 @@ class _Run:
             self.clients = stats
 
 
-def _untimed(jobs: Sequence[Job]) -> list[Job]:
-    """The warm-up: ``jobs`` with no tool time (it compiles and captures, nothing else)."""
-    return [dataclasses.replace(j, turns=tuple(dataclasses.replace(t, tool_s=0.0)
-                                               for t in j.turns)) for j in jobs]
+def untimed(jobs: Sequence[Job]) -> list[Job]:
+    """The warm-up: the first two top-level jobs of ``jobs`` (with their subagents), with no
+    tool or user time (it compiles and captures, nothing else)."""
+    return [dataclasses.replace(j, turns=tuple(dataclasses.replace(t, tool_s=0.0, user_s=0.0)
+                                               for t in j.turns)) for j in first_jobs(jobs, 2)]
 
 
 # ---------------------------------------------------------------- the bench
 
 
-def _live_config(cfg: HttpReplayConfig) -> LiveBenchConfig:
+def live_config(cfg: HttpReplayConfig) -> LiveBenchConfig:
     b = cfg.bench
     live = LiveBenchConfig(model=b.model, tokenizer=cfg.tokenizer, device=b.device,
                            server_args=cfg.server_args,
@@ -300,14 +276,14 @@ def _live_config(cfg: HttpReplayConfig) -> LiveBenchConfig:
     return resolve_tokenizer(live)
 
 
-def _tokenizer(live: LiveBenchConfig) -> Any:
+def chat_tokenizer(live: LiveBenchConfig) -> Any:
     """The server's chat tokenizer (the embedded tool model's without a model)."""
     folder = live.tokenizer or live.model
     return load_tokenizer(folder if folder is not None else str(default_model()))
 
 
 def replay_http(cfg: HttpReplayConfig,
-                on_run: Callable[[list[_Run]], object] = lambda runs: None) -> list[_Run]:
+                on_run: Callable[[list[HttpRun]], object] = lambda runs: None) -> list[HttpRun]:
     """Every policy's replay, in order. All servers start and warm up first, at once (nothing
     is measured meanwhile); then each run starts when the previous one ended (or reached its
     tail, with `overlap_tail`); ``on_run`` gets the finished runs after each."""
@@ -315,9 +291,9 @@ def replay_http(cfg: HttpReplayConfig,
 
     matrix = Matrix(cfg.matrix_config())
     jobs = matrix.mixes["long"]
-    live = _live_config(cfg)
-    tok = _tokenizer(live)
-    runs = [_Run(POLICIES.create(name), cfg) for name in cfg.policies]
+    live = live_config(cfg)
+    tok = chat_tokenizer(live)
+    runs = [HttpRun(POLICIES.create(name), cfg) for name in cfg.policies]
     errors: list[BaseException] = []
     lock = threading.Lock()
     ready = threading.Barrier(len(runs))
@@ -346,7 +322,7 @@ def replay_http(cfg: HttpReplayConfig,
     return runs
 
 
-def _wait_turn(runs: Sequence[_Run], i: int, ready: threading.Barrier) -> None:
+def _wait_turn(runs: Sequence[HttpRun], i: int, ready: threading.Barrier) -> None:
     """Block until every server is warm, then until run ``i - 1`` ended or reached its tail."""
     ready.wait()
     if i > 0:
@@ -354,11 +330,11 @@ def _wait_turn(runs: Sequence[_Run], i: int, ready: threading.Barrier) -> None:
         runs[i - 1].overlapped.set()
 
 
-def _run_policy(run: _Run, matrix: Matrix, jobs: list[Job], cfg: HttpReplayConfig,
+def _run_policy(run: HttpRun, matrix: Matrix, jobs: list[Job], cfg: HttpReplayConfig,
                 live: LiveBenchConfig, tok: Any, wait_turn: Callable[[], None]) -> None:
     folder = live.tokenizer or live.model  # the client processes load the same tokenizer
     engine = matrix.engine_config(run.policy.offload)
-    args = serve_args(run.policy, server_engine(engine, matrix.cfg, jobs, template_tokens(tok)),
+    args = serve_args(run.policy, server_engine(engine, matrix.cfg, jobs, tok),
                       matrix.cfg.prefetch_lead_s)
     live = dataclasses.replace(live, server_args=(*args, *live.server_args))
     t0 = time.perf_counter()
@@ -368,25 +344,47 @@ def _run_policy(run: _Run, matrix: Matrix, jobs: list[Job], cfg: HttpReplayConfi
             log = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "stages.jsonl"
         url = stack.enter_context(launched_server(live, log))
         start_s = time.perf_counter() - t0
-        probe = _Probe(url, cfg.request_timeout_s)
+        probe = Probe(url, cfg.request_timeout_s)
         stack.callback(probe.close)
         if matrix.cfg.warmup:  # as in process: the first two jobs, two at once
-            run.replay(url, folder, _untimed(jobs[:2]), "warm", load=2)
+            run.replay(url, folder, untimed(jobs), "warm", load=2)
         wait_turn()
         before = probe.metrics()
-        pages = _Pages(probe, cfg.sample_s)
+        page_bytes = page_size(matrix.cfg)
+        sampler = Sampler(probe, cfg.sample_s,
+                          lambda text: edmm_states(parse_metrics(text), page_bytes))
         measured_ns = time.time_ns()
         try:
             run.replay(url, folder, jobs)
         finally:
-            samples = pages.stop()
+            run.samples = sampler.stop()
         after = probe.metrics()
         if log is not None and log.exists():  # the measured run's requests, not the warm-up's
             run.stage_records = [r for r in read_log(str(log)).values()
                                  if r["marks"].get("arrive", 0) >= measured_ns]
     assert run.clients is not None
-    run.summary = _summary(run, matrix, jobs, engine, before, after, samples,
-                           run.clients.makespan_s, start_s)
+    pool = server_engine(engine, matrix.cfg, jobs, tok).num_pages
+    assert pool is not None
+    run.summary = {**summarize_http(run, matrix.cfg, pool - 1, run.clients.makespan_s,
+                                    start_s), **edmm_counters(before, after)}
+    run.summary["prefilled_tokens"] += run.summary["spec_tokens"]
+    if run.summary.get("new_tokens"):
+        run.summary["prefill_amp"] = run.summary["prefilled_tokens"] / run.summary["new_tokens"]
+
+
+def new_token_rows(turns: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """``turns`` with the first session of each agent type charged its shared prefix as new
+    (a client counts a shared prefix as cached; the first session to start had nothing to
+    share it with)."""
+    first: dict[str, Mapping[str, Any]] = {}
+    for t in turns:
+        if t["turn"] == 0 and t.get("agent") and t.get("started_s") is not None:
+            seen = first.get(t["agent"])
+            if seen is None or t["started_s"] < seen["started_s"]:
+                first[t["agent"]] = t
+    firsts = {id(t) for t in first.values()}
+    return [dict(t, new_tokens=t["new_tokens"] + t.get("shared_tokens", 0))
+            if id(t) in firsts else dict(t) for t in turns]
 
 
 def client_columns(turns: Sequence[Mapping[str, Any]]) -> dict[str, Any]:
@@ -413,47 +411,59 @@ def _pct(xs: list[float], q: float) -> float | None:
 
 
 def server_engine(engine: EngineConfig, cfg: AgentsBenchConfig, jobs: Sequence[Job],
-                  template: int) -> EngineConfig:
-    """``engine`` with room for a chat prompt: the template's ``template`` tokens where they
-    exceed a job's system prompt (tiny traces), a forced call's token limit; the pool then
+                  tokenizer: Any) -> EngineConfig:
+    """``engine`` with room for a chat prompt of ``tokenizer``: the template's tokens where
+    they exceed a job's system prompt (tiny traces), the agent types' rendered prefixes where
+    they exceed the trace's (`prefix_excess`), a forced call's token limit; the pool then
     holds at least one such sequence (as `pool_pages` keeps one longest sequence)."""
     assert engine.max_model_len is not None and engine.num_pages is not None
+    template = template_tokens(tokenizer)
     extra = max(0, template - min(j.system_tokens for j in jobs)) + CALL_MAX_TOKENS
+    if any(j.agent for j in jobs):  # chat messages' own tokens, turn after turn
+        extra += TEMPLATE_TOKENS_PER_TURN * max(len(j.turns) for j in jobs)
+        extra += max(0, prefix_excess(tokenizer, jobs))
     longest = -(-(engine.max_model_len + extra) // 64) * 64
     per_seq = math.ceil(longest * token_bytes(cfg) / page_size(cfg))
     return dataclasses.replace(engine, max_model_len=longest,
                                num_pages=max(engine.num_pages, per_seq + 2))
 
 
-def _summary(run: _Run, matrix: Matrix, jobs: list[Job], engine: EngineConfig,
-             before: Mapping[str, float], after: Mapping[str, float], pages: list[float],
-             makespan: float, start_s: float) -> dict[str, Any]:
-    cfg = matrix.cfg
-    jct = [j["jct_s"] for j in run.jobs]
-    wait = [j["engine_wait_s"] for j in run.jobs]
-    delta = {v: after.get(k, 0.0) - before.get(k, 0.0) for k, v in COUNTERS.items()}
+def summarize_http(run: HttpRun, cfg: AgentsBenchConfig, pool: int, makespan: float,
+                   start_s: float) -> dict[str, Any]:
+    """The summary row of one run as the client saw it (``pool``: the KV pages the engine
+    was given): JCT and engine-wait of top-level jobs, TTFT by kind, prefill (without the
+    server's speculative prefill), pages by state from the samples."""
+    top = [j for j in run.jobs if not j.get("subagent")]
+    jct = [j["jct_s"] for j in top]
+    wait = [j["engine_wait_s"] for j in top]
     # The working set as the server saw it: each job's largest context (last prompt + output).
-    last: dict[int, int] = {}
+    last: dict[str, int] = {}
     for t in run.turns:
         last[t["job"]] = max(last.get(t["job"], 0), t["prompt_tokens"] + t["completion_tokens"])
     ws_pages = run.cfg.load * mean(last.values()) * token_bytes(cfg) / page_size(cfg)
-    assert engine.num_pages is not None
-    pool = engine.num_pages - 1  # the in-process run's pool (one page: the graphs' pad)
     minutes = makespan / 60
+    turns = [{**t, "turn_kind": t["turn_kind"]} for t in new_token_rows(run.turns)]
+    usage = [s["kv_usage"] for s in run.samples if "kv_usage" in s]
     return {
-        "policy": run.policy.name, "tools": "long", "oversub": cfg.oversubscription,
-        "oversub_reached": round(ws_pages / pool, 2), "load": float(run.cfg.load),
-        "jobs": len(run.jobs), "pages": pool,
+        "policy": run.label or run.policy.name, "server": SERVER_NAMES[run.engine],
+        "tools": "long",
+        "oversub": cfg.oversubscription, "oversub_reached": round(ws_pages / pool, 2),
+        "load": float(run.cfg.load), "jobs": len(top), "pages": pool,
         "jct_mean_s": mean(jct), "jct_p50_s": percentile(jct, 50),
         "jct_p90_s": percentile(jct, 90), "wait_mean_s": mean(wait),
         "wait_p50_s": percentile(wait, 50), "wait_p90_s": percentile(wait, 90),
-        **client_columns(run.turns),
-        "jobs_per_min": len(run.jobs) / minutes if minutes > 0 else None,
+        **client_columns(run.turns), **ttft_columns(turns),
+        **prefill_columns(turns, 0),
+        "jobs_per_min": len(top) / minutes if minutes > 0 else None,
         "out_tok_per_s": sum(j["output_tokens"] for j in run.jobs) / makespan
         if makespan > 0 else None,
-        **{k: int(v) for k, v in delta.items()},
-        "pages_used_mean": mean(pages) if pages else None,
-        "pages_used_max": max(pages) if pages else None,
+        "pages_used_mean": _mean_of(run.samples, "pages_used"),
+        "pages_used_max": max((s["pages_used"] for s in run.samples if "pages_used" in s),
+                              default=None),
+        **state_columns(run.samples),
+        "kv_usage_mean": mean(usage) if usage else None,
+        "kv_usage_max": max(usage) if usage else None,
+        "host_device_MiB": None,  # no server reports bytes moved on /metrics
         "makespan_s": makespan, "server_start_s": start_s,
         "overlapped_turns": sum(1 for t in run.turns if t["overlapped"]),
         "call_tokens": run.call_tokens,
@@ -462,13 +472,20 @@ def _summary(run: _Run, matrix: Matrix, jobs: list[Job], engine: EngineConfig,
     }
 
 
-def _identity(runs: Sequence[_Run]) -> None:
-    """``outputs_as_lru``: every turn's output digest equal to ``lru``'s of the same turn."""
-    ref = next((r for r in runs if r.policy.name == "lru"), None)
-    if ref is None:
-        return
-    want = {(t["job"], t["turn"]): t["output"] for t in ref.turns}
+def _mean_of(samples: Sequence[Mapping[str, float]], key: str) -> float | None:
+    xs = [s[key] for s in samples if key in s]
+    return mean(xs) if xs else None
+
+
+def _identity(runs: Sequence[HttpRun]) -> None:
+    """``outputs_as_lru``: every turn's output digest equal to ``lru``'s of the same turn at
+    the same load (EDMM's servers only: a peer's random weights are its own)."""
     for r in runs:
+        ref = next((x for x in runs if x.policy.name == "lru" and x.engine == "edmm"
+                    and x.cfg.load == r.cfg.load and not x.label), None)
+        if ref is None or r.engine != "edmm" or not r.summary:
+            continue
+        want = {(t["job"], t["turn"]): t["output"] for t in ref.turns}
         got = {(t["job"], t["turn"]): t["output"] for t in r.turns}
         r.summary["outputs_as_lru"] = got == want
 
@@ -485,27 +502,31 @@ def in_process_rows(out_dir: Path, cfg: HttpReplayConfig) -> list[dict[str, Any]
     if (meta.get("seed"), meta.get("jobs"), meta.get("token_scale"), meta.get("time_scale")) != (
             b.seed, b.jobs, b.token_scale, b.time_scale):
         return []
-    return [r for r in doc["summary"] if r.get("tools") == "long" and r.get("load") == cfg.load
+    loads = {float(x) for x in cfg.all_loads}
+    return [r for r in doc["summary"] if r.get("tools") == "long"
+            and float(r.get("load", -1)) in loads
             and r.get("oversub") == b.oversubscription and r.get("policy") in cfg.policies]
 
 
-COMPARED = ("resume_ttft_p50_ms", "resume_ttft_p90_ms", "wait_mean_s", "jct_mean_s",
-            "recomputed_tokens", "prefix_hit_rate")
+COMPARED = ("ttft_p90_ms", "resume_ttft_p50_ms", "resume_ttft_p90_ms", "wait_mean_s",
+            "jct_mean_s", "recomputed_tokens", "prefix_hit_rate", "prefill_amp")
 
 
 def comparison_lines(http_rows: Sequence[Mapping[str, Any]],
                      inproc: Sequence[Mapping[str, Any]]) -> list[str]:
-    """A Markdown table: each metric over HTTP beside in process, per policy."""
-    by_policy = {r["policy"]: r for r in inproc}
-    rows = [r for r in http_rows if r["policy"] in by_policy]
+    """A Markdown table: each metric over HTTP beside in process, per policy and load."""
+    by_key = {(r["policy"], float(r["load"])): r for r in inproc}
+    rows = [r for r in http_rows if (r["policy"], float(r["load"])) in by_key]
     if not rows:
         return []
-    head = "| policy | " + " | ".join(f"{m} (HTTP / in process)" for m in COMPARED) + " |"
-    lines = ["", "## Beside the in-process run of the same load point (`agents.json`)", "",
-             head, "|" + "---|" * (len(COMPARED) + 1)]
+    head = "| policy | load | " + " | ".join(f"{m} (HTTP / in process)" for m in COMPARED) + \
+        " |"
+    lines = ["", "## Beside the in-process run of the same load points (`agents.json`)", "",
+             head, "|" + "---|" * (len(COMPARED) + 2)]
     for r in rows:
-        cells = [f"{_fmt(r.get(m))} / {_fmt(by_policy[r['policy']].get(m))}" for m in COMPARED]
-        lines.append(f"| {r['policy']} | " + " | ".join(cells) + " |")
+        ref = by_key[(r["policy"], float(r["load"]))]
+        cells = [f"{_fmt(r.get(m))} / {_fmt(ref.get(m))}" for m in COMPARED]
+        lines.append(f"| {r['policy']} | {float(r['load']):g} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -516,30 +537,46 @@ def _fmt(x: Any) -> str:
 
 
 def run_http_bench(cfg: HttpReplayConfig, out_dir: Path) -> dict[str, Path]:
-    """Replay over HTTP and write ``agents-http.{csv,json,md}`` after each policy (with the
-    in-process rows of the same load point beside, when ``out_dir`` holds them)."""
+    """Replay over HTTP at every load (lowest first): EDMM's policies, then each peer; write
+    ``agents-http.{csv,json,md}`` and the timeline after each run (with the in-process rows
+    of the same load points beside, when ``out_dir`` holds them)."""
+    from edmm.bench.agents.http_peers import replay_peer
+
     env = collect_environment(cfg.bench.device)
     paths: dict[str, Path] = {}
+    done: list[HttpRun] = []
 
-    def write(runs: list[_Run]) -> None:
-        paths.update(write_http_results(runs, cfg, env, out_dir))
+    def write(runs: Sequence[HttpRun]) -> None:
+        paths.update(write_http_results([*done, *runs], cfg, env, out_dir))
 
-    write(replay_http(cfg, on_run=write))
+    for load in cfg.all_loads:
+        at = dataclasses.replace(cfg, load=load)
+        if cfg.policies:
+            done += replay_http(at, on_run=write)
+        for peer in cfg.peers:
+            done.append(replay_peer(at, peer, out_dir / "logs"))
+            write([])
+    write([])
     return paths
 
 
-def write_http_results(runs: Sequence[_Run], cfg: HttpReplayConfig, env: Environment,
+def write_http_results(runs: Sequence[HttpRun], cfg: HttpReplayConfig, env: Environment,
                        out_dir: Path) -> dict[str, Path]:
     """The three files of the finished ``runs``."""
     _identity(runs)
     b = cfg.bench
     writer = ResultWriter(out_dir, NAME, env)
-    for r in runs:
-        writer.add_rows(r.jobs)
-        writer.add_rows(r.turns)
-    summary = [r.summary for r in runs]
+    for r in runs:  # each row with its condition, as in process (the merge's plots select by it)
+        condition = {"tools": "long", "oversub": b.oversubscription, "load": float(r.cfg.load)}
+        writer.add_rows([{**row, **condition} for row in (*r.jobs, *r.turns)])
+    summary = [r.summary for r in runs if r.summary]
+    loads = ", ".join(f"{x:g}" for x in cfg.all_loads)
     notes = [
-        f"edmm serve + the openai SDK, closed loop of {cfg.load} sessions, wall clock; trace: "
+        knee_line(summary, b.oversubscription, ALL_TURN_P90),
+        knee_line(summary, b.oversubscription),
+        *(c.line() for c in peer_checks(summary, b.oversubscription)),
+        f"edmm serve (and peers: {', '.join(cfg.peers) or 'none'}) + the openai SDK, closed "
+        f"loop of {loads} sessions, wall clock; trace: "
         f"{b.trace or f'generated, {b.jobs} jobs, seed {b.seed}'}; tokens x{b.token_scale:g}, "
         f"tool times x{b.time_scale:g}; KV pool and agent policy as the in-process matrix "
         f"at x{b.oversubscription:g} (edmm serve flags from `serve_args`)",
@@ -569,11 +606,22 @@ def write_http_results(runs: Sequence[_Run], cfg: HttpReplayConfig, env: Environ
         "a session); client_cpu_max: the busiest one's CPU time over its wall time (near 1.0 "
         "its threads, which share one GIL, waited on the client, not the server); makespan_s "
         "from every client ready to the last job's end",
+        "ttft_* every turn, first_ttft_* first turns (subagents' too), tool_ttft_* after a "
+        "tool result, user_ttft_* after a user message; new_tokens: each prompt less the "
+        "context before it (the server's prompt and completion tokens of the turn before; "
+        "after a compaction the messages kept), the shared prefix of an agent type counted "
+        "once; prefill_amp = (prompt less cached tokens, plus EDMM's speculative prefill) / "
+        "new_tokens; pages by state from EDMM's /metrics (kv pages in use, cached pages, host "
+        "bytes); vLLM's kv_usage (blocks held by requests; its cached free blocks, paused "
+        "sessions' KV, are not reported) and prefix-cache counters; host_device_MiB empty: "
+        "no server reports bytes moved on /metrics",
     ]
     paths = writer.write(summary, "Agent workloads over HTTP", notes,
-                         meta={"seed": b.seed, "jobs": b.jobs, "token_scale": b.token_scale,
-                               "time_scale": b.time_scale, "model": b.model,
-                               "load": cfg.load, "oversub": b.oversubscription})
+                         meta={**run_meta(cfg.matrix_config(), load_trace(b)["long"]),
+                               "clock": "wall", "mode": "closed", "http": True,
+                               "load": cfg.load, "loads": list(cfg.all_loads),
+                               "peers": list(cfg.peers), "check_oversub": None})
+    paths["timeline"] = _write_timeline(runs, out_dir / f"{NAME}-timeline.csv")
     extra = comparison_lines(summary, in_process_rows(out_dir, cfg))
     if extra:
         with paths["md"].open("a", encoding="utf-8") as f:
@@ -581,6 +629,23 @@ def write_http_results(runs: Sequence[_Run], cfg: HttpReplayConfig, env: Environ
     if any(r.stage_records for r in runs):
         paths.update({f"stages_{k}": v for k, v in _write_stages(runs, env, out_dir).items()})
     return paths
+
+
+def _write_timeline(runs: Sequence[HttpRun], path: Path) -> Path:
+    """Every run's /metrics samples (pages by state; vLLM's KV usage), one row each, with
+    the run's condition and KV pool (``pages_total``) as the in-process timeline has them."""
+    rows = [{"policy": r.label or r.policy.name, "load": r.cfg.load, "tools": "long",
+             "oversub": r.cfg.bench.oversubscription, "pages_total": r.summary.get("pages", ""),
+             **s} for r in runs for s in r.samples]
+    keys: list[str] = []
+    for row in rows:
+        keys += [k for k in row if k not in keys]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="", encoding="utf-8") as f:
+        w = csv.DictWriter(f, fieldnames=keys or ["policy", "load", "t_s"])
+        w.writeheader()
+        w.writerows(rows)
+    return path
 
 
 def stage_summary(policy: str, records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
@@ -599,7 +664,7 @@ def stage_summary(policy: str, records: Sequence[Mapping[str, Any]]) -> list[dic
              "p90": percentile(xs, 90), "max": max(xs)} for name, xs in spans.items()]
 
 
-def _write_stages(runs: Sequence[_Run], env: Environment, out_dir: Path) -> dict[str, Path]:
+def _write_stages(runs: Sequence[HttpRun], env: Environment, out_dir: Path) -> dict[str, Path]:
     """``agents-http-stages.{csv,json,md}``: each policy's stage spans (`stage_summary`)."""
     writer = ResultWriter(out_dir, f"{NAME}-stages", env)
     summary: list[dict[str, Any]] = []

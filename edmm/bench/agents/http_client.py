@@ -12,7 +12,11 @@ wall time, so a run shows whether its busiest client was saturated (`ClientStats
 
 A job replays as `edmm.bench.agents.http` describes (the module docstring there): per turn
 one streamed ``chat.completions`` request with the session's ``X-Session-Id``, the tool's
-duration slept out, the result sent as the ``tool`` message.
+duration slept out, the result sent as the ``tool`` message; a user message after the user's
+time; a subagent's job replayed in the same thread when its parent's call is made (the call
+returns when it ends). The messages and what each prompt adds are `edmm.bench.agents.chat`'s.
+Against a server other than EDMM (``ClientSpec.engine``) nothing EDMM-specific is sent
+(predicted results, streamed tool output, session deletion).
 """
 
 from __future__ import annotations
@@ -25,13 +29,14 @@ import random
 import threading
 import time
 import traceback
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from edmm.bench.agents.chat import ChatTexts, Conversation, agent_tools, job_chat
 from edmm.bench.agents.policies import POLICIES, Policy
 from edmm.bench.agents.trace import Job, Turn
-from edmm.bench.live import TOOL, TOOL_NAME, load_tokenizer
+from edmm.bench.live import TOOL, load_tokenizer
 
 CALL_MAX_TOKENS = 128  # a forced tool call's token limit
 SESSIONS_PER_CLIENT = 4  # the default split of the closed loop over client processes
@@ -101,10 +106,7 @@ class _Client:
         self.http = httpx.Client(timeout=timeout,
                                  headers={"Authorization": f"Bearer {self.API_KEY}"})
         self.model = self.openai.models.list().data[0].id
-        sample = " ".join(_WORDS * 20)
-        self._per_word = len(tokenizer.encode(sample, add_special_tokens=False)) / (
-            len(_WORDS) * 20)
-        self.template_tokens = template_tokens(tokenizer)
+        self.texts = ChatTexts(tokenizer, _WORDS)
 
     def close(self) -> None:
         self.openai.close()
@@ -112,8 +114,7 @@ class _Client:
 
     def text(self, rng: random.Random, tokens: int) -> str:
         """Random words of about ``tokens`` tokens."""
-        n = max(1, round(tokens / self._per_word))
-        return " ".join(rng.choice(_WORDS) for _ in range(n))
+        return self.texts.text(rng, tokens)
 
     def close_session(self, sid: str) -> None:
         """Delete a finished job's session (``DELETE /v1/edmm/sessions/{id}``)."""
@@ -133,23 +134,24 @@ class _Client:
             raise HttpBenchError(f"tool_output of {sid} got HTTP {r.status_code}: "
                                  f"{r.text[:300]}")
 
-    def turn(self, sid: str, messages: list[dict[str, Any]], tool: bool, output_tokens: int,
-             predicted: str | None) -> _Reply:
-        """One streamed turn: forced to call the tool, or ``output_tokens`` of content."""
+    def turn(self, sid: str, messages: list[dict[str, Any]], tools: list[dict[str, Any]],
+             tool: str | None, output_tokens: int, predicted: str | None) -> _Reply:
+        """One streamed turn: forced to call ``tool``, or (None) ``output_tokens`` of
+        content."""
         kw: dict[str, Any] = {
-            "tool_choice": {"type": "function", "function": {"name": TOOL_NAME}},
-            "max_tokens": CALL_MAX_TOKENS} if tool else {
+            "tool_choice": {"type": "function", "function": {"name": tool}},
+            "max_tokens": CALL_MAX_TOKENS} if tool is not None else {
             "tool_choice": "none", "max_tokens": output_tokens,
             "extra_body": {"ignore_eos": True, "min_tokens": output_tokens}}
-        if predicted is not None:
-            kw["extra_body"] = {"edmm": {"predicted_tool_results": {TOOL_NAME: predicted}}}
+        if predicted is not None and tool is not None:
+            kw["extra_body"] = {"edmm": {"predicted_tool_results": {tool: predicted}}}
         create: Any = self.openai.chat.completions.create  # messages are plain dicts
         t0 = time.perf_counter()
         ttft: float | None = None
         content: list[str] = []
         calls: dict[int, dict[str, Any]] = {}
         usage = None
-        for chunk in create(model=self.model, messages=messages, tools=[TOOL], temperature=0,
+        for chunk in create(model=self.model, messages=messages, tools=tools, temperature=0,
                             stream=True, stream_options={"include_usage": True},
                             extra_headers={"X-Session-Id": sid}, **kw):
             if chunk.usage is not None:
@@ -175,9 +177,17 @@ class _Client:
 def template_tokens(tokenizer: Any) -> int:
     """Prompt tokens of an empty conversation with the tool: what the chat template adds."""
     bare = [{"role": "system", "content": ""}, {"role": "user", "content": TASK}]
-    text = tokenizer.apply_chat_template(bare, tools=[TOOL], tokenize=False,
-                                         add_generation_prompt=True)
-    return len(tokenizer.encode(text, add_special_tokens=False))
+    return ChatTexts(tokenizer, _WORDS).count(bare, [TOOL], generation=True)
+
+
+def prefix_excess(tokenizer: Any, jobs: Sequence[Job], tags: Sequence[str] = ("warm", "run")
+                  ) -> int:
+    """Most tokens by which an agent type's shared prefix, as the client renders it (its
+    system message and tool schemas, under each run ``tags``), exceeds the trace's
+    ``prefix_tokens``: the schemas' JSON is a floor a small ``--token-scale`` goes below."""
+    texts, tools = ChatTexts(tokenizer, _WORDS), agent_tools(jobs)
+    return max((texts.agent(j.agent, tools[j.agent], j.prefix_tokens, tag).prefix_tokens
+                - j.prefix_tokens for j in jobs if j.agent for tag in tags), default=0)
 
 
 def _merge_call(into: dict[str, Any], delta: Any) -> None:
@@ -194,11 +204,16 @@ def _merge_call(into: dict[str, Any], delta: Any) -> None:
 # ---------------------------------------------------------------- one job
 
 
+ENGINES = ("edmm", "vllm", "url")  # what a server is: EDMM's, vLLM's, any other
+
+
 @dataclass(frozen=True)
 class ClientSpec:
     """What a client process needs to replay jobs (picklable): the server, the tokenizer
     folder, the policy's name, the request timeout, the run's ``tag`` (it salts session ids
-    and text) and the forced call's length (0: measured on the first call)."""
+    and text), the forced call's length (0: measured on the first call), what the server is
+    (`ENGINES`: against a peer nothing EDMM-specific is sent) and its name in the rows, the
+    subagent jobs by id and each agent type's tool names (`chat.agent_tools`)."""
 
     url: str
     tokenizer: str | None  # a folder; None: the embedded tiny model's
@@ -206,15 +221,41 @@ class ClientSpec:
     timeout_s: float
     tag: str
     call_tokens: int = 0
+    engine: str = "edmm"
+    label: str = ""  # the rows' name of the server (default: the policy's)
+    subagents: Mapping[str, Job] = field(default_factory=dict)
+    tools: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+
+    @property
+    def name(self) -> str:
+        """The rows' ``policy``: the label, or the policy's name."""
+        return self.label or self.policy
 
 
 @dataclass
 class JobResult:
-    """One replayed job: its row, its turns' rows, the forced call's length seen."""
+    """One replayed job: its row, its turns' rows (its subagents' too), the forced call's
+    length seen, its subagents' job rows."""
 
     job: dict[str, Any]
     turns: list[dict[str, Any]]
     call_tokens: int
+    subagent_jobs: list[dict[str, Any]] = field(default_factory=list)
+
+
+@dataclass
+class _Session:
+    """A job being replayed: its conversation and what it waited."""
+
+    job: Job
+    sid: str
+    chat: Conversation
+    tools: list[dict[str, Any]]
+    waited_s: float = 0.0  # tools, users and subagents' waits
+    user_s: float = 0.0
+    out_tokens: int = 0
+    rows: list[dict[str, Any]] = field(default_factory=list)
+    children: list[JobResult] = field(default_factory=list)
 
 
 class _Agent:
@@ -226,46 +267,102 @@ class _Agent:
         self.call_tokens = spec.call_tokens
         self._lock = threading.Lock()
 
-    def job(self, job: Job) -> JobResult:
-        """Replay one job; its session is closed at the end (its KV released)."""
+    def job(self, job: Job, parent: str | None = None) -> JobResult:
+        """Replay one job (a subagent's: ``parent`` names its parent's session); its session
+        is closed at the end (its KV released)."""
         client, tag = self.client, self.spec.tag
-        rng = random.Random(f"{tag}/{job.job_id}")
-        sid = f"{self.policy.name}-{tag}-{job.job_id}"
-        system = client.text(rng, max(1, job.system_tokens - client.template_tokens))
-        messages: list[dict[str, Any]] = [{"role": "system", "content": system},
-                                          {"role": "user", "content": TASK}]
-        start, tool_s, out_tokens = time.perf_counter(), 0.0, 0
-        turns: list[dict[str, Any]] = []
+        sid = f"{self.spec.name}-{tag}-{job.job_id}"
+        head, first = job_chat(client.texts, job, self.spec.tools, tag, TASK)
+        chat = Conversation([{"role": "system", "content": head.system},
+                             {"role": "user", "content": first}], head.prefix_tokens)
+        run = _Session(job, sid, chat, head.tools)
+        start = time.perf_counter()
+        kind = "first"
         for i, turn in enumerate(job.turns):
-            result = self._result(job, turn) if turn.tool is not None else ""
-            predicted = result if self.policy.predicted and turn.predictable and result else None
-            reply = client.turn(sid, messages, turn.tool is not None, turn.output_tokens,
-                                predicted)
-            out_tokens += reply.completion_tokens
-            turns.append({
-                "kind": "turn", "policy": self.policy.name, "job": job.job_id, "turn": i,
-                "resume": i > 0, "ends_in_call": turn.tool is not None,
-                "ttft_s": reply.ttft_s, "total_s": reply.total_s,
-                "prompt_tokens": reply.prompt_tokens, "cached_tokens": reply.cached_tokens,
-                "completion_tokens": reply.completion_tokens, "output": reply.digest,
-                "overlapped": self.overlapped.is_set()})
-            if turn.tool is None:
+            reply = self._turn(run, i, turn, kind, parent, start)
+            if not turn.continues:
                 break
-            if not reply.tool_calls:
-                raise HttpBenchError(f"job {job.job_id} turn {i}: the forced tool call did "
-                                     "not come")
+            if turn.tool is not None:
+                self._after_call(run, turn, reply)
+                kind = "tool"
+            else:
+                self._after_answer(run, i, turn, reply)
+                kind = "user"
+        jct = time.perf_counter() - start
+        if self.spec.engine == "edmm":
+            client.close_session(sid)
+        row = {"kind": "job", "policy": self.spec.name, "job": job.job_id,
+               "turns": len(job.turns), "jct_s": jct, "tool_s": run.waited_s,
+               "engine_wait_s": jct - run.waited_s, "output_tokens": run.out_tokens,
+               "user_s": run.user_s, "agent": job.agent, "subagent": parent is not None}
+        subs = [j for c in run.children for j in (c.job, *c.subagent_jobs)]
+        return JobResult(row, run.rows, self.call_tokens, subs)
+
+    def _turn(self, run: _Session, i: int, turn: Turn, kind: str, parent: str | None,
+              start: float) -> _Reply:
+        """Send turn ``i`` and record its row."""
+        result = self._result(run.job, turn) if turn.tool is not None else ""
+        predicted = result if (self.spec.engine == "edmm" and self.policy.predicted
+                               and turn.predictable and result) else None
+        reply = self.client.turn(run.sid, run.chat.messages, run.tools,
+                                 self._tool_name(run, turn), turn.output_tokens, predicted)
+        run.out_tokens += reply.completion_tokens
+        kept = run.chat.kept if i else run.chat.shared_tokens
+        run.rows.append({
+            "kind": "turn", "policy": self.spec.name, "job": run.job.job_id, "turn": i,
+            "resume": i > 0, "turn_kind": kind, "ends_in_call": turn.tool is not None,
+            "ttft_s": reply.ttft_s, "total_s": reply.total_s,
+            "prompt_tokens": reply.prompt_tokens, "cached_tokens": reply.cached_tokens,
+            "completion_tokens": reply.completion_tokens, "output": reply.digest,
+            "new_tokens": max(reply.prompt_tokens - kept, 0),
+            "shared_tokens": run.chat.shared_tokens if i == 0 else 0,
+            "agent": run.job.agent, "subagent": parent is not None,
+            "started_s": time.monotonic() - (time.perf_counter() - start) if i == 0 else None,
+            "overlapped": self.overlapped.is_set()})
+        if turn.tool is not None and not reply.tool_calls:
+            raise HttpBenchError(f"job {run.job.job_id} turn {i}: the forced tool call did "
+                                 "not come")
+        if turn.tool is not None:
             with self._lock:
                 self.call_tokens = self.call_tokens or reply.completion_tokens
-            messages.append(reply.message())
-            call_id = reply.tool_calls[0]["id"]
-            tool_s += self._tool(sid, call_id, turn, result)
-            messages.append({"role": "tool", "tool_call_id": call_id, "content": result})
-        jct = time.perf_counter() - start
-        client.close_session(sid)
-        row = {"kind": "job", "policy": self.policy.name, "job": job.job_id,
-               "turns": len(job.turns), "jct_s": jct, "tool_s": tool_s,
-               "engine_wait_s": jct - tool_s, "output_tokens": out_tokens}
-        return JobResult(row, turns, self.call_tokens)
+        run.chat.replied(reply.prompt_tokens, reply.completion_tokens, reply.message())
+        return reply
+
+    def _tool_name(self, run: _Session, turn: Turn) -> str | None:
+        """The tool a call turn is forced to: the trace's, where the session declares it."""
+        if turn.tool is None:
+            return None
+        names = [t["function"]["name"] for t in run.tools]
+        return turn.tool if turn.tool in names else names[0]
+
+    def _after_call(self, run: _Session, turn: Turn, reply: _Reply) -> None:
+        """The tool runs (a subagent's job, or its time slept out); its result is sent next,
+        after the kept context (a compaction keeps the shared prefix and a summary)."""
+        call_id = reply.tool_calls[0]["id"]
+        result = self._result(run.job, turn)
+        if turn.subagent is not None:
+            child = self.job(self.spec.subagents[turn.subagent], parent=run.sid)
+            run.children.append(child)
+            run.rows += child.turns
+            run.waited_s += child.job["tool_s"]
+        else:
+            run.waited_s += self._tool(run.sid, call_id, turn, result)
+        if turn.keep_tokens is not None:
+            run.chat.keep(turn.keep_tokens)
+            run.chat.add({"role": "user", "content": result}, reply.message(),
+                         {"role": "tool", "tool_call_id": call_id, "content": "done"})
+        else:
+            run.chat.add({"role": "tool", "tool_call_id": call_id, "content": result})
+
+    def _after_answer(self, run: _Session, i: int, turn: Turn, reply: _Reply) -> None:
+        """The turn answered without a call: the user replies after their time."""
+        time.sleep(turn.user_s)
+        run.waited_s += turn.user_s
+        run.user_s += turn.user_s
+        if turn.keep_tokens is not None:
+            run.chat.keep(turn.keep_tokens)
+        rng = random.Random(f"{self.spec.tag}/{run.job.job_id}/user{i}")
+        run.chat.add({"role": "user", "content": self.client.text(rng, turn.user_tokens)})
 
     def _result(self, job: Job, turn: Turn) -> str:
         """The tool's result text: the trace's tokens plus the turn's output beyond the forced
@@ -278,7 +375,7 @@ class _Agent:
     def _tool(self, sid: str, call_id: str, turn: Turn, result: str) -> float:
         """Wait the tool's duration out (feeding half its output half-way if streamed)."""
         t0 = time.perf_counter()
-        if self.policy.streamed and turn.streamed:
+        if self.spec.engine == "edmm" and self.policy.streamed and turn.streamed:
             time.sleep(turn.tool_s / 2)
             words = result.split(" ")
             self.client.feed(sid, call_id, " ".join(words[: len(words) // 2]))

@@ -27,9 +27,21 @@ import torch
 
 from edmm.agent import AgentEngine
 from edmm.bench.agents.engine_io import KVBallast, ballast_slots, pages_in_use, pages_total
+from edmm.bench.agents.fleet import FleetConfig, generate_fleet
 from edmm.bench.agents.policies import BASELINES, POLICIES, Policy
 from edmm.bench.agents.replay import ReplayClock, ReplayConfig, Replayer, ReplayError, RunResult
-from edmm.bench.agents.trace import GeneratorConfig, Job, ToolTimes, generate, read_jsonl, scale
+from edmm.bench.agents.trace import (
+    GeneratorConfig,
+    Job,
+    ToolTimes,
+    first_jobs,
+    generate,
+    read_jsonl,
+    scale,
+    subagents_of,
+    top_level,
+)
+from edmm.bench.agents.tracelab import read_tracelab
 from edmm.bench.results import Progress
 from edmm.engine import Engine, EngineConfig
 from edmm.engine.step_cost import STEP_TIME_MODELS
@@ -51,7 +63,7 @@ class AgentsBenchConfig:
     trace: Path | None = None
     jobs: int = 64  # at least the closed loop's highest load
     seed: int = 0
-    generator: GeneratorConfig = field(default_factory=GeneratorConfig)
+    generator: GeneratorConfig | FleetConfig = field(default_factory=GeneratorConfig)
     token_scale: float = 1.0
     time_scale: float = 1.0
     policies: tuple[str, ...] = ("lru", "ttl", "offload", "rewarm", "edmm")
@@ -117,13 +129,23 @@ class RunRecord:
     result: RunResult
 
 
-def load_trace(cfg: AgentsBenchConfig) -> dict[str, list[Job]]:
-    """The long-tool trace (the user's, or generated) and the same jobs with short tools."""
+def trace_jobs(cfg: AgentsBenchConfig) -> list[Job]:
+    """The trace before scaling: the user's (TraceLab CSV for a ``.csv`` file, else JSONL),
+    or generated (``cfg.jobs`` top-level jobs: the first generator's, or a fleet's)."""
     if cfg.trace is not None:
-        jobs = read_jsonl(cfg.trace)
-    else:
-        jobs = generate(dataclasses.replace(cfg.generator, num_jobs=cfg.jobs), cfg.seed)
-    jobs = scale(jobs, tokens=cfg.token_scale, time=cfg.time_scale)
+        if cfg.trace.suffix.lower() == ".csv":
+            return read_tracelab(cfg.trace)
+        return read_jsonl(cfg.trace)
+    gen = dataclasses.replace(cfg.generator, num_jobs=cfg.jobs)
+    if isinstance(gen, FleetConfig):
+        return generate_fleet(gen, cfg.seed)
+    return generate(gen, cfg.seed)
+
+
+def load_trace(cfg: AgentsBenchConfig) -> dict[str, list[Job]]:
+    """The long-tool trace (the user's, or generated), scaled, and the same jobs with short
+    tools."""
+    jobs = scale(trace_jobs(cfg), tokens=cfg.token_scale, time=cfg.time_scale)
     mixes = {"long": jobs}
     if cfg.short_mix or cfg.mix == "short":
         mixes["short"] = short_tools(jobs, cfg.seed, cfg.time_scale)
@@ -165,13 +187,23 @@ def page_size(cfg: AgentsBenchConfig) -> int:
 
 def max_model_len(jobs: list[Job]) -> int:
     """Longest sequence a job of the trace reaches, rounded up to 64 tokens."""
-    longest = max(j.final_context + TOKENS_PER_TURN_WRAP * len(j.turns) for j in jobs)
+    longest = max(j.peak_context + TOKENS_PER_TURN_WRAP * len(j.turns) for j in jobs)
     return -(-longest // 64) * 64
 
 
+def footprint(job: Job, subagents: dict[str, Job]) -> int:
+    """Tokens a top-level job holds at its largest: its largest context and its largest
+    subagent's (a subagent runs while its parent's call waits)."""
+    children = [subagents[t.subagent].peak_context for t in job.turns if t.subagent]
+    return job.peak_context + max(children, default=0)
+
+
 def working_set_pages(jobs: list[Job], sessions: float, cfg: AgentsBenchConfig) -> int:
-    """Pages ``sessions`` concurrent sessions of the trace hold at their largest context."""
-    mean_ctx = sum(j.final_context for j in jobs) / len(jobs)
+    """Pages ``sessions`` concurrent sessions of the trace hold at their largest context
+    (each with its largest subagent)."""
+    subagents = subagents_of(jobs)
+    top = top_level(jobs)
+    mean_ctx = sum(footprint(j, subagents) for j in top) / len(top)
     return math.ceil(sessions * mean_ctx * token_bytes(cfg) / page_size(cfg))
 
 
@@ -300,7 +332,7 @@ class Matrix:
         self._idle_pages = pages_in_use(self._engine)
         self._engine_pages = pages_total(self._engine) - self._idle_pages
         if self.cfg.warmup:
-            warm = self.mixes["long"][:2]
+            warm = first_jobs(self.mixes["long"], 2)
             self._replay(self._engine, POLICIES.create("lru"), warm, 2, 0)
         return self._engine
 

@@ -1,10 +1,11 @@
 """`edmm bench agents-merge`: one report from several `edmm bench agents` folders.
 
 A full-size matrix does not fit one device call, so it runs as subsets (``--policies``,
-``--loads``, ``--oversub``, ``--mix``, ``--lean``), each into its own folder. The merge reads
-each folder's ``agents.json`` (and ``agents-timeline.csv``; a ``restore-overlap.json`` of the
-micro-bench, if a folder holds one), refuses folders that did not replay the same trace with
-the same seed, scales, engine settings and source tree (`MergeError` names what differs), and
+``--loads``, ``--oversub``, ``--mix``, ``--lean``; over HTTP ``--peer`` too), each into its own
+folder. The merge reads each folder's ``agents.json`` (or ``agents-http.json``, and its
+timeline; a ``restore-overlap.json`` of the micro-bench, if a folder holds one), refuses
+folders that did not replay the same trace with the same seed, scales, clock (in process and
+over HTTP do not mix), engine settings and source tree (`MergeError` names what differs), and
 refuses a condition measured twice. It writes the same files as one run (``agents.json``,
 ``agents.md``, ``agents.csv``, ``agents-timeline.csv``) plus the knee plot, the resume-TTFT CDF
 at the highest load every policy ran, engine-wait against oversubscription, KV pages in use
@@ -32,7 +33,14 @@ from edmm.bench.agents.plots import (
     plot_ttft_cdf,
     plot_wait_vs_oversub,
 )
-from edmm.bench.agents.targets import MARGIN_NOTE, SUSTAIN_TTFT_MS, check_targets, knees
+from edmm.bench.agents.targets import (
+    ALL_TURN_P90,
+    MARGIN_NOTE,
+    SUSTAIN_TTFT_MS,
+    check_targets,
+    knee_line,
+    peer_checks,
+)
 from edmm.bench.results import Environment, ResultWriter
 
 NAME = "agents"
@@ -66,8 +74,11 @@ class Part:
 
 
 def read_part(folder: Path) -> Part:
-    """A folder written by `edmm bench agents` (or holding the restore micro-bench only)."""
+    """A folder written by `edmm bench agents` (in process, or over HTTP: ``agents-http.json``
+    where there is no ``agents.json``), or holding the restore micro-bench only."""
     doc_path = folder / f"{NAME}.json"
+    if not doc_path.exists() and (folder / f"{NAME}-http.json").exists():
+        doc_path = folder / f"{NAME}-http.json"
     restore_path = folder / "restore-overlap.json"
     restore = json.loads(restore_path.read_text())["result"] if restore_path.exists() else None
     if not doc_path.exists():
@@ -77,7 +88,7 @@ def read_part(folder: Path) -> Part:
     doc = json.loads(doc_path.read_text())
     if "meta" not in doc:
         raise MergeError(f"{doc_path}: no 'meta' (written before merges were possible)")
-    tl_path = folder / f"{NAME}-timeline.csv"
+    tl_path = doc_path.with_name(f"{doc_path.stem}-timeline.csv")
     timeline = list(csv.DictReader(tl_path.open())) if tl_path.exists() else []
     return Part(folder, doc, timeline, restore)
 
@@ -139,7 +150,6 @@ def merge(folders: Sequence[Path], out: Path, oversub: float | None = None,
                   key=_sort_key)
     restore = next((p.restore for p in parts if p.restore is not None), None)
     checks = check_targets(rows, oversub, check_oversub, restore)
-    kn = knees(rows, oversub)
     env_doc = dict(bench[0].doc["environment"])
     env_doc["command"] = "edmm bench agents-merge " + " ".join(str(f) for f in folders)
     fields: dict[str, Any] = {k: env_doc.get(k) for k in Environment.__dataclass_fields__}
@@ -147,9 +157,9 @@ def merge(folders: Sequence[Path], out: Path, oversub: float | None = None,
     writer = ResultWriter(out, NAME, env)
     for p in bench:
         writer.add_rows(p.doc.get("rows", []))
-    notes = [f"sustainable load (p90 resume TTFT <= {SUSTAIN_TTFT_MS / 1e3:g} s, long tools, "
-             f"x{oversub:g}): " + ("; ".join(k.describe() for k in kn.values()) or "none run"),
-             *(c.line() for c in checks), MARGIN_NOTE,
+    notes = [knee_line(rows, oversub, ALL_TURN_P90), knee_line(rows, oversub),
+             *(c.line() for c in peer_checks(rows, oversub)), *(c.line() for c in checks),
+             MARGIN_NOTE,
              "merged from: " + "; ".join(
                  f"{p.folder.name} ({(p.doc.get('environment') or {}).get('command', '')})"
                  for p in bench),
@@ -177,6 +187,8 @@ README_COLUMNS = (("policy", "policy", "{}"), ("tools", "tools", "{}"),
                   ("JCT mean s", "jct_mean_s", "{:.3g}"),
                   ("resume TTFT p50 ms", "resume_ttft_p50_ms", "{:.3g}"),
                   ("p90 ms", "resume_ttft_p90_ms", "{:.3g}"),
+                  ("all-turn TTFT p90 ms", "ttft_p90_ms", "{:.3g}"),
+                  ("prefill amp.", "prefill_amp", "{:.3g}"),
                   ("recomputed tokens", "recomputed_tokens", "{}"),
                   ("prefix hit rate", "prefix_hit_rate", "{:.3g}"),
                   ("spec. hits", "spec_hit", "{}"), ("spec. misses", "spec_miss", "{}"),
@@ -227,8 +239,9 @@ def plot_merged(rows: Sequence[dict[str, Any]], detail: Sequence[dict[str, Any]]
 def _plot_pages(figure: Any, timeline: Sequence[dict[str, str]], path: Path,
                 device: str, mode: str) -> Path | None:
     """Pages in use over time per policy, at the highest oversubscription and then load of
-    the timeline's long-tool runs (where memory is shortest); None without such rows."""
-    long = [t for t in timeline if t.get("tools") == "long"]
+    the timeline's long-tool runs (where memory is shortest); None without such rows (a
+    peer's rows over HTTP, with its KV usage but no pages, are left out)."""
+    long = [t for t in timeline if t.get("tools") == "long" and t.get("pages_used")]
     if not long:
         return None
     oversub = max(float(t["oversub"]) for t in long)

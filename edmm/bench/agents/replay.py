@@ -14,9 +14,21 @@ modelled GPU's speeds on a machine without it.
 
 Each turn is forced to the trace's output length (greedy, ``min_tokens = max_tokens``, EOS
 ignored). Token ids are synthetic: the job's task prompt and each tool result are seeded draws
-(the same call of a cacheable tool, the same arguments, returns the same ids), and a result
-enters the next prompt as ``BEFORE + result + AFTER`` appended (or inserted at the trace's
-``mid_prompt`` fraction of the context), then ``SUFFIX``.
+(the same call of a cacheable tool, the same arguments, returns the same ids; the first
+``prefix_tokens`` of a task prompt are its agent type's, the same in every job of the type),
+and a result enters the next prompt as ``BEFORE + result + AFTER`` appended (or inserted at the
+trace's ``mid_prompt`` fraction of the context), then ``SUFFIX``; a user message as
+``USER_BEFORE + message + USER_AFTER + SUFFIX`` after the user's time, once the reasoning of
+the turns since the last user message is dropped (`edmm.bench.agents.context`). A turn's
+``keep_tokens`` cuts the context first (compaction). A subagent starts when its parent's call
+is made, beside the loop's sessions, and its end returns that call.
+
+Every turn's row says what kind it is (``turn_kind``: ``first``, ``tool`` after a tool result,
+``user`` after a user message), its TTFT (from the request to its first token) and its
+``new_tokens``: the prompt less what an unbounded prefix cache would hold (the session's
+context before it up to the first changed token; on a first turn, the agent type's shared
+prefix once a session of the type has started). A job's ``tool_s`` is every wait on tools
+and users, its subagents' included; its engine-wait the rest of its completion time.
 """
 
 from __future__ import annotations
@@ -32,12 +44,19 @@ from typing import Any
 
 from edmm.agent import AgentEngine, TokenLayout, ToolCall, ToolResult
 from edmm.agent.types import ToolSpec
-from edmm.bench.agents.engine_io import EngineCounters, read_counters, speculated_tokens_now
+from edmm.bench.agents.context import Context, common_prefix
+from edmm.bench.agents.engine_io import (
+    EngineCounters,
+    pages_by_state,
+    read_counters,
+    speculated_tokens_now,
+)
 from edmm.bench.agents.policies import Policy
-from edmm.bench.agents.trace import Job, Turn
+from edmm.bench.agents.trace import Job, Turn, subagents_of
 from edmm.engine import SamplingParams
 
 BEFORE, AFTER = (3,), (4,)  # e.g. <tool_response> ... </tool_response>
+USER_BEFORE, USER_AFTER = (5,), (6,)  # e.g. <|im_start|>user ... <|im_end|>
 SUFFIX = (2, 1, 10)  # e.g. <|im_end|> <|im_start|> assistant
 FIRST_ID = 16  # synthetic token ids start above the special ones
 DURATION_EMA = 0.5  # weight of the newest duration in the client's estimate (rewarm)
@@ -130,6 +149,7 @@ class RunResult:
     counters_after: EngineCounters
     outputs: dict[str, str] = field(default_factory=dict)  # "job/turn" -> digest of its ids
     steps: list[dict[str, Any]] = field(default_factory=list)  # with ``step_log``: per step
+    extra_prefill_tokens: int = 0  # prefilled by requests that are no turn (re-warms)
 
 
 @dataclass
@@ -137,10 +157,15 @@ class _JobRun:
     job: Job
     sid: str
     admitted: float
+    parent: _JobRun | None = None  # a subagent: the session whose call it answers
     turn: int = 0
-    prompt: list[int] = field(default_factory=list)
+    kind: str = "first"  # of the current turn: first, tool, user
+    context: Context = field(default_factory=lambda: Context([]))  # the current prompt
+    kept: int = 0  # tokens of the current prompt an unbounded prefix cache holds
     tool_start: float = 0.0
-    tool_waited: float = 0.0
+    tool_waited: float = 0.0  # tools, users and subagents, in all
+    user_start: float = 0.0
+    user_waited: float = 0.0
     resumed_at: float | None = None
     first_seen: bool = False
     next_prompt: list[int] = field(default_factory=list)
@@ -162,11 +187,15 @@ class Replayer:
         self.clock, self.run_id = clock, run_id
         self.reserved_pages = reserved_pages  # held by a ballast: not the run's
         self.vocab = agent.engine.model_config.vocab_size
+        self.page_bytes = agent.engine.kv.layout().page_size
         self._on_job_done = on_job_done or (lambda _: None)
         self._events: list[tuple[float, int, str, _JobRun]] = []
         self._seq = itertools.count()
         self._requests: dict[str, tuple[_JobRun, str]] = {}  # request id -> (job, kind)
         self._active: dict[str, _JobRun] = {}
+        self._subagents = subagents_of(jobs)
+        self._top = [i for i, j in enumerate(jobs) if j.parent is None]
+        self._seen_agents: set[str] = set()  # agent types with a session started
         self._durations: dict[str, float] = {}  # tool -> the client's EMA (rewarm)
         self.turn_rows: list[dict[str, Any]] = []
         self.job_rows: list[dict[str, Any]] = []
@@ -174,6 +203,7 @@ class Replayer:
         self.outputs: dict[str, str] = {}
         self.steps: list[dict[str, Any]] = []
         self.sessions: dict[str, int] = {}
+        self._extra_prefill = 0
         self._declare_tools()
 
     # ------------------------------------------------------------------ driving
@@ -182,7 +212,7 @@ class Replayer:
         before = read_counters(self.agent, self.reserved_pages)
         t0 = self.clock()
         arrivals = self._arrivals(t0)
-        pending = list(range(len(self.jobs)))
+        pending = list(range(len(arrivals)))
         spec_s = busy_s = 0.0
         next_sample = t0
         wall_end = time.monotonic() + self.cfg.max_wall_s
@@ -221,7 +251,8 @@ class Replayer:
         self._sample(makespan)
         after = read_counters(self.agent, self.reserved_pages)
         return RunResult(self.turn_rows, self.job_rows, self.timeline, self.sessions, makespan,
-                         spec_s, busy_s, before, after, self.outputs, self.steps)
+                         spec_s, busy_s, before, after, self.outputs, self.steps,
+                         self._extra_prefill)
 
     def _took(self, start: float) -> float:
         """Seconds the step begun at ``start`` took: host-measured, or (model clock) the
@@ -249,32 +280,45 @@ class Replayer:
             "restored_tokens": round(shape.restored_tokens, 1)})
 
     def _arrivals(self, t0: float) -> list[float]:
+        """Arrival times of the top-level jobs (subagents start with their parent's call)."""
         if self.cfg.mode == "closed":
-            return [t0] * len(self.jobs)
+            return [t0] * len(self._top)
         rng = random.Random(self.cfg.seed)
         t, out = t0, []
-        for _ in self.jobs:
+        for _ in self._top:
             out.append(t)
             t += rng.expovariate(self.cfg.load)
         return out
 
+    def _has_room(self) -> bool:
+        """Another top-level job may start (open loop: always; closed: under the load)."""
+        running = sum(1 for jr in self._active.values() if jr.parent is None)
+        return self.cfg.mode == "open" or running < self.cfg.load
+
     def _admit(self, pending: list[int], arrivals: list[float], now: float) -> None:
-        while pending and arrivals[pending[0]] <= now and (
-                self.cfg.mode == "open" or len(self._active) < self.cfg.load):
+        while pending and arrivals[pending[0]] <= now and self._has_room():
             i = pending.pop(0)
-            job = self.jobs[i]
-            admitted = arrivals[i] if self.cfg.mode == "open" else now
-            jr = _JobRun(job, f"{self.run_id}/{job.job_id}", admitted)
-            jr.prompt = self._ids(job.job_id, "system", job.system_tokens)
-            self._active[jr.sid] = jr
-            rid = self._rid(jr, "t0")
-            self.agent.add_request(rid, jr.prompt, _params(job.turns[0]), session_id=jr.sid)
-            self._requests[rid] = (jr, "turn")
+            self._start(self.jobs[self._top[i]],
+                        arrivals[i] if self.cfg.mode == "open" else now)
+
+    def _start(self, job: Job, admitted: float, parent: _JobRun | None = None) -> None:
+        """Send the job's first turn: its agent type's shared prefix, then its own task."""
+        jr = _JobRun(job, f"{self.run_id}/{job.job_id}", admitted, parent)
+        shared = self._ids(job.agent, "prefix", job.prefix_tokens) if job.prefix_tokens else []
+        own = self._ids(job.job_id, "system", job.system_tokens - job.prefix_tokens)
+        jr.context = Context([*shared, *own])
+        jr.kept = job.prefix_tokens if job.agent in self._seen_agents else 0
+        self._seen_agents.add(job.agent)
+        self._active[jr.sid] = jr
+        rid = self._rid(jr, "t0")
+        self.agent.add_request(rid, list(jr.context.ids), _params(job.turns[0]),
+                               session_id=jr.sid)
+        self._requests[rid] = (jr, "turn")
 
     def _next_wake(self, pending: list[int], arrivals: list[float], now: float) -> float:
         """The next moment something happens: an event, an arrival, a prefetch decision."""
         times = [self._events[0][0]] if self._events else []
-        if pending and (self.cfg.mode == "open" or len(self._active) < self.cfg.load):
+        if pending and self._has_room():
             times.append(arrivals[pending[0]])
         if self.policy.prefetch or self.policy.rewarm:  # the engine prefetches at this point
             times += [t for jr in self._active.values() if jr.awaiting
@@ -288,6 +332,8 @@ class Replayer:
             if kind == "stream":
                 call = _call_id(jr)
                 self.agent.feed_tool_output(jr.sid, call, jr.result[: len(jr.result) // 2])
+            elif kind == "user":
+                self._send_user(jr, now)
             else:
                 self._resume(jr, now)
         if self.policy.rewarm:
@@ -305,14 +351,14 @@ class Replayer:
         if kind == "rewarm":
             if out.finished:
                 del self._requests[out.request_id]
+                self._extra_prefill += len(out.prompt_token_ids) - out.num_cached_tokens
             return
         if not jr.first_seen:
             jr.first_seen = True
             self._record_first(jr, out)
         if out.finished:
             del self._requests[out.request_id]
-            self._turn_done(jr, list(out.prompt_token_ids) + list(out.outputs[0].token_ids),
-                            list(out.outputs[0].token_ids))
+            self._turn_done(jr, list(out.prompt_token_ids), list(out.outputs[0].token_ids))
 
     def _record_first(self, jr: _JobRun, out: Any) -> None:
         now = self.clock()
@@ -321,40 +367,83 @@ class Replayer:
             "job": jr.job.job_id, "turn": jr.turn, "prompt_tokens": prompt,
             "cached_tokens": out.num_cached_tokens,
             "ttft_s": now - (jr.resumed_at if jr.resumed_at is not None else jr.admitted),
-            "resume": jr.turn > 0})
+            "resume": jr.turn > 0, "turn_kind": jr.kind, "new_tokens": prompt - jr.kept,
+            "agent": jr.job.agent, "subagent": jr.parent is not None})
 
-    def _turn_done(self, jr: _JobRun, context: list[int], output: list[int]) -> None:
+    def _turn_done(self, jr: _JobRun, prompt: list[int], output: list[int]) -> None:
         turn = jr.job.turns[jr.turn]
         self.outputs[f"{jr.job.job_id}/{jr.turn}"] = hashlib.sha1(
             repr(output).encode()).hexdigest()[:16]
-        if turn.tool is None:
+        if not turn.continues:
             self._job_done(jr)
             return
-        self._await(jr, turn, context, output)
+        if prompt != jr.context.ids:
+            raise ReplayError(f"{jr.sid} turn {jr.turn}: the engine's prompt is not the one sent")
+        before = len(prompt)
+        jr.context.add_output(output, turn.reasoning_tokens)
+        old = list(jr.context.ids)
+        if turn.keep_tokens is not None and turn.keep_tokens < len(old):
+            jr.context.keep(turn.keep_tokens)  # compaction: the rest is rewritten
+            jr.context.reasoning = []
+        if turn.tool is None:
+            self._await_user(jr, turn, old)
+            return
+        if turn.reasoning_stripped:  # the template drops the first half of this output
+            jr.context.cut(before, before + len(output) // 2)
+        self._await(jr, turn, old)
 
-    def _await(self, jr: _JobRun, turn: Turn, context: list[int], output: list[int]) -> None:
+    def _await(self, jr: _JobRun, turn: Turn, old: list[int]) -> None:
         assert turn.tool is not None
-        base = context
-        if turn.reasoning_stripped:  # the template drops this turn's reasoning
-            base = context[: len(context) - len(output)] + output[len(output) // 2:]
+        ctx = jr.context
         jr.result = self._ids(f"{turn.tool}{turn.arguments}", jr.job.job_id if not
                               turn.cacheable else "cacheable", turn.result_tokens)
-        wrapped = [*BEFORE, *jr.result, *AFTER]
-        jr.position = None if turn.mid_prompt is None else int(turn.mid_prompt * len(base))
-        cut = len(base) if jr.position is None else jr.position
-        jr.next_prompt = [*base[:cut], *wrapped, *base[cut:], *SUFFIX]
+        jr.position = None if turn.mid_prompt is None else int(turn.mid_prompt * len(ctx.ids))
+        cut = len(ctx.ids) if jr.position is None else jr.position
+        head = [*ctx.ids[:cut], *BEFORE]
+        ctx.insert(cut, [*BEFORE, *jr.result, *AFTER])
+        ctx.ids.extend(SUFFIX)
+        jr.next_prompt = list(ctx.ids)
+        jr.kept = common_prefix(old, jr.next_prompt)
         call = ToolCall(_call_id(jr), turn.tool, turn.arguments)
         positions = {} if jr.position is None else {call.id: jr.position}
         self.agent.await_tools(jr.sid, [call], layout=TokenLayout(BEFORE, AFTER, SUFFIX,
                                                                    positions))
         now = self.clock()
         jr.tool_start = now
-        self._predict(jr, turn, base[:cut] + list(BEFORE))
+        self._predict(jr, turn, head)
         if turn.streamed and self.policy.streamed:
             self._push(now + turn.tool_s / 2, "stream", jr)
-        self._push(now + turn.tool_s, "resume", jr)
+        if turn.subagent is not None:  # the call returns when the subagent's job ends
+            self._start(self._subagents[turn.subagent], now, parent=jr)
+        else:
+            self._push(now + turn.tool_s, "resume", jr)
         jr.rewarm_due = self.policy.rewarm
         jr.awaiting = True
+
+    def _await_user(self, jr: _JobRun, turn: Turn, old: list[int]) -> None:
+        """The turn ended without a tool call: the user answers after ``user_s``; the
+        reasoning since the last user message leaves the prompt."""
+        self.agent.end_turn(jr.sid)
+        ctx = jr.context
+        ctx.drop_reasoning()
+        message = self._ids(f"user{jr.turn}", jr.job.job_id, turn.user_tokens)
+        ctx.ids.extend([*USER_BEFORE, *message, *USER_AFTER, *SUFFIX])
+        jr.next_prompt = list(ctx.ids)
+        jr.kept = common_prefix(old, jr.next_prompt)
+        jr.user_start = self.clock()
+        self._push(jr.user_start + turn.user_s, "user", jr)
+
+    def _send_user(self, jr: _JobRun, now: float) -> None:
+        jr.user_waited += now - jr.user_start
+        jr.tool_waited += now - jr.user_start
+        jr.turn += 1
+        jr.kind = "user"
+        jr.first_seen = False
+        jr.resumed_at = self.clock()
+        rid = self._rid(jr, f"t{jr.turn}")
+        self.agent.add_request(rid, jr.next_prompt, _params(jr.job.turns[jr.turn]),
+                               session_id=jr.sid)
+        self._requests[rid] = (jr, "turn")
 
     def _predict(self, jr: _JobRun, turn: Turn, head: list[int]) -> None:
         """What the client (or a template-aware renderer) knows ahead of the result."""
@@ -378,13 +467,15 @@ class Replayer:
     def _resume(self, jr: _JobRun, now: float) -> None:
         turn = jr.job.turns[jr.turn]
         assert turn.tool is not None
-        jr.tool_waited += now - jr.tool_start
+        if turn.subagent is None:  # a subagent's waits were added when it ended
+            jr.tool_waited += now - jr.tool_start
         old = self._durations.get(turn.tool)
         elapsed = now - jr.tool_start
         self._durations[turn.tool] = elapsed if old is None else \
             DURATION_EMA * elapsed + (1 - DURATION_EMA) * old
         jr.rewarm_due = jr.awaiting = False
         jr.turn += 1
+        jr.kind = "tool"
         jr.first_seen = False
         jr.resumed_at = self.clock()
         rid = self._rid(jr, f"t{jr.turn}")
@@ -404,8 +495,13 @@ class Replayer:
         self.job_rows.append({"job": jr.job.job_id, "turns": len(jr.job.turns),
                               "jct_s": jct, "tool_s": jr.tool_waited,
                               "engine_wait_s": jct - jr.tool_waited,
-                              "output_tokens": sum(t.output_tokens for t in jr.job.turns)})
+                              "output_tokens": sum(t.output_tokens for t in jr.job.turns),
+                              "user_s": jr.user_waited, "agent": jr.job.agent,
+                              "subagent": jr.parent is not None})
         del self._active[jr.sid]
+        if jr.parent is not None:  # the parent's call returns now
+            jr.parent.tool_waited += jr.tool_waited
+            self._push(now, "resume", jr.parent)
         self._on_job_done(jr.job.job_id)
 
     # ------------------------------------------------------------------ helpers
@@ -431,7 +527,9 @@ class Replayer:
         self.timeline.append({"t_s": t, "pages_used": c.pages_used,
                               "pages_total": c.pages_total,
                               "offloaded_bytes_held": c.offloaded_bytes_held,
-                              "sessions": len(self._active)})
+                              "sessions": len(self._active),
+                              **pages_by_state(c.pages_total, c.pages_used, c.cached_pages,
+                                               c.offloaded_bytes_held, self.page_bytes)})
 
     def _rid(self, jr: _JobRun, what: str) -> str:
         return f"{jr.sid}/{what}"

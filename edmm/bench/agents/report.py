@@ -19,11 +19,18 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from edmm.bench.agents.engine_io import PAGE_STATES
 from edmm.bench.agents.matrix import AgentsBenchConfig, Matrix, RunRecord
 from edmm.bench.agents.plots import load_label, plot_pages, plot_ttft_cdf, plot_wait_vs_oversub
 from edmm.bench.agents.policies import BASELINES
-from edmm.bench.agents.targets import MARGIN_NOTE, SUSTAIN_TTFT_MS, check_targets
-from edmm.bench.agents.trace import Job, trace_digest, write_jsonl
+from edmm.bench.agents.targets import (
+    ALL_TURN_P90,
+    MARGIN_NOTE,
+    SUSTAIN_TTFT_MS,
+    check_targets,
+    knee_line,
+)
+from edmm.bench.agents.trace import Job, top_level, trace_digest, write_jsonl
 from edmm.bench.results import Environment, ResultWriter, collect_environment
 from edmm.bench.stats import mean, percentile
 
@@ -35,8 +42,9 @@ def summarize_run(rec: RunRecord, reference: dict[str, str] | None) -> dict[str,
     """The summary row of one run (``reference``: the outputs of ``lru`` in the same condition,
     for the greedy-identity column)."""
     res, cond = rec.result, rec.condition
-    jct = [j["jct_s"] for j in res.jobs]
-    wait = [j["engine_wait_s"] for j in res.jobs]
+    top = [j for j in res.jobs if not j.get("subagent")]  # subagents are part of their job
+    jct = [j["jct_s"] for j in top]
+    wait = [j["engine_wait_s"] for j in top]
     resumes = [t["ttft_s"] for t in res.turns if t["resume"]]
     s = res.sessions
     reused, recomputed = s.get("tokens_reused", 0), s.get("tokens_recomputed", 0)
@@ -47,18 +55,21 @@ def summarize_run(rec: RunRecord, reference: dict[str, str] | None) -> dict[str,
     waits = a.memory_wait_steps - b.memory_wait_steps
     held = a.memory_wait_running_pages - b.memory_wait_running_pages
     minutes = res.makespan_s / 60
+    spec_tokens = s.get("tokens_speculated", 0)
     row: dict[str, Any] = {
         "policy": cond.policy, "tools": cond.mix, "oversub": cond.oversubscription,
         "oversub_reached": round(rec.working_set_pages / rec.pages, 2), "load": cond.load,
-        "jobs": len(res.jobs), "pages": rec.pages,
+        "jobs": len(top), "pages": rec.pages,
         "jct_mean_s": mean(jct), "jct_p50_s": percentile(jct, 50), "jct_p90_s": percentile(jct, 90),
         "wait_mean_s": mean(wait), "wait_p50_s": percentile(wait, 50),
         "wait_p90_s": percentile(wait, 90),
         "resume_ttft_p50_ms": _p(resumes, 50), "resume_ttft_p90_ms": _p(resumes, 90),
         "resume_ttft_p99_ms": _p(resumes, 99),
-        "jobs_per_min": len(res.jobs) / minutes if minutes > 0 else None,
+        **ttft_columns(res.turns),
+        "jobs_per_min": len(top) / minutes if minutes > 0 else None,
         "out_tok_per_s": sum(j["output_tokens"] for j in res.jobs) / res.makespan_s
         if res.makespan_s > 0 else None,
+        **prefill_columns(res.turns, spec_tokens + res.extra_prefill_tokens),
         "recomputed_tokens": recomputed,
         "prefix_hit_rate": reused / (reused + recomputed) if reused + recomputed else None,
         "spec_hit": s.get("spec_hits", 0), "spec_partial": s.get("spec_partial", 0),
@@ -66,10 +77,12 @@ def summarize_run(rec: RunRecord, reference: dict[str, str] | None) -> dict[str,
         "spec_tokens": s.get("tokens_speculated", 0),
         "spec_only_steps_s": res.spec_only_step_s, "busy_steps_s": res.busy_step_s,
         "offloaded_MiB": off_b / (1 << 20), "restored_MiB": res_b / (1 << 20),
+        "host_device_MiB": (off_b + res_b) / (1 << 20),
         "offload_GiB_s": off_b / GIB / off_s if off_s > 0 else None,
         "restore_GiB_s": res_b / GIB / res_s if res_s > 0 else None,
         "pages_used_mean": mean(pages) if pages else None,
         "pages_used_max": max(pages) if pages else None,
+        **state_columns(res.timeline),
         "mem_wait_steps": waits,
         "mem_wait_running_share": held / waits / rec.pages if waits else None,
         "makespan_s": res.makespan_s,
@@ -80,6 +93,54 @@ def summarize_run(rec: RunRecord, reference: dict[str, str] | None) -> dict[str,
         row["turns_as_lru"] = sum(reference.get(k) == v for k, v in res.outputs.items()) / max(
             len(res.outputs), 1)
     return row
+
+
+TURN_KINDS = ("first", "tool", "user")
+
+
+def ttft_columns(turns: Sequence[dict[str, Any]]) -> dict[str, float | None]:
+    """TTFT p50 / p90 / p99 in ms of every turn (``ttft_*``) and of each kind of turn
+    (``first_ttft_*``, ``tool_ttft_*``: after a tool result, ``user_ttft_*``: after a user
+    message); None where a run has no such turn. Rows without a kind (written before turns had
+    one) count their resumes as tool resumes."""
+    out: dict[str, float | None] = {}
+    groups: dict[str, list[float]] = {"": [t["ttft_s"] for t in turns]}
+    for kind in TURN_KINDS:
+        groups[f"{kind}_"] = [t["ttft_s"] for t in turns if _kind(t) == kind]
+    for prefix, xs in groups.items():
+        for q in (50, 90, 99):
+            out[f"{prefix}ttft_p{q}_ms"] = _p(xs, q)
+    return out
+
+
+def _kind(turn: dict[str, Any]) -> str:
+    return str(turn.get("turn_kind") or ("tool" if turn["resume"] else "first"))
+
+
+def prefill_columns(turns: Sequence[dict[str, Any]], off_path: int) -> dict[str, Any]:
+    """Tokens prefilled (prompt less cached of every turn, plus ``off_path``: speculation and
+    re-warm prefills), the truly new tokens (what an unbounded prefix cache could not serve,
+    the turns' ``new_tokens``) and their ratio, the prefill amplification (None without
+    ``new_tokens``)."""
+    prefilled = sum(t["prompt_tokens"] - t["cached_tokens"] for t in turns) + off_path
+    if not turns or any(t.get("new_tokens") is None for t in turns):
+        return {"prefilled_tokens": prefilled, "new_tokens": None, "prefill_amp": None}
+    new = sum(t["new_tokens"] for t in turns)
+    return {"prefilled_tokens": prefilled, "new_tokens": new,
+            "prefill_amp": prefilled / new if new else None}
+
+
+def state_columns(timeline: Sequence[dict[str, Any]]) -> dict[str, float | None]:
+    """Means over the timeline of the pages by state (`engine_io.PAGE_STATES`) and the paused
+    (on the GPU or the host) over the running (None where the samples have no states, or
+    nothing ran)."""
+    out: dict[str, float | None] = {}
+    for name in PAGE_STATES:
+        xs = [float(t[name]) for t in timeline if t.get(name) is not None]
+        out[f"{name}_mean"] = mean(xs) if xs else None
+    run, gpu, host = (out[f"{n}_mean"] for n in PAGE_STATES[:3])
+    out["paused_to_running"] = (gpu + (host or 0.0)) / run if run and gpu is not None else None
+    return out
 
 
 def outputs_digest(outputs: dict[str, str]) -> str:
@@ -142,12 +203,13 @@ def write_timeline(records: Sequence[RunRecord], path: Path) -> Path:
     with path.open("w", newline="", encoding="utf-8") as f:
         w = csv.writer(f)
         w.writerow(["policy", "tools", "oversub", "load", "t_s", "pages_used", "pages_total",
-                    "offloaded_bytes_held", "sessions"])
+                    "offloaded_bytes_held", "sessions", *PAGE_STATES])
         for r in records:
             c = r.condition
             for s in r.result.timeline:
                 w.writerow([c.policy, c.mix, c.oversubscription, c.load, f"{s['t_s']:.4f}",
-                            s["pages_used"], r.pages, s["offloaded_bytes_held"], s["sessions"]])
+                            s["pages_used"], r.pages, s["offloaded_bytes_held"], s["sessions"],
+                            *(s.get(k, "") for k in PAGE_STATES)])
     return path
 
 
@@ -244,7 +306,9 @@ def write_results(matrix: Matrix, cfg: AgentsBenchConfig, env: Environment,
     writer = ResultWriter(out_dir, NAME, env)
     writer.add_rows(detail_rows(matrix.records))
     checks = check_targets(rows, cfg.oversubscription, cfg.check_oversubscription)
-    notes = [*(c.line() for c in checks), MARGIN_NOTE, *_method_notes(cfg)]
+    notes = [knee_line(rows, cfg.oversubscription, ALL_TURN_P90),
+             knee_line(rows, cfg.oversubscription), *(c.line() for c in checks), MARGIN_NOTE,
+             *_method_notes(cfg)]
     paths = writer.write(rows, "Agent workloads: policies on one trace", notes,
                          meta=run_meta(cfg, matrix.mixes["long"]))
     paths["timeline"] = write_timeline(matrix.records, out_dir / f"{NAME}-timeline.csv")
@@ -259,7 +323,7 @@ def write_results(matrix: Matrix, cfg: AgentsBenchConfig, env: Environment,
 
 def run_meta(cfg: AgentsBenchConfig, jobs: Sequence[Job]) -> dict[str, Any]:
     """What runs merged into one report must share (`edmm.bench.agents.merge`)."""
-    return {"trace_sha256": trace_digest(jobs), "seed": cfg.seed, "jobs": len(jobs),
+    return {"trace_sha256": trace_digest(jobs), "seed": cfg.seed, "jobs": len(top_level(jobs)),
             "token_scale": cfg.token_scale, "time_scale": cfg.time_scale, "mode": cfg.mode,
             "model": cfg.model, "device": cfg.device, "dtype": cfg.dtype, "clock": cfg.clock,
             "max_num_seqs": cfg.max_num_seqs,
@@ -281,8 +345,21 @@ def _method_notes(cfg: AgentsBenchConfig) -> list[str]:
         f"{cfg.token_scale:g}, tool times x{cfg.time_scale:g}; {cfg.mode} loop, load = "
         + ("concurrent sessions" if cfg.mode == "closed" else "jobs per second"),
         f"clock: {cfg.clock} (" + _CLOCK_NOTES[cfg.clock].format(model=cfg.step_model) + ")",
-        "engine-wait = JCT minus the tool time the job waited; resume TTFT = resume() to the "
-        "first token; prefix hit rate = reused / (reused + recomputed) prompt tokens of resumes",
+        "engine-wait = JCT minus the time the job waited on tools, users and subagents' tools "
+        "(JCT, engine-wait and jobs/min of top-level jobs; a subagent is part of its job); "
+        "TTFT from each request to its first token: ttft_* every turn, first_ttft_* first turns "
+        "(subagents' too), tool_ttft_* after a tool result, user_ttft_* after a user message, "
+        "resume_ttft_* every turn but first ones; prefix hit rate = reused / (reused + "
+        "recomputed) prompt tokens of resumes",
+        "prefill_amp = prefilled_tokens / new_tokens: prompt less cached tokens of every turn, "
+        "plus speculative and re-warm prefills, over the tokens an unbounded prefix cache "
+        "could not serve (the session's context before a turn up to its first changed token; "
+        "an agent type's shared prefix once a session of it started); recomputation after a "
+        "preemption is not counted; host_device_MiB: offloaded + restored",
+        "pages by state (timeline, and their means): running_pages mapped by running or "
+        "waiting requests, paused_gpu_pages held by prefix-cache entries (paused sessions, "
+        "shared prefixes), host_pages the host copies (bytes over the page size), free_pages; "
+        "paused_to_running = (paused_gpu + host) / running, means over the run",
         "spec_only_steps_s: engine time of steps that ran speculation alone (speculation riding "
         "along in busy steps is in busy_steps_s); offload/restore GiB/s: bytes over the copies' "
         "own time (CUDA: side-stream copies timed by events; CPU: synchronous)",

@@ -2,14 +2,18 @@
 merged).
 
 - **Knees.** Per policy (long tools, main oversubscription), walking the loads upwards: the
-  first load whose p90 resume TTFT exceeds 1 s is the knee; the sustainable load is the load
-  where p90 crosses 1 s, interpolated linearly between the last load under it and the knee
-  (the last load under it when the curve is not monotone there). A policy with no load over
-  1 s has not reached its knee: its sustainable load is only known to be >= the highest load
-  run, and a ratio built on it is a bound.
+  first load whose p90 TTFT exceeds 1 s is the knee (of resumes, ``RESUME_P90``, or of every
+  turn, ``ALL_TURN_P90``: first turns, tool resumes and user turns, the headline); the
+  sustainable load is the load where p90 crosses 1 s, interpolated linearly between the last
+  load under it and the knee (the last load under it when the curve is not monotone there).
+  A policy with no load over 1 s has not reached its knee: its sustainable load is only known
+  to be >= the highest load run, and a ratio built on it is a bound.
 - **Targets** (PASS / MISS with the margin, or NOT MEASURED saying what is missing):
   sustainable load ``edmm`` >= 1.5x ``lru`` and >= 1.2x the best of ``ttl`` / ``offload`` /
-  ``rewarm``; at the highest load ``lru`` sustains, mean engine-wait ``lru`` / ``edmm`` >=
+  ``rewarm``; at all-turn p90, ``edmm`` >= 1.3x ``offload`` (as against vLLM with its
+  offloading connector) and >= 1.8x ``lru`` (as against vLLM's prefix caching), and over HTTP
+  the same against the real peers (`peer_checks`: ``vllm-offload``, ``vllm``); at the highest
+  load ``lru`` sustains, mean engine-wait ``lru`` / ``edmm`` >=
   1.5x and ``edmm``'s p90 resume TTFT at the main oversubscription <= 1.3x its own at the
   check one (1x); at 1x and in the short-tool mix, ``edmm`` no worse than the best baseline by
   more than 3% on any of `COMPARED`; offload restore >= 40 GiB/s beside decode steps and a
@@ -26,6 +30,8 @@ from typing import Any
 from edmm.bench.agents.policies import BASELINES
 
 SUSTAIN_TTFT_MS = 1000.0
+RESUME_P90 = "resume_ttft_p90_ms"  # the knee of resumes (every turn after a job's first)
+ALL_TURN_P90 = "ttft_p90_ms"  # the knee of every turn (the headline)
 OTHERS = ("ttl", "offload", "rewarm")  # the "best of" baselines of the sustainable-load target
 # Metrics of the no-worse-than-3% target: (column, True when higher is better).
 COMPARED = (("jct_mean_s", False), ("jct_p50_s", False), ("jct_p90_s", False),
@@ -81,13 +87,23 @@ class TargetCheck:
         return f"{self.status}: {self.name}: {self.measured} (target {self.target}{tail})"
 
 
-def knees(rows: Sequence[Row], oversub: float, tools: str = "long") -> dict[str, Knee]:
-    """The knee of every policy with rows at ``oversub`` in the ``tools`` mix."""
+def knees(rows: Sequence[Row], oversub: float, tools: str = "long",
+          metric: str = RESUME_P90) -> dict[str, Knee]:
+    """The knee of every policy with rows at ``oversub`` in the ``tools`` mix, on the p90
+    TTFT column ``metric`` (rows without it are left out)."""
     curves: dict[str, dict[float, float]] = {}
     for r in rows:
-        if r["tools"] == tools and r["oversub"] == oversub and r["resume_ttft_p90_ms"] is not None:
-            curves.setdefault(r["policy"], {})[float(r["load"])] = float(r["resume_ttft_p90_ms"])
+        if r["tools"] == tools and r["oversub"] == oversub and r.get(metric) is not None:
+            curves.setdefault(r["policy"], {})[float(r["load"])] = float(r[metric])
     return {p: _knee(p, curve) for p, curve in curves.items()}
+
+
+def knee_line(rows: Sequence[Row], oversub: float, metric: str = RESUME_P90) -> str:
+    """One line: each policy's sustainable load on ``metric`` (long tools, ``oversub``)."""
+    what = "every turn" if metric == ALL_TURN_P90 else "resumes"
+    kn = knees(rows, oversub, metric=metric)
+    return (f"sustainable load (p90 TTFT of {what} <= {SUSTAIN_TTFT_MS / 1e3:g} s, long tools, "
+            f"x{oversub:g}): " + ("; ".join(k.describe() for k in kn.values()) or "none run"))
 
 
 def _knee(policy: str, curve: Mapping[float, float]) -> Knee:
@@ -137,12 +153,29 @@ def check_targets(rows: Sequence[Row], oversub: float, check_oversub: float | No
     best = max(others, key=lambda k: k.sustainable or 0.0, default=None)
     out.append(_ratio_check(f"sustainable load edmm / best of ttl, offload, rewarm "
                             f"({best.policy if best else 'none run'})", 1.2, kn.get("edmm"), best))
+    every = knees(rows, oversub, metric=ALL_TURN_P90)
+    out.append(_ratio_check(f"sustainable load, all-turn p90, edmm / offload (x{oversub:g})",
+                            1.3, every.get("edmm"), every.get("offload")))
+    out.append(_ratio_check(f"sustainable load, all-turn p90, edmm / lru (x{oversub:g})", 1.8,
+                            every.get("edmm"), every.get("lru")))
     by = {(r["policy"], r["tools"], r["oversub"], float(r["load"])): r for r in rows}
     lru = kn.get("lru")
     out += _load_checks(by, lru.sustained if lru is not None else None, oversub, check_oversub)
     out += _no_worse_checks(rows, check_oversub, oversub)
     out += _restore_checks(restore)
     return out
+
+
+PEER_TARGETS = (("vllm-offload", 1.3), ("vllm", 1.8))  # peer name, edmm's ratio at least
+
+
+def peer_checks(rows: Sequence[Row], oversub: float) -> list[TargetCheck]:
+    """Sustainable load at all-turn p90 TTFT, ``edmm`` over each vLLM peer (`PEER_TARGETS`:
+    its offloading connector, its prefix caching), where the rows have both."""
+    every = knees(rows, oversub, metric=ALL_TURN_P90)
+    return [_ratio_check(f"sustainable load, all-turn p90, edmm / {peer} (x{oversub:g})",
+                         target, every.get("edmm"), every.get(peer))
+            for peer, target in PEER_TARGETS if peer in every]
 
 
 def _at_or_below(by: Mapping[tuple[Any, ...], Row], limit: float | None,

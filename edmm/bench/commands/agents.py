@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -12,16 +13,23 @@ from edmm.argparsing import float_at_least, int_at_least, int_list
 from edmm.bench.commands.common import OUT_HELP, default_out_dir, device_tag, print_report
 
 if TYPE_CHECKING:
+    from edmm.bench.agents.fleet import FleetConfig
+    from edmm.bench.agents.http import HttpReplayConfig
     from edmm.bench.agents.matrix import AgentsBenchConfig
-    from edmm.bench.agents.trace import Job
+    from edmm.bench.agents.trace import GeneratorConfig, Job
 
 NAME = "agents"
 HELP = ("many agent sessions replayed from a trace under KV policies (lru, ttl, offload, "
-        "rewarm, edmm), in process")
+        "rewarm, edmm), in process or over HTTP beside vLLM")
 DESCRIPTION = (
-    "Replay a trace of agent jobs (generated, or --trace) against the engine under each KV "
-    "policy on the same trace and seed; report job completion time, resume TTFT, recomputed "
-    "tokens, hit rates, offload traffic and KV pages over time.")
+    "Replay a trace of agent jobs (generated: a fleet of agent types by default, or --trace: "
+    "JSONL or TraceLab's replay CSV) against the engine under each KV policy on the same trace "
+    "and seed, in process or over HTTP (with --peer: vLLM and others on the same trace); report "
+    "TTFT of every turn by kind, job completion time, engine-wait, prefill amplification, "
+    "offload traffic and KV pages by state over time. The trace's statistics are printed "
+    "beside the published ones.")
+GENERATORS = ("v1", "v2")
+DEFAULT_TURNS = {"v1": (10, 40), "v2": (20, 60)}
 MATRIX_POLICIES = "lru,ttl,offload,rewarm,edmm"
 HTTP_POLICIES = "lru,offload,edmm"
 
@@ -49,7 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     _add_engine_arguments(parser)
     _add_http_arguments(parser)
     parser.add_argument("--write-trace", type=Path, default=None,
-                        help="write the (scaled) trace here and exit")
+                        help="write the (scaled) trace here and exit: TraceLab's replay CSV "
+                             "for a .csv name, else JSONL; prints its statistics")
     parser.add_argument("--out", type=Path, default=None, help=OUT_HELP)
 
 
@@ -61,11 +70,23 @@ def _add_trace_arguments(parser: argparse.ArgumentParser) -> None:
     add("--dtype", default=None,
         help="weights and KV dtype (default: float32 on the CPU, bfloat16 on CUDA)")
     add("--trace", type=Path, default=None,
-        help="your own JSONL trace (docs/benchmarks.md: 'Replaying your own trace')")
+        help="your own trace: JSONL (docs/benchmarks.md: 'Replaying your own trace') or "
+             "TraceLab's replay CSV (a .csv name)")
+    add("--generator", choices=GENERATORS, default="v2",
+        help="the generated trace: v2 a fleet of agent types (shared prefixes, subagents, "
+             "user messages, compaction; the default), v1 the first generator (no token "
+             "shared between jobs; earlier results replay with it)")
     add("--jobs", type=int_at_least(1), default=64,
-        help="jobs of a generated trace (a closed loop's --loads need as many)")
+        help="top-level jobs of a generated trace (a closed loop's --loads need as many)")
     add("--seed", type=int, default=0, help="seed of the generated trace")
-    add("--turns", type=int_list, default=(10, 40), help="low,high turns per generated job")
+    add("--turns", type=int_list, default=None,
+        help="low,high model calls per generated job (default: v2 20,60; v1 10,40)")
+    add("--context-limit", type=int_at_least(1024), default=131072,
+        help="v2: the model's context in trace tokens (before --token-scale); sessions "
+             "compact near it (default %(default)s)")
+    add("--agent-types", default=None,
+        help="v2: comma-separated agent types to draw sessions from (default: all; "
+             "claude-code, codex, mini-swe)")
     add("--token-scale", type=float_at_least(0.0), default=1.0,
         help="multiply every token count (e.g. 0.02 for the tiny CPU model)")
     add("--time-scale", type=float_at_least(0.0), default=1.0,
@@ -75,7 +96,8 @@ def _add_trace_arguments(parser: argparse.ArgumentParser) -> None:
 def _add_matrix_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--policies", default=None,
-        help=f"comma-separated (default: {MATRIX_POLICIES}; with --http {HTTP_POLICIES}); also "
+        help=f"comma-separated (default: {MATRIX_POLICIES}; with --http {HTTP_POLICIES}, or "
+             "none to run --peer alone); also "
              "edmm-no-<retention|offload|prefetch|template|streamed|predicted|gate|admission>")
     add("--loads", type=_floats, default=(8, 32, 64),
         help="concurrent sessions (closed loop) or jobs/s (open loop)")
@@ -127,9 +149,10 @@ def _add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 def _add_http_arguments(parser: argparse.ArgumentParser) -> None:
     add = parser.add_argument
     add("--http", action="store_true",
-        help="replay over HTTP instead: edmm serve + the openai SDK, at the first load and "
-             "--oversub, the same trace, KV pool and policies as in process (all but rewarm), "
-             "wall clock; writes agents-http.*; needs the server extras")
+        help="replay over HTTP instead: edmm serve (and each --peer) + the openai SDK, at "
+             "every load (whole sessions) and --oversub, the same trace, KV pool and policies "
+             "as in process (all but rewarm), wall clock, streamed; writes agents-http.*; needs "
+             "the server extras")
     add("--http-overlap-tail", type=int_at_least(0), default=0,
         help="with --http: start the next policy's server once this many of the run's jobs "
              "are left (0: after the run)")
@@ -139,23 +162,42 @@ def _add_http_arguments(parser: argparse.ArgumentParser) -> None:
     add("--http-clients", type=int_at_least(0), default=0,
         help="with --http: client processes the sessions run in, one thread a session (0: one "
              "per 4 sessions)")
+    add("--tokenizer", default=None,
+        help="with --http: the tokenizer folder of edmm serve and the clients (default: the "
+             "model's; beside a preset the Qwen2.5 vocabulary; give the vLLM peers' folder so "
+             "every engine counts the same tokens)")
     add("--server-arg", action="append", default=[],
         help="extra edmm serve option with --http, repeatable")
+    add("--peer", action="append", default=[], metavar="PEER",
+        help="with --http: also replay against vllm (prefix caching), vllm-offload (with its "
+             "OffloadingConnector) or an http(s) URL, at every load (repeatable)")
+    add("--peer-model-dir", default=None,
+        help="the HF folder the vLLM peers load with random weights (the same model as "
+             "--model)")
+    add("--peer-python-path", default="",
+        help="PYTHONPATH entries where vLLM is installed (default: none)")
+    add("--peer-kv-bytes", type=int_at_least(1), default=None,
+        help="vLLM's KV cache in bytes (default: EDMM's pool at each load)")
+    add("--peer-offload-gib", type=float_at_least(0.0), default=None,
+        help="host memory of vllm-offload's connector (default: EDMM's offload at each load)")
+    add("--peer-max-model-len", type=int_at_least(1), default=None,
+        help="vLLM's --max-model-len (default: EDMM's server's)")
+    add("--peer-arg", action="append", default=[],
+        help="extra vllm serve argument, repeatable (e.g. --peer-arg=--enforce-eager)")
 
 
 def _config(args: argparse.Namespace) -> AgentsBenchConfig:
-    import dataclasses
-
     from edmm.bench.agents.matrix import AgentsBenchConfig
-    from edmm.bench.agents.trace import GeneratorConfig
 
-    if len(args.turns) != 2 or args.turns[0] > args.turns[1]:
+    turns = tuple(args.turns or DEFAULT_TURNS[args.generator])
+    if len(turns) != 2 or turns[0] > turns[1]:
         args.parser.error(f"--turns takes low,high with low <= high, got {args.turns}")
     policies = args.policies or (HTTP_POLICIES if args.http else MATRIX_POLICIES)
+    if policies == "none":
+        policies = ""
     return AgentsBenchConfig(
         model=args.model, device=args.device, dtype=args.dtype, trace=args.trace,
-        jobs=args.jobs, seed=args.seed,
-        generator=dataclasses.replace(GeneratorConfig(), turns=tuple(args.turns)),
+        jobs=args.jobs, seed=args.seed, generator=_generator(args, turns),
         token_scale=args.token_scale, time_scale=args.time_scale,
         policies=tuple(p for p in policies.split(",") if p), loads=args.loads,
         mode=args.mode, oversubscription=args.oversub,
@@ -169,34 +211,90 @@ def _config(args: argparse.Namespace) -> AgentsBenchConfig:
         checks=not args.no_checks, lean=args.lean, step_log=args.step_log)
 
 
+def _generator(args: argparse.Namespace, turns: tuple[int, ...]) -> GeneratorConfig | FleetConfig:
+    """The generator's config of ``--generator`` (a bad v2 setting: a usage error)."""
+    from edmm.bench.agents.fleet import FleetConfig
+    from edmm.bench.agents.trace import GeneratorConfig, TraceError
+
+    low, high = turns
+    if args.generator == "v1":
+        return dataclasses.replace(GeneratorConfig(), turns=(low, high))
+    names = tuple(n for n in (args.agent_types or "").split(",") if n)
+    try:
+        return FleetConfig(turns=(low, high), context_limit=args.context_limit, names=names)
+    except TraceError as e:
+        args.parser.error(f"--turns / --context-limit / --agent-types: {e}")
+        raise  # parser.error exits
+
+
 def _trace(args: argparse.Namespace, cfg: AgentsBenchConfig) -> list[Job]:
     """The run's long-tool jobs; a bad ``--trace`` file, or a closed loop of more sessions than
     the trace has jobs (it would never hold that many), is a one-line usage error."""
     from edmm.bench.agents.matrix import load_trace
-    from edmm.bench.agents.trace import TraceError
+    from edmm.bench.agents.trace import TraceError, top_level
 
     try:
         jobs = load_trace(cfg)["long"]
     except (TraceError, OSError) as e:
         args.parser.error(f"--trace: {e}")
-    if cfg.mode == "closed" and max(cfg.loads) > len(jobs):
+    top = len(top_level(jobs))
+    if cfg.mode == "closed" and max(cfg.loads) > top:
         args.parser.error(
             f"--loads: a closed loop of {max(cfg.loads):g} sessions needs at least as many jobs; "
-            f"the trace has {len(jobs)} (raise --jobs, or give a longer --trace)")
+            f"the trace has {top} (raise --jobs, or give a longer --trace)")
     return jobs
 
 
-def _run_http(args: argparse.Namespace, cfg: AgentsBenchConfig, out: Path) -> int:
-    from edmm.bench.agents.http import HttpBenchError, HttpReplayConfig, run_http_bench
+def trace_stats_text(cfg: AgentsBenchConfig, jobs: list[Job]) -> str:
+    """The trace's statistics beside the published ones (and as replayed, when scaled)."""
+    from edmm.bench.agents.matrix import trace_jobs
+    from edmm.bench.agents.trace_stats import stats_table, trace_statistics
 
+    scaled = cfg.token_scale != 1 or cfg.time_scale != 1
+    table = stats_table(trace_statistics(trace_jobs(cfg) if scaled else jobs),
+                        trace_statistics(jobs, cfg.time_scale) if scaled else None,
+                        f"tokens x{cfg.token_scale:g}, times x{cfg.time_scale:g}")
+    what = cfg.trace or f"generated ({cfg.generator.__class__.__name__}), seed {cfg.seed}"
+    return f"# Trace statistics\n\nTrace: {what}.\n\n{table}\n"
+
+
+def _http_config(args: argparse.Namespace, cfg: AgentsBenchConfig) -> HttpReplayConfig:
+    """The HTTP replay's config; bad loads, peers or policies are one-line usage errors."""
+    from edmm.bench.agents.http import HttpBenchError, HttpReplayConfig
+    from edmm.bench.peers import VLLM_PEERS, VLLMOptions
+
+    loads = tuple(int(x) for x in args.loads)
+    if any(x != int(x) or x < 1 for x in args.loads):
+        args.parser.error(f"--loads: over HTTP, whole numbers of sessions >= 1, got {args.loads}")
+    for peer in args.peer:
+        if peer not in VLLM_PEERS and not peer.startswith(("http://", "https://")):
+            args.parser.error(f"--peer: one of {', '.join(VLLM_PEERS)} or a URL, got {peer!r}")
+        if peer in VLLM_PEERS and not args.peer_model_dir:
+            args.parser.error(f"--peer {peer} needs --peer-model-dir (the HF folder vLLM loads)")
+    vllm = VLLMOptions(args.peer_model_dir, args.peer_python_path, args.peer_kv_bytes,
+                       max_model_len=args.peer_max_model_len,
+                       extra_args=tuple(args.peer_arg)) if args.peer_model_dir else None
     try:
-        hcfg = HttpReplayConfig(bench=cfg, load=int(args.loads[0]), policies=cfg.policies,
-                                server_args=tuple(args.server_arg),
+        hcfg = HttpReplayConfig(bench=cfg, load=loads[0], loads=loads, policies=cfg.policies,
+                                tokenizer=args.tokenizer, server_args=tuple(args.server_arg),
                                 overlap_tail=args.http_overlap_tail,
-                                clients=args.http_clients, stages=args.http_stages)
+                                clients=args.http_clients, stages=args.http_stages,
+                                peers=tuple(args.peer), vllm=vllm,
+                                peer_offload_gib=args.peer_offload_gib)
     except HttpBenchError as e:
         args.parser.error(str(e))
-    print_report(run_http_bench(hcfg, out))
+    return hcfg
+
+
+def _run_http(hcfg: HttpReplayConfig, out: Path) -> int:
+    from edmm.bench.agents.http import run_http_bench
+    from edmm.bench.peers import PeerError
+
+    try:
+        print_report(run_http_bench(hcfg, out))
+    except PeerError as e:  # a peer failed to start: its log's tail says why
+        print(f"edmm bench agents: {e}", file=sys.stderr)
+        return 1
     return 0
 
 
@@ -209,17 +307,25 @@ def run(args: argparse.Namespace) -> int:
 
     from edmm.bench.agents.report import run_agents_bench
     from edmm.bench.agents.trace import write_jsonl
+    from edmm.bench.agents.tracelab import write_tracelab
 
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     cfg = _config(args)
     jobs = _trace(args, cfg)
+    hcfg = _http_config(args, cfg) if args.http else None
+    stats = trace_stats_text(cfg, jobs)
     if args.write_trace is not None:
-        print(f"wrote {write_jsonl(jobs, args.write_trace)}")
+        write = write_tracelab if args.write_trace.suffix.lower() == ".csv" else write_jsonl
+        print(stats)
+        print(f"wrote {write(jobs, args.write_trace)}")
         return 0
+    print(stats, file=sys.stderr)
     out = args.out or default_out_dir(device_tag(args.device.startswith("cuda")))
-    if args.http:
-        return _run_http(args, cfg, out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "agents-trace-stats.md").write_text(stats, encoding="utf-8")
+    if hcfg is not None:
+        return _run_http(hcfg, out)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # a time limit: files still written
     print_report(run_agents_bench(cfg, out, log=lambda s: print(s, file=sys.stderr, flush=True)))
     return 0
