@@ -44,7 +44,12 @@ from edmm.server.protocol import (
 from edmm.server.sessions import ANONYMOUS, ServerSessions
 from edmm.server.stages import NO_TRACE, StageLog, Tracer
 from edmm.server.templates import TemplateLimits
-from edmm.server.tool_parser import ParsedReply, StreamingToolParser, parse_reply
+from edmm.server.tool_parser import (
+    CallFragment,
+    ParsedReply,
+    StreamingToolParser,
+    parse_reply,
+)
 from edmm.server.turns import ChatTurns, Turn
 from edmm.server.validation import check_conversation, check_text, check_tool_names
 
@@ -170,10 +175,12 @@ class OpenAIServing:
                 yield event
         reply = ParsedReply(content or None, [])
         if parser is not None and last is not None:
-            rest = parser.finish(last.outputs[0].text)  # an unclosed or invalid block
-            if rest:
+            # an unclosed or invalid block: its content, and the closing of its arguments
+            rest, closing = parser.finish(last.outputs[0].text)
+            if rest or closing:
                 content += rest
-                yield self._chunk(cid, ChatDelta(content=rest))
+                yield self._chunk(cid, ChatDelta(content=rest or None,
+                                                 tool_calls=_call_deltas(closing) or None))
             reply = ParsedReply(content or None, list(parser.calls), parser.cut)
         yield self._chunk(cid, ChatDelta(), await self._finish(turn, last, reply))
         turn.trace.finish(cid, True, len(turn.request.prompt_token_ids))
@@ -294,11 +301,14 @@ def _chat_delta(parser: StreamingToolParser | None, text: str,
     content, fragments = parser.feed(text)
     if not content and not fragments:
         return None, sent
+    return ChatDelta(content=content or None, tool_calls=_call_deltas(fragments) or None), sent
+
+
+def _call_deltas(fragments: Sequence[CallFragment]) -> list[ToolCallDelta]:
     # "type" on every piece: the openai SDK's accumulation overwrites it with each one's.
-    deltas = [ToolCallDelta(index=f.index, id=f.id, type="function",
-                            function=FunctionCallDelta(name=f.name, arguments=f.arguments))
-              for f in fragments]
-    return ChatDelta(content=content or None, tool_calls=deltas or None), sent
+    return [ToolCallDelta(index=f.index, id=f.id, type="function",
+                          function=FunctionCallDelta(name=f.name, arguments=f.arguments))
+            for f in fragments]
 
 
 def _usage(request: Request, out: RequestOutput | None) -> Usage:

@@ -13,7 +13,7 @@ from edmm.engine import Engine, EngineConfig
 from edmm.engine.tp import build_engine
 from edmm.server.collector import collect_young
 from edmm.server.engine_loop import EngineLoop
-from edmm.server.guided import GrammarBudget, GuidedDecoding
+from edmm.server.guided import FORCED_STRING_CHARS, GrammarBudget, GuidedDecoding
 from edmm.server.http_guard import DEFAULT_MAX_BODY_BYTES, default_allowed_hosts
 from edmm.server.metrics import ServerMetrics
 from edmm.server.serving import OpenAIServing
@@ -46,6 +46,8 @@ class ServerConfig:
             in a sandbox within ``template_limits``); off: such a request is a 400.
         template_limits: the time, size and loop budget of one client template render.
         grammar_budget: what one request's grammar may cost the engine thread per token.
+        max_forced_string_chars: the most characters of a string argument of a forced tool
+            call whose schema does not bound it (`GuidedDecoding`); None: unbounded.
         max_body_bytes: the largest request body (413 past it).
         max_tool_output_bytes: the largest chunk of one ``tool_output`` call (UTF-8 bytes of
             its content; 413 past it).
@@ -68,6 +70,7 @@ class ServerConfig:
     allow_client_chat_template: bool = False
     template_limits: TemplateLimits = field(default_factory=TemplateLimits)
     grammar_budget: GrammarBudget = field(default_factory=GrammarBudget)
+    max_forced_string_chars: int | None = FORCED_STRING_CHARS
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_tool_output_bytes: int = DEFAULT_MAX_TOOL_OUTPUT_BYTES
     cache_salt_per_key: bool = False
@@ -106,7 +109,8 @@ class ServerState:
         self.loop: EngineLoop[ServerSessions] = EngineLoop(self.sessions,
                                                            on_idle=collect_young)
         self.metrics = ServerMetrics(config.model_name)
-        self.guided = _guided(self.engine, tokenizer, config.grammar_budget)
+        self.guided = _guided(self.engine, tokenizer, config.grammar_budget,
+                              config.max_forced_string_chars)
         self.serving = OpenAIServing(
             self.loop, self.engine, tokenizer, config.model_name, self.metrics, self.guided,
             config.template_limits if config.allow_client_chat_template else None,
@@ -137,7 +141,8 @@ class ServerState:
         self.engine.close()
 
 
-def _guided(engine: Engine, tokenizer: Any, budget: GrammarBudget) -> GuidedDecoding | None:
+def _guided(engine: Engine, tokenizer: Any, budget: GrammarBudget,
+            forced_string_chars: int | None) -> GuidedDecoding | None:
     """Constrained decoding for models with a tokenizer (presets have none)."""
     if tokenizer is None:
         return None
@@ -145,4 +150,4 @@ def _guided(engine: Engine, tokenizer: Any, budget: GrammarBudget) -> GuidedDeco
     if eos is None:
         eos = min(engine.eos_token_ids, default=0)
     return GuidedDecoding(tokenizer, engine.model_config.vocab_size, int(eos), budget,
-                          isolated=True)
+                          isolated=True, forced_string_chars=forced_string_chars)
