@@ -130,6 +130,12 @@ class OpenAIServing:
         if turn.stream is not None:
             turn.stream.abort()
 
+    def unreached(self, turn: Turn) -> None:
+        """Abort a queued turn whose response will not reach its client, and close the
+        session it made under a server-made name (`ChatTurns.unreached`)."""
+        self.abort(turn)
+        self.turns.unreached(turn)
+
     async def chat_completion(self, req: ChatCompletionRequest, turn: Turn) -> ChatCompletion:
         """Run a queued chat turn to the end: the whole response."""
         last = None

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from edmm.agent import AgentConfig, AgentEngine
+from edmm.agent import AgentConfig, AgentEngine, KeyQuota
 from edmm.engine import Engine, EngineConfig
 from edmm.engine.tp import build_engine
 from edmm.server.collector import collect_young
@@ -22,6 +22,10 @@ from edmm.server.templates import TemplateLimits
 
 TINY_MODEL_NAME = "edmm-tiny"
 DEFAULT_MAX_TOOL_OUTPUT_BYTES = 4 << 20
+# Per-client bounds (`ServerConfig`): half the agent layer's sessions for one client, and as
+# many of them awaiting tools as a large agent fleet keeps in flight.
+DEFAULT_MAX_SESSIONS_PER_KEY = AgentConfig.max_sessions // 2
+DEFAULT_MAX_AWAITING_PER_KEY = 1024
 
 
 @dataclass
@@ -38,7 +42,12 @@ class ServerConfig:
             (`edmm.agent.AgentEngine`, zero-copy commit); False: EDMM off, the same sessions
             with both off (`AgentConfig.off`: prefix caching only).
         tool_timeout_s: seconds a session may await its tool results before it is abandoned
-            and its KV reclaimed (`AgentConfig.tool_timeout_s`).
+            and its KV reclaimed (`AgentConfig.tool_timeout_s`), on a timer that runs on an
+            idle server too.
+        max_sessions_per_key, max_awaiting_per_key, max_kv_pages_per_key: what one client
+            (API key) may hold (`edmm.agent.KeyQuota`; None: no bound): past them a turn is a
+            429 with ``Retry-After``. KV memory is shared fairly across clients whatever the
+            bound (`edmm.agent.owners`).
         engine: further `EngineConfig` fields (``max_model_len``, ``num_pages``, ``dtype``...).
         agent: `AgentConfig` fields that override the default (``execution_aware``) or
             `AgentConfig.off` (``retention``, ``speculation``, ``admission``...): a policy.
@@ -65,6 +74,9 @@ class ServerConfig:
     served_model_name: str | None = None
     execution_aware: bool = True
     tool_timeout_s: float = AgentConfig.tool_timeout_s
+    max_sessions_per_key: int | None = DEFAULT_MAX_SESSIONS_PER_KEY
+    max_awaiting_per_key: int | None = DEFAULT_MAX_AWAITING_PER_KEY
+    max_kv_pages_per_key: int | None = None
     engine: dict[str, Any] = field(default_factory=dict)
     agent: dict[str, Any] = field(default_factory=dict)
     allow_client_chat_template: bool = False
@@ -87,7 +99,10 @@ class ServerConfig:
     def agent_config(self) -> AgentConfig:
         """The agent layer's config: EDMM's default or EDMM off, then ``agent``'s fields."""
         base = AgentConfig() if self.execution_aware else AgentConfig.off()
-        return dataclasses.replace(base, tool_timeout_s=self.tool_timeout_s, **self.agent)
+        quota = KeyQuota(self.max_sessions_per_key, self.max_awaiting_per_key,
+                         self.max_kv_pages_per_key)
+        return dataclasses.replace(base, **{"tool_timeout_s": self.tool_timeout_s,
+                                            "quota": quota, **self.agent})
 
     @property
     def model_name(self) -> str:
