@@ -255,6 +255,7 @@ class AgentEngine:
             session.resume_started = None
             session.previous = []
             session.transition(S.FINISHED)
+            session.unreported = False  # an aborted turn has no calls to await
             self._usage(session).stop(session.id)
             self._finished.add(session.id, session.owner, session.context, session.prompt_len)
         return found
@@ -284,6 +285,7 @@ class AgentEngine:
         """
         session = self._get(session_id)
         session.require(S.FINISHED, "await_tools")
+        session.unreported = False
         calls = _check_calls(tool_calls)
         for call_id in [*(predictions or {}), *(layout.positions if layout else {})]:
             if call_id not in calls:
@@ -322,6 +324,7 @@ class AgentEngine:
         finished."""
         session = self._get(session_id)
         session.require(S.FINISHED, "end_turn")
+        session.unreported = False
         if session.ended_at is not None:
             self._release(session)
 
@@ -482,17 +485,22 @@ class AgentEngine:
         """The request id of the session's last turn (running, finished or aborted)."""
         return self._get(session_id).last_request_id
 
-    def find_session(self, prompt_token_ids: Sequence[int],
-                     owner: str | None = None) -> str | None:
+    def find_session(self, prompt_token_ids: Sequence[int], owner: str | None = None, *,
+                     reported: bool = False) -> str | None:
         """The FINISHED session of ``owner`` whose last turn's prompt is the longest prefix of
         ``prompt_token_ids`` (a server without a session id finds a conversation this way:
         the next request repeats the last prompt, then the reply as re-rendered). A session
-        awaiting tools is never found this way: only its id or its call ids resume it."""
+        awaiting tools is never found this way: only its id or its call ids resume it.
+        ``reported``: only a session whose last turn's end was reported (`end_turn`,
+        `await_tools`) or aborted, since one not reported yet may still await tools (a
+        server whose requests race the report of the turn before passes it)."""
         prompt = prompt_token_ids if isinstance(prompt_token_ids, list) else list(
             prompt_token_ids)
 
         def match(session_id: str) -> int:
             session = self._sessions[session_id]
+            if reported and session.unreported:
+                return -1
             n = session.prompt_len
             if n <= len(prompt) and common_prefix_len(session.context, prompt, n) == n:
                 return n
@@ -690,6 +698,7 @@ class AgentEngine:
                 session.previous, out.prompt_token_ids, out.num_cached_tokens)
             session.previous = []
             session.transition(S.FINISHED)
+            session.unreported = True
             self._usage(session).stop(session.id)
             self._finished.add(session.id, session.owner, session.context, session.prompt_len)
             if self.config.report_window_s > 0:

@@ -42,6 +42,7 @@ class Session:
     cache_salt: str | None = None  # its last turn's (`Request.cache_salt`): speculation's too
     ordinal: int = 0  # the order it started in among the agent engine's sessions
     ended_at: float | None = None  # FINISHED, its end not reported yet: clock time it ended
+    unreported: bool = False  # its last turn finished, `end_turn` / `await_tools` not called
     demoted: bool = False  # AWAITING_TOOL past its owner's fair share: its KV not retained
     metrics: SessionMetrics = field(init=False)
 

@@ -8,7 +8,8 @@ resume or close another's. `ServerSessions.begin` names the turn's session, in t
 ``X-Session-Id`` header (or the ``edmm.session_id`` body field; an unknown name creates the
 session for the owner); the owner's session awaiting the tool calls whose results the request
 carries (call ids are unique and unguessable); the owner's FINISHED session whose last prompt
-is the longest prefix of this one (a session awaiting tools is never taken by a prefix); else a
+is the longest prefix of this one and whose last turn's end was reported (a session awaiting
+tools, or one whose turn may yet await them, is never taken by a prefix); else a
 new session under an unguessable name. A request that names a session awaiting tool results
 must carry results of its calls, or say ``edmm.discard_pending_calls`` (the calls are dropped,
 a new turn starts): else it is a 409, and the session's tool window stays open. The turn is
@@ -225,7 +226,7 @@ class ServerSessions:
             awaiting = agent.session_awaiting(call_id, owner)
             if awaiting is not None:
                 return _name_of(awaiting), False
-        found = agent.find_session(turn.request.prompt_token_ids, owner)
+        found = agent.find_session(turn.request.prompt_token_ids, owner, reported=True)
         if found is not None:
             return _name_of(found), False
         return f"sess-{secrets.token_hex(16)}", True
