@@ -177,7 +177,7 @@ class EngineConfig:
     def busy_speculation_tokens(self) -> int:
         """``speculative_tokens_when_busy``, or its default: 64 eagerly, 0 with CUDA graphs.
 
-        Measured on an H200 (benchmarks/results/2026-11-30-h200/agent-interference.md): a 7B
+        Measured on an H200 (docs/limits.md, 'Resume latency'): a 7B
         decode step at 16K takes 5.5 ms alone, 6.8 ms with 32 speculative tokens riding along
         and 9.4 ms with 128 (mixed batches replay CUDA graphs). On CUDA speculation therefore
         waits for steps with no request by default: decode latency first; set this to trade

@@ -19,7 +19,7 @@ class AdoptionCost:
     The defaults are per 2 MiB page on an H200 (CUDA 13, driver 580), the planning numbers of
     the design brief: a remap (unmap + map + set access) 37-44 us, counted as 40 us for the
     unmap of a mapped page, and 28 us for map + set access (``edmm bench vmm`` on the same
-    machine: 42.8 us remap, 26.3 us map + access, `benchmarks/results/2026-11-29-h200/`).
+    machine: 42.8 us remap, 26.3 us map + access).
     """
 
     unmap_page_us: float = 40.0

@@ -134,10 +134,10 @@ class StepTimeModel:
 
 
 H200_QWEN7B = StepTimeModel.fit(
-    # benchmarks/results/2026-12-01-h200-session8/ttft-model.md (qwen2.5-7b, bf16, Triton):
-    # decode step 4.874 ms, 512 tokens on a cached 16K prefix 19.12 ms, full prefill 464.0 ms
-    # in 2048-token chunks; decode attention at batch 8 / 16K 66.3 us a layer x 28 layers
-    # (2026-12-01-h200-decode-modes); restores 50.6 GiB/s (2026-12-01-h200-restore-overlap).
+    # `edmm bench ttft --only model` on an H200 (qwen2.5-7b, bf16, Triton): decode step
+    # 4.874 ms, 512 tokens on a cached 16K prefix 19.12 ms, full prefill 464.0 ms in 2048-token
+    # chunks; decode attention at batch 8 / 16K 66.3 us a layer x 28 layers; host restores
+    # 50.6 GiB/s.
     context=16384, decode_s=4.874e-3, kv_token_s=28 * 66.3e-6 / (8 * 16384), cached_new=512,
     cached_s=19.12e-3, full_s=464.0e-3, full_chunk=2048,
     kv_bytes_per_token=28 * 2 * 4 * 128 * 2,  # layers x (K, V) x KV heads x head dim x bf16

@@ -4,7 +4,7 @@ A paused session whose KV must leave the GPU under memory pressure can be copied
 (pinned on CUDA) instead of being dropped, and copied back into a fresh slot before it resumes.
 At the 51 GiB/s pinned copy bandwidth measured on an H200 (docs/design.md), the 0.94 GB of a
 7B model's 16K-token context takes ~18 ms each way against ~0.5 s of recompute (44-47 GiB/s
-measured in the agent runs, `benchmarks/results/2026-12-01-h200-agents-2/`). `HostKVStore`
+measured in the agent runs). `HostKVStore`
 owns the host copies and their byte budget; the prefix cache decides what to offload and
 restore and orders the slots' use after the copies (`edmm.memory.copies`).
 """

@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kv_helpers import PAGE, SPEC, filled, host_arena, kv_values
+from tiers import examples
 
 from edmm.engine import (
     KVCacheManager,
@@ -80,7 +81,7 @@ def test_a_copy_over_fragmented_blocks_round_trips_in_one_ticket(arena: KVArena)
     assert store.blocks.free == [(0, 6)] and store.used_bytes == 0
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.integers(1, 24), st.lists(st.tuples(st.booleans(), st.integers(0, 9)), max_size=40))
 def test_host_blocks_match_a_set_of_free_blocks(num_blocks: int,
                                                 ops: list[tuple[bool, int]]) -> None:
