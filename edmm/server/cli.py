@@ -24,7 +24,14 @@ from edmm.agent.types import ADMISSION_ORDERS
 from edmm.argparsing import ArgumentParser, float_at_least, int_at_least, int_list
 from edmm.server.collector import raise_threshold
 from edmm.server.http_guard import DEFAULT_MAX_BODY_BYTES
-from edmm.server.state import DEFAULT_MAX_TOOL_OUTPUT_BYTES, ServerConfig, ServerState
+from edmm.server.read_timeouts import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, read_timeout_protocol
+from edmm.server.state import (
+    DEFAULT_MAX_AWAITING_PER_KEY,
+    DEFAULT_MAX_SESSIONS_PER_KEY,
+    DEFAULT_MAX_TOOL_OUTPUT_BYTES,
+    ServerConfig,
+    ServerState,
+)
 
 logger = logging.getLogger("edmm.serve")
 # The GIL switch interval of a serving process (Python's default: 5 ms); a thread waiting for
@@ -75,6 +82,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         default=DEFAULT_MAX_TOOL_OUTPUT_BYTES / 2**20,
                         help="largest chunk of one tool_output call in MiB (413 past it; "
                              "default %(default)g)")
+    parser.add_argument("--header-timeout-s", type=float_at_least(0.001),
+                        default=HEADER_TIMEOUT_S,
+                        help="seconds a request's headers may take to arrive (the "
+                             "connection is closed past it; default %(default)g)")
+    parser.add_argument("--body-timeout-s", type=float_at_least(0.001),
+                        default=BODY_TIMEOUT_S,
+                        help="seconds a request's body may pause (the connection is closed "
+                             "past it; default %(default)g)")
     parser.add_argument("--cache-salt-per-key", action="store_true",
                         help="share cached prefixes only among requests of one API key "
                              "(usage.cached_tokens then tells nothing across clients)")
@@ -128,6 +143,13 @@ def _agent_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tool-timeout-s", type=float_at_least(0.0), default=None,
                         help="seconds a session may await its tool results (default: "
                              f"{AgentConfig.tool_timeout_s:g})")
+    for flag, default, what in (
+            ("--max-sessions-per-key", DEFAULT_MAX_SESSIONS_PER_KEY, "sessions"),
+            ("--max-awaiting-per-key", DEFAULT_MAX_AWAITING_PER_KEY, "sessions awaiting tools"),
+            ("--max-kv-pages-per-key", 0, "KV pages")):
+        parser.add_argument(flag, type=int_at_least(0), default=default,
+                            help=f"{what} one API key may hold (429 past it; 0: no bound; "
+                                 "default %(default)s)")
 
 
 def _sources(text: str) -> tuple[str, ...]:
@@ -174,6 +196,11 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
                         allow_client_chat_template=args.allow_client_chat_template,
                         max_body_bytes=int(args.max_body_mib * 2**20),
                         max_tool_output_bytes=int(args.max_tool_output_mib * 2**20),
+                        max_sessions_per_key=args.max_sessions_per_key or None,
+                        max_awaiting_per_key=args.max_awaiting_per_key or None,
+                        max_kv_pages_per_key=args.max_kv_pages_per_key or None,
+                        header_timeout_s=args.header_timeout_s,
+                        body_timeout_s=args.body_timeout_s,
                         cache_salt_per_key=args.cache_salt_per_key,
                         allowed_hosts=args.allowed_hosts, api_docs=args.api_docs,
                         agent=_agent_fields(args), **timeout)
@@ -263,7 +290,8 @@ def serve(config: ServerConfig, log_level: str = "info") -> None:
                 config.host, config.port)
     try:
         uvicorn.run(app, host=config.host, port=config.port, log_level=log_level,
-                    timeout_graceful_shutdown=5)
+                    timeout_graceful_shutdown=5,
+                    http=read_timeout_protocol(config.header_timeout_s, config.body_timeout_s))
     finally:
         state.close()
 

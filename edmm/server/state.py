@@ -16,6 +16,7 @@ from edmm.server.engine_loop import EngineLoop
 from edmm.server.guided import FORCED_STRING_CHARS, GrammarBudget, GuidedDecoding
 from edmm.server.http_guard import DEFAULT_MAX_BODY_BYTES, default_allowed_hosts
 from edmm.server.metrics import ServerMetrics
+from edmm.server.read_timeouts import BODY_TIMEOUT_S, HEADER_TIMEOUT_S
 from edmm.server.serving import OpenAIServing
 from edmm.server.sessions import ServerSessions
 from edmm.server.templates import TemplateLimits
@@ -60,6 +61,10 @@ class ServerConfig:
         max_body_bytes: the largest request body (413 past it).
         max_tool_output_bytes: the largest chunk of one ``tool_output`` call (UTF-8 bytes of
             its content; 413 past it).
+        header_timeout_s, body_timeout_s: a request's headers must arrive within
+            ``header_timeout_s`` of its connection (or of the previous response), its body
+            may pause at most ``body_timeout_s``; past either the connection is closed
+            (`edmm.server.read_timeouts`; ``edmm serve`` applies them).
         cache_salt_per_key: salt every request's prefix-cache key with its client (the API key
             it sends), so clients share no cached prefixes and hit counts tell nothing across.
         allowed_hosts: the ``Host`` names accepted (``"*"``: any); None: the bound address
@@ -85,6 +90,8 @@ class ServerConfig:
     max_forced_string_chars: int | None = FORCED_STRING_CHARS
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_tool_output_bytes: int = DEFAULT_MAX_TOOL_OUTPUT_BYTES
+    header_timeout_s: float = HEADER_TIMEOUT_S
+    body_timeout_s: float = BODY_TIMEOUT_S
     cache_salt_per_key: bool = False
     allowed_hosts: list[str] | None = None
     api_docs: bool = False
