@@ -15,13 +15,14 @@ START_TIMEOUT_S = 30.0
 
 
 @contextmanager
-def serve_app(app: Any) -> Iterator[str]:
-    """Run an ASGI app under uvicorn on a free loopback port; yields its base URL."""
+def serve_app(app: Any, **config: Any) -> Iterator[str]:
+    """Run an ASGI app under uvicorn on a free loopback port (``config``: more
+    `uvicorn.Config` arguments); yields its base URL."""
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     server = uvicorn.Server(uvicorn.Config(app, log_level="warning",
-                                           timeout_graceful_shutdown=2))
+                                           timeout_graceful_shutdown=2, **config))
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + START_TIMEOUT_S

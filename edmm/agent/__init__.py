@@ -5,12 +5,14 @@ from edmm.agent.api import AgentEngine
 from edmm.agent.errors import (
     AgentError,
     InsertionPositionError,
+    QuotaExceededError,
     SessionStateError,
     ToolOutputClosedError,
     UnknownPolicyError,
     UnknownSessionError,
     UnknownToolCallError,
 )
+from edmm.agent.owners import KeyQuota, OwnerStats
 from edmm.agent.render import assistant_message
 from edmm.agent.types import (
     AgentConfig,
@@ -32,6 +34,9 @@ __all__ = [
     "AgentError",
     "AgentStats",
     "InsertionPositionError",
+    "KeyQuota",
+    "OwnerStats",
+    "QuotaExceededError",
     "SessionMetrics",
     "SessionState",
     "SessionStateError",

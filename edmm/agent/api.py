@@ -25,16 +25,19 @@ import json
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, NoReturn
 
 from edmm.agent.errors import (
     AgentError,
     InsertionPositionError,
+    QuotaExceededError,
     ToolOutputClosedError,
     UnknownSessionError,
     UnknownToolCallError,
 )
 from edmm.agent.gate import BranchPlan
+from edmm.agent.owners import OwnerStats, OwnerUsage
+from edmm.agent.prompt_index import PromptIndex
 from edmm.agent.render import PromptRenderer, TemplateRenderer, TokenRenderer
 from edmm.agent.retention import RETENTION_POLICIES, PausedSession
 from edmm.agent.session import Session
@@ -46,6 +49,7 @@ from edmm.agent.speculation import (
     StreamFold,
     ToolWindow,
 )
+from edmm.agent.timers import TimerKind, Timers
 from edmm.agent.types import (
     AgentConfig,
     AgentStats,
@@ -75,7 +79,9 @@ from edmm.model.prompt_encoder import PromptEncoder
 
 Message = Mapping[str, Any]
 S = SessionState
+T = TimerKind
 _BUSY = (S.GENERATING, S.RESUMING)
+_CLOSABLE = (S.FINISHED, S.ABANDONED)  # what an owner at its session quota gives up first
 DURATION_EMA = 0.5  # weight of the newest observed duration of a tool
 _PROMOTED = -1.0  # admission priority of an overdue turn: ahead of every order's (all >= 0)
 
@@ -83,6 +89,14 @@ _PROMOTED = -1.0  # admission priority of an overdue turn: ahead of every order'
 class AgentEngine:
     """Agent sessions over an `Engine`: pause at tool calls, speculate in the tool window,
     commit the best branch zero-copy at resume.
+
+    What happens at a time (a tool deadline, the end of a turn's report window, a paused
+    session's retention rank to be computed again, its prefetch window) is a timer
+    (`edmm.agent.timers`), run by `step` or, while no request runs, by `tick`
+    (`next_timer_s` says when); sessions are found through indexes (by tool call id, by
+    prompt prefix, by owner), so a step or a request costs the same however many sessions
+    sit idle. Each owner's sessions count against the config's `KeyQuota` (`admit`) and its
+    paused KV against its fair share of the pool (`edmm.agent.owners`).
 
     Args:
         engine: the engine to drive, or the config to build one (None: the tiny model).
@@ -103,7 +117,14 @@ class AgentEngine:
         self._owns_engine = not isinstance(engine, Engine)
         self.engine = engine if isinstance(engine, Engine) else Engine(engine)
         self._clock = clock
-        self._sessions: dict[str, Session] = {}
+        self._sessions: dict[str, Session] = {}  # least recently used first
+        self._timers = Timers()
+        self._prefetching: set[str] = set()  # sessions in their prefetch window
+        self._by_call: dict[tuple[str | None, str], str] = {}  # (owner, call id) -> session
+        self._finished = PromptIndex()  # FINISHED sessions by their last prompt
+        self._owners: dict[str | None, OwnerUsage] = {}
+        self._page_tokens = max(1, self.engine.kv.tokens_in_pages(1))
+        self._pool_pages = self.engine.kv.stats().pages_total
         self._ordinals = itertools.count()  # sessions' start order (program-level FCFS)
         self._unadmitted: dict[str, float] = {}  # request id -> when queued (admission bound)
         self._by_request: dict[str, str] = {}  # request id -> session id
@@ -144,10 +165,47 @@ class AgentEngine:
         session.transition(S.GENERATING)
         self._touch(session)
 
+    def admit(self, owner: str | None, session_id: str, prompt_tokens: int,
+              may_await: bool) -> None:
+        """Check a turn of ``owner``'s session ``session_id`` (new or not) against the
+        config's `KeyQuota` before it is queued: raises `QuotaExceededError` (nothing
+        changed) for a turn that may end in tool calls (``may_await``) while the owner has
+        ``max_awaiting`` other sessions awaiting theirs, for a prompt of ``prompt_tokens``
+        that would take its running turns past ``max_kv_pages``, and for a new session past
+        ``max_sessions`` when none of the owner's sessions is finished or abandoned; else
+        such a one, the least recently used, is closed to make room."""
+        usage, quota = self._owners.get(owner), self.config.quota
+        if usage is None:
+            return  # nothing held yet
+        if may_await and quota.max_awaiting is not None and (
+                len(usage.awaiting) - (session_id in usage.awaiting) >= quota.max_awaiting):
+            self._refuse(usage, owner, "awaiting", quota.max_awaiting)
+        running = usage.running_pages - usage.running.get(session_id, 0)
+        if quota.max_kv_pages is not None and running and (
+                running + self._pages(prompt_tokens) > quota.max_kv_pages):
+            self._refuse(usage, owner, "kv_pages", quota.max_kv_pages)
+        if (session_id not in self._sessions and quota.max_sessions is not None
+                and len(usage.sessions) >= quota.max_sessions):
+            victim = next((sid for sid in usage.sessions
+                           if self._sessions[sid].state in _CLOSABLE), None)
+            if victim is None:
+                self._refuse(usage, owner, "sessions", quota.max_sessions)
+            self.close_session(victim)
+
+    def _refuse(self, usage: OwnerUsage, owner: str | None, resource: str,
+                limit: int) -> NoReturn:
+        usage.refused[resource] += 1
+        retry = 1.0
+        deadline = usage.earliest_deadline() if resource != "kv_pages" else None
+        if deadline is not None:
+            retry = max(retry, deadline - self._clock())
+        raise QuotaExceededError(owner, resource, limit, retry)
+
     def step(self) -> list[RequestOutput]:
-        """One engine step; also abandons sessions past their tool deadline and advances
-        session states. Returns the outputs of requests that got a token."""
-        self._expire_windows()
+        """One engine step, with the timers due (`tick`) before it and the prefetches of
+        paused sessions near their tool's expected return after it. Returns the outputs of
+        requests that got a token."""
+        self.tick()
         self._promote_overdue()
         outputs = self.engine.step()
         for out in outputs:
@@ -155,12 +213,25 @@ class AgentEngine:
             session_id = self._by_request.get(out.request_id)
             if session_id is not None:
                 self._on_output(self._sessions[session_id], out)
-        for session in self._sessions.values():
-            if session.state == S.AWAITING_TOOL:
-                self._apply_retention(session)
-            elif session.ended_at is not None:
-                self._hold(session)
+        if self._prefetching:
+            self._prefetch()
         return outputs
+
+    def tick(self) -> int:
+        """Run the timers that are due (abandon sessions past their tool deadline, end
+        report windows, rank paused sessions' KV again); how many ran. `step` calls it; a
+        server calls it while no request runs, at `next_timer_s`."""
+        due = self._timers.due(self._clock())
+        for session_id, kind in due:
+            session = self._sessions.get(session_id)
+            if session is not None:
+                self._on_timer(session, kind)
+        return len(due)
+
+    def next_timer_s(self) -> float | None:
+        """Seconds until the next timer is due (0: now; None: there is none)."""
+        due = self._timers.next_due()
+        return None if due is None else max(0.0, due - self._clock())
 
     def has_unfinished(self) -> bool:
         """True while any request (not speculation) waits or runs."""
@@ -184,6 +255,9 @@ class AgentEngine:
             session.resume_started = None
             session.previous = []
             session.transition(S.FINISHED)
+            session.unreported = False  # an aborted turn has no calls to await
+            self._usage(session).stop(session.id)
+            self._finished.add(session.id, session.owner, session.context, session.prompt_len)
         return found
 
     # ------------------------------------------------------------------ tool window
@@ -211,6 +285,7 @@ class AgentEngine:
         """
         session = self._get(session_id)
         session.require(S.FINISHED, "await_tools")
+        session.unreported = False
         calls = _check_calls(tool_calls)
         for call_id in [*(predictions or {}), *(layout.positions if layout else {})]:
             if call_id not in calls:
@@ -228,8 +303,18 @@ class AgentEngine:
         window.predictions.update(predictions or {})
         session.window = window
         session.ended_at = None  # reported: the window's retention replaces the hold
+        self._timers.cancel(session.id, T.HOLD_END)
         session.transition(S.AWAITING_TOOL)
+        self._finished.remove(session.id)
+        for call_id in calls:
+            self._by_call[(session.owner, call_id)] = session.id
+        self._usage(session).awaiting[session.id] = window.deadline
+        self._timers.set(session.id, T.DEADLINE, window.deadline)
+        if self.config.prefetch and expected is not None:
+            self._timers.set(session.id, T.PREFETCH,
+                             window.started + expected - self.config.prefetch_lead_s)
         self._apply_retention(session)
+        self._fit_shares(session)
         self._run_sources(session, lambda src: src.on_await(window))
 
     def end_turn(self, session_id: str) -> None:
@@ -239,6 +324,7 @@ class AgentEngine:
         finished."""
         session = self._get(session_id)
         session.require(S.FINISHED, "end_turn")
+        session.unreported = False
         if session.ended_at is not None:
             self._release(session)
 
@@ -342,6 +428,7 @@ class AgentEngine:
         self._stop_speculation(session, window)
         self._learn(window, results, started)
         claim = tuple(SessionTag.branch(session_id, key) for key in sorted(window.branches))
+        self._close_window(session)
         self._submit_turn(session, request, claim, resume=True)
         session.resume_started = started
         session.transition(S.RESUMING)
@@ -384,32 +471,42 @@ class AgentEngine:
 
     def session_awaiting(self, call_id: str, owner: str | None = None) -> str | None:
         """The session of ``owner`` awaiting the result of tool call ``call_id``, if any."""
-        for session in self._sessions.values():
-            if session.state == S.AWAITING_TOOL and session.window is not None and (
-                    call_id in session.window.calls) and session.owner == owner:
-                return session.id
-        return None
+        session_id = self._by_call.get((owner, call_id))
+        session = self._sessions.get(session_id) if session_id is not None else None
+        if session is None or session.state != S.AWAITING_TOOL:
+            return None
+        return session.id
 
     def finished_request(self, session_id: str) -> str | None:
         """The request id of the session's last turn that finished (not aborted)."""
         return self._get(session_id).finished_request_id
 
-    def find_session(self, prompt_token_ids: Sequence[int],
-                     owner: str | None = None) -> str | None:
+    def last_request(self, session_id: str) -> str | None:
+        """The request id of the session's last turn (running, finished or aborted)."""
+        return self._get(session_id).last_request_id
+
+    def find_session(self, prompt_token_ids: Sequence[int], owner: str | None = None, *,
+                     reported: bool = False) -> str | None:
         """The FINISHED session of ``owner`` whose last turn's prompt is the longest prefix of
         ``prompt_token_ids`` (a server without a session id finds a conversation this way:
         the next request repeats the last prompt, then the reply as re-rendered). A session
-        awaiting tools is never found this way: only its id or its call ids resume it."""
-        prompt = list(prompt_token_ids)
-        best: str | None = None
-        best_len = 0
-        for session in self._sessions.values():
+        awaiting tools is never found this way: only its id or its call ids resume it.
+        ``reported``: only a session whose last turn's end was reported (`end_turn`,
+        `await_tools`) or aborted, since one not reported yet may still await tools (a
+        server whose requests race the report of the turn before passes it)."""
+        prompt = prompt_token_ids if isinstance(prompt_token_ids, list) else list(
+            prompt_token_ids)
+
+        def match(session_id: str) -> int:
+            session = self._sessions[session_id]
+            if reported and session.unreported:
+                return -1
             n = session.prompt_len
-            if (best_len < n <= len(prompt) and session.state == S.FINISHED
-                    and session.owner == owner
-                    and common_prefix_len(session.context, prompt, n) == n):
-                best, best_len = session.id, n
-        return best
+            if n <= len(prompt) and common_prefix_len(session.context, prompt, n) == n:
+                return n
+            return -1
+
+        return self._finished.find(owner, prompt, match)
 
     def stats(self) -> AgentStats:
         """The live sessions by state and the session counters summed since start."""
@@ -429,7 +526,18 @@ class AgentEngine:
             self.engine.abort(session.request_id)
         self._drop_kv(session)
         self._closed_totals.update(_counters(session.metrics))
+        self._close_window(session)
+        self._timers.cancel(session_id)
+        self._finished.remove(session_id)
+        usage = self._usage(session)
+        usage.forget(session_id)
+        if not usage.sessions:
+            del self._owners[session.owner]
         del self._sessions[session_id]
+
+    def owner_stats(self) -> dict[str | None, OwnerStats]:
+        """What each owner with live sessions holds (`OwnerStats`)."""
+        return {owner: usage.stats() for owner, usage in self._owners.items()}
 
     def check_integrity(self) -> None:
         """Raise if a session breaks its state's invariants, the engine its own, or the two
@@ -532,22 +640,50 @@ class AgentEngine:
         self.engine.submit(request, SlotHints(SessionTag.session(session.id), rank, priority, claim,
                                               stale_tag=SessionTag.lost(session.id)))
         prompt = request.prompt_token_ids
-        session.ended_at = None
+        self._end_hold(session)
+        self._finished.remove(session.id)
+        self._usage(session).run(session.id, self._pages(len(prompt)))
         session.previous = session.context  # compared with the prompt when the turn ends
-        session.request_id = request.request_id
+        session.request_id = session.last_request_id = request.request_id
         session.cache_salt = request.cache_salt
         session.context = prompt  # the request's own list, never changed: no copy of it
         session.prompt_len = len(prompt)
         self._by_request[request.request_id] = session.id
 
     def _touch(self, session: Session) -> None:
-        """Make ``session`` the most recently used; close the least recently used sessions
-        that are not generating while more than ``max_sessions`` are kept."""
+        """Make ``session`` the most recently used; while more than ``max_sessions`` are
+        kept, close the least recently used session that is not generating of the owner
+        with the most sessions (one owner's flood closes its own sessions first)."""
         self._sessions.pop(session.id, None)
         self._sessions[session.id] = session
-        idle = [s.id for s in self._sessions.values() if s.state not in _BUSY]
-        for session_id in idle[:max(0, len(self._sessions) - self.config.max_sessions)]:
-            self.close_session(session_id)
+        mine = self._usage(session).sessions
+        mine.pop(session.id, None)
+        mine[session.id] = None
+        while len(self._sessions) > self.config.max_sessions:
+            victim = self._victim()
+            if victim is None:
+                return
+            self.close_session(victim)
+
+    def _victim(self) -> str | None:
+        """The least recently used session not generating of the owner holding the most
+        sessions (the next owner if all of that one's are generating)."""
+        for usage in sorted(self._owners.values(), key=lambda u: -len(u.sessions)):
+            for session_id in usage.sessions:
+                if self._sessions[session_id].state not in _BUSY:
+                    return session_id
+        return None
+
+    def _usage(self, session: Session) -> OwnerUsage:
+        """The usage record of the session's owner (made if new)."""
+        usage = self._owners.get(session.owner)
+        if usage is None:
+            usage = self._owners[session.owner] = OwnerUsage()
+        return usage
+
+    def _pages(self, num_tokens: int) -> int:
+        """KV pages that ``num_tokens`` tokens take."""
+        return -(-num_tokens // self._page_tokens)
 
     def _on_output(self, session: Session, out: RequestOutput) -> None:
         if session.state == S.RESUMING:
@@ -562,9 +698,15 @@ class AgentEngine:
                 session.previous, out.prompt_token_ids, out.num_cached_tokens)
             session.previous = []
             session.transition(S.FINISHED)
+            session.unreported = True
+            self._usage(session).stop(session.id)
+            self._finished.add(session.id, session.owner, session.context, session.prompt_len)
             if self.config.report_window_s > 0:
                 session.ended_at = self._clock()
+                self._timers.set(session.id, T.HOLD_END,
+                                 session.ended_at + self.config.report_window_s)
                 self._hold(session)
+                self._fit_shares(session)
 
     def _on_resumed(self, session: Session, out: RequestOutput) -> None:
         """First token of a resume: record what was reused, drop the losing branches."""
@@ -666,55 +808,159 @@ class AgentEngine:
                 self.engine.reprioritize(request_id, _PROMOTED)
                 del self._unadmitted[request_id]
 
-    def _expire_windows(self) -> None:
-        """Abandon the sessions whose tool window passed its deadline; reclaim their KV."""
-        now = self._clock()
-        for session in self._sessions.values():
-            window = session.window
-            if session.state == S.AWAITING_TOOL and window is not None and now > window.deadline:
-                self._drop_kv(session)
-                session.window = None
-                session.metrics.abandoned = True
-                session.transition(S.ABANDONED)
+    def _on_timer(self, session: Session, kind: TimerKind) -> None:
+        """A timer of ``session`` came up (`tick`)."""
+        if kind is T.DEADLINE and session.state == S.AWAITING_TOOL:
+            self._abandon(session)
+        elif kind is T.HOLD_END and session.ended_at is not None:
+            self._release(session)
+        elif kind is T.RANK and session.state == S.AWAITING_TOOL:
+            self._apply_retention(session)
+        elif kind is T.RANK and session.ended_at is not None:
+            self._hold(session)
+        elif kind is T.PREFETCH and session.state == S.AWAITING_TOOL:
+            self._prefetching.add(session.id)
+
+    def _abandon(self, session: Session) -> None:
+        """The session's tool window passed its deadline: drop its KV, close the window."""
+        self._drop_kv(session)
+        self._close_window(session)
+        session.window = None
+        session.metrics.abandoned = True
+        session.transition(S.ABANDONED)
+
+    def _close_window(self, session: Session) -> None:
+        """The session leaves AWAITING_TOOL (resumed, abandoned, closed): forget its calls,
+        its window's timers and its retention."""
+        window = session.window
+        if window is None or session.state != S.AWAITING_TOOL:
+            return
+        for call_id in window.calls:
+            if self._by_call.get((session.owner, call_id)) == session.id:
+                del self._by_call[(session.owner, call_id)]
+        usage = self._usage(session)
+        usage.awaiting.pop(session.id, None)
+        usage.release(session.id)
+        session.demoted = False
+        self._timers.cancel(session.id, T.DEADLINE, T.RANK, T.PREFETCH)
+        self._prefetching.discard(session.id)
+
+    def _prefetch(self) -> None:
+        """Copy back the offloaded KV of paused sessions whose tool is expected back within
+        `AgentConfig.prefetch_lead_s` (see `_apply_retention`); a session leaves the set once
+        its tool is that far past its expected return."""
+        lead, now = self.config.prefetch_lead_s, self._clock()
+        for session_id in list(self._prefetching):
+            session = self._sessions.get(session_id)
+            window = session.window if session is not None else None
+            if (session is None or window is None or session.state != S.AWAITING_TOOL
+                    or session.demoted or window.expected_s is None):
+                self._prefetching.discard(session_id)
+                continue
+            remaining = window.expected_s - (now - window.started)
+            if remaining <= -lead:
+                self._prefetching.discard(session_id)
+                continue
+            # Not while a request waits for memory: the copy would take the pages it waits
+            # for and be evicted again before the resume (48 of 50 prefetches were, in a
+            # modelled replay whose sessions needed twice the KV memory there was).
+            tag = SessionTag.session(session.id)
+            if (remaining <= lead and not self.engine.memory_short()
+                    and self.engine.kv.offloaded_tokens(tag)):
+                self.engine.kv.restore(tag)  # back before the tool returns, if room
 
     def _hold(self, session: Session) -> None:
         """A finished turn whose end is not reported yet: retained as a paused session of
-        unknown tool time that started when the turn ended; released past the window."""
+        unknown tool time that started when the turn ended (its ``HOLD_END`` timer releases
+        it)."""
         assert session.ended_at is not None
-        waited = self._clock() - session.ended_at
-        if waited > self.config.report_window_s:
-            self._release(session)
-            return
-        self._retain(session, PausedSession(len(session.context), True, None, waited))
+        paused = PausedSession(len(session.context), True, None,
+                               self._clock() - session.ended_at)
+        self._count_retained(session, self._retain(session, paused))
 
     def _release(self, session: Session) -> None:
         """End a finished turn's hold: its KV is what a turn without tool calls leaves."""
-        session.ended_at = None
+        self._end_hold(session)
         self._retain(session, PausedSession(len(session.context), False, None))
 
-    def _retain(self, session: Session, paused: PausedSession) -> None:
-        """Rank the session's KV as the retention policy ranks ``paused``."""
+    def _end_hold(self, session: Session) -> None:
+        """Forget a finished turn's hold (its timers and its retained pages)."""
+        if session.ended_at is None:
+            return
+        session.ended_at = None
+        self._timers.cancel(session.id, T.HOLD_END, T.RANK)
+        self._usage(session).release(session.id)
+
+    def _retain(self, session: Session, paused: PausedSession) -> bool:
+        """Rank the session's KV as the retention policy ranks ``paused``, and set its
+        ``RANK`` timer for when that rank may have changed (`RetentionPolicy.valid_for`), as
+        long as it has KV (in a cache entry or a host copy)."""
         rank, priority = self._retention.retention(paused)
-        self.engine.kv.set_retention(SessionTag.session(session.id), rank, priority)
+        tag = SessionTag.session(session.id)
+        held = self.engine.kv.set_retention(tag, rank, priority)
+        # Only KV that exists is ranked again: a session whose KV was evicted has nothing
+        # to rank, so the work of ranks follows what memory holds, not how many sessions wait.
+        valid = self._retention.valid_for(paused) if paused.awaiting_tool and (
+            held or self.engine.kv.offloaded_tokens(tag)) else None
+        if valid is None:
+            self._timers.cancel(session.id, T.RANK)
+        else:
+            self._timers.set(session.id, T.RANK, self._clock() + valid)
+        return bool(held) or bool(self.engine.kv.offloaded_tokens(tag))
 
     def _apply_retention(self, session: Session) -> None:
+        """Rank an awaiting session's KV by how long its tool has run and is expected to
+        (a session demoted by its owner's fair share: as an ordinary entry)."""
         window = session.window
         assert window is not None
+        if session.demoted:
+            self._retain(session, PausedSession(len(session.context), False, None))
+            return
         waited = self._clock() - window.started
         remaining = None if window.expected_s is None else window.expected_s - waited
-        self._retain(session, PausedSession(len(session.context), True, remaining, waited))
-        tag = SessionTag.session(session.id)
-        lead = self.config.prefetch_lead_s
-        # Prefetch in the window around the expected return only: a call well past it is
-        # not coming back any sooner for that, and restoring it whenever pages are free
-        # would copy it back and forth (the resume restores it anyway). Nor while a request
-        # waits for memory: the copy would take the pages it waits for and be evicted again
-        # before the resume (48 of 50 prefetches were, in a modelled replay whose sessions
-        # needed twice the KV memory there was).
-        if (self.config.prefetch and remaining is not None and -lead < remaining <= lead
-                and not self.engine.memory_short()
-                and self.engine.kv.offloaded_tokens(tag)):
-            self.engine.kv.restore(tag)  # prefetch: back before the tool returns, if room
+        held = self._retain(session, PausedSession(len(session.context), True, remaining,
+                                                   waited))
+        self._count_retained(session, held)
+
+    def _count_retained(self, session: Session, held: bool) -> None:
+        """Count the session's KV as retained by its owner (once, as when it paused), while
+        it has any (``held``: in a cache entry or a host copy)."""
+        usage = self._usage(session)
+        if not held:
+            usage.release(session.id)
+        elif session.id not in usage.retained:
+            usage.retain(session.id, self._pages(len(session.context)))
+
+    def _fit_shares(self, paused: Session) -> None:
+        """After ``paused`` retained its KV: while some owner's paused sessions retain more
+        than its share (the pool divided among the owners holding KV, or the quota's
+        ``max_kv_pages`` if lower), its least recently paused one becomes an ordinary cache
+        entry (see `edmm.agent.owners`). A lone owner keeps the whole pool."""
+        holders = [u for u in self._owners.values() if u.retained_pages or u.running_pages]
+        cap = self.config.quota.max_kv_pages
+        if len(holders) < 2 and cap is None:
+            return
+        share = self._pool_pages // max(1, len(holders))
+        share = share if cap is None else min(share, cap)
+        for usage in holders:
+            while usage.retained and usage.retained_pages + usage.running_pages > share:
+                session_id = next(iter(usage.retained))
+                usage.release(session_id)
+                if self._has_kv(session_id):  # else evicted since: only the count was stale
+                    self._demote(self._sessions[session_id])
+
+    def _has_kv(self, session_id: str) -> bool:
+        """Whether the session's own KV is in a cache entry or a host copy."""
+        tag = SessionTag.session(session_id)
+        return bool(self.engine.kv.tagged(tag) or self.engine.kv.offloaded_tokens(tag))
+
+    def _demote(self, session: Session) -> None:
+        """The session's KV loses its retention (an ordinary cache entry) until it resumes."""
+        if session.state == S.AWAITING_TOOL:
+            session.demoted = True
+            self._apply_retention(session)
+        elif session.ended_at is not None:
+            self._release(session)
 
     def _expected_duration(self, calls: Iterable[ToolCall]) -> float | None:
         """The longest expected duration among the calls' tools (learned, else declared)."""

@@ -65,3 +65,19 @@ class UnknownPolicyError(AgentError, KeyError):
 
     def __str__(self) -> str:
         return str(self.args[0]) if self.args else ""
+
+
+class QuotaExceededError(AgentError):
+    """A turn would take its owner past a `edmm.agent.owners.KeyQuota` bound; nothing was
+    queued. ``resource``: ``"sessions"``, ``"awaiting"`` or ``"kv_pages"``;
+    ``retry_after_s``: when the bound may let it through (a tool deadline, or soon)."""
+
+    def __init__(self, owner: object, resource: str, limit: int, retry_after_s: float) -> None:
+        self.owner = owner
+        self.resource = resource
+        self.limit = limit
+        self.retry_after_s = retry_after_s
+        what = {"sessions": "sessions", "awaiting": "sessions awaiting tool results",
+                "kv_pages": "KV pages"}[resource]
+        super().__init__(f"over the quota of {limit} {what} per client; retry in "
+                         f"{retry_after_s:.0f} s, or end sessions it no longer needs")

@@ -16,6 +16,8 @@ from edmm.agent.registry import Registry
 from edmm.engine.prefix_cache import EntryRank
 
 MIN_REMAINING_S = 0.01  # a tool past its expected duration is treated as returning now
+RANK_FRACTION = 0.25  # a rank is computed again once its estimate may be off by this much
+MIN_RANK_S = 0.05  # ... but not more often than this
 
 
 @dataclass(frozen=True)
@@ -39,6 +41,11 @@ class RetentionPolicy(abc.ABC):
     @abc.abstractmethod
     def retention(self, session: PausedSession) -> tuple[EntryRank, float]:
         """``(rank, priority)``: higher ranks and priorities are evicted later."""
+
+    def valid_for(self, session: PausedSession) -> float | None:
+        """Seconds until the rank `retention` gives ``session`` should be computed again
+        (its tool has run on meanwhile); None: it never changes while the session waits."""
+        return None
 
 
 RETENTION_POLICIES: Registry[RetentionPolicy] = Registry("retention policy")
@@ -87,6 +94,11 @@ class CostPolicy(RetentionPolicy):
             return EntryRank.PLAIN, 0.0
         return EntryRank.RETAINED, session.num_tokens / remaining_estimate(session)
 
+    def valid_for(self, session: PausedSession) -> float | None:
+        """The priority moves with `remaining_estimate`: computed again once that may have
+        changed by `RANK_FRACTION` (a few dozen times over a long tool call)."""
+        return max(MIN_RANK_S, RANK_FRACTION * remaining_estimate(session))
+
 
 @RETENTION_POLICIES.register("ttl")
 class TTLPolicy(RetentionPolicy):
@@ -101,3 +113,8 @@ class TTLPolicy(RetentionPolicy):
         if session.awaiting_tool and remaining is not None and remaining > 0:
             return EntryRank.RETAINED, 0.0
         return EntryRank.PLAIN, 0.0
+
+    def valid_for(self, session: PausedSession) -> float | None:
+        """Retained until the expected duration has passed."""
+        remaining = session.expected_remaining_s
+        return remaining if remaining is not None and remaining > 0 else None

@@ -36,11 +36,14 @@ class Session:
     resume_started: float | None = None  # clock time of `resume` (RESUMING)
     prompt_len: int = 0  # the last turn's prompt: context[:prompt_len]
     finished_request_id: str | None = None  # the last turn that finished (not aborted)
+    last_request_id: str | None = None  # the last turn submitted (running, ended or aborted)
     previous: list[int] = field(default_factory=list)  # context before the running turn
     owner: str | None = None  # the client it belongs to (opaque to the agent layer)
     cache_salt: str | None = None  # its last turn's (`Request.cache_salt`): speculation's too
     ordinal: int = 0  # the order it started in among the agent engine's sessions
     ended_at: float | None = None  # FINISHED, its end not reported yet: clock time it ended
+    unreported: bool = False  # its last turn finished, `end_turn` / `await_tools` not called
+    demoted: bool = False  # AWAITING_TOOL past its owner's fair share: its KV not retained
     metrics: SessionMetrics = field(init=False)
 
     def __post_init__(self) -> None:

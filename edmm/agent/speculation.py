@@ -41,6 +41,7 @@ class ToolWindow:
 
 
 MAX_CHARS_PER_TOKEN = 32  # a bound on text one token covers: past budget * this, stop folding
+MAX_TAIL_CHARS = 256  # the most text encoded again with each chunk (`StreamFold.tail`)
 
 
 @dataclass
@@ -49,7 +50,11 @@ class StreamFold:
 
     Only new text is tokenized: the text up to the last whitespace of what arrived is encoded
     once and kept (``ids``); the rest (``tail``, a word that may go on) is encoded again with
-    the next chunk. The work per call is bounded by the context: once the prompt would pass
+    the next chunk. A tail past `MAX_TAIL_CHARS` (text without whitespace: minified JSON,
+    base64) is cut where a letter or digit meets punctuation (a pre-token boundary of byte-level
+    BPE tokenizers), else anywhere, so each chunk costs its own length plus at most
+    `MAX_TAIL_CHARS` (the ids may then differ from the whole text's at such a cut: speculation
+    reuses less). The work per call is bounded by the context: once the prompt would pass
     ``max_tokens`` (or the text past it is cut), the fold is ``full`` and speculates no more.
     Speculation only: the prompt of the resume is the client's, tokenized whole.
     """
@@ -86,9 +91,20 @@ class StreamFold:
             if len(text) > limit:
                 text, self.full = text[:limit], True
         cut = _last_boundary(text)
+        if len(text) - cut > MAX_TAIL_CHARS:
+            cut = _forced_boundary(text, len(text) - MAX_TAIL_CHARS // 2)
         if cut > 0:
             self.ids += encode(text[:cut])
         self.tail = text[cut:]
+
+
+def _forced_boundary(text: str, end: int) -> int:
+    """Index of the last place before ``end`` (and past ``end - MAX_TAIL_CHARS // 2``) where
+    punctuation follows a letter or digit; ``end`` if there is none."""
+    for i in range(end, max(0, end - MAX_TAIL_CHARS // 2), -1):
+        if text[i - 1].isalnum() and not text[i].isalnum() and not text[i].isspace():
+            return i
+    return end
 
 
 def _last_boundary(text: str) -> int:

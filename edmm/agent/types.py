@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from edmm.agent.gate import SpeculationGate
+from edmm.agent.owners import KeyQuota
 from edmm.engine.errors import EngineConfigError
 
 ToolContent = str | Sequence[int]  # text (tokenized with the model's tokenizer) or token ids
@@ -226,6 +227,8 @@ class AgentConfig:
             A server knows only once it has parsed the reply, one or two engine steps later;
             without the hold the session's KV is an ordinary entry meanwhile, the first to be
             evicted (and not offloaded) when other sessions' KV is retained. 0: not held.
+        quota: what one owner (a client) may hold (`edmm.agent.owners.KeyQuota`), checked
+            by `AgentEngine.admit`; the default bounds nothing.
         admission_bound_s: under the ``program`` and ``resumes-first`` orders, a turn that has
             waited this many seconds for its first token goes ahead of every turn that has not
             (arrival order among them): a bound on how long an order that favours some
@@ -245,6 +248,7 @@ class AgentConfig:
     admission: str = "program"
     admission_bound_s: float | None = 0.5
     report_window_s: float = 5.0
+    quota: KeyQuota = field(default_factory=KeyQuota)
 
     @classmethod
     def off(cls) -> AgentConfig:

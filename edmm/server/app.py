@@ -116,7 +116,7 @@ def _document_chat_body(app: FastAPI) -> None:
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(request: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers or None)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
@@ -209,8 +209,16 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
 
         if body.stream:
             return EventStreamResponse(serving.chat_stream(body, turn, more), abort,
-                                       headers=headers)
-        result = await _until_disconnected(request, serving.chat_completion(body, turn, more))
+                                       headers=headers,
+                                       unreached=lambda: serving.unreached(turn))
+        try:
+            result = await _until_disconnected(request,
+                                               serving.chat_completion(body, turn, more))
+        except BaseException:  # the response carries no session name
+            serving.unreached(turn)
+            raise
+        if isinstance(result, Response):  # the client left
+            serving.unreached(turn)
         return _json(result, headers)
 
     @app.post("/v1/responses", response_model=None)
@@ -232,9 +240,15 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
         headers = {SESSION_HEADER: turn.session_id}
         if body.stream:
             events = ResponseEvents(body).events(serving.chat_stream(chat, turn))
-            return EventStreamResponse(events, lambda: serving.abort(turn), headers=headers)
-        result = await _until_disconnected(request, serving.chat_completion(chat, turn))
-        if isinstance(result, Response):
+            return EventStreamResponse(events, lambda: serving.abort(turn), headers=headers,
+                                       unreached=lambda: serving.unreached(turn))
+        try:
+            result = await _until_disconnected(request, serving.chat_completion(chat, turn))
+        except BaseException:  # the response carries no session name
+            serving.unreached(turn)
+            raise
+        if isinstance(result, Response):  # the client left
+            serving.unreached(turn)
             return result
         return JSONResponse(from_chat(body, result), headers=headers)
 
@@ -284,18 +298,31 @@ def _add_edmm_routes(app: FastAPI, state: ServerState) -> None:
 class EventStreamResponse(StreamingResponse):
     """Server-sent events of engine requests, which ``abort`` aborts however the response ends
     (even when the client leaves before the first event, and the body never starts); a
-    finished request is left as it is."""
+    finished request is left as it is. ``unreached`` runs instead when the response's start
+    (its headers) could not be sent."""
 
     def __init__(self, events: AsyncIterator[str], abort: Callable[[], None],
-                 headers: dict[str, str] | None = None) -> None:
+                 headers: dict[str, str] | None = None,
+                 unreached: Callable[[], None] | None = None) -> None:
         super().__init__(events, media_type="text/event-stream", headers=headers)
         self._abort = abort
+        self._unreached = unreached
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        started = False
+
+        async def sending(message: Any) -> None:
+            nonlocal started
+            await send(message)
+            started = started or message["type"] == "http.response.start"
+
         try:
-            await super().__call__(scope, receive, send)
+            await super().__call__(scope, receive, sending)
         finally:
-            self._abort()
+            if started or self._unreached is None:
+                self._abort()
+            else:
+                self._unreached()
 
 
 def _json(result: ChatCompletion | Completion | Response,

@@ -8,6 +8,8 @@ result, same errors):
 
 - a body that fails the one-pass validation, is empty, or is not sent as JSON (its errors are
   then built as FastAPI builds them: ``RequestValidationError`` with locations under ``body``);
+- JSON nested deeper than the one-pass parser's limit (200 levels) is a 400 at once, never
+  handed to ``json.loads`` (whose recursion would end in a ``RecursionError``);
 - among those, a body whose JSON holds a lone surrogate escape (``"\\ud800"``): the one-pass
   parser refuses it as invalid JSON, ``json.loads`` accepts it, and `check_text` then names it
   (a 400 ``invalid_text``, as before).
@@ -61,9 +63,23 @@ def parse_body(model: type[M], body: bytes, content_type: str | None) -> ParsedB
     if body and is_json(content_type):
         try:
             return ParsedBody(model.model_validate_json(body), True)
-        except ValidationError:
-            pass  # the errors are built the way FastAPI builds them
+        except ValidationError as e:
+            if _too_deep(e):
+                raise _nested_too_deeply() from None
+            # else the errors are built the way FastAPI builds them
     return ParsedBody(_fastapi_way(model, body, content_type), False)
+
+
+def _too_deep(error: ValidationError) -> bool:
+    """Whether the one-pass parser stopped at its nesting limit (pydantic's JSON parser
+    refuses JSON nested deeper than 200 arrays and objects)."""
+    return any(e["type"] == "json_invalid" and "recursion limit" in e["msg"]
+               for e in error.errors(include_url=False))
+
+
+def _nested_too_deeply() -> RequestValidationError:
+    return RequestValidationError([{"type": "json_invalid", "loc": ("body",),
+                                    "msg": "JSON nested too deeply", "input": {}}])
 
 
 def _fastapi_way(model: type[M], body: bytes, content_type: str | None) -> M:
@@ -84,6 +100,8 @@ def _fastapi_way(model: type[M], body: bytes, content_type: str | None) -> M:
         except UnicodeDecodeError as e:  # not UTF-8 (nor UTF-16/32)
             raise HTTPException(status_code=400,
                                 detail="There was an error parsing the body") from e
+        except RecursionError:  # deeper than Python's stack, which the parser above refused
+            raise _nested_too_deeply() from None
     try:  # from attributes, as FastAPI validates a body field (its error for a non-object)
         return model.model_validate(value, from_attributes=True)
     except ValidationError as e:

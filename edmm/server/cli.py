@@ -41,8 +41,11 @@ from edmm.model.kv_quant import KV_CACHE_DTYPES
 from edmm.model.loader import LOAD_FORMATS
 from edmm.server.collector import raise_threshold
 from edmm.server.http_guard import DEFAULT_MAX_BODY_BYTES
+from edmm.server.read_timeouts import BODY_TIMEOUT_S, HEADER_TIMEOUT_S, read_timeout_protocol
 from edmm.server.shutdown import DEFAULT_SHUTDOWN_TIMEOUT_S
 from edmm.server.state import (
+    DEFAULT_MAX_AWAITING_PER_KEY,
+    DEFAULT_MAX_SESSIONS_PER_KEY,
     DEFAULT_MAX_TOOL_OUTPUT_BYTES,
     OFFLOAD_SHARE,
     TINY_MODEL_NAME,
@@ -302,6 +305,13 @@ def _agent_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tool-timeout-s", type=float_at_least(0.0), default=None,
                         help="seconds a session may await its tool results (default: "
                              f"{default.tool_timeout_s:g})")
+    for flag, bound, what in (
+            ("--max-sessions-per-key", DEFAULT_MAX_SESSIONS_PER_KEY, "sessions"),
+            ("--max-awaiting-per-key", DEFAULT_MAX_AWAITING_PER_KEY, "sessions awaiting tools"),
+            ("--max-kv-pages-per-key", 0, "KV pages")):
+        parser.add_argument(flag, type=int_at_least(0), default=bound,
+                            help=f"{what} one API key may hold (429 past it; 0: no bound; "
+                                 "default %(default)s)")
 
 
 def _limit_arguments(parser: argparse.ArgumentParser) -> None:
@@ -313,6 +323,14 @@ def _limit_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-tool-output-mib", type=float,
                         default=DEFAULT_MAX_TOOL_OUTPUT_BYTES / 2**20,
                         help="largest chunk of one tool_output call in MiB (413 past it)")
+    parser.add_argument("--header-timeout-s", type=float_at_least(0.001),
+                        default=HEADER_TIMEOUT_S,
+                        help="seconds a request's headers may take to arrive (the "
+                             "connection is closed past it)")
+    parser.add_argument("--body-timeout-s", type=float_at_least(0.001),
+                        default=BODY_TIMEOUT_S,
+                        help="seconds a request's body may pause (the connection is closed "
+                             "past it)")
     parser.add_argument("--cache-salt-per-key", action="store_true",
                         help="share cached prefixes only among requests of one API key "
                              "(usage.cached_tokens then tells nothing across clients)")
@@ -382,6 +400,10 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         chat_template=args.chat_template,
         max_body_bytes=int(args.max_body_mib * 2**20),
         max_tool_output_bytes=int(args.max_tool_output_mib * 2**20),
+        max_sessions_per_key=args.max_sessions_per_key or None,
+        max_awaiting_per_key=args.max_awaiting_per_key or None,
+        max_kv_pages_per_key=args.max_kv_pages_per_key or None,
+        header_timeout_s=args.header_timeout_s, body_timeout_s=args.body_timeout_s,
         cache_salt_per_key=args.cache_salt_per_key, allowed_hosts=args.allowed_hosts,
         api_docs=args.api_docs and not args.disable_fastapi_docs,
         api_keys=_api_keys(args.api_key), force_include_usage=args.enable_force_include_usage,
@@ -654,7 +676,9 @@ def serve(config: ServerConfig, log_level: str = "info",
                                log_level=options.log_level, access_log=options.access_log,
                                ssl_keyfile=options.ssl_keyfile,
                                ssl_certfile=options.ssl_certfile,
-                               ssl_ca_certs=options.ssl_ca_certs)
+                               ssl_ca_certs=options.ssl_ca_certs,
+                               http=read_timeout_protocol(config.header_timeout_s,
+                                                          config.body_timeout_s))
     finally:
         state.close()
 

@@ -2,11 +2,14 @@
 
 The engine is not thread-safe, so exactly one thread touches it: `EngineLoop` runs that thread.
 It executes commands (submit, abort, any call into the engine) between steps, steps while any
-request is unfinished, and sleeps on its command queue when idle. Before it sleeps it lets the
-engine reclaim memory (`SteppableEngine.reclaim`: slots retired by zero-copy commits), so an
-idle server holds no more pages than its cache entries, within one pass of the loop after the
-last request finishes or the last command (e.g. a session's DELETE) runs; then it runs its
-``on_idle`` hook (the server's: a young garbage collection, `edmm.server.collector`). Each
+request is unfinished, and sleeps on its command queue when idle, at most until the engine's
+next timer (`SteppableEngine.next_timer_s`: a tool deadline), which it then runs
+(`SteppableEngine.tick`) without waiting for a request. Before it sleeps it runs the timers
+due and lets the engine reclaim memory (`SteppableEngine.reclaim`: slots retired by zero-copy
+commits, sessions abandoned by a timer), so an idle server holds no more pages than its cache
+entries, within one pass of the loop after the last request finishes, the last command (e.g.
+a session's DELETE) runs or a timer comes up; then it runs its ``on_idle`` hook (the
+server's: a young garbage collection, `edmm.server.collector`). Each
 request's
 outputs go to an `asyncio.Queue` on the event loop that asked for them (``call_soon_threadsafe``).
 
@@ -54,10 +57,19 @@ class SteppableEngine(Protocol):
         """Release memory held for no request (called when idle); return how much."""
         ...
 
+    def tick(self) -> int:
+        """Run the timers that are due (called when idle; a step runs its own)."""
+        ...
+
+    def next_timer_s(self) -> float | None:
+        """Seconds until the next timer is due (None: none)."""
+        ...
+
 
 E = TypeVar("E", bound=SteppableEngine)
 _Item = RequestOutput | BaseException
 HANDBACK_WAIT_S = 0.001  # `EngineLoop`'s default bound on waiting for first outputs taken
+TIMER_RETRY_S = 1.0  # after the engine's timers failed, when the idle loop tries them again
 
 
 class _Stream:
@@ -264,9 +276,8 @@ class EngineLoop(Generic[E]):
         try:
             while not self._stopping:
                 idle = not self.engine.has_unfinished()
-                if idle:
-                    self._idle()
-                self._run_commands(block=idle)
+                wake = self._idle() if idle else None
+                self._run_commands(block=idle, timeout=wake)
                 if not self._stopping and self.engine.has_unfinished():
                     self._step()
         except BaseException as e:  # a bug: report it on /health, fail every request
@@ -276,7 +287,16 @@ class EngineLoop(Generic[E]):
             self._stopping = True
             self._fail_all(ServiceUnavailableError("the engine stopped"))
 
-    def _idle(self) -> None:
+    def _idle(self) -> float | None:
+        """Run the due timers, reclaim memory, run the idle hook; the seconds until the next
+        timer (None: none)."""
+        wake = None
+        try:
+            self.engine.tick()
+            wake = self.engine.next_timer_s()
+        except Exception:  # a bug: the timers run again at the next step or wake-up
+            logger.exception("the engine's timers failed")
+            wake = TIMER_RETRY_S
         try:
             self.engine.reclaim()
         except Exception:  # memory stays held until the next try; serving carries on
@@ -286,10 +306,13 @@ class EngineLoop(Generic[E]):
                 self._on_idle()
             except Exception:
                 logger.exception("the idle hook failed")
+        return wake
 
-    def _run_commands(self, block: bool) -> None:
+    def _run_commands(self, block: bool, timeout: float | None = None) -> None:
+        """Run the queued commands; with ``block``, wait for one first (at most ``timeout``
+        seconds; None: as long as it takes)."""
         try:
-            command = self._commands.get(block=block)
+            command = self._commands.get(block=block, timeout=timeout if block else None)
             while True:
                 if command is None:
                     self._stopping = True

@@ -8,6 +8,7 @@ bug: it becomes a 500 with the same shape, and the server keeps running.
 
 from __future__ import annotations
 
+import math
 from http import HTTPStatus
 from typing import Any
 
@@ -30,6 +31,11 @@ class APIError(Exception):
     def body(self) -> dict[str, Any]:
         """The OpenAI error object."""
         return error_body(self.message, self.type, self.param, self.code)
+
+    @property
+    def headers(self) -> dict[str, str]:
+        """HTTP headers of the error response."""
+        return {}
 
 
 class BadRequestError(APIError):
@@ -74,6 +80,23 @@ class PayloadTooLargeError(APIError):
 
     status = HTTPStatus.REQUEST_ENTITY_TOO_LARGE
     type = "invalid_request_error"
+
+
+class TooManyRequestsError(APIError):
+    """The client is over one of its quotas (429); ``retry_after_s``: when to try again
+    (the ``Retry-After`` header, whole seconds, at least 1)."""
+
+    status = HTTPStatus.TOO_MANY_REQUESTS
+    type = "rate_limit_error"
+
+    def __init__(self, message: str, retry_after_s: float, *, param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message, param=param, code=code)
+        self.retry_after_s = retry_after_s
+
+    @property
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(max(1, math.ceil(self.retry_after_s)))}
 
 
 class ServiceUnavailableError(APIError):

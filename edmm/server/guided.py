@@ -69,6 +69,11 @@ _JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flex
                  "lenient": True}
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 _VERDICTS = 1024  # grammars whose verdict is remembered
+# The default bound of a forced call's string arguments (`GuidedDecoding`): a file of a few
+# hundred lines; a schema's own maxLength overrides it.
+FORCED_STRING_CHARS = 8192
+_STRING_BOUNDS = ("maxLength", "enum", "const", "pattern", "format")
+_LITERAL_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
 # Bounds that no value meets when the first is over the second (llguidance drops such an
 # optional property silently instead of refusing the schema).
 _BOUND_PAIRS = (("minimum", "maximum"), ("minLength", "maxLength"), ("minItems", "maxItems"),
@@ -243,11 +248,17 @@ class GuidedDecoding:
 
     With ``isolated`` (the server), `start` starts the probe process that `check_isolated`
     uses; without, grammars are checked in the calling thread (`check`).
+    ``forced_string_chars``: the most characters of a string in a forced call's arguments
+    whose schema sets no bound of its own (no ``maxLength``, ``enum``, ``const``, ``pattern``
+    or ``format``): without one a model can write a string argument until the context is
+    full; None: unbounded.
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_id: int,
                  budget: GrammarBudget | None = None, limits: GrammarLimits | None = None,
-                 isolated: bool = False) -> None:
+                 isolated: bool = False,
+                 forced_string_chars: int | None = FORCED_STRING_CHARS) -> None:
+        self.forced_string_chars = forced_string_chars
         self.spec = TokenizerSpec(_tokenizer_json(tokenizer), vocab_size, eos_token_id)
         self._llt = self.spec.build()
         self.budget = budget or GrammarBudget()
@@ -302,9 +313,10 @@ class GuidedDecoding:
         """The grammar forcing one call (several if ``parallel``) of one of ``functions``."""
         if not functions:
             raise BadRequestError("a forced tool choice needs at least one tool", param="tools")
+        bound = self.forced_string_chars
         rules = [f"call_{i}: {_lark_string(_call_prefix(f.name))} "
-                 f"{_lark_json(f.parameters or _ANY_OBJECT, 'tools')} \"}}\""
-                 for i, f in enumerate(functions)]
+                 f"{_lark_json(bounded_strings(f.parameters or _ANY_OBJECT, bound), 'tools')}"
+                 ' "}"' for i, f in enumerate(functions)]
         alternatives = " | ".join(f"call_{i}" for i in range(len(functions)))
         lark = "\n".join([
             'start: block ("\\n" block)*' if parallel else "start: block",
@@ -486,6 +498,25 @@ def _check_bounds(schema: Any, param: str) -> None:
                     raise BadRequestError(f"invalid JSON schema: {low} ({lo}) is greater than "
                                           f"{high} ({hi})", param=param)
             stack.extend(item.values())
+
+
+def bounded_strings(schema: Any, most: int | None) -> Any:
+    """``schema`` with ``maxLength: most`` on every string subschema that bounds its strings
+    in no other way (see `GuidedDecoding`); literal values (``const``, ``enum``, ``default``,
+    ``examples``) are left as they are. A copy; None: ``schema`` itself."""
+    if most is None:
+        return schema
+    if isinstance(schema, list):
+        return [bounded_strings(item, most) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    out = {k: v if k in _LITERAL_KEYWORDS else bounded_strings(v, most)
+           for k, v in schema.items()}
+    kind = schema.get("type")
+    if (kind == "string" or (isinstance(kind, list) and "string" in kind)) and not any(
+            k in schema for k in _STRING_BOUNDS):
+        out["maxLength"] = most
+    return out
 
 
 def _call_prefix(name: str) -> str:

@@ -1,10 +1,12 @@
 """Prometheus metrics: one registry per app, filled from a snapshot taken on the engine thread.
 
-Engine-side values (KV pages, session states, speculation outcomes, prefix hits) are read when
-``/metrics`` is scraped, in one call on the engine thread, so they are consistent with each
-other; request counters kept by the HTTP layer live in `RequestCounters`, its latency
-histograms in `edmm.server.latency`. With ``vllm_names`` the page also carries vLLM's names of
-the same values (``vllm:num_requests_running``, ``vllm:kv_cache_usage_perc``,
+Engine-side values (KV pages, session states, speculation outcomes, prefix hits, what each
+client holds) are read when ``/metrics`` is scraped, in one call on the engine thread, so they
+are consistent with each other; request counters kept by the HTTP layer live in
+`RequestCounters`, its latency histograms in `edmm.server.latency`. Per-client series carry a
+``key`` label: the owner's name (`edmm.server.sessions.owner_of`, a hash of its API key, or
+``anonymous``), for the clients that hold sessions. With ``vllm_names`` the page also carries
+vLLM's names of the same values (``vllm:num_requests_running``, ``vllm:kv_cache_usage_perc``,
 ``vllm:prefix_cache_hits_total`` ..., labels ``model_name`` and ``engine``).
 """
 
@@ -18,7 +20,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
-from edmm.agent import AgentStats, SessionState
+from edmm.agent import AgentStats, OwnerStats, SessionState
 from edmm.engine import EngineStats
 from edmm.server.latency import VLLM_ENGINE, LatencyMetrics
 from edmm.server.sessions import ServerSessions
@@ -45,11 +47,14 @@ class EngineSnapshot:
     sessions: AgentStats
     num_steps: int
     num_running: int  # requests with a listener, not finished
+    owners: dict[str | None, OwnerStats] = field(default_factory=dict)
 
     @classmethod
     def take(cls, sessions: ServerSessions, num_steps: int, num_running: int) -> EngineSnapshot:
         """The engine's and the agent layer's snapshots (call on the engine thread)."""
-        return cls(sessions.engine.stats(), sessions.agent.stats(), num_steps, num_running)
+        agent = sessions.agent
+        return cls(sessions.engine.stats(), agent.stats(), num_steps, num_running,
+                   agent.owner_stats())
 
 
 class ServerMetrics(Collector):
@@ -77,6 +82,7 @@ class ServerMetrics(Collector):
         yield from self._session_metrics(snap.sessions)
         yield from self._engine_metrics(snap)
         yield from self._request_metrics(snap)
+        yield from self._key_metrics(snap.owners)
         if self.vllm_names:
             yield from self._vllm_metrics(snap)
 
@@ -193,3 +199,26 @@ class ServerMetrics(Collector):
         for reason in ("stop", "length", "abort"):
             success.add_metric([*values, reason], reasons.get(reason, 0))
         yield success
+
+    def _key_metrics(self, owners: dict[str | None, OwnerStats],
+                     ) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        labels = ["model_name", "key"]
+        sessions = GaugeMetricFamily("edmm_key_sessions", "Live sessions of a client.",
+                                     labels=labels)
+        awaiting = GaugeMetricFamily("edmm_key_awaiting_sessions",
+                                     "Sessions of a client awaiting tool results.",
+                                     labels=labels)
+        pages = GaugeMetricFamily("edmm_key_kv_pages", "KV pages a client holds: retained "
+                                  "by its paused sessions and its running turns' prompts.",
+                                  labels=labels)
+        refused = CounterMetricFamily("edmm_key_quota_refusals",
+                                      "Turns of a client refused (429) by a quota.",
+                                      labels=[*labels, "quota"])
+        for owner, stats in owners.items():
+            key = [self.model_name, "none" if owner is None else owner]
+            sessions.add_metric(key, stats.sessions)
+            awaiting.add_metric(key, stats.awaiting)
+            pages.add_metric(key, stats.kv_pages)
+            for quota, count in stats.refused.items():
+                refused.add_metric([*key, quota], count)
+        yield from (sessions, awaiting, pages, refused)

@@ -261,12 +261,16 @@ class EdmmExtension(_Strict):
             rejects, or longer than the context, is ignored.
         expected_tool_duration_s: how long the client expects the tools of this response to
             run; guides whether the session's KV is kept, offloaded or dropped meanwhile.
+        discard_pending_calls: the session this request names awaits tool results that the
+            request does not carry: drop those calls and start a new turn (without it, such
+            a request is a 409 and the session keeps waiting for them).
     """
 
     session_id: str | None = Field(default=None, min_length=1, max_length=256)
     predicted_tool_results: dict[str, str] = Field(default_factory=dict)
     predicted_next_messages: list[ChatMessage] | None = None
     expected_tool_duration_s: float | None = Field(default=None, ge=0)
+    discard_pending_calls: bool = False
 
     @field_validator("predicted_next_messages")
     @classmethod

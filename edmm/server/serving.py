@@ -59,7 +59,12 @@ from edmm.server.protocol import (
 from edmm.server.sessions import ANONYMOUS, ServerSessions
 from edmm.server.stages import NO_TRACE, StageLog, Tracer
 from edmm.server.templates import TemplateLimits
-from edmm.server.tool_parser import ParsedReply, StreamingToolParser, parse_reply
+from edmm.server.tool_parser import (
+    CallFragment,
+    ParsedReply,
+    StreamingToolParser,
+    parse_reply,
+)
 from edmm.server.turns import ChatTurns, Turn
 from edmm.server.validation import check_conversation, check_text, check_tool_names
 
@@ -153,6 +158,12 @@ class OpenAIServing:
         """Abort a queued turn's request (no-op once it finished)."""
         if turn.stream is not None:
             turn.stream.abort()
+
+    def unreached(self, turn: Turn) -> None:
+        """Abort a queued turn whose response will not reach its client, and close the
+        session it made under a server-made name (`ChatTurns.unreached`)."""
+        self.abort(turn)
+        self.turns.unreached(turn)
 
     async def more_choices(self, req: ChatCompletionRequest, turn: Turn) -> list[OutputStream]:
         """Queue choices 1..n-1 of a chat with ``n > 1``: the turn's prompt as plain requests
@@ -408,10 +419,12 @@ class _ChatStream:
         last, parser, events = self.last[index], self.parsers[index], ""
         reply = ParsedReply(self.content[index] or None, [])
         if parser is not None and last is not None:
-            rest = parser.finish(last.outputs[0].text)  # an unclosed or invalid block
-            if rest:
+            # an unclosed or invalid block: its content, and the closing of its arguments
+            rest, closing = parser.finish(last.outputs[0].text)
+            if rest or closing:
                 self.content[index] += rest
-                events += self.chunk(index, ChatDelta(content=rest))
+                events += self.chunk(index, ChatDelta(content=rest or None,
+                                                      tool_calls=_call_deltas(closing) or None))
             reply = ParsedReply(self.content[index] or None, list(parser.calls), parser.cut)
         serving = self.serving
         reason = (await serving.finish_turn(self.turn, last, reply) if index == 0
@@ -570,11 +583,14 @@ def _chat_delta(parser: StreamingToolParser | None, text: str,
     content, fragments = parser.feed(text)
     if not content and not fragments:
         return None, sent
+    return ChatDelta(content=content or None, tool_calls=_call_deltas(fragments) or None), sent
+
+
+def _call_deltas(fragments: Sequence[CallFragment]) -> list[ToolCallDelta]:
     # "type" on every piece: the openai SDK's accumulation overwrites it with each one's.
-    deltas = [ToolCallDelta(index=f.index, id=f.id, type="function",
-                            function=FunctionCallDelta(name=f.name, arguments=f.arguments))
-              for f in fragments]
-    return ChatDelta(content=content or None, tool_calls=deltas or None), sent
+    return [ToolCallDelta(index=f.index, id=f.id, type="function",
+                          function=FunctionCallDelta(name=f.name, arguments=f.arguments))
+            for f in fragments]
 
 
 def _usage(request: Request, out: RequestOutput | None) -> Usage:

@@ -9,16 +9,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from edmm.agent import AgentConfig, AgentEngine
+from edmm.agent import AgentConfig, AgentEngine, KeyQuota
 from edmm.engine import Engine, EngineConfig
 from edmm.engine.tp import build_engine
 from edmm.server.children import forget_semaphores
 from edmm.server.collector import collect_young
 from edmm.server.engine_loop import EngineLoop
 from edmm.server.errors import ServiceUnavailableError
-from edmm.server.guided import GrammarBudget, GuidedDecoding
+from edmm.server.guided import FORCED_STRING_CHARS, GrammarBudget, GuidedDecoding
 from edmm.server.http_guard import DEFAULT_MAX_BODY_BYTES, default_allowed_hosts
 from edmm.server.metrics import ServerMetrics
+from edmm.server.read_timeouts import BODY_TIMEOUT_S, HEADER_TIMEOUT_S
 from edmm.server.serving import OpenAIServing
 from edmm.server.sessions import ServerSessions
 from edmm.server.shutdown import DEFAULT_SHUTDOWN_TIMEOUT_S
@@ -27,6 +28,10 @@ from edmm.server.templates import TemplateLimits
 TINY_MODEL_NAME = "edmm-tiny"
 DEFAULT_MAX_TOOL_OUTPUT_BYTES = 4 << 20
 OFFLOAD_SHARE = 0.5  # of the available memory, for `ServerConfig.kv_offload_cap_bytes`
+# Per-client bounds (`ServerConfig`): half the agent layer's sessions for one client, and as
+# many of them awaiting tools as a large agent fleet keeps in flight.
+DEFAULT_MAX_SESSIONS_PER_KEY = AgentConfig.max_sessions // 2
+DEFAULT_MAX_AWAITING_PER_KEY = 1024
 
 
 @dataclass
@@ -43,7 +48,12 @@ class ServerConfig:
             (`edmm.agent.AgentEngine`, zero-copy commit); False: EDMM off, the same sessions
             with both off (`AgentConfig.off`: prefix caching only).
         tool_timeout_s: seconds a session may await its tool results before it is abandoned
-            and its KV reclaimed (`AgentConfig.tool_timeout_s`).
+            and its KV reclaimed (`AgentConfig.tool_timeout_s`), on a timer that runs on an
+            idle server too.
+        max_sessions_per_key, max_awaiting_per_key, max_kv_pages_per_key: what one client
+            (API key) may hold (`edmm.agent.KeyQuota`; None: no bound): past them a turn is a
+            429 with ``Retry-After``. KV memory is shared fairly across clients whatever the
+            bound (`edmm.agent.owners`).
         engine: further `EngineConfig` fields (``max_model_len``, ``num_pages``, ``dtype``...).
         agent: `AgentConfig` fields that override the default (``execution_aware``) or
             `AgentConfig.off` (``retention``, ``speculation``, ``admission``...): a policy.
@@ -51,9 +61,15 @@ class ServerConfig:
             in a sandbox within ``template_limits``); off: such a request is a 400.
         template_limits: the time, size and loop budget of one client template render.
         grammar_budget: what one request's grammar may cost the engine thread per token.
+        max_forced_string_chars: the most characters of a string argument of a forced tool
+            call whose schema does not bound it (`GuidedDecoding`); None: unbounded.
         max_body_bytes: the largest request body (413 past it).
         max_tool_output_bytes: the largest chunk of one ``tool_output`` call (UTF-8 bytes of
             its content; 413 past it).
+        header_timeout_s, body_timeout_s: a request's headers must arrive within
+            ``header_timeout_s`` of its connection (or of the previous response), its body
+            may pause at most ``body_timeout_s``; past either the connection is closed
+            (`edmm.server.read_timeouts`; ``edmm serve`` applies them).
         cache_salt_per_key: salt every request's prefix-cache key with its client (the API key
             it sends), so clients share no cached prefixes and hit counts tell nothing across.
         allowed_hosts: the ``Host`` names accepted (``"*"``: any); None: the bound address
@@ -79,13 +95,19 @@ class ServerConfig:
     served_model_name: str | None = None
     execution_aware: bool = True
     tool_timeout_s: float = AgentConfig.tool_timeout_s
+    max_sessions_per_key: int | None = DEFAULT_MAX_SESSIONS_PER_KEY
+    max_awaiting_per_key: int | None = DEFAULT_MAX_AWAITING_PER_KEY
+    max_kv_pages_per_key: int | None = None
     engine: dict[str, Any] = field(default_factory=dict)
     agent: dict[str, Any] = field(default_factory=dict)
     allow_client_chat_template: bool = False
     template_limits: TemplateLimits = field(default_factory=TemplateLimits)
     grammar_budget: GrammarBudget = field(default_factory=GrammarBudget)
+    max_forced_string_chars: int | None = FORCED_STRING_CHARS
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_tool_output_bytes: int = DEFAULT_MAX_TOOL_OUTPUT_BYTES
+    header_timeout_s: float = HEADER_TIMEOUT_S
+    body_timeout_s: float = BODY_TIMEOUT_S
     cache_salt_per_key: bool = False
     allowed_hosts: list[str] | None = None
     api_docs: bool = False
@@ -107,7 +129,10 @@ class ServerConfig:
     def agent_config(self) -> AgentConfig:
         """The agent layer's config: EDMM's default or EDMM off, then ``agent``'s fields."""
         base = AgentConfig() if self.execution_aware else AgentConfig.off()
-        return dataclasses.replace(base, tool_timeout_s=self.tool_timeout_s, **self.agent)
+        quota = KeyQuota(self.max_sessions_per_key, self.max_awaiting_per_key,
+                         self.max_kv_pages_per_key)
+        return dataclasses.replace(base, **{"tool_timeout_s": self.tool_timeout_s,
+                                            "quota": quota, **self.agent})
 
     @property
     def model_name(self) -> str:
@@ -150,7 +175,8 @@ class ServerState:
         self.loop: EngineLoop[ServerSessions] = EngineLoop(self.sessions,
                                                            on_idle=collect_young)
         self.metrics = ServerMetrics(config.model_name, vllm_names=config.vllm_metrics)
-        self.guided = _guided(self.engine, tokenizer, config.grammar_budget)
+        self.guided = _guided(self.engine, tokenizer, config.grammar_budget,
+                              config.max_forced_string_chars)
         self.draining = threading.Event()  # set when shutdown starts (`edmm.server.shutdown`)
         self.serving = OpenAIServing(
             self.loop, self.engine, tokenizer, config.model_name, self.metrics, self.guided,
@@ -219,7 +245,8 @@ class ServerState:
         forget_semaphores()
 
 
-def _guided(engine: Engine, tokenizer: Any, budget: GrammarBudget) -> GuidedDecoding | None:
+def _guided(engine: Engine, tokenizer: Any, budget: GrammarBudget,
+            forced_string_chars: int | None) -> GuidedDecoding | None:
     """Constrained decoding for models with a tokenizer (presets have none)."""
     if tokenizer is None:
         return None
@@ -227,4 +254,4 @@ def _guided(engine: Engine, tokenizer: Any, budget: GrammarBudget) -> GuidedDeco
     if eos is None:
         eos = min(engine.eos_token_ids, default=0)
     return GuidedDecoding(tokenizer, engine.model_config.vocab_size, int(eos), budget,
-                          isolated=True)
+                          isolated=True, forced_string_chars=forced_string_chars)

@@ -13,13 +13,17 @@ Streamed, a call goes out as OpenAI sends it: a first fragment with its index, i
 concatenation is the non-streamed call's arguments.
 
 A reply that ends inside a ``<tool_call>`` block (cut by ``max_tokens``, or stopped) is *cut*:
-its complete calls, plus the open one when its name is known (arguments: what was written of
-them), are its tool calls, its content is the text before the first block, the markup is
-never content, and the response keeps the engine's finish reason (``length``). Streamed and
-not streamed give the same result, because the whole parse of a cut reply is the streaming
-parser's. A closed but invalid block makes the whole reply content (`parse_reply`); streamed,
-the fragments already sent for it stay sent (the rest is content), the one case where the two
-differ.
+its complete calls, plus the open one when its name is known, are its tool calls, its content
+is the text before the first block, the markup is never content, and the response keeps the
+engine's finish reason (``length``, or ``stop`` for a stop sequence). The open call's
+arguments are what was written of them up to the last point where JSON can be closed by
+appending (inside a string, after a value, ``{`` or ``[``), closed: every call a response
+carries has arguments that are valid JSON, cut or not. Streamed, argument text goes out only
+up to such a point (a key or a partial number waits for its value), and the closing text is
+the call's last fragment. Streamed and not streamed give the same result, because the whole
+parse of a cut reply is the streaming parser's. A closed but invalid block makes the whole
+reply content (`parse_reply`); streamed, the fragments already sent for it stay sent, closed
+the same way (the rest is content), the one case where the two differ.
 """
 
 from __future__ import annotations
@@ -145,50 +149,167 @@ def _cut_reply(text: str) -> ParsedReply | None:
     """The reply as streamed when it ends inside a block; None if it does not."""
     parser = StreamingToolParser()
     content, _ = parser.feed(text)
-    rest = parser.finish(text)
+    rest, _ = parser.finish(text)
     if not parser.cut:
         return None
     return ParsedReply((content + rest) or None, parser.calls, cut=True)
 
 
+# States of `_OpenCall`'s scan of the arguments' JSON.
+_VALUE, _FIRST_VALUE, _KEY, _FIRST_KEY, _IN_KEY, _COLON, _IN_STRING, _NUMBER, _LITERAL, \
+    _AFTER, _DONE = range(11)
+_LITERALS = {"t": "true", "f": "false", "n": "null"}
+_NUMBER_CHARS = frozenset("0123456789+-.eE")
+_WHITESPACE = frozenset(" \t\n\r")
+_NUMBER_RE = re.compile(r"-?(?:0|[1-9][0-9]*)(?:\.[0-9]+)?(?:[eE][+-]?[0-9]+)?")
+
+
 @dataclass
 class _OpenCall:
     """The block being streamed: where its body starts; once its head (``{"name": ...,
-    "arguments": ``) is read, the call's id and name and how far its arguments are scanned."""
+    "arguments": ``) is read, the call's id and name and how far its arguments are scanned.
+
+    The arguments are scanned as JSON, character by character. ``safe`` is the end of the
+    longest prefix that `closer` turns into valid JSON by appending only (closing an open
+    string and the open arrays and objects): after ``{``, ``[``, a complete value, or inside
+    a string but not inside an escape. Text after it (a key, a ``,``, a partial number or
+    literal) is not released until the JSON reaches the next such point, so what was sent
+    of a call cut anywhere, plus its closer, is always valid JSON."""
 
     body: int
     index: int
     call: ParsedToolCall | None = None
     args_start: int = 0
-    scanned: int = 0  # arguments sent up to here
-    depth: int = 0
-    in_string: bool = False
-    escaped: bool = False
+    scanned: int = 0  # arguments scanned up to here
+    safe: int = 0  # arguments releasable up to here (see the class docstring)
+    sent: int = 0  # arguments sent up to here (streaming)
+    stack: list[str] = field(default_factory=list)  # the open arrays and objects
+    state: int = _VALUE
+    escape: int = 0  # in a string: 1 after a backslash, 2..5 inside a \\uXXXX escape
+    literal: str = ""  # the rest of a literal being written
+    number: str = ""  # the number being written
+    safe_in_string: bool = False
+    error: bool = False  # the arguments are not JSON
     args_end: int | None = None  # the arguments' object closed here
 
-    def scan(self, text: str) -> str:
-        """Advance over ``text`` to its end or the arguments' end; the new argument text."""
-        start = i = self.scanned
-        while i < len(text) and self.args_end is None:
-            ch = text[i]
-            if self.in_string:
-                if self.escaped:
-                    self.escaped = False
-                elif ch == "\\":
-                    self.escaped = True
-                elif ch == '"':
-                    self.in_string = False
-            elif ch == '"':
-                self.in_string = True
-            elif ch in "{[":
-                self.depth += 1
-            elif ch in "}]":
-                self.depth -= 1
-                if self.depth == 0:
-                    self.args_end = i + 1
-            i += 1
-        self.scanned = i
-        return text[start:i]
+    def scan(self, text: str) -> None:
+        """Advance over ``text`` to its end, the arguments' end or an error."""
+        while self.scanned < len(text) and self.args_end is None and not self.error:
+            ch = text[self.scanned]
+            self.scanned += 1
+            if self._char(ch):
+                self.safe, self.safe_in_string = self.scanned, self.state == _IN_STRING
+
+    def closer(self) -> str:
+        """What turns the arguments up to ``safe`` into valid JSON."""
+        if self.args_end is not None:
+            return ""
+        closing = "".join("}" if c == "{" else "]" for c in reversed(self.stack))
+        return ('"' if self.safe_in_string else "") + closing
+
+    def _char(self, ch: str) -> bool:
+        """Take one character; whether the prefix up to it is safe."""
+        state = self.state
+        if state in (_IN_STRING, _IN_KEY):
+            return self._string_char(ch)
+        if state == _NUMBER:
+            if ch in _NUMBER_CHARS:
+                self.number += ch
+                return _NUMBER_RE.fullmatch(self.number) is not None
+            if _NUMBER_RE.fullmatch(self.number) is None:
+                self.error = True
+                return False
+            self.state = _AFTER
+        elif state == _LITERAL:
+            if not self.literal.startswith(ch):
+                self.error = True
+                return False
+            self.literal = self.literal[1:]
+            if self.literal:
+                return False
+            self.state = _AFTER
+            return True
+        if ch in _WHITESPACE:
+            return self.state in (_AFTER, _FIRST_KEY, _FIRST_VALUE) and bool(self.stack)
+        return self._token(ch)
+
+    def _string_char(self, ch: str) -> bool:
+        if self.escape == 1:
+            self.escape = 2 if ch == "u" else 0
+            if ch not in '"\\/bfnrtu':
+                self.error = True
+        elif self.escape >= 2:
+            if ch not in "0123456789abcdefABCDEF":
+                self.error = True
+            self.escape = 0 if self.escape == 5 else self.escape + 1
+        elif ch == "\\":
+            self.escape = 1
+        elif ch == '"':
+            if self.state == _IN_KEY:
+                self.state = _COLON
+                return False
+            self.state = _AFTER
+            return True
+        elif ch < " ":
+            self.error = True
+        return self.state == _IN_STRING and self.escape == 0 and not self.error
+
+    def _token(self, ch: str) -> bool:
+        """A structural character or the start of a value, outside strings."""
+        state, stack = self.state, self.stack
+        if state in (_KEY, _FIRST_KEY):
+            if ch == '"':
+                self.state = _IN_KEY
+                return False
+            if ch == "}" and state == _FIRST_KEY:
+                return self._close("{")
+        elif state == _COLON:
+            if ch == ":":
+                self.state = _VALUE
+                return False
+        elif state == _AFTER:
+            if ch == "," and stack:
+                self.state = _KEY if stack[-1] == "{" else _VALUE
+                return False
+            if ch in "}]" and stack:
+                return self._close("{" if ch == "}" else "[")
+        elif state in (_VALUE, _FIRST_VALUE):
+            if ch == "]" and state == _FIRST_VALUE:
+                return self._close("[")
+            return self._value(ch)
+        self.error = True
+        return False
+
+    def _value(self, ch: str) -> bool:
+        if not self.stack and ch != "{":
+            self.error = True  # the arguments are one object
+            return False
+        if ch in "{[":
+            self.stack.append(ch)
+            self.state = _FIRST_KEY if ch == "{" else _FIRST_VALUE
+            return True
+        if ch == '"':
+            self.state = _IN_STRING
+            return True
+        if ch in _LITERALS:
+            self.state, self.literal = _LITERAL, _LITERALS[ch][1:]
+            return False
+        if ch == "-" or ch.isdigit():
+            self.state, self.number = _NUMBER, ch
+            return ch.isdigit()  # one digit is a number
+        self.error = True
+        return False
+
+    def _close(self, opener: str) -> bool:
+        if not self.stack or self.stack[-1] != opener:
+            self.error = True
+            return False
+        self.stack.pop()
+        self.state = _AFTER
+        if not self.stack:
+            self.state = _DONE
+            self.args_end = self.scanned
+        return True
 
 
 class StreamingToolParser:
@@ -222,24 +343,32 @@ class StreamingToolParser:
         self._in_calls = True
         return content, self._advance(text)
 
-    def finish(self, text: str) -> str:
-        """Text still held back at the end of the reply, released as content: a held-back
+    def finish(self, text: str) -> tuple[str, list[CallFragment]]:
+        """The end of the reply: text still held back, released as content (a held-back
         tail, or a tail that is not clean tool calls; whitespace after the last call and the
-        markup of a cut block are dropped. Sets `cut` (and adds the cut call to `calls`)."""
-        if self._open is not None and not self._broken:
+        markup of a cut block are dropped), and the last fragments of a call whose
+        arguments were being sent: the rest of them up to where they are valid JSON, closed
+        (`_OpenCall.closer`). Sets `cut` (and adds the cut call, its arguments so closed, to
+        `calls`)."""
+        op, closing = self._open, []
+        if op is not None and op.call is not None and (
+                not self._broken or op.sent > op.args_start):
+            arguments = text[op.args_start:op.safe] + op.closer()
+            if text[op.sent:op.safe] + op.closer():
+                closing.append(CallFragment(op.index, text[op.sent:op.safe] + op.closer()))
+            op.sent = op.safe
+            if not self._broken:
+                self.calls.append(ParsedToolCall(op.call.name, arguments, op.call.id))
+        if op is not None and not self._broken:
             self.cut = True
-            if self._open.call is not None:
-                args = text[self._open.args_start:self._open.scanned]
-                self.calls.append(ParsedToolCall(self._open.call.name, args,
-                                                 self._open.call.id))
             self._emitted = len(text)
-            return ""
+            return "", closing
         rest = text[self._emitted:]
         self._emitted = len(text)
         if self._in_calls and not self._broken and TOOL_CALL_START.startswith(rest.strip()):
             self.cut = bool(rest.strip())  # cut inside the next block's tag
-            return ""
-        return "" if self.calls and not rest.strip() else rest
+            return "", closing
+        return ("" if self.calls and not rest.strip() else rest), closing
 
     def _release(self, text: str, upto: int) -> str:
         out = text[self._emitted:upto] if upto > self._emitted else ""
@@ -276,13 +405,17 @@ class StreamingToolParser:
             m = _NAME_THEN_ARGS.match(text, op.body)
             if m is not None and m.end() < len(text) and text[m.end()] == "{":
                 op.call = ParsedToolCall(json.loads(m.group(1)), "")
-                op.args_start = op.scanned = m.end()
+                op.args_start = op.scanned = op.safe = op.sent = m.end()
                 out.append(CallFragment(op.index, "", op.call.id, op.call.name))
             else:
                 return self._close_whole(text, out)
-        fragment = op.scan(text)
-        if fragment:
-            out.append(CallFragment(op.index, fragment))
+        op.scan(text)
+        if op.safe > op.sent:
+            out.append(CallFragment(op.index, text[op.sent:op.safe]))
+            op.sent = op.safe
+        if op.error:
+            self._broken = True  # not JSON: the rest is content (`finish` closes what was sent)
+            return False
         if op.args_end is None:
             return False
         return self._close_incremental(text)

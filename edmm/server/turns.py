@@ -48,6 +48,7 @@ from edmm.server.pipeline import RequestPipeline, new_request_id
 from edmm.server.prompts import (
     chat_logprobs,
     client_template,
+    parses_tools,
     predicted_messages,
     prompt_limit,
     response_tool_calls,
@@ -70,15 +71,18 @@ class Turn:
 
     Made on the tokenizing thread (`ChatTurns.start`), read on the engine thread when its
     session is named (`ServerSessions.begin`: ``request``, ``asked_session``,
-    ``tool_results``, ``owner``), streamed on the event loop, and read again there when it
-    ends (`ServerSessions.end`: ``session_id``, ``calls``, `next_messages`, ``tools`` and the
-    client's hints).
+    ``tool_results``, ``owner``, ``may_await``, ``discard_pending``; it sets
+    ``session_key`` and ``minted``), streamed on the event loop, and read again there when
+    it ends (`ServerSessions.end`: ``session_key``, ``calls``, `next_messages`, ``tools``
+    and the client's hints).
     """
 
     request: Request  # validated, salted, with its grammars
     owner: str = ANONYMOUS  # the client sending it (`edmm.server.sessions.owner_of`)
     asked_session: str | None = None  # named explicitly (header, else body)
     tool_results: Sequence[tuple[str, str]] = ()  # (tool_call_id, content) of trailing tool msgs
+    may_await: bool = False  # its reply may end in tool calls (tools it may call)
+    discard_pending: bool = False  # ``edmm.discard_pending_calls``
     messages: list[dict[str, Any]] = field(default_factory=list)  # as the template reads them
     tools: list[dict[str, Any]] | None = None
     template_kwargs: dict[str, Any] | None = None  # ``chat_template_kwargs``
@@ -87,8 +91,10 @@ class Turn:
     predictions: Mapping[str, str] = field(default_factory=dict)  # call id or tool name -> text
     expected_duration_s: float | None = None  # of its tools, as the client expects
     trace: Tracer = NO_TRACE
-    # Once queued (event loop).
-    session_id: str = ""
+    # Once queued (engine thread: the key; event loop: the name and the stream).
+    session_id: str = ""  # its session's name, as the client knows it
+    session_key: str = ""  # its session's id in the agent layer (`sessions.session_key`)
+    minted: bool = False  # its session is new, under a name the server made up
     stream: OutputStream | None = None
     # Its end (event loop or tokenizing thread, before `ServerSessions.end`).
     calls: Sequence[ParsedToolCall] = ()  # the calls its session awaits (none: it ended)
@@ -164,7 +170,10 @@ class ChatTurns:
         ext = chat.edmm
         return Turn(request, owner=owner,
                     asked_session=session_header or (ext.session_id if ext else None),
-                    tool_results=trailing_tool_results(chat.messages), messages=messages,
+                    tool_results=trailing_tool_results(chat.messages),
+                    may_await=parses_tools(chat),
+                    discard_pending=ext.discard_pending_calls if ext else False,
+                    messages=messages,
                     tools=tools, template_kwargs=kwargs, prompt=prompt.prompt,
                     predicted_next=ext.predicted_next_messages if ext else None,
                     predictions=ext.predicted_tool_results if ext else {},
@@ -229,6 +238,15 @@ class ChatTurns:
             raise
 
     # ------------------------------------------------------------------ ended
+    def unreached(self, turn: Turn) -> None:
+        """The turn's response will not reach its client (it left, or the turn failed):
+        a session the turn made under a server-made name is closed
+        (`ServerSessions.drop_unreached`), after the turn's abort."""
+        if turn.stream is None:
+            return
+        with contextlib.suppress(ServiceUnavailableError):  # the server is closing
+            self.loop.call(lambda b: b.drop_unreached(turn)).add_done_callback(_log_failure)
+
     async def end(self, turn: Turn, reply: ParsedReply) -> bool:
         """Report the turn's end to its session before the client sees ``reply``; True when
         the session awaits its tool calls (a call cut short is not run: no tool window)."""

@@ -4,8 +4,9 @@ Each check raises a `BadRequestError` (400) naming the offending parameter:
 
 - `check_text`: no string (value or key, anywhere in the request) holds a lone UTF-16
   surrogate (``"\\ud800"`` is a valid JSON escape, but no UTF-8 text: the tokenizer would fail);
-- `check_conversation`: every tool message answers a call of an earlier assistant message,
-  and every call's arguments are a JSON object;
+- `check_conversation`: every tool message answers a call of an earlier assistant message
+  (a call's ``arguments`` may be any string, as OpenAI accepts: a client echoes back what it
+  was sent, a call cut short included);
 - `check_tool_names`: at most `MAX_TOOLS` tools, with unique names.
 
 Tools' parameter schemas must compile too, whatever the tool choice (a schema that cannot
@@ -14,7 +15,6 @@ constrain a call is a client bug): `edmm.server.guided` checks them with the oth
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from typing import Any
 
@@ -55,14 +55,11 @@ def check_text(value: Any, path: str = "") -> None:
 
 
 def check_conversation(messages: Sequence[ChatMessage]) -> None:
-    """400 for a tool message answering no earlier call, or call arguments that are not a
-    JSON object."""
+    """400 for a tool message answering no earlier call."""
     calls: set[str] = set()
     for i, m in enumerate(messages):
         if isinstance(m, AssistantMessage):
-            for j, call in enumerate(m.tool_calls or []):
-                _check_arguments(call.function.arguments, f"messages.{i}.tool_calls.{j}")
-                calls.add(call.id)
+            calls.update(call.id for call in m.tool_calls or [])
         elif isinstance(m, ToolMessage) and m.tool_call_id not in calls:
             raise BadRequestError(f"messages.{i}: the tool message answers "
                                   f"{m.tool_call_id!r}, which no earlier assistant message "
@@ -83,16 +80,6 @@ def check_tool_names(tools: Sequence[ChatTool] | None) -> None:
             raise BadRequestError(f"tools.{i}: the function name {name!r} is used twice",
                                   param=f"tools.{i}")
         seen.add(name)
-
-
-def _check_arguments(arguments: str, param: str) -> None:
-    try:
-        value = json.loads(arguments)
-    except ValueError:
-        value = None
-    if not isinstance(value, dict):
-        raise BadRequestError(f"{param}: function.arguments must be a JSON object",
-                              param=param)
 
 
 def _has_surrogate(text: str) -> bool:

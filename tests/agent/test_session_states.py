@@ -356,3 +356,24 @@ def test_an_unknown_admission_order_or_bound_is_refused() -> None:
         AgentConfig(admission="lifo")
     with pytest.raises(EngineConfigError, match="admission_bound_s"):
         AgentConfig(admission_bound_s=0.0)
+
+
+def test_find_session_reported_skips_a_turn_whose_end_is_not_reported(
+        make_agent: MakeAgent) -> None:
+    """A turn that just finished may yet await tools: ``reported`` finds its session only
+    once `end_turn` says it has none (never after `await_tools`); an aborted turn awaits
+    nothing, so its session is found at once."""
+    agent = make_agent()
+    for sid in ("plain", "calls", "aborted"):
+        agent.add_request(f"{sid}-0", PROMPT, greedy(), session_id=sid)
+    agent.step()
+    assert agent.abort("aborted-0")
+    assert agent.find_session([*PROMPT, 1], reported=True) == "aborted"
+    agent.close_session("aborted")
+    run(agent)
+    assert agent.find_session([*PROMPT, 1], reported=True) is None
+    assert agent.find_session([*PROMPT, 1]) in ("plain", "calls")  # the library's default
+    agent.await_tools("calls", [CALL])
+    assert agent.find_session([*PROMPT, 1], reported=True) is None
+    agent.end_turn("plain")
+    assert agent.find_session([*PROMPT, 1], reported=True) == "plain"

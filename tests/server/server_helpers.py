@@ -13,10 +13,17 @@ import openai
 from loopback import serve_app
 
 from edmm.server import ServerConfig, ServerState, build_app
+from edmm.server.sessions import owner_of, session_key
 
 MODEL = "edmm-tiny"
 API_KEY = "unused"  # what `LiveServer.client` sends: its sessions belong to this key
 AUTH = {"Authorization": f"Bearer {API_KEY}"}  # the same owner, for plain HTTP calls
+OWNER = owner_of({"authorization": AUTH["Authorization"]})  # that owner's name
+
+
+def agent_id(name: str, owner: str = OWNER) -> str:
+    """The agent layer's id of ``owner``'s session ``name`` (by default `API_KEY`'s)."""
+    return session_key(owner, name)
 MAX_MODEL_LEN = 2048
 
 

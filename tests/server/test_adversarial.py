@@ -190,10 +190,6 @@ CHAT_400 = [
                  id="tool-message-answers-no-call"),
     pytest.param(_chat(messages=_answer(call_id="call_2")), "messages.2", None,
                  id="tool-message-answers-another-call"),
-    *[pytest.param(_chat(messages=_called(arguments)), "messages.1.tool_calls.0", None,
-                   id=f"arguments-{name}")
-      for name, arguments in [("list", "[1]"), ("string", '"x"'), ("not-json", "{a"),
-                              ("empty", "")]],
     pytest.param(_chat(tools=[_tool("f"), _tool("f")]), "tools.1", None,
                  id="duplicate-tool-names"),
     pytest.param(_chat(tools=[_tool("f"), _tool("f")], tool_choice="required"), "tools.1",
@@ -213,6 +209,60 @@ CHAT_400 = [
 def test_adversarial_chat_is_400(hardened: LiveServer, body: dict[str, Any],
                                  param: str | None, code: str | None) -> None:
     _assert_error(_post(hardened, "/v1/chat/completions", body), 400, param, code)
+    _still_serves(hardened)
+
+
+@pytest.mark.parametrize("arguments", ["[1]", '"x"', "{a", "", '{"a": [1, "x', "null"],
+                         ids=["list", "string", "not-json", "empty", "cut", "null"])
+def test_any_arguments_string_is_accepted_in_history(hardened: LiveServer,
+                                                     arguments: str) -> None:
+    """A call's arguments in an earlier assistant message may be any string (OpenAI accepts
+    them; a client echoes back what it got, a call cut short included)."""
+    resp = _post(hardened, "/v1/chat/completions", _chat(messages=_called(arguments)))
+    assert resp.status_code == 200, resp.text
+
+
+def _nested(depth: int, inner: str = "1") -> str:
+    """JSON text of ``depth`` nested arrays and objects around ``inner``."""
+    return '[{"a": ' * (depth // 2) + inner + "}]" * (depth // 2)
+
+
+def _deep_schema(depth: int) -> str:
+    schema = '{"type": "object"}'
+    for _ in range(depth):
+        schema = '{"type": "object", "properties": {"x": ' + schema + "}}"
+    return schema
+
+
+_HEAD = '{"model": "' + MODEL + '", '
+_ONE_USER = '"messages": [{"role": "user", "content": "x"}], '
+
+
+def _tool_schema(schema: str) -> str:
+    return (_HEAD + _ONE_USER + '"tools": [{"type": "function", "function": {"name": "f", '
+            '"parameters": ' + schema + "}}]}")
+
+
+@pytest.mark.parametrize(("path", "body"), [
+    pytest.param("/v1/chat/completions",
+                 _HEAD + '"messages": ' + _nested(100_000, '{"role": "user", "content": "x"}')
+                 + "}", id="chat-messages"),
+    pytest.param("/v1/chat/completions", _HEAD + _ONE_USER + '"pad": ' + _nested(100_000)
+                 + "}", id="chat-extra"),
+    pytest.param("/v1/chat/completions", _tool_schema(_deep_schema(5_000)), id="tool-schema"),
+    pytest.param("/v1/chat/completions", _tool_schema(_deep_schema(300)),
+                 id="tool-schema-300"),
+    pytest.param("/v1/completions", _HEAD + '"prompt": ' + _nested(100_000) + "}",
+                 id="completion"),
+    pytest.param("/v1/edmm/sessions/any/tool_output",
+                 '{"tool_call_id": "c", "content": ' + _nested(100_000) + "}",
+                 id="tool-output"),
+])
+def test_deep_json_is_400(hardened: LiveServer, path: str, body: str) -> None:
+    """JSON nested far deeper than any request needs is a 400, never a 500."""
+    resp = httpx.post(f"{hardened.url}{path}", content=body, timeout=60,
+                      headers={"content-type": "application/json"})
+    _assert_error(resp, 400)
     _still_serves(hardened)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import socket
@@ -14,8 +15,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from edmm.agent import KeyQuota
 from edmm.server.cli import build_parser, config_from_args
 from edmm.server.collector import SERVING_THRESHOLD0
+from edmm.server.state import DEFAULT_MAX_AWAITING_PER_KEY, DEFAULT_MAX_SESSIONS_PER_KEY
 
 
 def test_options_map_to_the_config() -> None:
@@ -38,15 +41,16 @@ def test_policy_and_engine_size_options() -> None:
     from edmm.agent.gate import SpeculationGate
     from edmm.bench.agents.policies import POLICIES
 
+    quota = KeyQuota(DEFAULT_MAX_SESSIONS_PER_KEY, DEFAULT_MAX_AWAITING_PER_KEY, None)
     default = config_from_args(build_parser().parse_args([]))
     base = AgentConfig()
-    # the defaults are the policy the benchmarks measure as `edmm`, host offload sized from the
-    # machine's memory (capped)
-    assert default.agent_config() == POLICIES.create("edmm").agent_config(
-        base.tool_timeout_s, base.prefetch_lead_s)
+    # the defaults are the policy the benchmarks measure as `edmm` with the server's per-key
+    # quota, host offload sized from the machine's memory (capped)
+    edmm = POLICIES.create("edmm").agent_config(base.tool_timeout_s, base.prefetch_lead_s)
+    assert default.agent_config() == dataclasses.replace(edmm, quota=quota)
     assert default.engine == {} and default.kv_offload_cap_bytes == 32 << 30
     off = config_from_args(build_parser().parse_args(["--no-execution-aware"]))
-    assert off.agent_config() == AgentConfig.off()
+    assert off.agent_config() == dataclasses.replace(AgentConfig.off(), quota=quota)
     # offload: EDMM off, paused KV kept and copied to host, no prefetch
     cfg = config_from_args(build_parser().parse_args([
         "--no-execution-aware", "--retention", "keep", "--no-prefetch", "--kv-offload-gib",
@@ -58,7 +62,7 @@ def test_policy_and_engine_size_options() -> None:
     assert cfg.agent_config() == AgentConfig(
         speculation=("template", "prompt"), retention="keep", admission="program",
         prefetch=False, prefetch_lead_s=0.05, tool_timeout_s=7.0,
-        speculation_gate=SpeculationGate())
+        speculation_gate=SpeculationGate(), quota=quota)
     assert cfg.engine == {"kv_offload_bytes": 1 << 30, "num_slots": 9,
                           "max_num_batched_tokens": 512, "cuda_graph_token_sizes": (64, 128),
                           "host_page_size": 16384, "speculative_tokens_when_busy": 4,
@@ -86,6 +90,27 @@ def test_hardening_options() -> None:
     assert anyone.hosts is None
 
 
+def test_quota_options() -> None:
+    cfg = config_from_args(build_parser().parse_args([
+        "--max-sessions-per-key", "10", "--max-awaiting-per-key", "0",
+        "--max-kv-pages-per-key", "300"]))
+    assert cfg.agent_config().quota == KeyQuota(10, None, 300)
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["--max-sessions-per-key", "-1"])
+    assert exit_.value.code == 2
+
+
+def test_read_timeout_options() -> None:
+    default = config_from_args(build_parser().parse_args([]))
+    assert (default.header_timeout_s, default.body_timeout_s) == (10.0, 30.0)
+    given = config_from_args(build_parser().parse_args(
+        ["--header-timeout-s", "2.5", "--body-timeout-s", "7"]))
+    assert (given.header_timeout_s, given.body_timeout_s) == (2.5, 7.0)
+    with pytest.raises(SystemExit) as exit_:
+        build_parser().parse_args(["--header-timeout-s", "0"])
+    assert exit_.value.code == 2
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -97,7 +122,8 @@ def test_serve_starts_answers_and_stops_on_sigint(tiny_dir: Path) -> None:
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "edmm.server", "--model", str(tiny_dir), "--port", str(port),
-         "--served-model-name", "tiny", "--max-model-len", "512", "--log-level", "warning"],
+         "--served-model-name", "tiny", "--max-model-len", "512", "--log-level", "warning",
+         "--header-timeout-s", "0.5"],
         env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
     try:
         deadline = time.monotonic() + 60
@@ -111,6 +137,10 @@ def test_serve_starts_answers_and_stops_on_sigint(tiny_dir: Path) -> None:
                 time.sleep(0.1)
         models = httpx.get(f"http://127.0.0.1:{port}/v1/models").json()
         assert [m["id"] for m in models["data"]] == ["tiny"]
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as idle:
+            start = time.monotonic()
+            assert idle.recv(1) == b""  # closed: its headers never came
+            assert 0.4 <= time.monotonic() - start < 5
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0
     finally:

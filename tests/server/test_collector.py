@@ -28,6 +28,12 @@ class IdleEngine:
     def reclaim(self) -> int:
         return 0
 
+    def tick(self) -> int:
+        return 0
+
+    def next_timer_s(self) -> float | None:
+        return None
+
 
 @pytest.fixture
 def thresholds() -> Iterator[None]:

@@ -26,6 +26,8 @@ class FakeEngine:
         self.aborted: list[str] = []
         self.fail_next = False
         self.reclaims = 0
+        self.timers: list[float] = []  # monotonic times at which `tick` has work
+        self.ticked: list[float] = []  # when `tick` found a timer due
         self.gate = threading.Event()
         self.gate.set()
 
@@ -63,6 +65,16 @@ class FakeEngine:
     def reclaim(self) -> int:
         self.reclaims += 1
         return 0
+
+    def tick(self) -> int:
+        now = time.monotonic()
+        due = [t for t in self.timers if t <= now]
+        self.timers = [t for t in self.timers if t > now]
+        self.ticked += [now] * len(due)
+        return len(due)
+
+    def next_timer_s(self) -> float | None:
+        return max(0.0, min(self.timers) - time.monotonic()) if self.timers else None
 
 
 @pytest.fixture
@@ -323,3 +335,21 @@ def test_a_consumer_that_does_not_come_back_holds_the_engine_at_most_the_bound()
         lp.stop()
     gap = (engine.step_ns[1] - engine.step_ns[0]) / 1e9
     assert len(engine.step_ns) == 3 and gap >= 0.02
+
+
+def test_timers_run_on_an_idle_loop_when_they_are_due() -> None:
+    """No request, no command: the loop wakes for the engine's next timer by itself (a tool
+    deadline on an idle server), within a few milliseconds of it."""
+    engine = FakeEngine()
+    lp = EngineLoop(engine)
+    lp.start()
+    try:
+        start = time.monotonic()
+        lp.call(lambda e: e.timers.extend([start + 0.2, start + 0.4])).result(5)
+        time.sleep(0.6)
+        assert len(engine.ticked) == 2
+        for due, ran in zip([start + 0.2, start + 0.4], engine.ticked, strict=True):
+            assert due <= ran < due + 0.1
+        assert engine.reclaims >= 2  # what the timers freed is reclaimed right after
+    finally:
+        lp.stop()

@@ -16,7 +16,13 @@ import torch
 from edmm.engine import Engine, EngineConfig, SamplingParams
 from edmm.server.errors import BadRequestError
 from edmm.server.grammar_probe import PROBE_NICENESS, GrammarProbe, check_grammar
-from edmm.server.guided import GrammarBudget, GrammarLimits, GuidedDecoding, clean_message
+from edmm.server.guided import (
+    GrammarBudget,
+    GrammarLimits,
+    GuidedDecoding,
+    bounded_strings,
+    clean_message,
+)
 from edmm.server.protocol import FunctionDefinition
 from edmm.server.tool_parser import parse_reply
 
@@ -241,3 +247,19 @@ def test_check_grammar_verdicts(engine: Engine) -> None:
     assert info.value.code == "grammar_too_costly" and info.value.param == "response_format"
     with pytest.raises(BadRequestError):
         g.tool_calls([FunctionDefinition(name="f", parameters=COSTLY_LATER)], parallel=False)
+
+
+def test_bounded_strings_bound_only_unbounded_strings() -> None:
+    schema = {"type": "object", "properties": {
+        "free": {"type": "string"}, "nullable": {"type": ["string", "null"]},
+        "own": {"type": "string", "maxLength": 3}, "pick": {"type": "string", "enum": ["a"]},
+        "list": {"type": "array", "items": {"type": "string"}},
+        "literal": {"const": {"type": "string"}}, "n": {"type": "integer"}}}
+    out = bounded_strings(schema, 10)
+    props = out["properties"]
+    assert props["free"]["maxLength"] == props["nullable"]["maxLength"] == 10
+    assert props["list"]["items"]["maxLength"] == 10
+    assert props["own"]["maxLength"] == 3 and "maxLength" not in props["pick"]
+    assert props["literal"] == {"const": {"type": "string"}} and props["n"] == {"type": "integer"}
+    assert "maxLength" not in schema["properties"]["free"]  # a copy
+    assert bounded_strings(schema, None) is schema

@@ -160,9 +160,58 @@ def test_another_owners_session_is_not_found(server: LiveServer) -> None:
         named = httpx.post(f"{server.url}/v1/chat/completions", timeout=60,
                            headers={**(headers or {}), "X-Session-Id": sid},
                            json={"model": MODEL, "messages": QUESTION, "max_tokens": 2})
-        assert named.status_code == 404, named.text
+        # the name is the owner's own: another owner naming it makes a session of its own
+        assert named.status_code == 200 and named.headers["x-session-id"] == sid, named.text
+        assert _session(server, sid, headers).json()["state"] == "finished"
+        assert _session(server, sid, headers, method="DELETE").status_code == 200
     assert _feed(server, sid, call_id, "x", headers=KEY_A).status_code == 200
     assert _session(server, sid, KEY_A).json()["state"] == "awaiting_tool"
+    assert _session(server, sid, KEY_A, method="DELETE").status_code == 200
+
+
+def test_session_names_are_scoped_to_their_owner(server: LiveServer) -> None:
+    """Key A's ``agent-main`` is not key B's: each owner uses the name for a session of its
+    own, in any order, and neither sees nor ends the other's."""
+    named = {"X-Session-Id": "agent-main"}
+    sid, message = _call(server, {**KEY_A, **named})
+    assert sid == "agent-main"
+    theirs, _ = _call(server, {**KEY_B, **named})
+    assert theirs == "agent-main"
+    for headers in (KEY_A, KEY_B):
+        assert _session(server, "agent-main", headers).json()["state"] == "awaiting_tool"
+    messages = [*QUESTION, message, *({"role": "tool", "tool_call_id": c["id"], "content": "21"}
+                                      for c in message["tool_calls"])]
+    resumed = httpx.post(f"{server.url}/v1/chat/completions", timeout=60,
+                         headers={**KEY_A, **named},
+                         json={"model": MODEL, "messages": messages, "max_tokens": 2})
+    assert resumed.status_code == 200, resumed.text
+    assert _session(server, "agent-main", KEY_A).json()["state"] == "finished"
+    assert _session(server, "agent-main", KEY_B).json()["state"] == "awaiting_tool"
+    for headers in (KEY_A, KEY_B):
+        assert _session(server, "agent-main", headers, method="DELETE").status_code == 200
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_naming_an_awaiting_session_needs_its_results_or_an_override(server: LiveServer,
+                                                                    stream: bool) -> None:
+    """A request that names a session awaiting tool results without carrying them is a 409
+    and the tool window stays open (results can still resume it); with
+    ``edmm.discard_pending_calls`` it starts a new turn."""
+    named = {**KEY_A, "X-Session-Id": f"waiting-{stream}"}
+    sid, message = _call(server, named)
+    unrelated = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, headers=named,
+                           json={"model": MODEL, "messages": QUESTION, "max_tokens": 2,
+                                 "stream": stream})
+    assert unrelated.status_code == 409, unrelated.text
+    assert unrelated.json()["error"]["code"] == "session_awaiting_tools"
+    assert _session(server, sid, KEY_A).json()["state"] == "awaiting_tool"
+    call_id = message["tool_calls"][0]["id"]
+    assert _feed(server, sid, call_id, "x", headers=KEY_A).status_code == 200
+    restart = httpx.post(f"{server.url}/v1/chat/completions", timeout=60, headers=named,
+                         json={"model": MODEL, "messages": QUESTION, "max_tokens": 2,
+                               "edmm": {"discard_pending_calls": True}})
+    assert restart.status_code == 200, restart.text
+    assert _session(server, sid, KEY_A).json()["state"] == "finished"
     assert _session(server, sid, KEY_A, method="DELETE").status_code == 200
 
 

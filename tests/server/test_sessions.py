@@ -10,7 +10,7 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from server_helpers import AUTH, MODEL, QUESTION, TOOLS, WEATHER, LiveServer
+from server_helpers import AUTH, MODEL, QUESTION, TOOLS, WEATHER, LiveServer, agent_id
 
 RESULT = json.dumps({"temp": 21, "sky": "sunny"})
 
@@ -148,7 +148,7 @@ def _held(server: LiveServer, session_id: str) -> bool:
 
     def held(b: Any) -> bool:
         kv = b.engine.kv
-        slots = kv.tagged(SessionTag.session(session_id))
+        slots = kv.tagged(SessionTag.session(agent_id(session_id)))
         plain = set(kv.entry_slots(max_rank=EntryRank.PLAIN))
         return bool(slots) and not set(slots) <= plain
 

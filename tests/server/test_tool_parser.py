@@ -69,7 +69,11 @@ def _stream(text: str, step: int) -> tuple[str, list[tuple[str, str]]]:
             else:
                 assert f.index == len(calls) - 1 and f.arguments
                 calls[-1][1] += f.arguments
-    return content + parser.finish(text), [(n, a) for n, a in calls]
+    rest, closing = parser.finish(text)
+    for f in closing:
+        assert f.id is None and f.index == len(calls) - 1 and f.arguments
+        calls[-1][1] += f.arguments
+    return content + rest, [(n, a) for n, a in calls]
 
 
 @pytest.mark.parametrize("step", [1, 2, 7, 1000])
@@ -122,7 +126,21 @@ def test_arguments_stream_as_they_are_written() -> None:
     pytest.param(CALL + '\n<tool_call>\n{"name": "f"', None,
                  [("get_weather", '{"city": "Paris", "n": [1, 2]}')], id="cut-in-head"),
     pytest.param('Hm.\n<tool_call>\n{"name": "f", "arguments": {"a": [1, "x}', "Hm.",
-                 [("f", '{"a": [1, "x}')], id="cut-in-arguments"),
+                 [("f", '{"a": [1, "x}"]}')], id="cut-in-a-string"),
+    pytest.param('<tool_call>\n{"name": "f", "arguments": {"a": [1, 2', None,
+                 [("f", '{"a": [1, 2]}')], id="cut-after-a-number"),
+    pytest.param('<tool_call>\n{"name": "f", "arguments": {"a": 1.', None,
+                 [("f", '{"a": 1}')], id="cut-in-a-number"),
+    pytest.param('<tool_call>\n{"name": "f", "arguments": {"a": 1, "b', None,
+                 [("f", '{"a": 1}')], id="cut-in-a-key"),
+    pytest.param('<tool_call>\n{"name": "f", "arguments": {"a": tr', None,
+                 [("f", '{}')], id="cut-in-a-literal"),
+    pytest.param('<tool_call>\n{"name": "f", "arguments": {"a": "x\\', None,
+                 [("f", '{"a": "x"}')], id="cut-in-an-escape"),
+    pytest.param('<tool_call>\n{"name": "f", "arguments": {"a": "\\u00e', None,
+                 [("f", '{"a": ""}')], id="cut-in-a-unicode-escape"),
+    pytest.param('<tool_call>\n{"name": "f", "arguments": {"a": [{}, [', None,
+                 [("f", '{"a": [{}, []]}')], id="cut-in-nested"),
     pytest.param('<tool_call>{"name": "f", "arguments": {}}', None, [("f", "{}")],
                  id="cut-before-end-tag"),
     pytest.param("<tool_call>\n{", None, [], id="cut-after-tag"),
@@ -132,10 +150,12 @@ def test_a_cut_reply_is_the_same_streamed_and_not(text: str, content: str | None
                                                   calls: list[tuple[str, str]],
                                                   step: int) -> None:
     """A reply ending inside a block (max_tokens): complete calls plus the open one with the
-    arguments written so far, no markup in the content; the same streamed."""
+    arguments written so far, closed into valid JSON, no markup in the content; the same
+    streamed."""
     whole = parse_reply(text)
     assert whole.cut and whole.content == content
     assert [(c.name, c.arguments) for c in whole.tool_calls] == calls
+    assert all(isinstance(json.loads(c.arguments), dict) for c in whole.tool_calls)
     streamed_content, streamed_calls = _stream(text, step)
     assert (streamed_content or None) == content and streamed_calls == calls
 
@@ -174,5 +194,34 @@ def test_streamed_fragments_reassemble_to_the_whole_parse(text: str, step: int) 
     content, calls = _stream(text, step)
     assert calls == [(c.name, c.arguments) for c in whole.tool_calls]
     assert (content or None) == (whole.content or None)
-    for c in whole.tool_calls if not whole.cut else []:
+    for c in whole.tool_calls:  # cut or not: arguments a client can echo back as JSON
         assert isinstance(json.loads(c.arguments), dict)
+
+
+_SCALARS = st.one_of(st.none(), st.booleans(), st.integers(-10**6, 10**6),
+                     st.floats(allow_nan=False, allow_infinity=False),
+                     st.text(max_size=8))
+_VALUES = st.recursive(_SCALARS, lambda inner: st.one_of(
+    st.lists(inner, max_size=3), st.dictionaries(st.text(max_size=4), inner, max_size=3)),
+                       max_leaves=8)
+
+
+@settings(max_examples=400, deadline=None)
+@given(args=st.dictionaries(st.text(max_size=5), _VALUES, max_size=4),
+       ascii_only=st.booleans(), cut=st.floats(0, 1), step=st.integers(1, 30),
+       garbage=st.sampled_from(["", "x", "}", ",", ":", "]", '"', "tru", "01", "1.2.3"]))
+def test_arguments_cut_anywhere_are_valid_json(args: dict[str, object], ascii_only: bool,
+                                               cut: float, step: int, garbage: str) -> None:
+    """Any JSON (escapes, unicode, exponents, nesting), cut at any character and maybe
+    followed by text that is not JSON (an unconstrained model): every call the parser
+    reports, and every call a streaming client assembles, has arguments that are JSON."""
+    body = json.dumps(args, ensure_ascii=ascii_only)
+    text = '<tool_call>\n{"name": "f", "arguments": ' + body + "}\n</tool_call>"
+    start = text.index("{", len("<tool_call>\n") + 1)
+    text = text[:start + int(cut * (len(text) - start))] + garbage
+    whole = parse_reply(text)
+    _, calls = _stream(text, step)
+    for _, arguments in [*calls, *((c.name, c.arguments) for c in whole.tool_calls)]:
+        assert isinstance(json.loads(arguments), dict), (text, arguments)
+    if not garbage:
+        assert calls == [(c.name, c.arguments) for c in whole.tool_calls]

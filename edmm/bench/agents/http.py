@@ -175,6 +175,10 @@ def serve_args(policy: Policy, engine: EngineConfig, prefetch_lead_s: float,
             "--speculation", ",".join(agent.speculation) or "none",
             "--admission", agent.admission, "--prefetch-lead-s", repr(agent.prefetch_lead_s),
             "--tool-timeout-s", repr(agent.tool_timeout_s)]
+    quota = agent.quota  # the in-process run's (no bound: one client)
+    args += ["--max-sessions-per-key", str(quota.max_sessions or 0),
+             "--max-awaiting-per-key", str(quota.max_awaiting or 0),
+             "--max-kv-pages-per-key", str(quota.max_kv_pages or 0)]
     if not agent.prefetch:
         args.append("--no-prefetch")
     args.append("--speculation-gate" if agent.speculation_gate is not None
