@@ -71,6 +71,7 @@ from edmm.engine.sequence import (
     SequenceStatus,
 )
 from edmm.memory import NoFreeSlotError, PoolExhaustedError
+from edmm.memory.errors import pages_short
 
 
 @dataclass(frozen=True)
@@ -485,8 +486,8 @@ class Scheduler:
             try:
                 self.kv.grow(seq.slot, num_tokens)
                 return True
-            except PoolExhaustedError:
-                if self._make_room():
+            except PoolExhaustedError as e:
+                if self._make_room(pages=e.shortfall):
                     continue
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -518,10 +519,10 @@ class Scheduler:
                 self.kv.grow(seq.slot, seq.num_computed_tokens + n)
                 self._record_admission(seq, hit)
                 return n
-            except (NoFreeSlotError, PoolExhaustedError):
+            except (NoFreeSlotError, PoolExhaustedError) as e:
                 if seq.slot is not None:
                     self._unassign(seq, hit)
-                if not self._make_room(own if self.running else ()):
+                if not self._make_room(own if self.running else (), pages_short(e)):
                     return 0
 
     def _admit_speculation(self, seq: Sequence, budget: int) -> int | None:
@@ -532,8 +533,8 @@ class Scheduler:
             try:
                 hit = self._assign_slot(seq)
                 break
-            except (NoFreeSlotError, PoolExhaustedError):
-                if not self._free_for_speculation():
+            except (NoFreeSlotError, PoolExhaustedError) as e:
+                if not self._free_for_speculation(pages_short(e)):
                     return None
         want = min(seq.num_uncomputed_tokens, budget)
         chunk = self._map_speculation(seq, want) if want else 0
@@ -557,8 +558,8 @@ class Scheduler:
             try:
                 self.kv.grow(seq.slot, start + n)
                 return n
-            except PoolExhaustedError:
-                if not self._free_for_speculation():
+            except PoolExhaustedError as e:
+                if not self._free_for_speculation(e.shortfall):
                     return 0
 
     def _speculation_room(self, slot: int) -> int:
@@ -581,22 +582,23 @@ class Scheduler:
     def _is_speculative_slot(self, slot: int) -> bool:
         return slot in self._speculative_slots()
 
-    def _free_for_speculation(self) -> bool:
+    def _free_for_speculation(self, pages: int | None = None) -> bool:
         """Reclaim retired slots, else evict one speculation or plain entry (never a retained
-        session's); False if none."""
-        return self.kv.make_room(EntryRank.PLAIN)
+        session's) for ``pages`` pages (None: a slot); False if none."""
+        return self.kv.make_room(EntryRank.PLAIN, pages=pages)
 
-    def _make_room(self, protect: tuple[CacheTag, ...] = ()) -> bool:
-        """Free memory for a request: slots retired by zero-copy commits, a speculation entry,
-        else the latest speculative prefill, else any other cache entry (rank, priority, LRU)
-        not tagged in ``protect``. False if none is left."""
-        if self.kv.make_room(EntryRank.SPECULATIVE):
+    def _make_room(self, protect: tuple[CacheTag, ...] = (), pages: int | None = None) -> bool:
+        """Free memory for a request that lacks ``pages`` pages (None: a slot): slots retired
+        by zero-copy commits, a speculation entry, else the latest speculative prefill, else
+        any other cache entry (rank, priority, LRU) not tagged in ``protect``. False if none
+        is left."""
+        if self.kv.make_room(EntryRank.SPECULATIVE, pages=pages):
             return True
         if self.spec_running:
             seq = self.spec_running.pop()
             self._drop(seq)
             return True
-        return self.kv.make_room(protect=protect)
+        return self.kv.make_room(protect=protect, pages=pages)
 
     def _drop(self, seq: Sequence) -> None:
         """Finish a speculative prefill and free its slot outright (memory pressure)."""
@@ -621,11 +623,12 @@ class Scheduler:
         return dataclasses.replace(hit, seconds=time.perf_counter() - t0)
 
     def _unassign(self, seq: Sequence, hit: PrefixHit | None) -> None:
-        """Undo `_assign_slot` after memory ran short: an adopted entry goes back to the cache
-        (with its KV); a fresh slot or a branch is freed (caching a branch, a copy of part of
-        its source, and evicting it would loop forever)."""
+        """Undo `_assign_slot` after memory ran short: an adopted entry, or a slot holding KV
+        loaded from the host, goes back to the cache (with its KV: the retry finds it there,
+        the host copy is not loaded again); a fresh slot or a branch is freed (caching a
+        branch, a copy of part of its source, and evicting it would loop forever)."""
         assert seq.slot is not None
-        if hit is not None and hit.slot == hit.source:
+        if hit is not None and (hit.slot == hit.source or hit.host_tokens):
             self._release_slot(seq, (hit.rank, hit.priority))
             return
         self.kv.drop(seq.slot)
@@ -667,3 +670,4 @@ class Scheduler:
 
     def _running(self, seq: Sequence) -> list[Sequence]:
         return self.spec_running if seq.is_speculative else self.running
+
