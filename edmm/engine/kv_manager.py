@@ -144,14 +144,16 @@ class KVCacheManager:
         self._index.release(slot, [], 0)
 
     def make_room(self, max_rank: EntryRank = EntryRank.RETAINED,
-                  protect: Collection[CacheTag] = (), pages: int | None = None) -> bool:
+                  protect: Collection[CacheTag] = (), pages: int | None = None,
+                  spare: Collection[int] = ()) -> bool:
         """Free memory: the slots retired by zero-copy commits, else one entry of rank <=
-        ``max_rank`` whose tag is not in ``protect`` (lowest rank, then priority, then LRU; a
-        retained session's KV goes to the host tier first if it fits). ``pages``: the pages
-        the caller lacks (None: a slot), which a tail-first policy frees from the victim's
-        tail (`CachePolicy`). False if nothing was freed."""
+        ``max_rank`` whose tag is not in ``protect`` and whose slot is not in ``spare``
+        (lowest rank, then priority, then LRU; a retained session's KV goes to the host tier
+        first if it fits). ``pages``: the pages the caller lacks (None: a slot), which a
+        tail-first policy frees from the victim's tail (`CachePolicy`). False if nothing was
+        freed."""
         return (self._arena.reclaim() > 0
-                or self._index.evict_one(max_rank, protect, pages))
+                or self._index.evict_one(max_rank, protect, pages, spare))
 
     def set_cache_policy(self, policy: CachePolicy) -> None:
         """How entries are evicted and what the host tier takes, from now on (`CachePolicy`;

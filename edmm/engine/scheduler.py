@@ -504,9 +504,10 @@ class Scheduler:
         a sequence whose copy cannot come back yet (the pool is short of the pages it maps)
         waits instead of recomputing it in a fresh slot (a chunk would fit where the whole
         copy does not, and the recompute ends up needing the same pages), and the loop below
-        never evicts the sequence's own session entry to make room for it (that frees no
-        memory it would not need again to recompute the same tokens); with nothing running it
-        evicts anything, so admission always progresses."""
+        never evicts the sequence's own session entry, nor the entry it adopted and gave back
+        (its own KV, as a preempted request's), to make room for it (that frees no memory it
+        would not need again to recompute the same tokens); with nothing running it evicts
+        anything, so admission always progresses."""
         own = () if seq.hints.tag is None else (seq.hints.tag,)
         if not self.kv.restore_claimed({*seq.hints.claim, *own}) and self.running:
             return 0
@@ -520,9 +521,12 @@ class Scheduler:
                 self._record_admission(seq, hit)
                 return n
             except (NoFreeSlotError, PoolExhaustedError) as e:
+                mine: tuple[int, ...] = ()
                 if seq.slot is not None:
+                    kept = hit is not None and (hit.slot == hit.source or hit.host_tokens > 0)
+                    mine = (seq.slot,) if kept and self.running else ()
                     self._unassign(seq, hit)
-                if not self._make_room(own if self.running else (), pages_short(e)):
+                if not self._make_room(own if self.running else (), pages_short(e), mine):
                     return 0
 
     def _admit_speculation(self, seq: Sequence, budget: int) -> int | None:
@@ -587,18 +591,19 @@ class Scheduler:
         session's) for ``pages`` pages (None: a slot); False if none."""
         return self.kv.make_room(EntryRank.PLAIN, pages=pages)
 
-    def _make_room(self, protect: tuple[CacheTag, ...] = (), pages: int | None = None) -> bool:
+    def _make_room(self, protect: tuple[CacheTag, ...] = (), pages: int | None = None,
+                   spare: tuple[int, ...] = ()) -> bool:
         """Free memory for a request that lacks ``pages`` pages (None: a slot): slots retired
         by zero-copy commits, a speculation entry, else the latest speculative prefill, else
-        any other cache entry (rank, priority, LRU) not tagged in ``protect``. False if none
-        is left."""
-        if self.kv.make_room(EntryRank.SPECULATIVE, pages=pages):
+        any other cache entry (rank, priority, LRU) not tagged in ``protect`` and not in
+        ``spare``. False if none is left."""
+        if self.kv.make_room(EntryRank.SPECULATIVE, pages=pages, spare=spare):
             return True
         if self.spec_running:
             seq = self.spec_running.pop()
             self._drop(seq)
             return True
-        return self.kv.make_room(protect=protect, pages=pages)
+        return self.kv.make_room(protect=protect, pages=pages, spare=spare)
 
     def _drop(self, seq: Sequence) -> None:
         """Finish a speculative prefill and free its slot outright (memory pressure)."""

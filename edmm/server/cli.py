@@ -22,6 +22,7 @@ from edmm.agent.retention import RETENTION_POLICIES
 from edmm.agent.speculation import SPECULATION_SOURCES
 from edmm.agent.types import ADMISSION_ORDERS
 from edmm.argparsing import ArgumentParser, float_at_least, int_at_least, int_list
+from edmm.engine.kv_policy import CACHE_POLICIES
 from edmm.server.collector import raise_threshold
 from edmm.server.http_guard import DEFAULT_MAX_BODY_BYTES
 from edmm.server.state import DEFAULT_MAX_TOOL_OUTPUT_BYTES, ServerConfig, ServerState
@@ -106,6 +107,10 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
                              "engine's)")
     parser.add_argument("--no-spec-in-padding", action="store_true",
                         help="CUDA: speculation never fills the padding of busy steps")
+    parser.add_argument("--kv-cache-policy", choices=sorted(CACHE_POLICIES), default=None,
+                        help="eviction of cached KV and what goes to the host: sessions, apc "
+                             "(tail-first, as vLLM), blocks (apc + every block written "
+                             "through, as LMCache) (default: the engine's)")
 
 
 def _agent_arguments(parser: argparse.ArgumentParser) -> None:
@@ -162,7 +167,8 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
                        ("max_num_batched_tokens", "max_num_batched_tokens"),
                        ("cuda_graph_sizes", "cuda_graph_token_sizes"),
                        ("host_page_size", "host_page_size"),
-                       ("busy_spec_tokens", "speculative_tokens_when_busy")):
+                       ("busy_spec_tokens", "speculative_tokens_when_busy"),
+                       ("kv_cache_policy", "kv_cache_policy")):
         if getattr(args, flag) is not None:
             engine[name] = getattr(args, flag)
     if args.no_spec_in_padding:

@@ -19,6 +19,7 @@ from edmm.engine import (
     Sequence,
     SequenceStatus,
 )
+from edmm.engine.kv_policy import CACHE_POLICIES
 from edmm.engine.prefix_cache import EntryRank
 from edmm.engine.sequence import SlotHints
 from edmm.memory import KVArena, KVMemoryError
@@ -328,7 +329,8 @@ def test_restore_claimed_pushes_other_paused_sessions_out_for_a_resume(
 
 
 def _scheduler(arena: KVArena, budget: int) -> tuple[Scheduler, PrefixCache]:
-    cache = PrefixCache(arena, block_size=4, offload=HostKVStore(arena, capacity_bytes=1 << 20, block_tokens=4))
+    store = HostKVStore(arena, capacity_bytes=1 << 20, block_tokens=4)
+    cache = PrefixCache(arena, block_size=4, offload=store)
     return Scheduler(KVCacheManager(arena, cache),
                      SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=4)), cache
 
@@ -373,3 +375,28 @@ def test_an_adopted_session_entry_given_back_unused_stays_retained(arena: KVAren
     (slot,) = cache.tagged("s")
     assert resume.status == SequenceStatus.WAITING
     assert slot not in cache.entry_slots(EntryRank.PLAIN)  # still a retained session's KV
+
+
+@pytest.mark.parametrize(("policy", "resumed_at"), [("sessions", 0), ("apc", 40), ("blocks", 48)])
+def test_a_preempted_turn_comes_back_from_where_the_policy_kept_it(
+        arena: KVArena, policy: str, resumed_at: int) -> None:
+    """Two decoding sequences outgrow the 12 pages; the later one is preempted with 48 tokens
+    computed. ``sessions`` evicts its entry whole (recomputed from 0); ``apc`` frees only the
+    page the other sequence lacks, from its tail, and keeps the rest while it waits (40
+    tokens reused); ``blocks`` wrote every block through to the host, so the readmission loads
+    all 48 and recomputes nothing."""
+    store = HostKVStore(arena, capacity_bytes=1 << 20, block_tokens=4)
+    cache = PrefixCache(arena, block_size=4, offload=store, cache_policy=CACHE_POLICIES[policy])
+    sched = Scheduler(KVCacheManager(arena, cache),
+                      SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4))
+    a = Sequence.new("a", list(range(1, 41)), SamplingParams(max_tokens=20))
+    b = Sequence.new("b", list(range(100, 142)), SamplingParams(max_tokens=12))
+    sched.add(a)
+    sched.add(b)
+    steps = [_step(sched) for _ in range(9)]
+    assert steps[-1] == [("a", 47, 1)] and b.num_preemptions == 1  # b held 48 tokens
+    assert _step(sched) == [("a", 48, 1)] and _step(sched) == [("a", 49, 1)]  # b waits
+    sched.finish(a, "stop")
+    (readmitted,) = _step(sched)
+    assert readmitted == ("b", resumed_at, 49 - resumed_at)
+    assert store.counters.loaded_bytes == (48 if policy == "blocks" else 0) * SPEC.token_bytes

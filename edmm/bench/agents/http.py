@@ -160,6 +160,7 @@ def serve_args(policy: Policy, engine: EngineConfig, prefetch_lead_s: float,
         args += ["--dtype", str(engine.dtype)]
     if engine.kv_offload_bytes:
         args += ["--kv-offload-gib", repr(engine.kv_offload_bytes / 2**30)]
+    args += ["--kv-cache-policy", engine.kv_cache_policy]
     if engine.speculative_tokens_when_busy is not None:
         args += ["--busy-spec-tokens", str(engine.speculative_tokens_when_busy)]
     if not engine.speculation_fills_padding:
@@ -358,7 +359,7 @@ def _wait_turn(runs: Sequence[_Run], i: int, ready: threading.Barrier) -> None:
 def _run_policy(run: _Run, matrix: Matrix, jobs: list[Job], cfg: HttpReplayConfig,
                 live: LiveBenchConfig, tok: Any, wait_turn: Callable[[], None]) -> None:
     folder = live.tokenizer or live.model  # the client processes load the same tokenizer
-    engine = matrix.engine_config(run.policy.offload)
+    engine = matrix.engine_config(run.policy.offload, run.policy.cache)
     args = serve_args(run.policy, server_engine(engine, matrix.cfg, jobs, template_tokens(tok)),
                       matrix.cfg.prefetch_lead_s)
     live = dataclasses.replace(live, server_args=(*args, *live.server_args))
