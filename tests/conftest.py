@@ -1,5 +1,6 @@
 """Shared fixtures: VMM backends (the host twin everywhere, CUDA under the ``gpu`` marker),
-one torch thread, the embedded tiny model."""
+one torch thread, the embedded tiny model; the hypothesis profiles of the test tiers
+(tests/tiers.py)."""
 
 from __future__ import annotations
 
@@ -8,10 +9,13 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiers import register_profiles
 
 from edmm.memory.backends import open_backend
 from edmm.memory.vmm import VMMBackend
 from edmm.model.tiny import ensure_tiny_model
+
+register_profiles()
 
 HOST_TEST_PAGE = 4096  # small pages: many page boundaries with tiny KV specs
 

@@ -31,9 +31,9 @@ from typing import Any
 from edmm.bench.results import ResultWriter, collect_environment
 from edmm.bench.stats import summarize
 from edmm.engine import SamplingParams
-from edmm.server.sessions import Turn, TurnEnd
 from edmm.server.state import ServerConfig, ServerState
 from edmm.server.tool_parser import ParsedToolCall
+from edmm.server.turns import Turn
 
 RESULT_TOKENS = 512
 
@@ -60,16 +60,18 @@ def _resume(state: ServerState, rng: random.Random, context: int, tag: str,
     params = SamplingParams(max_tokens=2, temperature=0.0, ignore_eos=True)
     vocab = engine.validator.vocab_size
     first = [rng.randrange(vocab) for _ in range(context - RESULT_TOKENS)]
-    sessions.begin(Turn(engine.make_request(f"{tag}-0", first, params), tag))
+    ended = Turn(engine.make_request(f"{tag}-0", first, params), asked_session=tag)
+    ended.session_id = sessions.begin(ended)
     _run_out(state)
     ctx = sessions.agent.session_context(tag)
     mid = len(ctx) // 2
     predicted = [*ctx[:mid], *(rng.randrange(vocab) for _ in range(RESULT_TOKENS)), *ctx[mid:]]
     call = ParsedToolCall("lookup", "{}", id=f"call-{tag}")
-    sessions.end(TurnEnd(tag, f"{tag}-0", [call], predicted_prompt=predicted))
+    ended.calls, ended.predicted_prompt = [call], predicted
+    sessions.end(ended)
     _run_out(state)
-    turn = Turn(engine.make_request(f"{tag}-1", predicted, params), tag,
-                ((call.id, "stored"),))
+    turn = Turn(engine.make_request(f"{tag}-1", predicted, params), asked_session=tag,
+                tool_results=((call.id, "stored"),))
     spans: dict[str, list[float]] = {"begin": [], "cache match": [], "first step": []}
     _timed(sessions.begin, spans["begin"])(turn)
     outputs = _timed(sessions.step, spans["first step"])()

@@ -1,15 +1,23 @@
-"""Next-prompt renderers: the session's next prompt from (possibly partial or predicted) results.
+"""The next prompt of a session whose turn ended in tool calls: its one home.
 
-A tool window knows the next prompt except for the tool results. A renderer builds it from the
-results known so far, in call order, and stops right before the first call without one (a head:
-everything up to that result's position), or right after the content of ``stop_after`` (a
-streamed, still open result). With every result it gives the whole next prompt.
+A tool window knows the next prompt except for the tool results. This module builds it, for
+the agent layer and for the server alike:
 
-- `TokenRenderer` works on token ids (no tokenizer needed, e.g. for presets with random
-  weights): results are inserted into the session's context at token positions, wrapped, and a
-  suffix follows.
-- `TemplateRenderer` renders chat messages with the model's chat template (tool results as
-  ``tool`` messages, tool-call arguments re-serialised as clients do), then tokenizes the text.
+- `assistant_message`: a reply as the client sends it back (the message before the results);
+- `TokenRenderer` and `TemplateRenderer` (the agent's speculation, `PromptRenderer`): the next
+  prompt's ids from the results known so far, in call order, up to right before the first
+  call without one (a head: everything up to that result's position), or right after the
+  content of ``stop_after`` (a streamed, still open result); with every result, the whole
+  next prompt. `TokenRenderer` works on token ids (no tokenizer needed, e.g. for presets with
+  random weights): results are inserted into the session's context at token positions,
+  wrapped, and a suffix follows. `TemplateRenderer` renders chat messages with the model's
+  chat template (tool results as ``tool`` messages, tool-call arguments re-serialised as
+  clients do), the real results' contents included, then tokenizes the text;
+- `text_around_results`: the next prompt's text as pieces around its results, from renders
+  with placeholder results (the server's awaited resume, `edmm.server.incremental`, which
+  renders only the prompt's last window): the resume that carries the results is then the
+  pieces joined with them, with no template run. Exact only for a template that renders a
+  result's content verbatim, which the server probes before it trusts it.
 """
 
 from __future__ import annotations
@@ -17,9 +25,10 @@ from __future__ import annotations
 import abc
 import contextlib
 import json
-from collections.abc import Mapping, Sequence
+import secrets
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, Protocol
 
 from edmm.agent.errors import AgentError
 from edmm.agent.types import TokenLayout, ToolCall, ToolContent
@@ -172,8 +181,55 @@ def _reserialized(tool_call: Mapping[str, Any]) -> dict[str, Any]:
     return fn
 
 
-def assistant_message(content: str, calls: Sequence[ToolCall]) -> dict[str, Any]:
-    """An OpenAI-style assistant message carrying ``calls``."""
-    return {"role": "assistant", "content": content, "tool_calls": [
+class NamedCall(Protocol):
+    """A tool call as a message carries it (`ToolCall`, the server's parsed calls)."""
+
+    @property
+    def id(self) -> str: ...
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def arguments(self) -> str: ...
+
+
+def assistant_message(content: str | None, calls: Sequence[NamedCall]) -> dict[str, Any]:
+    """An OpenAI-style assistant message carrying ``calls``, as a client sends it back (no
+    content: an empty one)."""
+    return {"role": "assistant", "content": content or "", "tool_calls": [
         {"id": c.id, "type": "function", "function": {"name": c.name, "arguments": c.arguments}}
         for c in calls]}
+
+
+def text_around_results(render: Callable[[list[str]], str | None],
+                        count: int) -> list[str] | None:
+    """The text of a next prompt as ``count + 1`` pieces around its results, in call order:
+    ``pieces[0] + result_0 + pieces[1] + ... + pieces[count]``.
+
+    ``render(marks)``: the prompt's text with each result's content replaced by its mark
+    (None: it cannot be rendered). It runs twice, with random marks of two lengths, each with
+    whitespace at both ends; None unless every mark is found once, in order, and both runs
+    give the same pieces (a template that reads a result's length, or trims it, fails)."""
+    pieces: list[list[str]] = []
+    for size in (8, 20):
+        marks = [f" \n\t{secrets.token_hex(size)}\t\n " for _ in range(count)]
+        text = render(marks)
+        split = _split(text, marks) if text is not None else None
+        if split is None:
+            return None
+        pieces.append(split)
+    return pieces[0] if pieces[0] == pieces[1] else None
+
+
+def _split(text: str, marks: Sequence[str]) -> list[str] | None:
+    """``text`` cut around ``marks`` (each once in it, in order), else None."""
+    pieces, pos = [], 0
+    for mark in marks:
+        k = text.find(mark, pos)
+        if k < 0 or text.count(mark) != 1:
+            return None
+        pieces.append(text[pos:k])
+        pos = k + len(mark)
+    pieces.append(text[pos:])
+    return pieces

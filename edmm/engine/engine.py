@@ -392,8 +392,13 @@ class Engine:
         return self._scheduler.reprioritize(request_id, priority)
 
     def has_unfinished(self) -> bool:
-        """True while any request waits or runs, or a launched step awaits its outputs."""
-        return self._scheduler.has_unfinished() or self._in_flight is not None
+        """True while any request waits or runs, or a launched step has a running request's
+        output to give (speculative prefills aside, as they are for the scheduler)."""
+        if self._scheduler.has_unfinished():
+            return True
+        return self._in_flight is not None and any(
+            seq is not None and not seq.is_finished and not seq.is_speculative
+            for seq in self._in_flight[1])
 
     def num_prefilling(self) -> int:
         """Requests (speculation aside) that wait, or run with prompt tokens still to

@@ -317,7 +317,8 @@ class Scheduler:
         if batch.preempted:
             return batch
         budget = self._schedule_waiting(batch, budget)
-        if not batch.seqs:
+        if not batch.seqs and not self.running:  # idle (a request whose last token is still
+            # on the device runs: its output waits for the next step)
             self._schedule_speculation(batch, min(budget, self.config.speculative_tokens_when_idle))
             return batch
         busy, padding = self.config.speculative_tokens_when_busy, self._padding(batch)

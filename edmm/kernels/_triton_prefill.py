@@ -76,33 +76,42 @@ def _attend_range(q, k_base, v_base, stride_kt, lo, hi, tile_end, m_i, l_i, acc,
 
 
 @triton.jit
-def _find_tile(cu_q_ptr, num_seqs, BLOCK_M: tl.constexpr, SKIP_SINGLE: tl.constexpr,
+def _find_tile(cu_q_ptr, num_seqs, steps, BLOCK_M: tl.constexpr, SKIP_SINGLE: tl.constexpr,
                REVERSE: tl.constexpr):
     """Sequence and tile index within it of this program's flat tile (-1: a spare tile).
-    With SKIP_SINGLE, sequences of one query own no tile; with REVERSE, a sequence's last
-    tile (the most keys) comes first."""
+
+    Sequence i owns the flat tiles from cu_q[i] // BLOCK_M + i, a nondecreasing start that
+    leaves room for its ceil(n_q / BLOCK_M) tiles before the next one's; the flat tiles
+    number T // BLOCK_M + B in all. A program finds its sequence by a binary search over cu_q
+    in ``steps`` (>= bit length of num_seqs) scalar loads: a CUDA graph's padding sequences
+    (hundreds in a graph for many running sequences) cost each program a few loads, not one per
+    sequence, and the search holds no vector reduction (Triton's warp-specialization pass
+    fails on a kernel with one). With SKIP_SINGLE, sequences of one query own no tile; with
+    REVERSE, a sequence's last tile (the most keys) comes first."""
     blk = tl.program_id(0)
-    seen = blk * 0
-    seq = blk * 0 - 1
-    tile = blk * 0
-    for i in range(0, num_seqs):
-        n_q = (tl.load(cu_q_ptr + i + 1) - tl.load(cu_q_ptr + i)).to(tl.int32)
-        if SKIP_SINGLE:
-            n_q = tl.where(n_q == 1, 0, n_q)
-        n_tiles = (n_q + BLOCK_M - 1) // BLOCK_M
-        hit = (blk >= seen) & (blk < seen + n_tiles)
-        seq = tl.where(hit, i, seq)
-        own = n_tiles - 1 - (blk - seen) if REVERSE else blk - seen
-        tile = tl.where(hit, own, tile)
-        seen += n_tiles
-    return seq, tile
+    lo = blk * 0  # the last sequence whose start is <= blk lies in [lo, hi]
+    hi = lo + num_seqs - 1
+    for _ in range(0, steps):
+        mid = (lo + hi + 1) // 2
+        go = tl.load(cu_q_ptr + mid).to(tl.int32) // BLOCK_M + mid <= blk
+        lo = tl.where(go, mid, lo)
+        hi = tl.where(go, hi, mid - 1)
+    q0 = tl.load(cu_q_ptr + lo).to(tl.int32)
+    n_q = tl.load(cu_q_ptr + lo + 1).to(tl.int32) - q0
+    if SKIP_SINGLE:
+        n_q = tl.where(n_q == 1, 0, n_q)
+    n_tiles = (n_q + BLOCK_M - 1) // BLOCK_M
+    own = blk - (q0 // BLOCK_M + lo)
+    tile = n_tiles - 1 - own if REVERSE else own
+    live = own < n_tiles
+    return tl.where(live, lo, -1), tl.where(live, tile, 0)
 
 
-@triton.jit(do_not_specialize=["slot_arg", "ctx_arg", "qlen_arg", "num_seqs", "qk_scale"])
+@triton.jit(do_not_specialize=["slot_arg", "ctx_arg", "qlen_arg", "num_seqs", "steps", "qk_scale"])
 def prefill_kernel(
     q_ptr, kv_ptr, out_ptr, cu_q_ptr, slot_ids_ptr, ctx_lens_ptr,
     slot_arg, ctx_arg, qlen_arg,  # the one sequence's slot, tokens, queries when not VARLEN
-    num_seqs,  # B when VARLEN
+    num_seqs, steps,  # B and its bit length when VARLEN
     qk_scale,  # softmax scale * log2(e)
     stride_qt, stride_qh,  # q [T, Hq, D]
     stride_ks, stride_kt, stride_kkv, stride_kh,  # kv layer view [S, M, 2, Hkv, D]
@@ -113,7 +122,7 @@ def prefill_kernel(
 ):
     """One (query tile, query head) of end-aligned causal attention."""
     if VARLEN:
-        b, mt = _find_tile(cu_q_ptr, num_seqs, BLOCK_M, SKIP_SINGLE, REVERSE)
+        b, mt = _find_tile(cu_q_ptr, num_seqs, steps, BLOCK_M, SKIP_SINGLE, REVERSE)
         if b < 0:
             return
         q_start = tl.load(cu_q_ptr + b).to(tl.int32)
@@ -160,10 +169,10 @@ def prefill_kernel(
     tl.store(o_ptrs, o.to(out_ptr.dtype.element_ty), mask=m_mask[:, None])
 
 
-@triton.jit(do_not_specialize=["num_seqs", "num_tokens", "qk_scale"])
+@triton.jit(do_not_specialize=["num_seqs", "steps", "num_tokens", "qk_scale"])
 def prefill_ws_kernel(
     q_ptr, kv_ptr, out_ptr, cu_q_ptr, slot_ids_ptr, ctx_lens_ptr,
-    num_seqs, num_tokens,  # B; T, the rows of q
+    num_seqs, steps, num_tokens,  # B and its bit length; T, the rows of q
     qk_scale,  # softmax scale * log2(e)
     stride_qt,  # q [T, Hq, D], unit stride on D and Hq * D
     stride_ks, stride_kt, stride_kkv, stride_kh,  # kv layer view [S, M, 2, Hkv, D]
@@ -180,7 +189,7 @@ def prefill_ws_kernel(
     as their bound: the copy engine zero-fills the rest of a diagonal tile and never reads a key
     at or past the context (unmapped arena pages there would fault).
     """
-    b, mt = _find_tile(cu_q_ptr, num_seqs, BLOCK_M, SKIP_SINGLE, REVERSE)
+    b, mt = _find_tile(cu_q_ptr, num_seqs, steps, BLOCK_M, SKIP_SINGLE, REVERSE)
     live = b >= 0
     b = tl.maximum(b, 0)
     q_start = tl.load(cu_q_ptr + b).to(tl.int32)

@@ -145,7 +145,7 @@ def _launch(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor,
     cu_q, slot_ids, ctx_lens = varlen if varlen is not None else (out, out, out)  # unused
     tk.prefill_kernel[(tiles, num_heads)](
         q, kv, out, cu_q, slot_ids, ctx_lens,
-        *single, batch,
+        *single, batch, batch.bit_length(),
         scale * math.log2(math.e),
         q.stride(0), q.stride(1),
         kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),
@@ -194,7 +194,7 @@ def _launch_ws(q: torch.Tensor, kv: torch.Tensor, out: torch.Tensor,
     num_heads, head_dim = q.shape[1], q.shape[2]
     triton.set_allocator(functools.partial(_descriptor_scratch, device=q.device))
     tk.prefill_ws_kernel[(q.shape[0] // cfg.block_m + batch, num_heads)](
-        q, kv, out, cu_q, slot_ids, ctx_lens, batch, q.shape[0],
+        q, kv, out, cu_q, slot_ids, ctx_lens, batch, batch.bit_length(), q.shape[0],
         scale * math.log2(math.e),
         q.stride(0),
         kv.stride(0), kv.stride(1), kv.stride(2), kv.stride(3),

@@ -11,7 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-from collections.abc import AsyncIterator, Awaitable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import asynccontextmanager
 from typing import Any, TypeVar
 
@@ -23,7 +23,6 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from edmm.openai_errors import error_body
 from edmm.server.body import parse_body
-from edmm.server.engine_loop import OutputStream
 from edmm.server.errors import APIError, PayloadTooLargeError
 from edmm.server.http_guard import BODY_READ_NS, RequestGuard
 from edmm.server.protocol import (
@@ -34,6 +33,7 @@ from edmm.server.protocol import (
     ModelList,
     ToolOutputRequest,
 )
+from edmm.server.serving import abort_all
 from edmm.server.sessions import owner_of
 from edmm.server.state import ServerState
 from edmm.server.validation import check_text
@@ -168,7 +168,7 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
     async def chat(request: Request,
                    x_session_id: str | None = Header(default=None, min_length=1,
                                                      max_length=MAX_SESSION_ID)) -> Response:
-        timer = serving.stages.timer(getattr(request.state, BODY_READ_NS, None))
+        trace = serving.stages.tracer(getattr(request.state, BODY_READ_NS, None))
         raw, content_type = await request.body(), request.headers.get("content-type")
         if len(raw) <= INLINE_PARSE_BYTES:
             parsed = parse_body(ChatCompletionRequest, raw, content_type)
@@ -176,21 +176,22 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
             parsed = await asyncio.get_running_loop().run_in_executor(
                 None, parse_body, ChatCompletionRequest, raw, content_type)
         body = parsed.value
-        turn = await serving.start_chat(body, x_session_id, owner_of(request.headers), timer,
+        turn = await serving.start_chat(body, x_session_id, owner_of(request.headers), trace,
                                         surrogate_free=parsed.surrogate_free)
         headers = {SESSION_HEADER: turn.session_id}
         if body.stream:
-            return EventStreamResponse(serving.chat_stream(turn), [turn.stream],
-                                       headers=headers)
-        result = await _until_disconnected(request, serving.chat_completion(turn))
+            return EventStreamResponse(serving.chat_stream(body, turn),
+                                       lambda: serving.abort(turn), headers=headers)
+        result = await _until_disconnected(request, serving.chat_completion(body, turn))
         return _json(result, headers)
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Response:
         queued = await serving.start_completion(body, owner_of(request.headers))
         if body.stream:
+            streams = [stream for _, stream in queued]
             return EventStreamResponse(serving.completion_stream(body, queued),
-                                       [stream for _, stream in queued])
+                                       lambda: abort_all(streams))
         return _json(await _until_disconnected(request, serving.completion(body, queued)))
 
 
@@ -228,20 +229,20 @@ def _add_edmm_routes(app: FastAPI, state: ServerState) -> None:
 
 
 class EventStreamResponse(StreamingResponse):
-    """Server-sent events of engine requests, which are aborted however the response ends
-    (even when the client leaves before the first event, and the body never starts)."""
+    """Server-sent events of engine requests, which ``abort`` aborts however the response ends
+    (even when the client leaves before the first event, and the body never starts); a
+    finished request is left as it is."""
 
-    def __init__(self, events: AsyncIterator[str], streams: Sequence[OutputStream],
+    def __init__(self, events: AsyncIterator[str], abort: Callable[[], None],
                  headers: dict[str, str] | None = None) -> None:
         super().__init__(events, media_type="text/event-stream", headers=headers)
-        self._streams = streams
+        self._abort = abort
 
     async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:
-            for stream in self._streams:
-                stream.abort()  # no-op for a finished request
+            self._abort()
 
 
 def _json(result: ChatCompletion | Completion | Response,

@@ -28,7 +28,7 @@ from typing import Any
 from edmm.model.prompt_encoder import PromptEncoder, TokenIds
 from edmm.server.incremental import IncrementalChatRenderer, RenderedPrompt, RenderStats
 from edmm.server.prompts import encode_prompt_text, template_text
-from edmm.server.stages import StageTimer
+from edmm.server.stages import NO_TRACE, Tracer
 
 logger = logging.getLogger(__name__)
 
@@ -77,19 +77,18 @@ class ChatPrompts:
 
     def ids(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
             kwargs: dict[str, Any] | None, limit: int | None,
-            timer: StageTimer | None = None) -> TokenIds:
+            trace: Tracer = NO_TRACE) -> TokenIds:
         """The prompt's token ids (`render`'s)."""
-        return self.render(messages, tools, kwargs, limit, timer).ids
+        return self.render(messages, tools, kwargs, limit, trace).ids
 
     def render(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]] | None,
                kwargs: dict[str, Any] | None, limit: int | None,
-               timer: StageTimer | None = None, awaited: bool = False) -> ChatPrompt:
+               trace: Tracer = NO_TRACE, awaited: bool = False) -> ChatPrompt:
         """The prompt's token ids (`TokenIds`; refused past ``limit`` tokens when one is
         given) and its handle; ``awaited``: a predicted next request, kept for the resume
         that sends it (`IncrementalChatRenderer.expect`). Marks ``render_start``,
-        ``rendered`` and ``tokenized`` on ``timer``."""
-        if timer is not None:
-            timer.mark("render_start")
+        ``rendered`` and ``tokenized`` on ``trace``."""
+        trace.mark("render_start")
         self.prepare()
         prompt, hint, renderer = None, None, self._renderer
         if renderer is not None:
@@ -97,15 +96,13 @@ class ChatPrompts:
             text = prompt.text
         else:
             text = template_text(self.tokenizer, messages, tools, kwargs)
-        if timer is not None:
-            timer.mark("rendered")
+        trace.mark("rendered")
         ids, encoded = encode_prompt_text(self.tokenizer, self.encoder, text, limit, hint)
         if renderer is not None and prompt is not None:
             prompt.encoded = encoded
             if awaited:
                 renderer.expect(prompt)
-        if timer is not None:
-            timer.mark("tokenized")
+        trace.mark("tokenized")
         return ChatPrompt(ids, prompt)
 
     def prepare_resume(self, prompt: RenderedPrompt | list[dict[str, Any]] | None = None,

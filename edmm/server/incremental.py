@@ -23,11 +23,12 @@ back to a full render if not; ``verify=True`` also compares with a full render e
 
 **Awaited resumes.** When a turn ends in tool calls, `await_resume` prepares the resume that
 answers them (the prompt, the reply, one tool message per call, in order) as text *around* the
-results: the window is rendered twice with random placeholder results (of two lengths, with
-whitespace at both ends) and must come out as the same pieces around them, each placeholder
-verbatim. The resume that carries exactly those messages is then the pieces joined with its
-results: no template runs. `slots_exact` probes this route on the template (results with
-markup, whitespace and JSON) before a server trusts it. Awaited prompts (also a predicted next
+results (`edmm.agent.render.text_around_results`, the home of next-prompt rendering): the
+window is rendered twice with random placeholder results (of two lengths, with whitespace at
+both ends) and must come out as the same pieces around them, each placeholder verbatim. The
+resume that carries exactly those messages is then the pieces joined with its results: no
+template runs. `slots_exact` probes this route on the template (results with markup,
+whitespace and JSON) before a server trusts it. Awaited prompts (also a predicted next
 request, `expect`) are kept by the first call id their resume answers, out of the recent
 prompts, so that a resume finds its prompt however many other sessions' prompts came since;
 the oldest are dropped past ``awaited`` sessions or ``awaited_chars`` characters of text.
@@ -37,11 +38,12 @@ Not thread-safe: one thread (the server's tokenizing thread) owns it.
 
 from __future__ import annotations
 
-import secrets
 from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+from edmm.agent.render import text_around_results
 
 # (messages, tools, chat_template_kwargs, add_generation_prompt) -> prompt text
 RenderFn = Callable[[list[dict[str, Any]], list[dict[str, Any]] | None, dict[str, Any] | None,
@@ -302,20 +304,18 @@ class IncrementalChatRenderer:
                 or len(set(ids)) != len(ids)):
             return None
         head = [*prompt.messages, reply]
-        pieces: list[list[str]] = []
-        for size in (8, 20):  # two lengths: a template that reads a result's length fails
-            marks = [f" \n\t{secrets.token_hex(size)}\t\n " for _ in ids]
+
+        def render(marks: list[str]) -> str | None:  # the window, as a client sends results
             rendered = self._on_base(prompt, [*head, *(
                 {"role": "tool", "content": m, "tool_call_id": i} for m, i in zip(marks, ids,
                                                                                     strict=True))],
                                      query[0], prompt.tools, prompt.kwargs)
-            split = _split(rendered[0].text, marks) if rendered is not None else None
-            if split is None:
-                return None
-            pieces.append(split)
-        if pieces[0] != pieces[1]:
+            return rendered[0].text if rendered is not None else None
+
+        pieces = text_around_results(render, len(ids))
+        if pieces is None:
             return None
-        slots = ResumeSlots(head, ids, prompt.tools, prompt.kwargs, pieces[0], query)
+        slots = ResumeSlots(head, ids, prompt.tools, prompt.kwargs, pieces, query)
         self._awaited.add(ids[0], slots)
         return slots
 
@@ -513,15 +513,3 @@ def _trailing_tools(messages: Sequence[dict[str, Any]]) -> int:
         n += 1
     return n
 
-
-def _split(text: str, marks: Sequence[str]) -> list[str] | None:
-    """``text`` cut around ``marks`` (each once in it, in order), else None."""
-    pieces, pos = [], 0
-    for mark in marks:
-        k = text.find(mark, pos)
-        if k < 0 or text.count(mark) != 1:
-            return None
-        pieces.append(text[pos:k])
-        pos = k + len(mark)
-    pieces.append(text[pos:])
-    return pieces

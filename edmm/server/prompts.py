@@ -16,8 +16,10 @@ from edmm.server.protocol import (
     ChatCompletionRequest,
     ChatMessage,
     ChatTool,
+    FunctionCall,
     SamplingFields,
     SystemMessage,
+    ToolCall,
     ToolMessage,
     UserMessage,
     content_text,
@@ -50,14 +52,10 @@ def _template_message(m: ChatMessage) -> dict[str, Any]:
     return out
 
 
-def assistant_message(content: str | None, calls: Sequence[ParsedToolCall]) -> dict[str, Any]:
-    """The template message of a reply, as a client will send it back."""
-    out: dict[str, Any] = {"role": "assistant", "content": content or ""}
-    if calls:
-        out["tool_calls"] = [{"id": c.id, "type": "function",
-                              "function": {"name": c.name, "arguments": c.arguments}}
-                             for c in calls]
-    return out
+def response_tool_calls(calls: Sequence[ParsedToolCall]) -> list[ToolCall]:
+    """Parsed calls as a response carries them."""
+    return [ToolCall(id=c.id, function=FunctionCall(name=c.name, arguments=c.arguments))
+            for c in calls]
 
 
 def predicted_messages(predicted: Sequence[ChatMessage],

@@ -22,15 +22,16 @@ from __future__ import annotations
 import hashlib
 import logging
 import secrets
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
 
 from edmm.agent import AgentEngine, SessionState, ToolCall, ToolResult
 from edmm.agent.errors import AgentError, ToolOutputClosedError, UnknownSessionError
 from edmm.engine import Engine, EngineError, Request, RequestOutput
 from edmm.server.errors import ConflictError, NotFoundError
-from edmm.server.tool_parser import ParsedToolCall
+
+if TYPE_CHECKING:
+    from edmm.server.turns import Turn
 
 logger = logging.getLogger(__name__)
 
@@ -45,30 +46,6 @@ def owner_of(headers: Mapping[str, str]) -> str:
     if not key:
         return ANONYMOUS
     return "key-" + hashlib.sha256(key.encode("utf-8", "surrogatepass")).hexdigest()[:32]
-
-
-@dataclass(frozen=True)
-class Turn:
-    """A validated request and what names its session."""
-
-    request: Request
-    session_id: str | None = None  # asked for explicitly (header or body)
-    tool_results: Sequence[tuple[str, str]] = ()  # (tool_call_id, content) of trailing tool msgs
-    owner: str = ANONYMOUS  # the client sending it (`owner_of`)
-
-
-@dataclass(frozen=True)
-class TurnEnd:
-    """A turn that ended in tool calls, and what speculation needs to know."""
-
-    session_id: str
-    request_id: str
-    tool_calls: Sequence[ParsedToolCall]
-    messages: Sequence[Mapping[str, Any]] = ()  # the conversation incl. the assistant message
-    tools: Sequence[Mapping[str, Any]] | None = None
-    expected_duration_s: float | None = None
-    predictions: Mapping[str, str] = field(default_factory=dict)  # call id or tool name -> text
-    predicted_prompt: Sequence[int] = ()  # the whole next prompt, as the client predicts it
 
 
 class ServerSessions:
@@ -109,29 +86,30 @@ class ServerSessions:
         self._queue(session_id, turn)
         return session_id
 
-    def end(self, end: TurnEnd) -> None:
-        """A turn finished: with tool calls its session awaits them (speculation starts),
-        without, its KV becomes an ordinary cache entry (`AgentEngine.end_turn`).
+    def end(self, turn: Turn) -> None:
+        """A turn finished: with tool calls to await (``turn.calls``) its session awaits them
+        (speculation starts), without, its KV becomes an ordinary cache entry
+        (`AgentEngine.end_turn`).
 
         Ignored if the session moved on (closed, or a newer turn started meanwhile).
         """
-        agent, sid = self.agent, end.session_id
+        agent, sid = self.agent, turn.session_id
         if (not agent.has_session(sid) or agent.session_state(sid) != SessionState.FINISHED
-                or agent.finished_request(sid) != end.request_id):
+                or agent.finished_request(sid) != turn.request.request_id):
             return
-        if not end.tool_calls:
+        if not turn.calls:
             agent.end_turn(sid)
             return
-        calls = [ToolCall(c.id, c.name, c.arguments) for c in end.tool_calls]
-        predictions = {c.id: text for c in end.tool_calls
-                       if (text := end.predictions.get(c.id, end.predictions.get(c.name)))
-                       is not None}
+        calls = [ToolCall(c.id, c.name, c.arguments) for c in turn.calls]
+        hints = turn.predictions
+        predictions = {c.id: text for c in turn.calls
+                       if (text := hints.get(c.id, hints.get(c.name))) is not None}
         try:
-            agent.await_tools(sid, calls, messages=end.messages, tools=end.tools,
-                              expected_duration_s=end.expected_duration_s,
+            agent.await_tools(sid, calls, messages=turn.next_messages, tools=turn.tools,
+                              expected_duration_s=turn.expected_duration_s,
                               predictions=predictions)
-            if end.predicted_prompt:
-                agent.predict_prompt(sid, end.predicted_prompt)
+            if turn.predicted_prompt:
+                agent.predict_prompt(sid, turn.predicted_prompt)
         except EngineError as e:  # the response stands; only speculation is lost
             logger.warning("session %s: speculation incomplete: %s", sid, e)
 
@@ -176,13 +154,14 @@ class ServerSessions:
     # ------------------------------------------------------------------ naming
     def _name(self, turn: Turn) -> str:
         agent, owner = self.agent, turn.owner
-        if turn.session_id is not None:
-            if not agent.has_session(turn.session_id):
-                return turn.session_id  # created for this owner
-            if self.session_state(turn.session_id, owner) in _BUSY:  # 404: another owner's
-                raise ConflictError(f"session {turn.session_id!r} is already generating",
+        asked = turn.asked_session
+        if asked is not None:
+            if not agent.has_session(asked):
+                return asked  # created for this owner
+            if self.session_state(asked, owner) in _BUSY:  # 404: another owner's
+                raise ConflictError(f"session {asked!r} is already generating",
                                     param="X-Session-Id", code="session_busy")
-            return turn.session_id
+            return asked
         for call_id, _ in turn.tool_results:
             session_id = agent.session_awaiting(call_id, owner)
             if session_id is not None:

@@ -12,8 +12,8 @@ request appends one JSON line ``{"id": <chatcmpl id>, "stream": bool, "prompt_to
   ``tokenized``: the ids are there; ``back``: the event loop has the engine request (made
   on the tokenizing thread: ids checked, sampling params);
 - ``request_made``: the request has its grammars (if any) and cache salt (a chat with no
-  grammar: on the tokenizing thread, which sends it to the engine thread itself, so it has
-  no ``back``);
+  grammar to wait for: on the tokenizing thread, which sends it to the engine thread itself,
+  so it has no ``back``);
 - ``engine_picked``: the engine thread took the submission; ``begun``: the session matched and
   the request queued;
 - ``step_start``: the engine thread began its first step after that; ``output_put``: it
@@ -46,7 +46,10 @@ import json
 import os
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, Protocol
+
+if TYPE_CHECKING:
+    from edmm.engine import RequestTiming
 
 STAGES = ("received", "arrive", "parsed", "validated", "render_start", "rendered", "tokenized",
           "back", "request_made", "engine_picked", "begun", "step_start", "output_put",
@@ -61,15 +64,54 @@ def _collections() -> list[int]:
     return [generation["collections"] for generation in gc.get_stats()]
 
 
+class Tracer(Protocol):
+    """The stage marks of one chat request: a `StageTimer` when the stage log is on, else
+    `NO_TRACE`, whose methods do nothing (the server calls them either way, with no test of
+    whether timing is on)."""
+
+    def mark(self, stage: str) -> None:
+        """Record ``stage`` now, unless it was recorded already (any thread)."""
+
+    def first_output(self, engine_ns: tuple[int | None, int | None],
+                     timing: RequestTiming | None) -> None:
+        """Record the first output's arrival on the event loop (``first_output``), with the
+        engine thread's times before it (``step_start``, ``output_put``: its output
+        stream's `engine_ns`) and the scheduler's (``scheduled``, ``memory_wait_steps``)."""
+
+    def finish(self, response_id: str, stream: bool, prompt_tokens: int) -> None:
+        """Append the request's record to the log (its response's id, streamed or not)."""
+
+
+class _NoTrace:
+    """`Tracer` of a server whose stage log is off."""
+
+    __slots__ = ()
+
+    def mark(self, stage: str) -> None:
+        """Nothing."""
+
+    def first_output(self, engine_ns: tuple[int | None, int | None],
+                     timing: RequestTiming | None) -> None:
+        """Nothing."""
+
+    def finish(self, response_id: str, stream: bool, prompt_tokens: int) -> None:
+        """Nothing."""
+
+
+NO_TRACE: Tracer = _NoTrace()
+
+
 @dataclass
 class StageTimer:
     """The marks of one request (first mark of a stage wins; any thread may mark) and the
-    garbage collections from its creation to its last stage (`LAST`)."""
+    garbage collections from its creation to its last stage (`LAST`); ``path``: the log its
+    record goes to (`finish`; None: nowhere)."""
 
     marks: dict[str, int] = field(default_factory=dict)
     gc_before: list[int] = field(default_factory=_collections)
     gc_during: list[int] | None = None  # set when `LAST` is marked
     counts: dict[str, int] = field(default_factory=dict)  # per-request counters (``counts``)
+    path: str | None = None
 
     def mark(self, stage: str) -> None:
         """Record ``stage`` now, unless it was recorded already."""
@@ -78,6 +120,29 @@ class StageTimer:
             if stage == LAST:
                 self.gc_during = [b - a for a, b in zip(self.gc_before, _collections(),
                                                         strict=True)]
+
+    def first_output(self, engine_ns: tuple[int | None, int | None],
+                     timing: RequestTiming | None) -> None:
+        """`Tracer.first_output` (once: later calls change nothing)."""
+        if "first_output" in self.marks:
+            return
+        for stage, ns in zip(("step_start", "output_put"), engine_ns, strict=True):
+            if ns is not None:
+                self.marks.setdefault(stage, ns)
+        if timing is not None:
+            if timing.first_scheduled_ns is not None:
+                self.marks.setdefault("scheduled", timing.first_scheduled_ns)
+            self.counts["memory_wait_steps"] = timing.memory_wait_steps
+        self.mark("first_output")
+
+    def finish(self, response_id: str, stream: bool, prompt_tokens: int) -> None:
+        """`Tracer.finish`: one JSON line appended to ``path``."""
+        if self.path is None:
+            return
+        record = {"id": response_id, "stream": stream, "prompt_tokens": prompt_tokens,
+                  "marks": self.marks, "gc": self.gc_during, "counts": self.counts}
+        with open(self.path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
 
 
 class StageLog:
@@ -96,26 +161,16 @@ class StageLog:
         """True when requests are timed."""
         return self.path is not None
 
-    def timer(self, received_ns: int | None = None) -> StageTimer | None:
-        """A timer for a new request, its ``arrive`` marked (and ``received``, its body read,
-        at ``received_ns`` when given); None when off."""
+    def tracer(self, received_ns: int | None = None) -> Tracer:
+        """The tracer of a new request, its ``arrive`` marked (and ``received``, its body
+        read, at ``received_ns`` when given); `NO_TRACE` when off."""
         if self.path is None:
-            return None
-        timer = StageTimer()
+            return NO_TRACE
+        timer = StageTimer(path=self.path)
         if received_ns is not None:
             timer.marks["received"] = received_ns
         timer.mark("arrive")
         return timer
-
-    def write(self, timer: StageTimer | None, request_id: str, stream: bool,
-              prompt_tokens: int) -> None:
-        """Append one request's record (no-op when off)."""
-        if timer is None or self.path is None:
-            return
-        record = {"id": request_id, "stream": stream, "prompt_tokens": prompt_tokens,
-                  "marks": timer.marks, "gc": timer.gc_during, "counts": timer.counts}
-        with open(self.path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
 
 
 def spans_ms(marks: dict[str, int], client_sent_ns: int | None = None,

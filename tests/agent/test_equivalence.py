@@ -23,6 +23,7 @@ from agent_helpers import FakeClock, greedy, run
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from kv_helpers import tiny_engine_config as engine_config
+from tiers import examples
 
 from edmm.agent import AgentEngine, SessionState, SessionTag, TokenLayout, ToolCall, ToolResult
 from edmm.agent.render import TokenRenderer
@@ -345,7 +346,7 @@ HEAVY = Script(  # three long sessions in a pool that holds barely one: eviction
     tuple(SessionScript(110 + k, 4, (_HEAVY_STEP, _HEAVY_STEP)) for k in range(3)), 34, 16, 7)
 
 
-@settings(max_examples=300, deadline=None, derandomize=True,
+@settings(max_examples=examples(300), deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(script=script_st)
 @example(script=HEAVY)
@@ -402,7 +403,7 @@ def _compare(agent: AgentEngine, clock: FakeClock, reference_engine: Engine, scr
     agent.check_integrity()
 
 
-@settings(max_examples=60, deadline=None, derandomize=True,
+@settings(max_examples=examples(60), deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(script=script_st)
 @example(script=Script((SessionScript(6, 4, (ToolStep((CallScript(1, 0.5, "none"),), 0, 0, 0,

@@ -8,6 +8,7 @@ import re
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiers import examples
 
 from edmm.agent.speculation import MAX_CHARS_PER_TOKEN, StreamFold
 
@@ -31,7 +32,7 @@ class Counting:
 TEXT = st.text(alphabet=st.sampled_from("ab \n"), max_size=60)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(text=TEXT, cuts=st.lists(st.integers(0, 60), max_size=6))
 def test_folding_chunks_equals_encoding_the_whole(text: str, cuts: list[int]) -> None:
     fold = StreamFold(True, head=[1, 2])

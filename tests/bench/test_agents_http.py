@@ -96,6 +96,7 @@ def _one_thread(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("OMP_NUM_THREADS", "1")  # the server subprocesses too
 
 
+@pytest.mark.slow  # three server subprocesses and their client processes
 @pytest.mark.usefixtures("_one_thread")
 def test_http_replay_of_lru_offload_edmm(tmp_path: Path) -> None:
     pytest.importorskip("openai")
@@ -156,6 +157,7 @@ def test_client_processes_split_the_sessions() -> None:
     assert client_processes(32, 1) == 1
 
 
+@pytest.mark.slow  # spawns client processes
 def test_a_failing_client_process_is_a_typed_error_not_a_hang() -> None:
     pytest.importorskip("openai")
     from edmm.bench.agents.http import HttpReplayConfig

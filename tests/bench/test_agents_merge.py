@@ -115,6 +115,7 @@ def test_merge_builds_one_report_and_refuses_mismatches(tmp_path: Path) -> None:
     assert "different source trees (--mixed-trees): a: abc; e: def" in md
 
 
+@pytest.mark.slow  # five CLI subprocesses; the merge in process: the test above
 def test_cli_subsets_merge_into_one_report(tmp_path: Path) -> None:
     """Two subset runs of the tiny model (different policies) through the CLI, then the
     merge: one table holding both, and a refusal to merge runs of different seeds."""

@@ -42,6 +42,7 @@ def _listening(url: str) -> bool:
         return s.connect_ex((host, int(port))) == 0
 
 
+@pytest.mark.slow  # a server subprocess; the fast tier starts one: tests/server/test_cli.py
 def test_live_groups_over_http(tmp_path: Path) -> None:
     paths = run_live_bench(LiveBenchConfig(**SMALL), tmp_path)  # type: ignore[arg-type]
     assert {"csv", "json", "md"} <= set(paths) and all(p.is_file() for p in paths.values())
@@ -67,6 +68,7 @@ def test_live_groups_over_http(tmp_path: Path) -> None:
     assert "predicted_next_messages" in paths["md"].read_text()
 
 
+@pytest.mark.slow  # a server subprocess
 def test_server_stopped_when_the_body_fails() -> None:
     cfg = LiveBenchConfig(**SMALL)  # type: ignore[arg-type]
     seen = []
@@ -77,6 +79,7 @@ def test_server_stopped_when_the_body_fails() -> None:
     assert seen and not _listening(seen[0])
 
 
+@pytest.mark.slow  # a server subprocess
 def test_server_that_cannot_start_is_reported() -> None:
     cfg = LiveBenchConfig(**SMALL, server_args=("--no-such-option",))  # type: ignore[arg-type]
     with pytest.raises(LiveBenchError, match="exited"), launched_server(cfg):
@@ -158,6 +161,7 @@ def test_a_preset_gets_the_real_vocabulary_tokenizer(tmp_path: Path,
         resolve_tokenizer(LiveBenchConfig(model="qwen2.5-7b"))
 
 
+@pytest.mark.slow  # a server subprocess; the stages in process: test_live_host_stages.py
 def test_stage_breakdown(tmp_path: Path) -> None:
     """With stages on, the server logs each resume's stages and the bench writes per context,
     group and mode their medians, in order, adding up to about the client's time."""

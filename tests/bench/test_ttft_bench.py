@@ -85,6 +85,7 @@ def test_engine_config_names_its_attention() -> None:
         EngineConfig(attention="flash")
 
 
+@pytest.mark.slow  # a TP=2 process group (fast tier: tests/engine/test_tensor_parallel.py)
 def test_bench_ttft_through_the_engine(tmp_path: Path) -> None:
     """``--tensor-parallel-size 2``: the three ops as engine requests, with a spawned rank over
     gloo; the cached-prefix op really hits the cache (the bench checks it)."""

@@ -214,3 +214,18 @@ def test_step_timing_accounts_for_the_step(qwen2_case: HFCase, make_engine: Make
         assert total <= wall
         phases.append(timing.launch_s > 0)
     assert phases == [True, True, True, False]  # 3 tokens: prefill, 2 decodes, the last flush
+
+
+def test_abort_of_the_last_request_leaves_nothing_unfinished(qwen2_case: HFCase,
+                                                             make_engine: MakeEngine) -> None:
+    """The step in flight computed only for the aborted request: the engine has nothing left
+    to give, and the next step finishes the launch without an output."""
+    engine = make_engine(qwen2_case.folder, async_scheduling=True)
+    engine.add_request("a", qwen2_case.prompts[1], greedy(max_tokens=20))
+    engine.step()
+    engine.step()
+    assert engine.has_unfinished()
+    engine.abort("a")
+    assert not engine.has_unfinished()
+    assert engine.step() == []
+    engine.check_integrity()

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kv_helpers import PAGE, SPEC, filled, kv_values
+from tiers import examples
 
 from edmm.engine import PrefixCache
 from edmm.engine.prefix_cache import EntryRank
@@ -156,7 +157,7 @@ _OPS = st.lists(st.tuples(st.sampled_from(["pause", "evict", "restore", "resume"
                           st.integers(0, 2), st.integers(1, 30)), max_size=40)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(_OPS)
 def test_copies_against_a_plain_model(ops: list[tuple[str, int, int]]) -> None:
     """Random pauses, evictions, restores, resumes and copy progress: every resume sees the

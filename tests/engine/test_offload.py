@@ -9,6 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from kv_helpers import PAGE, SPEC, filled, host_arena, kv_values
+from tiers import examples
 
 from edmm.engine import (
     KVCacheManager,
@@ -107,7 +108,7 @@ def test_consecutive_blocks_are_one_copy_and_scattered_ones_round_trip(arena: KV
     store.check_integrity()
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.integers(1, 24), st.lists(st.tuples(st.booleans(), st.integers(0, 9)), max_size=40))
 def test_host_blocks_match_a_set_of_free_blocks(num_blocks: int,
                                                 ops: list[tuple[bool, int]]) -> None:

@@ -133,9 +133,14 @@ def spec_hints(tag: str) -> SlotHints:
     return SlotHints(tag=tag, rank=EntryRank.SPECULATIVE)
 
 
-def test_speculation_only_uses_the_budget_requests_leave(tiny_dir: Path) -> None:
+@pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
+def test_speculation_only_uses_the_budget_requests_leave(tiny_dir: Path,
+                                                         async_scheduling: bool) -> None:
+    """With async scheduling too: a step whose only request waits for its last token (still
+    on the device) is not idle, and the engine is done once the request is."""
     engine = Engine(engine_config(tiny_dir, max_num_batched_tokens=64,
-                                  speculative_tokens_when_busy=16))
+                                  speculative_tokens_when_busy=16,
+                                  async_scheduling=async_scheduling))
     prompt = list(range(50, 90))
     engine.add_request("r", prompt, greedy(8))
     engine.step()  # the prompt's prefill

@@ -52,7 +52,8 @@ def _write_replicated_model(folder: Path, tiny_dir: Path) -> Path:
     return folder
 
 
-@pytest.fixture(scope="module", params=["kv-divides", "kv-replicated"])
+@pytest.fixture(scope="module", params=[  # each starts a TP=2 process group
+    "kv-divides", pytest.param("kv-replicated", marks=pytest.mark.slow)])
 def model_dir(request: pytest.FixtureRequest, tiny_dir: Path,
               tmp_path_factory: pytest.TempPathFactory) -> Path:
     if request.param == "kv-divides":

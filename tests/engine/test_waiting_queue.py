@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiers import examples
 
 from edmm.engine import InvalidRequestError, SamplingParams, Sequence
 from edmm.engine.engine import Request
@@ -14,7 +15,7 @@ OPS = st.lists(st.tuples(st.sampled_from(["push", "pop", "remove", "requeue"]),
                          st.integers(-2, 2), st.integers(0, 30)), max_size=60)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(OPS)
 def test_waiting_queue_matches_a_sorted_list(ops: list[tuple[str, int, int]]) -> None:
     queue, model = WaitingQueue(), []  # model: (priority, arrival, seq), sorted on demand

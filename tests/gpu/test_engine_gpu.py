@@ -95,7 +95,8 @@ def test_mixed_graphs_match_eager_with_staggered_requests(tmp_path: Path, small:
     sizes = (3, 4, 6, 8, 16, 32, 64, 128, 256) if small else (
         32, 64, 96, 128, 160, 192, 224, 256)  # the config's, up to the token budget
     assert runner.token_sizes == sizes
-    assert [runner.mixed_seqs(t) for t in sizes[:4]] == ([2, 3, 5, 7] if small else [8] * 4)
+    # the 7 usable slots (one is the pad slot) bound a graph's sequences
+    assert [runner.mixed_seqs(t) for t in sizes[:4]] == ([2, 3, 5, 7] if small else [7] * 4)
     assert runner.graph_for(1) is runner._decode[min(runner.sizes)].graph
     assert runner.graph_for(100) is runner._mixed[128].graph
     assert runner.graph_for(257) is None  # past the largest mixed graph: eager

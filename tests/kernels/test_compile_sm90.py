@@ -19,7 +19,8 @@ import pytest
 
 from edmm.kernels import triton_available
 
-pytestmark = pytest.mark.skipif(not triton_available(), reason="triton is not installed")
+pytestmark = [pytest.mark.skipif(not triton_available(), reason="triton is not installed"),
+              pytest.mark.slow]  # a subprocess compiling every kernel
 
 SCRIPT = textwrap.dedent("""
     import json, os, subprocess, sys, tempfile

@@ -11,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from tiers import grid
 
 from edmm.kernels import (
     DecodeConfig,
@@ -53,9 +54,8 @@ def _run(
     return out, ref
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("group", [1, 2, 4])
-@pytest.mark.parametrize("num_splits", [1, 4])
+@grid({"dtype": DTYPES, "group": [1, 2, 4], "num_splits": [1, 4]},
+      fast=[(torch.float32, 1, 1), (torch.float16, 2, 4), (torch.bfloat16, 4, 1)])
 def test_matches_reference(
     make_cache: MakeCache, check_close: CheckClose, dtype: torch.dtype, group: int, num_splits: int
 ) -> None:
@@ -67,6 +67,7 @@ def test_matches_reference(
     check_close(out, ref, dtype)
 
 
+@pytest.mark.slow  # fast tier: a group of 7 in test_fused_matches_reference
 def test_qwen_group_of_seven_and_many_splits(
     make_cache: MakeCache, check_close: CheckClose
 ) -> None:
@@ -92,6 +93,7 @@ def test_head_dims(make_cache: MakeCache, check_close: CheckClose, head_dim: int
     check_close(out, ref, torch.float16)
 
 
+@pytest.mark.slow  # fast tier: the split counts against the reference
 def test_split_count_does_not_change_the_result(make_cache: MakeCache) -> None:
     cache = make_cache(LENS, dtype=torch.float32, num_slots=5, max_tokens=MAX_TOKENS)
     q = torch.randn(3, 4, 32)
@@ -175,9 +177,10 @@ def _counters_zero(ws: CounterWorkspace) -> bool:
     return not ws.counters(1, CPU).any()
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize(("heads", "kv_heads"), [(14, 2), (4, 2), (2, 2)])
-@pytest.mark.parametrize("num_splits", [2, 5, 40])
+@grid({"dtype": DTYPES, ("heads", "kv_heads"): [(14, 2), (4, 2), (2, 2)],
+       "num_splits": [2, 5, 40]},
+      fast=[(torch.float32, (14, 2), 2), (torch.float16, (4, 2), 5)])
+
 def test_fused_matches_reference(make_cache: MakeCache, check_close: CheckClose,
                                  dtype: torch.dtype, heads: int, kv_heads: int,
                                  num_splits: int) -> None:
@@ -195,6 +198,7 @@ def test_fused_matches_reference(make_cache: MakeCache, check_close: CheckClose,
     assert _counters_zero(ws)
 
 
+@pytest.mark.slow  # fast tier: the fused kernel against the reference, its counters zero
 def test_fused_equals_two_launches_and_reuses_its_workspace(make_cache: MakeCache) -> None:
     """One workspace over calls of other batch sizes, split counts and layers: each result
     equals the two-launch kernel's (the same partials, merged in another order)."""
@@ -210,7 +214,9 @@ def test_fused_equals_two_launches_and_reuses_its_workspace(make_cache: MakeCach
 
 
 @pytest.mark.parametrize(("config", "num_splits"), [
-    (FUSED, 6), (DecodeConfig(16, 2, 2, sliced_reduce=True), 80)], ids=["fused", "sliced"])
+    pytest.param(FUSED, 6, id="fused"),
+    pytest.param(DecodeConfig(16, 2, 2, sliced_reduce=True), 80, id="sliced",
+                 marks=pytest.mark.slow)])  # fast tier: test_sliced_reduce_second_slice
 def test_varlen_rows_of_a_merged_launch(make_cache: MakeCache, check_close: CheckClose,
                                         config: DecodeConfig, num_splits: int) -> None:
     """VARLEN, the splits merged by the split kernel itself (fused) or by the reduce over
@@ -234,6 +240,16 @@ def test_varlen_rows_of_a_merged_launch(make_cache: MakeCache, check_close: Chec
     assert _counters_zero(ws)
 
 
+def test_fused_merge_past_one_lse_step(make_cache: MakeCache, check_close: CheckClose) -> None:
+    """300 splits, more than the 256 log-sum-exps of the fused merge's first step (and than
+    the two-launch path takes), at the smallest shape (one sequence, one KV head, one query
+    head): the fast tier's case of that path."""
+    cache = make_cache({0: 20}, dtype=torch.float32, num_slots=1, max_tokens=32, kv_heads=1)
+    out, ref = _run(cache, torch.randn(1, 1, 32), [0], num_splits=300, config=FUSED)
+    check_close(out, ref, torch.float32)
+
+
+@pytest.mark.slow  # fast tier: the test above
 def test_fused_split_limit_and_workspace_growth(make_cache: MakeCache,
                                                 check_close: CheckClose) -> None:
     cache = make_cache({0: 20}, dtype=torch.float32, num_slots=1, max_tokens=32)
@@ -273,9 +289,11 @@ BALANCED_TMA = [DecodeConfig(16, 2, 2, balanced=True), DecodeConfig(16, 2, 2, tm
                 DecodeConfig(16, 2, 2, balanced=True, tma=True, fused=True)]
 
 
-@pytest.mark.parametrize("dtype", DTYPES)
-@pytest.mark.parametrize("config", BALANCED_TMA, ids=["balanced", "tma", "both", "both-fused"])
-@pytest.mark.parametrize("num_splits", [1, 3, 33])
+@grid({"dtype": DTYPES, "config": dict(zip(["balanced", "tma", "both", "both-fused"],
+                                          BALANCED_TMA, strict=True)),
+       "num_splits": [1, 3, 33]},
+      fast=[(torch.float32, BALANCED_TMA[0], 3), (torch.float16, BALANCED_TMA[1], 1),
+            (torch.bfloat16, BALANCED_TMA[2], 3), (torch.float16, BALANCED_TMA[3], 3)])
 def test_balanced_and_tma_match_reference(make_cache: MakeCache, check_close: CheckClose,
                                           dtype: torch.dtype, config: DecodeConfig,
                                           num_splits: int) -> None:
@@ -312,9 +330,10 @@ SLICED = [DecodeConfig(16, 2, 2, sliced_reduce=True),
           DecodeConfig(16, 2, 3, balanced=True, sliced_reduce=True)]
 
 
-@pytest.mark.parametrize(("dtype", "num_splits"), [(torch.float32, 5), (torch.float16, 1),
-                                                   (torch.bfloat16, 33), (torch.bfloat16, 80)])
-@pytest.mark.parametrize("config", SLICED, ids=["sliced", "balanced-sliced"])
+@grid({"config": dict(zip(["sliced", "balanced-sliced"], SLICED, strict=True)),
+       ("dtype", "num_splits"): [(torch.float32, 5), (torch.float16, 1), (torch.bfloat16, 33),
+                                 (torch.bfloat16, 80)]},
+      fast=[(SLICED[1], (torch.float32, 5))])  # two slices: test_varlen_rows_of_a_merged_launch
 def test_sliced_reduce_matches_reference(make_cache: MakeCache, check_close: CheckClose,
                                          dtype: torch.dtype, config: DecodeConfig,
                                          num_splits: int) -> None:
@@ -329,6 +348,16 @@ def test_sliced_reduce_matches_reference(make_cache: MakeCache, check_close: Che
     assert not out[3].any()  # empty context: zeros
 
 
+def test_sliced_reduce_second_slice(make_cache: MakeCache, check_close: CheckClose) -> None:
+    """80 splits merged over two head-dim slices, at the smallest shape (one sequence, one KV
+    head, one query head): the fast tier's case of the second slice."""
+    cache = make_cache({0: MAX_TOKENS}, dtype=torch.float32, num_slots=1, max_tokens=MAX_TOKENS,
+                       kv_heads=1)
+    out, ref = _run(cache, torch.randn(1, 1, 32), [0], num_splits=80, config=SLICED[0])
+    check_close(out, ref, torch.float32)
+
+
+@pytest.mark.slow  # fast tier: one slice and two against the reference
 def test_sliced_reduce_equals_the_one_slice_merge_in_float32(make_cache: MakeCache) -> None:
     """Head dim 128: 2 splits merge in one slice, 33 and 64 in four of 32 columns; the result
     is the unsliced merge's up to rounding."""

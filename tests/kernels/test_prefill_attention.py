@@ -8,6 +8,7 @@ from typing import Any
 
 import pytest
 import torch
+from tiers import grid
 
 from edmm.kernels import (
     KernelInputError,
@@ -30,8 +31,7 @@ SMALL_REVERSE = PrefillConfig(block_m=32, block_n=16, num_warps=4, num_stages=2,
                               reverse=True)  # last tile first
 SMALL_WS = PrefillConfig(block_m=32, block_n=16, num_warps=4, num_stages=2, warp_specialize=True,
                          reverse=True)  # one loop, per-sequence descriptors (16-bit only)
-SMALLS = pytest.mark.parametrize("small", [SMALL, SMALL_REVERSE, SMALL_WS],
-                                 ids=["default", "reverse", "warp-spec"])
+SMALL_CONFIGS = {"default": SMALL, "reverse": SMALL_REVERSE, "warp-spec": SMALL_WS}
 
 
 def _dtype(config: PrefillConfig | None) -> torch.dtype:
@@ -57,9 +57,10 @@ def _run(
     return out, ref
 
 
-@pytest.mark.parametrize("config", [None, SMALL_WS], ids=["default", "warp-spec"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-@pytest.mark.parametrize("group", [1, 2, 3, 4])
+@grid({"config": {"default": None, "warp-spec": SMALL_WS},
+       "dtype": [torch.float32, torch.float16, torch.bfloat16], "group": [1, 2, 3, 4]},
+      fast=[(None, torch.float32, 1), (SMALL_WS, torch.float16, 2), (None, torch.bfloat16, 3),
+            (SMALL_WS, torch.float32, 4)])  # warp-spec in fp32: the default kernel's fallback
 def test_matches_reference(
     make_cache: MakeCache, check_close: CheckClose, dtype: torch.dtype, group: int,
     config: PrefillConfig | None
@@ -71,8 +72,8 @@ def test_matches_reference(
         check_close(out, ref, dtype)
 
 
-@SMALLS
-@pytest.mark.parametrize(("slot", "query_len"), [(1, 200), (1, 70), (3, 33), (0, 16)])
+@grid({"small": SMALL_CONFIGS, ("slot", "query_len"): [(1, 200), (1, 70), (3, 33), (0, 16)]},
+      fast=[(SMALL, (0, 16)), (SMALL_REVERSE, (3, 33)), (SMALL_WS, (1, 70))])
 def test_small_tiles_cross_the_diagonal(
     make_cache: MakeCache, check_close: CheckClose, slot: int, query_len: int,
     small: PrefillConfig
@@ -92,7 +93,8 @@ def test_head_dims(make_cache: MakeCache, check_close: CheckClose, head_dim: int
     check_close(out, ref, torch.float16)
 
 
-@pytest.mark.parametrize("config", [None, SMALL, SMALL_REVERSE, SMALL_WS])
+@pytest.mark.parametrize("config", [None, *(pytest.param(c, marks=pytest.mark.slow) for c in (
+    SMALL, SMALL_REVERSE, SMALL_WS))])  # fast tier: those three in the padded varlen test
 def test_varlen_batch(
     make_cache: MakeCache, check_close: CheckClose, config: PrefillConfig | None
 ) -> None:
@@ -122,7 +124,7 @@ def test_varlen_batch(
     check_close(out, ref, dtype)
 
 
-@SMALLS
+@grid({"small": SMALL_CONFIGS}, fast=[(SMALL,), (SMALL_WS,)])  # reverse: the tests above
 def test_varlen_padding_sequences_and_rows(make_cache: MakeCache, check_close: CheckClose,
                                            small: PrefillConfig) -> None:
     """A CUDA graph's padded batch: trailing sequences with no queries (on a pad slot) and
@@ -142,8 +144,8 @@ def test_varlen_padding_sequences_and_rows(make_cache: MakeCache, check_close: C
     check_close(out[:41], ref, dtype)
 
 
-@SMALLS
-@pytest.mark.parametrize("num_splits", [1, 3])
+@grid({"small": SMALL_CONFIGS, "num_splits": [1, 3]},
+      fast=[(SMALL, 3), (SMALL_WS, 1)])
 def test_mixed_batch_single_queries_split_k(make_cache: MakeCache, check_close: CheckClose,
                                             num_splits: int, small: PrefillConfig) -> None:
     """The backend's mixed path: multi-query sequences through the prefill kernel (skipping
@@ -165,6 +167,34 @@ def test_mixed_batch_single_queries_split_k(make_cache: MakeCache, check_close: 
                                                  dtype=torch.float64)
                      for x, (s, _) in zip(qs, seqs, strict=True)])
     check_close(out[:44], ref, dtype)
+
+
+@grid({"small": SMALL_CONFIGS}, fast=[(SMALL,)])  # ~1 min a case in the interpreter
+def test_many_padding_sequences_span_several_scans(make_cache: MakeCache,
+                                                    check_close: CheckClose,
+                                                    small: PrefillConfig) -> None:
+    """A graph for many running sequences: hundreds of single-query and empty sequences around
+    the prefills (more than one `SCAN` of them, the tile finder's vector width), a prefill after
+    the first scan; with single queries skipped, the prefill rows match the reference."""
+    dtype = _dtype(small)
+    cache = make_cache(LENS, dtype=dtype, num_slots=4, max_tokens=MAX_TOKENS)
+    seqs = [(1, 1)] * 100 + [(3, 40)] + [(2, 1)] * 30 + [(0, 9)] + [(1, 1)] * 3
+    real = sum(ql for _, ql in seqs)
+    qs = [torch.randn(ql, 4, 32).to(dtype) for _, ql in seqs]
+    q = torch.cat([*qs, torch.randn(7, 4, 32).to(dtype)])  # 7 padding rows
+    ends = torch.tensor([ql for _, ql in seqs]).cumsum(0)
+    cu = torch.cat([torch.zeros(1, dtype=torch.int64), ends, ends[-1:].repeat(10)])
+    slots = torch.tensor([s for s, _ in seqs] + [0] * 10)
+    lens = torch.tensor([LENS[s] for s, _ in seqs] + [1] * 10)
+    out = prefill_attention_varlen(q, cache.kv, 1, cu, slots, lens, 0.2, config=small,
+                                   skip_single=True)
+    for i in (100, 131):  # the two prefills' rows
+        s, ql = seqs[i]
+        start = int(cu[i])
+        ref = prefill_attention_reference(qs[i], cache.kv, 1, s, LENS[s], 0.2,
+                                          dtype=torch.float64)
+        check_close(out[start:start + ql], ref, dtype)
+    assert real == int(cu[-1]) and cu.shape[0] - 1 == len(seqs) + 10 > 128
 
 
 def test_cache_is_not_written(make_cache: MakeCache) -> None:

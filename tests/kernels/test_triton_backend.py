@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from tiers import grid
 
 import edmm.kernels
 from edmm.kernels import prefill_attention_varlen
@@ -59,11 +60,13 @@ def _run(model: CausalLM, backend: TorchSDPABackend | TritonAttentionBackend,
         return model(ids, meta.token_index, kv, meta), kv
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("batch", [
-    [(0, 20, 20), (1, 1, 9), (2, 5, 17)],  # prefill, decode, chunk
-    [(1, 1, 9), (3, 1, 30)],  # decode only
-])
+MIXED = [(0, 20, 20), (1, 1, 9), (2, 5, 17)]  # prefill, decode, chunk
+DECODES = [(1, 1, 9), (3, 1, 30)]  # decode only
+
+
+# Fast tier: the warp-specialized prefill of bf16 batches in test_prefill_attention.py
+@grid({"dtype": [torch.float32, torch.bfloat16], "batch": {"mixed": MIXED, "decodes": DECODES}},
+      fast=[(torch.float32, MIXED), (torch.bfloat16, DECODES)])
 def test_triton_backend_matches_sdpa(batch: Batch, dtype: torch.dtype,
                                      monkeypatch: pytest.MonkeyPatch) -> None:
     """bf16 batches with a prefill take the warp-specialized prefill kernel; fp32 the

@@ -11,6 +11,7 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import invariant
 from test_arena_model import MAX_TOKENS, NUM_PAGES, NUM_SLOTS, PAGE, SPEC, ArenaMachine
+from tiers import examples
 
 from edmm.memory import KVArena, PagePool
 from edmm.memory.errors import ArenaDesyncError
@@ -54,9 +55,9 @@ class ReplayedArenaMachine(ArenaMachine):
         self.replica_backend.close()
 
 
-TestArenaReplay = ReplayedArenaMachine.TestCase
-TestArenaReplay.settings = settings(max_examples=40, stateful_step_count=40, deadline=None,
-                                    suppress_health_check=[HealthCheck.too_slow])
+TestArenaReplay = pytest.mark.hypothesis(ReplayedArenaMachine.TestCase)  # see test_arena_model
+TestArenaReplay.settings = settings(max_examples=examples(40), stateful_step_count=40,
+                                    deadline=None, suppress_health_check=[HealthCheck.too_slow])
 
 
 @pytest.fixture

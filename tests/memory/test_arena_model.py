@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import itertools
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from tiers import examples
 
 from edmm.memory import KVArena, KVSpec, PagePool, PoolExhaustedError
 from edmm.memory.errors import NoFreeSlotError
@@ -202,9 +204,11 @@ class AlignedArenaMachine(ArenaMachine):
     read_align = 8  # 6.4 tokens per page: the margin spans up to two pages
 
 
-SETTINGS = settings(max_examples=60, stateful_step_count=40, deadline=None,
+SETTINGS = settings(max_examples=examples(60), stateful_step_count=40, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
-TestArenaModel = ArenaMachine.TestCase
+# Marked as @given tests are (hypothesis's plugin marks those): .ci/run's thorough stage
+# selects `-m hypothesis` to run every property at its thorough count.
+TestArenaModel = pytest.mark.hypothesis(ArenaMachine.TestCase)
 TestArenaModel.settings = SETTINGS
-TestAlignedArenaModel = AlignedArenaMachine.TestCase
+TestAlignedArenaModel = pytest.mark.hypothesis(AlignedArenaMachine.TestCase)
 TestAlignedArenaModel.settings = SETTINGS

@@ -14,6 +14,7 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiers import examples
 from torch import Tensor
 
 from edmm.model import (
@@ -181,6 +182,7 @@ _UNMAPPED_SCRIPT = textwrap.dedent(
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="mprotect test is Linux-only")
+@pytest.mark.slow  # a subprocess; fast tier: the NaN-poisoned views above
 def test_never_touches_unmapped_memory() -> None:
     """Runs on a kv_cache whose unbacked tokens are PROT_NONE pages (segfault on access)."""
     root = Path(__file__).resolve().parents[2]
@@ -219,7 +221,7 @@ def test_metadata_validation() -> None:
     assert issubclass(AttentionMetadataError, ModelError)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.lists(st.tuples(st.integers(1, 40), st.integers(0, 40)), min_size=1, max_size=8),
        st.randoms(use_true_random=False))
 def test_metadata_index_tensors_match_a_plain_python_model(

@@ -69,9 +69,9 @@ def test_build_is_cached_and_fast(tiny_dir: Path, tmp_path: Path) -> None:
     stamp = (tiny_dir / "model.safetensors").stat().st_mtime_ns
     assert ensure_tiny_model(tiny_dir.parent) == tiny_dir
     assert (tiny_dir / "model.safetensors").stat().st_mtime_ns == stamp
-    start = time.perf_counter()
+    start = time.process_time()  # CPU time: other processes' load does not stretch it
     build_tiny_model(tmp_path)
-    assert time.perf_counter() - start < 10
+    assert time.process_time() - start < 10
     for name in ("model.safetensors", "tokenizer.json", "config.json"):
         assert (tmp_path / name).read_bytes() == (tiny_dir / name).read_bytes(), name
 

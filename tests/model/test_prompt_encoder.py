@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+from tiers import examples
 from transformers import AutoTokenizer
 
 from edmm.model import prompt_encoder
@@ -35,7 +36,7 @@ text_st = st.lists(st.sampled_from(WORDS), max_size=12).map(" ".join)
 message_st = st.tuples(st.sampled_from(["user", "assistant", "tool", "system"]), text_st)
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+@settings(max_examples=examples(200), deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                     HealthCheck.function_scoped_fixture])
 @given(conversations=st.lists(st.lists(message_st, min_size=1, max_size=6), min_size=1,
                               max_size=6),
@@ -181,7 +182,7 @@ def test_encode_ids_shares_the_prefix_ints_and_is_the_callers_copy(tokenizer: An
                                                                     add_special_tokens=False)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                     HealthCheck.function_scoped_fixture])
 @given(base=st.lists(message_st, min_size=1, max_size=4),
        branches=st.lists(st.tuples(st.integers(0, 400), text_st), min_size=1, max_size=8))
@@ -257,7 +258,7 @@ def llama3_style(tmp_path_factory: pytest.TempPathFactory) -> Any:
     return _llama3_style_tokenizer(tmp_path_factory.mktemp("llama3"))
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+@settings(max_examples=examples(200), deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                     HealthCheck.function_scoped_fixture])
 @given(text=st.lists(st.sampled_from(CUT_PIECES), max_size=60).map("".join),
        every=st.integers(1, 8), which=st.sampled_from(["qwen2", "llama3"]))
@@ -380,7 +381,7 @@ def test_fast_bpe_off_or_refused(tokenizer: Any, tmp_path: Path) -> None:
     assert AsciiBPE.of(Tokenizer.from_str(json.dumps(spec)), QWEN2_SPLIT) is None
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow,
+@settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow,
                                                                     HealthCheck.function_scoped_fixture])
 @given(text=st.text(alphabet=st.characters(min_codepoint=0, max_codepoint=127), max_size=120),
        which=st.sampled_from(["qwen2", "llama3"]))

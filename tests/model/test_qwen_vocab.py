@@ -15,6 +15,7 @@ import regex
 from conversations import conversations, tool_lists
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
+from tiers import examples
 
 from edmm.model.ascii_bpe import AsciiBPE
 from edmm.model.prompt_encoder import QWEN2_SPLIT
@@ -125,7 +126,7 @@ _WORDS = st.lists(st.sampled_from(
     max_size=12).map("".join)
 
 
-@settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(300), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(text=st.one_of(_TEXT, _WORDS))
 def test_encoding_equals_tiktoken_rank_order(qwen_tok: Any, ranks: dict[bytes, int],
                                              text: str) -> None:
@@ -136,7 +137,7 @@ def test_encoding_equals_tiktoken_rank_order(qwen_tok: Any, ranks: dict[bytes, i
     assert qwen_tok.decode(ids) == unicodedata.normalize("NFC", text)
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(messages=conversations(), tools=tool_lists(), generation=st.booleans())
 @example(messages=[{"role": "user", "content": "q"},
                    {"role": "assistant", "content": "\n\nx", "reasoning_content": "\nr\n"},
@@ -190,7 +191,7 @@ _PIECES = ["<|im_start|>", "<|im_end|>", "<tool_call>", "</tool_call>", "user\n"
            "<|endoftext|>", "<", "|im_end|>"]
 
 
-@settings(max_examples=150, deadline=None,
+@settings(max_examples=examples(150), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(texts=st.lists(st.lists(st.sampled_from(_PIECES), max_size=30).map("".join),
                       min_size=1, max_size=5))
@@ -217,7 +218,7 @@ _CUT_PIECES = ["a", "Zy", " ", "  ", " b", "'s", "'re", "e", "\u0301", "\u00e9",
                "\n", " \n", "1", "23", ",", "!?", "\t", "<|im_end|>", "x y"]
 
 
-@settings(max_examples=200, deadline=None,
+@settings(max_examples=examples(200), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=st.lists(st.sampled_from(_CUT_PIECES), max_size=60).map("".join),
        every=st.integers(1, 8))
@@ -263,7 +264,8 @@ def recovered_bpe(recovered_tok: Any) -> AsciiBPE:
     return bpe
 
 
-@settings(max_examples=500, deadline=None,
+@pytest.mark.slow  # builds the vocabulary twice more; fast tier: the prompt encoder's test above
+@settings(max_examples=examples(500), deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(text=st.one_of(_ASCII, st.lists(st.one_of(st.sampled_from(_ASCII_PIECES), _ASCII),
                                        max_size=40).map("".join)),

@@ -15,6 +15,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 from server_helpers import AUTH, MODEL, LiveServer
+from tiers import examples
 
 from edmm.server.app import _add_error_handlers
 from edmm.server.body import is_json, parse_body
@@ -132,7 +133,7 @@ _request = st.fixed_dictionaries(
               "extra_field": _text})
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(_request, st.booleans())
 def test_one_pass_parse_equals_fastapi_s(request: dict[str, Any], ascii_only: bool) -> None:
     """Whatever the request, the one-pass parse gives the model FastAPI's two passes give."""

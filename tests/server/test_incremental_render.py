@@ -9,6 +9,7 @@ import pytest
 from conversations import TEXT, assistant_turn, conversations, tool_lists, user_message
 from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
+from tiers import examples
 
 from edmm.model.prompt_encoder import PromptEncoder
 from edmm.server.incremental import IncrementalChatRenderer
@@ -16,7 +17,8 @@ from edmm.server.incremental import IncrementalChatRenderer
 REPO = Path(__file__).resolve().parents[2]
 
 
-@pytest.fixture(scope="module", params=["tiny", "qwen2.5"])
+@pytest.fixture(scope="module", params=[  # qwen2.5: the tiny one's template (test_qwen_vocab.py)
+    "tiny", pytest.param("qwen2.5", marks=pytest.mark.slow)])  # over the real vocabulary
 def tok(request: pytest.FixtureRequest, tiny_dir: Path,
         tmp_path_factory: pytest.TempPathFactory) -> Any:
     """The tiny model's template, and the real-vocabulary Qwen2.5 one (skipped without the
@@ -79,14 +81,25 @@ def _turns(draw: st.DrawFn) -> list[list[dict[str, Any]]]:
     return requests
 
 
-@settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+_ENCODERS: dict[int, tuple[Any, PromptEncoder]] = {}  # id -> (the tokenizer, kept alive)
+
+
+def _encoder(tok: Any) -> PromptEncoder:
+    """One `PromptEncoder` per tokenizer for the whole module (building one reads the
+    vocabulary: ~1.6 s for Qwen2.5's, once instead of once per example)."""
+    if id(tok) not in _ENCODERS:
+        _ENCODERS[id(tok)] = (tok, PromptEncoder(tok))
+    return _ENCODERS[id(tok)][1]
+
+
+@settings(max_examples=examples(200), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(requests=_turns(), tools=tool_lists(), thinking=st.sampled_from([None, False]))
 def test_incremental_equals_full_render(tok: Any, requests: list[list[dict[str, Any]]],
                                         tools: list[dict[str, Any]] | None,
                                         thinking: bool | None) -> None:
     full = _full(tok)
     kwargs = None if thinking is None else {"enable_thinking": thinking}
-    renderer = IncrementalChatRenderer(full, PromptEncoder(tok).encode)
+    renderer = IncrementalChatRenderer(full, _encoder(tok).encode)
     for msgs in requests:
         expected = full(msgs, tools, kwargs, True)
         assert renderer.render_text(msgs, tools, kwargs) == expected
@@ -259,7 +272,7 @@ def _awaited_turn(draw: st.DrawFn) -> tuple[list[dict[str, Any]], list[dict[str,
     return convo, turn
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(150), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(turn=_awaited_turn(), tools=tool_lists())
 def test_an_awaited_resume_joined_from_its_pieces_equals_the_full_render(
         tok: Any, turn: tuple[list[dict[str, Any]], list[dict[str, Any]]],
@@ -381,7 +394,7 @@ def test_a_prepared_a_resume_runs_no_template_and_encodes_only_its_result(tok: A
     assert list(again) == render_chat(tok, predicted2, [TOOL], None)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(ops=st.lists(st.tuples(st.sampled_from(["add", "pop"]), st.integers(0, 5),
                               st.integers(1, 40)), max_size=40),
        sessions=st.integers(1, 4), chars=st.integers(1, 100))

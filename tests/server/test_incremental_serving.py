@@ -31,8 +31,8 @@ def _chat(server: LiveServer, messages: list[dict[str, Any]]) -> int:
 
 
 def _stats(server: LiveServer) -> RenderStats:
-    prompts = server.state.serving.prompts
-    return server.state.serving._tokenizing.submit(lambda: prompts.stats).result()
+    pipeline = server.state.serving.pipeline
+    return pipeline.tokenizing.submit(lambda: pipeline.prompts.stats).result()
 
 
 def _full_tokens(server: LiveServer, messages: list[dict[str, Any]]) -> int:
@@ -42,8 +42,8 @@ def _full_tokens(server: LiveServer, messages: list[dict[str, Any]]) -> int:
 
 
 def test_a_resume_takes_the_incremental_route(server: LiveServer) -> None:
-    assert server.state.serving._tokenizing.submit(server.state.serving.prompts.prepare
-                                                    ).result()
+    pipeline = server.state.serving.pipeline
+    assert pipeline.tokenizing.submit(pipeline.prompts.prepare).result()
     convo = _conversation()
     assert _chat(server, convo) == _full_tokens(server, convo)
     before = _stats(server)
@@ -85,7 +85,7 @@ def test_a_resume_answering_the_calls_runs_no_template(server: LiveServer) -> No
     assert reply["tool_calls"]
     sid = r.headers["x-session-id"]
     # The preparation is queued on the tokenizing thread once the turn ended.
-    server.state.serving._tokenizing.submit(lambda: None).result()
+    server.state.serving.pipeline.tokenizing.submit(lambda: None).result()
     before = _stats(server)
     results = [{"role": "tool", "tool_call_id": c["id"], "content": " Sunny, 21 C.\n"}
                for c in reply["tool_calls"]]

@@ -35,6 +35,9 @@ from server_helpers import MODEL, QUESTION, LiveServer, serve, server_config
 from edmm.server import ServerState
 from edmm.server.templates import TemplateLimits
 
+pytestmark = pytest.mark.slow  # ~30 s a test; fast tier: each abuse beside a bystander,
+# test_adversarial.py
+
 NORMAL_CLIENTS = 3
 REQUESTS_PER_CLIENT = 8
 ABUSIVE_CLIENTS = 3

@@ -7,6 +7,7 @@ import json
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from tiers import examples
 
 from edmm.server.tool_parser import StreamingToolParser, parse_reply, parse_tool_call
 
@@ -166,7 +167,7 @@ def _replies(draw: st.DrawFn) -> str:
     return text
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(text=_replies(), step=st.integers(1, 40))
 def test_streamed_fragments_reassemble_to_the_whole_parse(text: str, step: int) -> None:
     whole = parse_reply(text)

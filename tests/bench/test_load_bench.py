@@ -105,10 +105,12 @@ def test_a_server_that_fails_to_start_says_why(tmp_path: Path) -> None:
     assert (tmp_path / "broken.log").read_text().strip() == "no GPU here"
 
 
+@pytest.mark.slow  # two server subprocesses; the rows' arithmetic: test_level_summary_and_ratios
 def test_load_curve_against_a_stand_in(tmp_path: Path) -> None:
     """Two stand-ins with known timings measured in turn: the table and plot have both, the
-    tokens add up, TTFT and ITL sit at the stand-ins' delays, the launched processes are
-    gone afterwards."""
+    tokens add up, TTFT and ITL sit at the stand-ins' delays (at least the delay; within the
+    level's wall time: a loaded machine only adds), the faster stand-in measures faster
+    (summed over its rows), the launched processes are gone afterwards."""
     cfg = LoadConfig(prompt_tokens=(32,), output_tokens=6, concurrency=(1, 3),
                      prefixes=("fresh", "shared"), min_requests=3, rounds=1.0,
                      token_range=(10, 1000), device="cpu")
@@ -119,11 +121,14 @@ def test_load_curve_against_a_stand_in(tmp_path: Path) -> None:
     for (server, _, _c), r in rows.items():
         assert r["errors"] == 0 and r["requests"] == 3
         first, token = (40, 8) if server == "slow" else (20, 4)
-        assert first <= r["ttft_p50_ms"] < first + 200
-        assert token * 0.8 <= r["itl_p50_ms"] < token + 50
+        assert first <= r["ttft_p50_ms"] < r["wall_s"] * 1e3
+        assert token * 0.8 <= r["itl_p50_ms"]
+        assert (cfg.output_tokens - 1) * r["itl_p50_ms"] < r["wall_s"] * 1e3
         assert r["cached_frac"] == pytest.approx(0.5, abs=0.02)
         assert r["output_tok_s"] * r["wall_s"] == pytest.approx(18)
-    assert rows[("fast", "fresh", 1)]["ttft_p50_ms"] < rows[("slow", "fresh", 1)]["ttft_p50_ms"]
+    ttft = {s: sum(r["ttft_p50_ms"] for (server, _, _), r in rows.items() if server == s)
+            for s in ("fast", "slow")}
+    assert ttft["fast"] < ttft["slow"]  # 4 x 20 ms apart
     assert "Ratios (each server over slow)" in Path(paths["md"]).read_text()
     if "png" in paths:
         assert Path(paths["png"]).stat().st_size > 10_000
