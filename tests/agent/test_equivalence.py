@@ -361,7 +361,7 @@ def test_greedy_outputs_identical_with_edmm_on_and_off(
 SHARED = 20  # tokens of the system prompt every session of the baselines' test starts with
 
 
-@settings(max_examples=60, deadline=None, derandomize=True,
+@settings(max_examples=examples(60), deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(script=script_st, cache=st.sampled_from(["apc", "blocks"]))
 @example(script=HEAVY, cache="blocks")

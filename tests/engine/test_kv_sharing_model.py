@@ -22,11 +22,13 @@ from __future__ import annotations
 import itertools
 from dataclasses import dataclass
 
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from kv_helpers import kv_values
+from tiers import examples
 
 from edmm.engine import PrefixCache
 from edmm.engine.kv_policy import CACHE_POLICIES, CachePolicy
@@ -336,11 +338,13 @@ class BlocksMachine(SharingMachine):
     policy = CACHE_POLICIES["blocks"]
 
 
-SETTINGS = settings(max_examples=80, stateful_step_count=40, deadline=None,
+SETTINGS = settings(max_examples=examples(80), stateful_step_count=40, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
-TestSessionsSharing = SharingMachine.TestCase
+# Marked as @given tests are (hypothesis's plugin marks those): .ci/run's thorough stage
+# selects `-m hypothesis` to run every property at its thorough count.
+TestSessionsSharing = pytest.mark.hypothesis(SharingMachine.TestCase)
 TestSessionsSharing.settings = SETTINGS
-TestApcSharing = ApcMachine.TestCase
+TestApcSharing = pytest.mark.hypothesis(ApcMachine.TestCase)
 TestApcSharing.settings = SETTINGS
-TestBlocksSharing = BlocksMachine.TestCase
+TestBlocksSharing = pytest.mark.hypothesis(BlocksMachine.TestCase)
 TestBlocksSharing.settings = SETTINGS
