@@ -22,7 +22,7 @@ random values, as a prefill would fill it, through the prefix index the engine u
 4. A cold restore: every slot freed, one session restored from the host alone (prefix and
    private tokens): the GiB/s of one large restore.
 
-Writes ``shared-prefix-fleet.json`` and ``.md`` (device, date, command) under ``--out``.
+Writes ``shared-prefix-fleet-POLICY.json`` and ``.md`` (device, date, command) under ``--out``.
 """
 
 from __future__ import annotations
@@ -203,10 +203,17 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.offloaded < args.sessions:
         print("--offloaded must be in [0, --sessions)", file=sys.stderr)
         return 2
+    if args.prefix < BLOCK:
+        print(f"--prefix must be >= {BLOCK} (one block)", file=sys.stderr)
+        return 2
+    if args.private < 1:
+        print("--private must be >= 1", file=sys.stderr)
+        return 2
     with torch.inference_mode():
         result = measure(args)
     date = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-    command = "python3 -m benchmarks.scripts.shared_prefix_fleet " + shlex.join(sys.argv[1:])
+    command = "python3 -m benchmarks.scripts.shared_prefix_fleet " + shlex.join(
+        sys.argv[1:] if argv is None else argv)
     env = collect_environment("cuda" if args.device == "cuda" else "cpu")
     device = {"gpu": env.gpu_name, "driver": env.driver_version, "cuda": env.cuda_runtime,
               "torch": env.torch, "python": env.python, "git_commit": env.git_commit,

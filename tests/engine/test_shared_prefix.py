@@ -250,3 +250,16 @@ def test_blocks_are_written_through_once_and_shared_blocks_held_once(arena: KVAr
     assert store.num_held == 70 + 2
     assert store.counters.saved_bytes == (280 + 8) * SPEC.token_bytes
     cache.check_integrity()
+
+
+def test_an_unknown_cache_policy_is_refused_naming_the_known_ones() -> None:
+    from edmm.engine.config import EngineConfig, EngineConfigError
+    from edmm.engine.kv_policy import cache_policy
+
+    known = r"\['apc', 'blocks', 'sessions'\]"
+    with pytest.raises(EngineConfigError, match=f"kv_cache_policy must be one of {known}, "
+                                                "got 'lru'"):
+        EngineConfig(kv_cache_policy="lru")
+    with pytest.raises(ValueError, match=f"unknown KV cache policy 'lru'; known: {known}"):
+        cache_policy("lru")
+    assert cache_policy("apc") == CACHE_POLICIES["apc"]
