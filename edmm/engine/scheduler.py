@@ -505,10 +505,13 @@ class Scheduler:
         a sequence whose copy cannot come back yet (the pool is short of the pages it maps)
         waits instead of recomputing it in a fresh slot (a chunk would fit where the whole
         copy does not, and the recompute ends up needing the same pages), and the loop below
-        never evicts the sequence's own session entry, nor the entry it adopted and gave back
-        (its own KV, as a preempted request's), to make room for it (that frees no memory it
-        would not need again to recompute the same tokens); with nothing running it evicts
-        anything, so admission always progresses."""
+        never evicts the sequence's own session entry to make room for it (that frees no
+        memory it would not need again to recompute the same tokens); with nothing running it
+        evicts any other entry. It never evicts the entry it adopted, or loaded from the host,
+        and gave back (its own KV, as a preempted request's): that KV would be adopted or
+        loaded again on the retry, no page the better (a tail-first trim of it, reloaded, is a
+        loop that never ends). If nothing else is left to evict, the sequence does not fit
+        the pool and waits."""
         own = () if seq.hints.tag is None else (seq.hints.tag,)
         if not self.kv.restore_claimed({*seq.hints.claim, *own}) and self.running:
             return 0
@@ -525,7 +528,7 @@ class Scheduler:
                 mine: tuple[int, ...] = ()
                 if seq.slot is not None:
                     kept = hit is not None and (hit.slot == hit.source or hit.host_tokens > 0)
-                    mine = (seq.slot,) if kept and self.running else ()
+                    mine = (seq.slot,) if kept else ()
                     self._unassign(seq, hit)
                 if not self._make_room(own if self.running else (), pages_short(e), mine):
                     return 0

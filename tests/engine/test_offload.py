@@ -401,3 +401,36 @@ def test_a_preempted_turn_comes_back_from_where_the_policy_kept_it(
     (readmitted,) = _step(sched)
     assert readmitted == ("b", resumed_at, 49 - resumed_at)
     assert store.counters.loaded_bytes == (48 if policy == "blocks" else 0) * SPEC.token_bytes
+
+
+def test_an_admission_never_trims_the_kv_it_loaded_even_with_nothing_running(
+        arena: KVArena, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``blocks``, nothing running: a prompt's 56 host tokens fill the 7 free pages, and its
+    first chunk needs one page more. The slot it loaded goes back to the cache as a plain
+    entry, the lowest class; trimming its tail would only have the retry load that page
+    again (for ever). The paused session's entry is evicted instead, and the retry adopts the
+    loaded KV: no block is loaded twice."""
+    store = HostKVStore(arena, capacity_bytes=1 << 20, block_tokens=4)
+    cache = PrefixCache(arena, block_size=4, offload=store,
+                        cache_policy=CACHE_POLICIES["blocks"])
+    prompt = list(range(100, 160))  # 60 tokens: 7.5 pages
+    cache.release(filled(arena, prompt[:56]), prompt[:56], 56)
+    assert cache.evict_one() and arena.stats().slots_in_use == 0  # its KV: on the host only
+    _retain(cache, arena, TOKENS, "paused")  # 5 pages; 7 free
+    kv = KVCacheManager(arena, cache)
+    calls = 0
+    make_room = kv.make_room
+
+    def counted(*args: object, **kwargs: object) -> bool:
+        nonlocal calls
+        calls += 1
+        assert calls < 10, "admission loops: evicting what it reloads"
+        return make_room(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(kv, "make_room", counted)
+    sched = Scheduler(kv, SchedulerConfig(max_num_batched_tokens=64, max_num_seqs=4))
+    sched.add(Sequence.new("r", prompt, SamplingParams(max_tokens=2)))
+    assert _step(sched) == [("r", 56, 4)]
+    assert store.counters.loaded_bytes == 56 * SPEC.token_bytes
+    (paused,) = cache.tagged("paused")  # tail-first: its last page went (to the host)
+    assert arena.num_tokens(paused) == 32 and kv_values(arena, paused) == TOKENS[:32]
