@@ -54,6 +54,7 @@ def _error_line(capsys: pytest.CaptureFixture[str], argv: list[str]) -> str:
     (["demo", "--iterations", "0"], ["--iterations", ">= 1"]),
     (["demo", "--contexts", "16"], ["--contexts", "--result-tokens"]),
     (["serve", "--port", "0"], ["--port", ">= 1"]),
+    (["serve", "--kv-cache-policy", "lru"], ["--kv-cache-policy", "'lru'", "'apc', 'blocks'"]),
     (["proxy", "--upstream", "http://x", "--port", "-1"], ["--port", ">= 1"]),
 ])
 def test_bad_arguments_are_one_line(capsys: pytest.CaptureFixture[str], argv: list[str],

@@ -5,7 +5,8 @@
 
 Builds the engine on ``--model`` (random weights, bf16, CUDA graphs), prefills ``--batch``
 sequences of ``--context`` tokens and lets them decode. A paused session's KV of
-``--restore-gib`` GiB is copied to pinned host memory (`HostKVStore.save`), then:
+``--restore-gib`` GiB is copied to pinned host memory (`HostKVStore.save`, blocks of 16 tokens
+whose consecutive runs are one copy each), then:
 
 1. ``alone``: ``--steps`` decode steps, each timed on the host (`Engine.step` returns once the
    step's tokens are on the host);
@@ -39,7 +40,7 @@ from edmm.bench.results import collect_environment
 from edmm.engine import Engine, EngineConfig, SamplingParams
 from edmm.memory import KVArena, KVSpec, PagePool, open_backend
 from edmm.memory.copies import StreamCopier, SyncCopier
-from edmm.memory.offload import HostKVStore
+from edmm.memory.offload import BlockSave, HostKVStore
 from edmm.model import resolve_preset
 
 TARGET_RATIO = 1.1
@@ -95,17 +96,21 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     session = arena.allocate()
     arena.grow(session, restore_tokens)
     arena.kv[session, :restore_tokens].normal_()
-    saved = store.save(session, restore_tokens)
-    assert saved is not None
-    side.wait(saved.ticket)
+    bt = store.block_tokens
+    saves = [BlockSave(i, start, min(bt, restore_tokens - start))
+             for i, start in enumerate(range(0, restore_tokens, bt))]
+    blocks = [(b.key, b.start) for b in saves]
+    saved, held = store.save(session, saves)
+    assert saved is not None and held == len(saves)
+    side.wait(saved)
     _decoding(engine, args)
     alone = [_timed_step(engine) for _ in range(args.steps)]
-    restore_alone = store.load(saved, session)
+    restore_alone = store.load(session, blocks, 0, restore_tokens)
     side.wait(restore_alone)
     beside: list[float] = []
     restores: list[float] = []
     while len(beside) < args.steps:
-        ticket = store.load(saved, session)
+        ticket = store.load(session, blocks, 0, restore_tokens)
         while not side.poll(ticket) and len(beside) < args.steps:
             beside.append(_timed_step(engine))
         side.wait(ticket)
@@ -113,18 +118,19 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         restores.append(ticket.seconds)
     view = arena.token_bytes_view(session, 0, restore_tokens)  # [bytes] uint8
     view.zero_()  # on the compute stream: the side stream's copy is ordered after it
-    check = store.load(saved, session)
+    check = store.load(session, blocks, 0, restore_tokens)
     side.wait(check)
-    restored_equal = bool(torch.equal(view.cpu(), store.host_bytes(saved)))
-    sync = SyncCopier().copy(store.copy_pairs(saved, session, to_host=False), False)
+    host = torch.cat([store.host_bytes(b.key) for b in saves])  # [bytes] uint8
+    restored_equal = bool(torch.equal(view.cpu(), host))
+    sync = SyncCopier().copy(store.load_pairs(session, blocks, 0, restore_tokens), False)
     sync_step = _timed_step(engine)
     nbytes = restore_tokens * token_bytes
     gib = nbytes / 2**30
-    assert saved.ticket.seconds and restore_alone.seconds and sync.seconds
+    assert saved.seconds and restore_alone.seconds and sync.seconds
     a, b = statistics.median(alone), statistics.median(beside)
     result = {
         "restore_bytes": nbytes, "restore_tokens": restore_tokens,
-        "save_gib_s": gib / saved.ticket.seconds,
+        "save_gib_s": gib / saved.seconds,
         "restore_gib_s_alone": gib / restore_alone.seconds,
         "restore_gib_s_beside_steps": gib / statistics.median(restores),
         "restore_gib_s_sync": gib / sync.seconds,
@@ -134,8 +140,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "sync_restore_then_step_ms": (sync.seconds + sync_step) * 1e3,
         "restored_equal": restored_equal,
     }
-    store.release(saved)
-    del view
+    store.clear()
+    del view, host
     arena.close()
     pool.close()
     backend.close()

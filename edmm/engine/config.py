@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from edmm.engine.errors import EngineConfigError
+from edmm.engine.kv_policy import CACHE_POLICIES
 from edmm.engine.scheduler import SchedulerConfig
 from edmm.memory.backends import BACKEND_NAMES
 from edmm.memory.host import DEFAULT_HOST_PAGE_SIZE
@@ -85,6 +86,12 @@ class EngineConfig:
             that memory pressure evicts: copied there instead of dropped, copied back before
             or at resume. 0: off (evicted sessions are recomputed). Allocated whole when the
             engine starts (pinning runs at ~1.4 GiB/s on the H200's host: ~0.7 s per GiB).
+        kv_cache_policy: how prefix-cache entries are evicted and what the host tier takes
+            (`edmm.engine.kv_policy.CACHE_POLICIES`): ``sessions`` (entries evicted whole;
+            paused sessions' KV to the host and back by session), ``apc`` (tail-first,
+            page-granular eviction: vLLM's automatic prefix caching), ``blocks`` (``apc``,
+            and every block written through to the host as computed and loaded back by any
+            admission that lacks it: LMCache, vLLM's offloading connector).
         kv_copy_stream: on CUDA, offload and restore copies run on a side stream beside the
             steps (ordered by CUDA events; paused sessions near eviction are written behind);
             False: synchronous copies. No effect on the CPU.
@@ -122,6 +129,7 @@ class EngineConfig:
     speculative_tokens_when_idle: int = 2048
     max_speculative_pages: int | None = None
     kv_offload_bytes: int = 0
+    kv_cache_policy: str = "sessions"
     kv_copy_stream: bool = True
     async_scheduling: bool | None = None
     tensor_parallel_size: int = 1
@@ -147,6 +155,9 @@ class EngineConfig:
                 f"attention must be one of {ATTENTION_CHOICES}, got {self.attention!r}")
         if self.kv_offload_bytes < 0:
             raise EngineConfigError(f"kv_offload_bytes must be >= 0, got {self.kv_offload_bytes}")
+        if self.kv_cache_policy not in CACHE_POLICIES:
+            raise EngineConfigError(f"kv_cache_policy must be one of {sorted(CACHE_POLICIES)}, "
+                                    f"got {self.kv_cache_policy!r}")
         if self.tensor_parallel_size < 1:
             raise EngineConfigError(
                 f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")

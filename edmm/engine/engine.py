@@ -37,6 +37,7 @@ from edmm.engine.errors import (
 )
 from edmm.engine.hooks import ParallelHooks
 from edmm.engine.kv_manager import KVCacheManager, KVStats
+from edmm.engine.kv_policy import cache_policy
 from edmm.engine.outputs import CompletionOutput, RequestOutput, RequestTiming, TokenLogprobs
 from edmm.engine.prefix_cache import CacheTag, PrefixCache
 from edmm.engine.runner import Launch, ModelRunner
@@ -288,10 +289,12 @@ class Engine:
         self._backend, pool, arena = _build_memory(config, spec, self.max_model_len,
                                                    kv_read_align(self.attention), parallel)
         offload = (HostKVStore(arena, config.kv_offload_bytes,
-                               make_copier(arena.kv.device, config.kv_copy_stream))
+                               make_copier(arena.kv.device, config.kv_copy_stream),
+                               block_tokens=config.prefix_block_size)
                    if config.kv_offload_bytes > 0 and config.enable_prefix_caching else None)
-        self.kv = KVCacheManager(arena, PrefixCache(arena, config.prefix_block_size,
-                                                    config.enable_prefix_caching, offload))
+        self.kv = KVCacheManager(arena, PrefixCache(
+            arena, config.prefix_block_size, config.enable_prefix_caching, offload,
+            cache_policy=cache_policy(config.kv_cache_policy)))
         self._scheduler = Scheduler(self.kv, config.scheduler_config(pool.capacity))
         runner = _build_runner(config, self.model, arena, self.max_model_len, self.attention)
         if isinstance(runner, CudaGraphRunner) and config.speculation_fills_padding:

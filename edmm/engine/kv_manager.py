@@ -24,6 +24,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterable
 from dataclasses import dataclass
 
+from edmm.engine.kv_policy import CachePolicy
 from edmm.engine.prefix_cache import CacheTag, EntryRank, PrefixCache, PrefixHit
 from edmm.memory import KVArena, KVMemoryError
 from edmm.memory.offload import CopyCounters
@@ -40,8 +41,8 @@ class KVStats:
     cache_entries: int
     offload_bytes: int  # host bytes held now by offloaded KV
     offload_capacity_bytes: int  # 0: offload off
-    offloads: int  # entries copied to the host, since start
-    restores: int  # host copies brought back, since start
+    offloads: int  # evictions whose KV went to the host, since start
+    restores: int  # restores from the host (a session's, or an admission's blocks), since start
     offloaded_bytes_total: int  # bytes copied to the host, since start
     restored_bytes_total: int  # bytes copied back, since start
     offload_s: float  # seconds the copies to the host took, since start (those seen done)
@@ -49,6 +50,10 @@ class KVStats:
     copies_in_flight: int = 0  # side-stream copies not yet seen done
     write_behind: int = 0  # paused sessions copied to the host ahead of their eviction
     write_behind_hits: int = 0  # evictions that found that copy made (no copy then)
+    pages_shared: int = 0  # of pages_in_use, those mapped by more than one slot
+    pages_private: int = 0  # of pages_in_use, those mapped by one slot only
+    host_blocks: int = 0  # KV blocks held in host memory (each once, however many share it)
+    trimmed_pages: int = 0  # pages freed by tail-first evictions, since start
 
 
 @dataclass(frozen=True)
@@ -139,12 +144,26 @@ class KVCacheManager:
         self._index.release(slot, [], 0)
 
     def make_room(self, max_rank: EntryRank = EntryRank.RETAINED,
-                  protect: Collection[CacheTag] = ()) -> bool:
+                  protect: Collection[CacheTag] = (), pages: int | None = None,
+                  spare: Collection[int] = ()) -> bool:
         """Free memory: the slots retired by zero-copy commits, else one entry of rank <=
-        ``max_rank`` whose tag is not in ``protect`` (lowest rank, then priority, then LRU; a
-        retained session's KV goes to the host tier first if it fits). False if nothing was
+        ``max_rank`` whose tag is not in ``protect`` and whose slot is not in ``spare``
+        (lowest rank, then priority, then LRU; a retained session's KV goes to the host tier
+        first if it fits). ``pages``: the pages the caller lacks (None: a slot), which a
+        tail-first policy frees from the victim's tail (`CachePolicy`). False if nothing was
         freed."""
-        return self._arena.reclaim() > 0 or self._index.evict_one(max_rank, protect)
+        return (self._arena.reclaim() > 0
+                or self._index.evict_one(max_rank, protect, pages, spare))
+
+    def set_cache_policy(self, policy: CachePolicy) -> None:
+        """How entries are evicted and what the host tier takes, from now on (`CachePolicy`;
+        a bench runs one engine under several)."""
+        self._index.set_cache_policy(policy)
+
+    @property
+    def cache_policy(self) -> CachePolicy:
+        """The `CachePolicy` in force."""
+        return self._index.cache_policy
 
     def restore_claimed(self, tags: Collection[CacheTag]) -> bool:
         """Bring the host copies of ``tags`` back before a sequence claiming them is admitted,
@@ -310,7 +329,10 @@ class KVCacheManager:
             offloads=index.offloaded_total, restores=index.restored_total,
             offloaded_bytes_total=copies.saved_bytes, restored_bytes_total=copies.loaded_bytes,
             offload_s=copies.save_s, restore_s=copies.load_s, copies_in_flight=in_flight,
-            write_behind=index.shadowed_total, write_behind_hits=index.shadow_hits)
+            write_behind=index.shadowed_total, write_behind_hits=index.shadow_hits,
+            pages_shared=pool.num_shared, pages_private=pool.num_used - pool.num_shared,
+            host_blocks=store.num_held if store is not None else 0,
+            trimmed_pages=index.trimmed_pages)
 
     def check_integrity(self) -> None:
         """Raise if the arena, the pool, the prefix index or the host tier breaks an

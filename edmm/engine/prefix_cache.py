@@ -3,7 +3,8 @@
 Sources are arena slots with the tokens whose KV they hold:
 
 - **entries**: slots of finished or preempted sequences, kept instead of freed. The cache owns
-  them: LRU order, freed (`KVArena.free`) when `evict_one` is asked to make room.
+  them: LRU order, freed (`KVArena.free`) or cut (`KVArena.truncate`) when `evict_one` is
+  asked to make room.
 - **live sources**: slots of running sequences, tracked as their KV grows (`track`). The
   scheduler owns them; the cache only reads them, and a branch never disturbs its source.
 
@@ -15,31 +16,48 @@ and when it replaces the claimer's own tagged entry that one is retired by `KVAr
 zero-copy commit of a speculation branch at resume. Nothing is ever pinned: every entry can be
 evicted under memory pressure, and its owner then recomputes.
 
-With a `HostKVStore` attached, a tagged ``RETAINED`` entry (a paused agent session) chosen for
-eviction is first copied to host memory (within the store's budget) and remembered by its tag;
-`restore` copies it back into a fresh slot as the same entry. The scheduler restores the tags a
+**One physical copy of a shared prefix.** A new sequence looks up the source with the longest
+common token prefix and gets `KVArena.branch` of it: the same physical pages for the full pages
+of that prefix, one copied boundary page, no recompute. Sources of different sessions are
+alike here, so sessions whose prompts share a prefix (an agent's system prompt and tool
+schemas) map the same pages for it; a page's reference count (`PagePool`) is the number of
+slots mapping it, and evicting one slot's entry frees only the pages no other slot maps. The
+share is page-granular: ``floor(n * token_bytes / page_size)`` pages of an ``n``-token prefix
+are shared (a 2 MiB page holds ~36.6 tokens of a 7B model's KV, so up to 36 tokens of the
+prefix sit on the copied boundary page). When the sequence extends an entry entirely (the next
+turn of an agent loop, a preempted sequence resuming), it adopts the entry's slot instead: no
+copy at all. A commit swaps slots, so the pages the session shared stay shared.
+
+**Eviction** (`CachePolicy`): an evicted entry goes whole, or, ``tail_first``, loses only the
+private pages asked for from its tail (vLLM's automatic prefix caching), keeping its prefix
+indexed. Pages another slot still maps are never freed by an eviction.
+
+**The host tier.** With a `HostKVStore` attached, KV leaving the GPU goes to host memory as
+blocks of ``block_size`` tokens keyed by their chain hash (below), each held once however
+many sequences share it, with its parent hash and tokens so a hash collision is detected on the
+way back. What goes (`CachePolicy`): the KV of a tagged ``RETAINED`` entry (a paused agent
+session) chosen for eviction, remembered by its tag, or, ``offload_all``, whatever an eviction
+removes; ``write_through`` copies every full block as soon as it is computed. What comes back:
+`restore` of a tag branches from the longest prefix of the session's tokens the GPU still holds
+(another session's slot, a live one included) and loads from the host only the blocks after
+it, so a restored session maps the shared prefix's pages again instead of a private copy;
+under ``offload_all`` an admission (`acquire`) does the same for its prompt. Blocks stay on the
+host after a restore (leaving it again copies nothing). The scheduler restores the tags a
 request claims before admitting it, evicting any other entry for it (other paused sessions go
 to the host in turn: a copy each way costs far less than the recompute the request would
 otherwise do in the same pages); a prefetch before a tool's expected return takes free pages
 and speculation entries only (`KVCacheManager.restore`). Without room the request waits for
-memory (`Scheduler`). At most one offloaded copy per tag; discarding or untagging the tag
-drops it.
+memory (`Scheduler`). At most one host record per tag; discarding or untagging the tag drops
+it (its blocks, unless another record holds them, are the first to leave the host).
 
 With an asynchronous copier (a CUDA side stream, `edmm.memory.copies`) copies return before
 the bytes have moved. The cache keeps, per slot, the copies still running on it, and a slot is
-never unmapped, branched from or adopted before the compute stream waits for them (`_await`):
-so a restored session's first step waits on the GPU for its restore, never the host, and
-other sessions' steps run beside the copy. Such a cache also **writes behind**: when a paused
-session's entry becomes ``RETAINED`` while the pool has fewer free pages than the entry maps
-(its eviction is near), its KV is copied to the host at once, beside the steps that follow
-(a *shadow* copy, within the store's budget); evicting it later frees its pages without a
-copy. A shadow is dropped when its entry is adopted, retagged or freed, and shadows give
-their budget to real offloads.
-
-A new sequence looks up the source with the longest common token prefix and gets
-`KVArena.branch` of it: the same physical pages for the full pages of that prefix, one copied
-boundary page, no recompute. When the sequence extends an entry entirely (the next turn of an
-agent loop, a preempted sequence resuming), it adopts the entry's slot instead: no copy at all.
+never unmapped, truncated, branched from or adopted before the compute stream waits for them
+(`_await`): so a restored session's first step waits on the GPU for its restore, never the
+host, and other sessions' steps run beside the copy. Such a cache also **writes behind**: when
+a paused session's entry becomes ``RETAINED`` while the pool has fewer free pages than the
+entry maps (its eviction is near), its blocks are copied to the host at once, beside the steps
+that follow; evicting it later copies nothing.
 
 Lookup is O(prompt length): every full block of ``block_size`` tokens of a source is indexed by
 a hash chained over the blocks before it (as in vLLM), so walking the prompt's block hashes finds
@@ -52,13 +70,14 @@ from __future__ import annotations
 
 import enum
 from collections import OrderedDict
-from collections.abc import Collection, Hashable, Iterable
+from collections.abc import Collection, Hashable, Iterable, Sequence
 from dataclasses import dataclass, field
 
-from edmm.engine.kv_policy import AdoptionCost
+from edmm.engine.kv_policy import AdoptionCost, CachePolicy
 from edmm.memory import KVArena, KVMemoryError, NoFreeSlotError, PoolExhaustedError
 from edmm.memory.copies import CopyTicket
-from edmm.memory.offload import HostKV, HostKVStore
+from edmm.memory.errors import pages_short
+from edmm.memory.offload import BlockSave, HostKVStore
 
 _CHAIN_SEED = 0x45444D4D  # "EDMM": the hash chain's value before the first block
 
@@ -83,14 +102,16 @@ class EntryRank(enum.IntEnum):
 
 @dataclass(frozen=True)
 class PrefixHit:
-    """A slot whose first ``num_tokens`` tokens already have KV: branched from ``source``, or
-    ``source`` itself when an entry was adopted.
+    """A slot whose first ``num_tokens`` tokens already have KV: branched from ``source``,
+    ``source`` itself when an entry was adopted, or a fresh slot (``source`` -1) when all of
+    it came from the host.
 
     ``claimed``: the tag of a claimed entry that was adopted (None otherwise);
     ``source_tokens``: tokens the source held before the match (an adopted claimed entry is
-    truncated to ``num_tokens``); ``committed``: slots retired by `KVArena.commit` in favour
+    truncated to the match); ``committed``: slots retired by `KVArena.commit` in favour
     of the adopted one; ``rank``/``priority``: the eviction class an adopted entry had (it
-    keeps it if it goes back to the cache unused); ``seconds``: time spent finding,
+    keeps it if it goes back to the cache unused); ``host_tokens``: of the ``num_tokens``,
+    those loaded from the host tier (the last ones); ``seconds``: time spent finding,
     committing and truncating.
     """
 
@@ -102,6 +123,7 @@ class PrefixHit:
     committed: tuple[int, ...] = ()
     rank: EntryRank = EntryRank.PLAIN
     priority: float = 0.0
+    host_tokens: int = 0
     seconds: float = 0.0
 
 
@@ -117,9 +139,12 @@ class _Entry:
 
 @dataclass
 class _Offloaded:
+    """A paused session's KV on the host: its tokens and the host blocks holding them (pinned
+    in the store while the record lives)."""
+
     tokens: list[int]  # the KV's tokens
-    kv: HostKV
-    priority: float  # the entry's (its rank is RETAINED: only those are offloaded)
+    keys: list[int]  # the blocks' keys (chain hashes), block 0 first (the last may be partial)
+    priority: float  # the entry's (its rank is RETAINED: only those are recorded)
     seed: int = _CHAIN_SEED  # its source's (`chain_seed`)
 
 
@@ -131,32 +156,49 @@ class _Source:
     seed: int = _CHAIN_SEED  # the chain's first value: `chain_seed` of the cache salt
 
 
+@dataclass(frozen=True)
+class _HostRun:
+    """Blocks of the host tier that extend a prefix of ``start`` tokens to ``end``:
+    ``(key, first token)`` of each."""
+
+    blocks: list[tuple[int, int]]
+    start: int
+    end: int
+
+
 class PrefixCache:
     """Index of reusable KV prefixes over the arena's slots; see the module docstring.
 
     With ``enabled=False`` nothing is indexed and `release` frees slots at once, so the
     scheduler runs one code path either way. ``policy`` decides whether a claimed entry is
-    truncated or branched from on a partial match.
+    truncated or branched from on a partial match; ``cache_policy`` how entries are evicted
+    and what the host tier ``offload`` (whose blocks hold ``block_size`` tokens) takes.
     """
 
     def __init__(self, arena: KVArena, block_size: int = 16, enabled: bool = True,
                  offload: HostKVStore | None = None,
-                 policy: AdoptionCost | None = None) -> None:
+                 policy: AdoptionCost | None = None,
+                 cache_policy: CachePolicy | None = None) -> None:
         if block_size < 1:
             raise ValueError(f"block_size must be >= 1, got {block_size}")
+        if offload is not None and offload.block_tokens != block_size:
+            raise ValueError(f"host blocks of {offload.block_tokens} tokens under an index of "
+                             f"{block_size}-token blocks")
         self.arena = arena
         self.block_size = block_size
         self.enabled = enabled
         self.offload = offload
         self.policy = policy if policy is not None else AdoptionCost()
-        self._offloaded: dict[CacheTag, _Offloaded] = {}  # tag -> its host copy
-        self.offloaded_total = 0  # entries copied to the host, over the cache's life
-        self.restored_total = 0  # host copies brought back
+        self.cache_policy = cache_policy if cache_policy is not None else CachePolicy()
+        self._offloaded: dict[CacheTag, _Offloaded] = {}  # tag -> its host record
+        self.offloaded_total = 0  # evictions whose KV went to the host, over the cache's life
+        self.restored_total = 0  # restores from the host (by tag or at admission)
+        self.trimmed_pages = 0  # pages freed by tail-first evictions
         self._sources: dict[int, _Source] = {}
         self._lru: OrderedDict[int, _Entry] = OrderedDict()  # entries, least recently used first
         self._index: dict[int, dict[int, None]] = {}  # block hash -> slots holding that chain
         self._pending: dict[int, list[CopyTicket]] = {}  # slot -> copies maybe running on it
-        self._shadows: dict[int, HostKV] = {}  # entry slot -> its written-behind host copy
+        self._shadows: set[int] = set()  # entry slots written behind to the host
         self.shadowed_total = 0  # write-behind copies made
         self.shadow_hits = 0  # evictions that found their copy already made
 
@@ -174,13 +216,22 @@ class PrefixCache:
         return [slot for slot, e in self._lru.items() if e.tag == tag]
 
     def tags(self) -> set[CacheTag]:
-        """The tags of every entry and host copy."""
+        """The tags of every entry and host record."""
         return {e.tag for e in self._lru.values() if e.tag is not None} | set(self._offloaded)
 
     def offloaded_tokens(self, tag: CacheTag) -> int:
-        """Tokens of ``tag``'s host copy (0: none)."""
+        """Tokens of ``tag``'s KV that `restore` would give its entry now (the longest
+        prefix the GPU holds, then host blocks); 0 when there is no record or the host adds
+        nothing to what the GPU holds."""
         off = self._offloaded.get(tag)
-        return 0 if off is None else off.kv.num_tokens
+        if off is None:
+            return 0
+        run = self._record_run(off)
+        return 0 if run is None else run[1].end
+
+    def set_cache_policy(self, cache_policy: CachePolicy) -> None:
+        """Evict and use the host tier by ``cache_policy`` from now on (what is cached stays)."""
+        self.cache_policy = cache_policy
 
     # ------------------------------------------------------------------ sources
     def track(self, slot: int, tokens: list[int], num_tokens: int,
@@ -208,6 +259,7 @@ class PrefixCache:
             raise KVMemoryError(f"slot {slot} is already a cache entry")
         if not self.enabled or num_tokens == 0:
             self._unindex(slot)
+            self._await(slot)
             self.arena.free(slot)
             return
         src = self._sources.get(slot) or _Source([], 0, seed=chain_seed(salt))
@@ -235,18 +287,18 @@ class PrefixCache:
 
     def retag(self, tags: Iterable[CacheTag], new_tag: CacheTag | None, rank: EntryRank) -> int:
         """Give the entries tagged with any of ``tags`` the tag ``new_tag`` (None: untagged)
-        and eviction class ``rank``; their host copies are dropped. No memory is touched."""
+        and eviction class ``rank``; their host records are dropped. No memory is touched."""
         wanted = set(tags)
         self._drop_offloaded(wanted)
         slots = [slot for slot, e in self._lru.items() if e.tag in wanted]
         for slot in slots:
             self._lru[slot] = _Entry(new_tag, rank)
-            self._drop_shadow(slot)
+            self._shadows.discard(slot)
         return len(slots)
 
     def discard(self, tags: Iterable[CacheTag]) -> int:
-        """Free every entry tagged with one of ``tags`` (and their host copies); return how
-        many entries."""
+        """Free every entry tagged with one of ``tags`` (and drop their host records); return
+        how many entries."""
         wanted = set(tags)
         self._drop_offloaded(wanted)
         slots = [slot for slot, e in self._lru.items() if e.tag in wanted]
@@ -262,13 +314,19 @@ class PrefixCache:
         None if there is none."""
         if not self.enabled:
             return None
+        return self._lookup(tokens, max_tokens, chain_seed(salt))
+
+    def _lookup(self, tokens: list[int], max_tokens: int, seed: int,
+                keys: Sequence[int] = ()) -> tuple[int, int] | None:
+        """`lookup` by the chain's seed; ``keys``: the chain hashes of ``tokens``' first
+        blocks where the caller knows them (not computed again)."""
         limit = min(len(tokens), max_tokens)
         candidates: dict[int, None] = {}
         matched = 0  # full blocks matched
-        seed = prev = chain_seed(salt)
+        prev = seed
         bs = self.block_size
         for i in range(limit // bs):
-            h = _chain(prev, tokens[i * bs:(i + 1) * bs])
+            h = keys[i] if i < len(keys) else _chain(prev, tokens[i * bs:(i + 1) * bs])
             found = self._index.get(h)
             if not found:
                 break
@@ -297,24 +355,46 @@ class PrefixCache:
         tagged ``own_tag`` that an adopted one supersedes are retired by `KVArena.commit`
         (zero-copy commit).
         Otherwise the slot is `KVArena.branch` of the source: shared full pages, one copied
-        boundary page. Raises `NoFreeSlotError` / `PoolExhaustedError` from the branch
-        (nothing changed); the caller may `evict_one` and retry.
+        boundary page. Under ``offload_all`` the host blocks of ``tokens`` that follow the
+        GPU's match are mapped and loaded after it (into a fresh slot when the GPU holds
+        none of it).
+        Raises `NoFreeSlotError` / `PoolExhaustedError` from the branch or for the pages the
+        host blocks need (nothing changed); the caller may `evict_one` and retry.
         """
         tags = set(claim) | ({own_tag} if own_tag is not None else set())
-        claimed = self._best_claimed(tokens, max_tokens, tags, own_tag, chain_seed(salt))
-        if claimed is not None and claimed[1] >= min(len(tokens), max_tokens):
+        seed = chain_seed(salt)
+        limit = min(len(tokens), max_tokens)
+        claimed = self._best_claimed(tokens, max_tokens, tags, own_tag, seed)
+        if claimed is not None and claimed[1] >= limit:
             return self._adopt(claimed[0], claimed[1], own_tag)  # nothing can match more
         found = self.lookup(tokens, max_tokens, salt)
         if claimed is not None and claimed[1] > 0 and (found is None or claimed[1] >= found[1]):
-            return self._adopt(claimed[0], claimed[1], own_tag)
-        if found is None:
-            return None
-        source, n = found
+            best: tuple[int, int] | None = claimed
+        else:
+            best = found
+        run = self._host_run_for(tokens, seed, best, limit)
+        if run is not None:
+            self._check_room(run)
+        if best is None:
+            hit = None
+        elif best is claimed:
+            hit = self._adopt(best[0], best[1], own_tag)
+        else:
+            hit = self._branch_or_adopt(*best)
+        if run is None:
+            return hit
+        if hit is None:
+            hit = PrefixHit(self.arena.allocate(), 0, -1)
+        return self._load_run(hit, run)
+
+    def _branch_or_adopt(self, source: int, n: int) -> PrefixHit:
+        """The untagged entry ``source`` adopted when it holds exactly ``n`` tokens, else a
+        branch of ``source`` at ``n``."""
         entry = self._lru.get(source)
         self._await(source)
         if entry is not None and entry.tag is None and n == self._sources[source].num_tokens:
             del self._lru[source]
-            self._drop_shadow(source)
+            self._shadows.discard(source)
             return PrefixHit(source, n, source, source_tokens=n, rank=entry.rank,
                              priority=entry.priority)
         slot = self.arena.branch(source, n)
@@ -324,73 +404,96 @@ class PrefixCache:
 
     # ------------------------------------------------------------------ eviction
     def evict_one(self, max_rank: EntryRank = EntryRank.RETAINED,
-                  protect: Collection[CacheTag] = ()) -> bool:
-        """Free one entry of rank <= ``max_rank`` (tag not in ``protect``): the lowest rank,
-        then the lowest priority, then the least recently used. False if there is none."""
+                  protect: Collection[CacheTag] = (), pages: int | None = None,
+                  spare: Collection[int] = ()) -> bool:
+        """Free memory held by one entry of rank <= ``max_rank`` (tag not in ``protect``,
+        slot not in ``spare``): the lowest rank, then the lowest priority, then the least
+        recently used. The entry goes whole, unless ``pages`` are asked for and the policy is
+        ``tail_first``: then only that many of its private pages go, from its tail, when it
+        has more. False if there is no such entry."""
         victim: int | None = None
         best: tuple[int, float] | None = None
         for slot, entry in self._lru.items():
             key = entry.eviction_key()
-            if (entry.rank <= max_rank and (best is None or key < best)
+            if (entry.rank <= max_rank and (best is None or key < best) and slot not in spare
                     and (entry.tag is None or entry.tag not in protect)):
                 victim, best = slot, key
         if victim is None:
             return False
+        if pages is not None and self.cache_policy.tail_first and self._trim(victim, pages):
+            return True
         self._offload(victim)
         self._free_entry(victim)
         return True
 
     def restore(self, tag: CacheTag, evict: EntryRank | None = None,
                 protect: Collection[CacheTag] = ()) -> bool:
-        """Copy ``tag``'s host copy back into a fresh slot, as the entry it was (most recently
-        used). Without a free slot or pages it fails (False, nothing changes), unless entries
-        of rank <= ``evict`` (tags not in ``protect``) are evicted for it first."""
+        """Bring ``tag``'s KV back as the entry it was (most recently used): a branch of the
+        longest prefix of its tokens the GPU holds (its full pages shared), then the host
+        blocks after that prefix loaded into it (the blocks stay on the host). Without a free
+        slot or pages it fails (False, nothing changes), unless entries of rank <= ``evict``
+        (tags not in ``protect``) are evicted for it first; False also when the host adds
+        nothing to what the GPU holds."""
         off = self._offloaded.get(tag)
         if off is None or self.offload is None:
             return False
-        slot = self._mapped_slot(off.kv.num_tokens, evict, {tag, *protect})
+        planned = self._record_run(off)
+        if planned is None:
+            return False
+        source, run = planned
+        slot = self._restore_slot(source, run, evict, {tag, *protect})
         if slot is None:
             return False
-        self._pend(slot, self.offload.load(off.kv, slot))
-        del self._offloaded[tag]
-        self.offload.release(off.kv)
-        src = self._sources[slot] = _Source(off.tokens, 0, seed=off.seed)
-        self._extend(slot, src, off.kv.num_tokens)
+        self._pend(slot, self.offload.load(slot, run.blocks, run.start, run.end))
+        self._drop_offloaded({tag}, demote=False)  # its blocks stay on the host
+        src = self._sources[slot] = _Source(off.tokens[: run.end], 0, seed=off.seed)
+        self._extend(slot, src, run.end)
         self._lru[slot] = _Entry(tag, EntryRank.RETAINED, off.priority)
         self.restored_total += 1
         return True
 
-    def _mapped_slot(self, num_tokens: int, evict: EntryRank | None, protect: Collection[CacheTag]
-                     ) -> int | None:
-        """A new slot mapping ``num_tokens`` tokens, evicting as `evict_one` allows."""
+    def _restore_slot(self, source: int | None, run: _HostRun, evict: EntryRank | None,
+                      protect: Collection[CacheTag]) -> int | None:
+        """A new slot of ``run.end`` tokens whose first ``run.start`` are a branch of
+        ``source`` (None: a fresh slot), evicting as `evict_one` allows (never ``source``
+        before it is branched from); None if there is no room."""
+        spare = () if source is None else (source,)
         while True:
             try:
-                slot = self.arena.allocate()
-            except NoFreeSlotError:
-                slot = None
-            if slot is not None:
-                try:
-                    self.arena.grow(slot, num_tokens)
-                    return slot
-                except PoolExhaustedError:
+                if source is None:
+                    slot = self.arena.allocate()
+                else:
+                    self._await(source)
+                    slot = self.arena.branch(source, run.start)
+                break
+            except (NoFreeSlotError, PoolExhaustedError) as e:
+                if evict is None or not self.evict_one(evict, protect, pages_short(e), spare):
+                    return None
+        while True:
+            try:
+                self.arena.grow(slot, run.end)
+                return slot
+            except PoolExhaustedError as e:
+                if evict is None or not self.evict_one(evict, protect, e.shortfall):
                     self.arena.free(slot)
-            if evict is None or not self.evict_one(evict, protect):
-                return None
+                    return None
 
     def clear(self) -> int:
-        """Free every entry (host copies dropped, nothing offloaded); return how many. Live
-        sources stay tracked."""
+        """Free every entry and every host block (nothing offloaded); return how many entries.
+        Live sources stay tracked."""
         self._drop_offloaded(set(self._offloaded))
-        for slot in list(self._shadows):
-            self._drop_shadow(slot)
+        self._shadows.clear()
         n = 0
         while self._lru:
             self._free_entry(next(iter(self._lru)))
             n += 1
+        if self.offload is not None:
+            self.offload.clear()
         return n
 
     def check_integrity(self) -> None:
-        """Raise `KVMemoryError` if the index disagrees with the sources or the arena."""
+        """Raise `KVMemoryError` if the index disagrees with the sources, the arena or the
+        host store."""
         expected: dict[int, set[int]] = {}
         for slot, src in self._sources.items():
             if len(src.hashes) != src.num_tokens // self.block_size:
@@ -406,89 +509,207 @@ class PrefixCache:
             raise KVMemoryError("prefix index out of sync with its sources")
         if not set(self._lru) <= set(self._sources):
             raise KVMemoryError("an entry is not indexed")
-        if not set(self._shadows) <= set(self._lru):
-            raise KVMemoryError("a write-behind copy outlived its entry")
-        copies = [off.kv for off in self._offloaded.values()] + list(self._shadows.values())
+        if not self._shadows <= set(self._lru):
+            raise KVMemoryError("a write-behind mark outlived its entry")
         store = self.offload
         if store is None:
+            if self._offloaded:
+                raise KVMemoryError("host records without a host store")
             return
-        held = sum(kv.num_blocks for kv in copies) * store.block_bytes
-        if store.used_bytes != held or store.num_held != len(copies):
-            raise KVMemoryError(f"host store holds {store.used_bytes} bytes in "
-                                f"{store.num_held} copies, the cache knows {held} in "
-                                f"{len(copies)}")
+        store.check_integrity()
+        pins: dict[int, int] = {}
+        for off in self._offloaded.values():
+            for key in off.keys:
+                pins[key] = pins.get(key, 0) + 1
+        for key, n in pins.items():
+            if store.held(key) is None or store.pins(key) != n:
+                raise KVMemoryError(f"host block {key!r}: {n} record(s) hold it, the store "
+                                    f"pins it {store.pins(key)} time(s)")
 
-    # ------------------------------------------------------------------ internals
-    def _offload(self, slot: int) -> None:
-        """Copy a paused session's entry to the host before it is freed (budget allowing),
-        or adopt its write-behind copy."""
-        entry = self._lru[slot]
-        shadow = self._shadows.pop(slot, None)
-        if self.offload is None or entry.tag is None or entry.rank != EntryRank.RETAINED:
-            if shadow is not None:
-                self.offload_store().release(shadow)
-            return
-        src = self._sources[slot]
-        older = self._offloaded.get(entry.tag)  # superseded: its bytes count as free
-        if shadow is not None:
-            if older is not None:
-                self.offload.release(older.kv)
-            kv = shadow
-            self.shadow_hits += 1
-        else:
-            nbytes = src.num_tokens * self.arena.spec.token_bytes
-            self._make_budget(nbytes, older.kv.nbytes if older else 0)
-            saved = self.offload.save(slot, src.num_tokens,
-                                      replacing=older.kv if older else None)
-            if saved is None:
-                return  # over budget: dropped (an older copy stays), recomputed at resume
-            kv = saved
-            self._pend(slot, kv.ticket)
-        self._offloaded[entry.tag] = _Offloaded(src.tokens[: src.num_tokens], kv, entry.priority,
-                                                src.seed)
-        self.offloaded_total += 1
-
+    # ------------------------------------------------------------------ the host tier
     def offload_store(self) -> HostKVStore:
         """The host store (`KVMemoryError` when offload is off)."""
         if self.offload is None:
             raise KVMemoryError("no host store attached")
         return self.offload
 
+    def _offload(self, slot: int) -> None:
+        """Before entry ``slot`` is freed: its KV to the host if the policy takes it (budget
+        allowing), recorded by its tag if it is a paused session's."""
+        entry = self._lru[slot]
+        store = self.offload
+        shadowed = slot in self._shadows
+        self._shadows.discard(slot)
+        retained = entry.tag is not None and entry.rank == EntryRank.RETAINED
+        if store is None or not (retained or self.cache_policy.offload_all):
+            return
+        src = self._sources[slot]
+        record = retained and not self.cache_policy.offload_all
+        older = self._offloaded.pop(entry.tag, None) if record else None
+        if older is not None:
+            store.unpin(older.keys)  # superseded: its blocks count as room for these
+        keys, copied = self._save(slot, 0)
+        if not keys:  # over budget: dropped (an older record stays), recomputed at resume
+            if older is not None:
+                store.pin(older.keys)
+                self._offloaded[entry.tag] = older
+            return
+        self.offloaded_total += 1
+        if shadowed and not copied:
+            self.shadow_hits += 1
+        if record:
+            store.pin(keys)
+            self._offloaded[entry.tag] = _Offloaded(src.tokens[: src.num_tokens], keys,
+                                                    entry.priority, src.seed)
+        if older is not None:
+            kept = set(keys)
+            store.demote([k for k in older.keys if k not in kept])
+
+    def _save(self, slot: int, first_block: int, partial: bool = True
+              ) -> tuple[list[int], bool]:
+        """Copy the blocks of source ``slot`` from block ``first_block`` on (its last,
+        partly filled block too if ``partial``) to the host, those held already excepted;
+        return the keys of the blocks held from ``first_block`` on (the copy stops at the
+        first that does not fit) and whether anything was copied."""
+        store = self.offload
+        assert store is not None
+        src = self._sources[slot]
+        bs = self.block_size
+        keys = src.hashes[first_block:]
+        blocks = [BlockSave(key, i * bs, bs, (src.hashes[i - 1] if i else src.seed,
+                                              tuple(src.tokens[i * bs:(i + 1) * bs])))
+                  for i, key in enumerate(keys, first_block)]
+        full = len(src.hashes) * bs
+        if partial and full < src.num_tokens:
+            prev = src.hashes[-1] if src.hashes else src.seed
+            part = src.tokens[full:src.num_tokens]
+            keys = [*keys, _chain(prev, part)]
+            blocks.append(BlockSave(keys[-1], full, len(part), (prev, tuple(part))))
+        ticket, held = store.save(slot, blocks)
+        if ticket is not None:
+            self._pend(slot, ticket)
+        return keys[:held], ticket is not None
+
     def _write_behind(self, slot: int) -> None:
-        """Start a shadow host copy of a ``RETAINED`` tagged entry whose eviction is near
-        (the pool has fewer free pages than it maps), with an asynchronous copier only."""
+        """Copy to the host now the blocks of a ``RETAINED`` tagged entry whose eviction is
+        near (the pool has fewer free pages than it maps), with an asynchronous copier only."""
         entry = self._lru[slot]
         store = self.offload
         if (store is None or not store.copier.asynchronous or slot in self._shadows
                 or entry.tag is None or entry.rank != EntryRank.RETAINED
                 or self.arena.pool.num_free >= len(self.arena.slot_pages(slot))):
             return
-        kv = store.save(slot, self._sources[slot].num_tokens)
-        if kv is None:
-            return  # no budget: the eviction copies it, if the budget allows then
-        self._pend(slot, kv.ticket)
-        self._shadows[slot] = kv
-        self.shadowed_total += 1
+        keys, copied = self._save(slot, 0)
+        if keys:
+            self._shadows.add(slot)
+            self.shadowed_total += copied
 
-    def _make_budget(self, nbytes: int, freed: int) -> None:
-        """Drop write-behind copies (oldest first) until a copy of ``nbytes`` fits."""
-        assert self.offload is not None
-        for slot in list(self._shadows):
-            if self.offload.fits(nbytes, freed):
-                return
-            self._drop_shadow(slot)
+    def _write_through(self, slot: int, first_block: int) -> None:
+        """Copy source ``slot``'s full blocks from ``first_block`` on to the host (policy
+        ``write_through``)."""
+        if self.offload is not None and self.cache_policy.write_through:
+            self._save(slot, first_block, partial=False)
 
-    def _drop_shadow(self, slot: int) -> None:
-        """Forget ``slot``'s write-behind copy (its bytes back to the budget; a copy still
-        running stays pending on the slot)."""
-        shadow = self._shadows.pop(slot, None)
-        if shadow is not None:
-            self.offload_store().release(shadow)
+    def _record_run(self, off: _Offloaded) -> tuple[int | None, _HostRun] | None:
+        """Where a restore of record ``off`` would start (a source holding its longest prefix
+        on the GPU, None: none) and the host blocks that extend it; None if they add
+        nothing."""
+        found = self._lookup(off.tokens, len(off.tokens), off.seed, off.keys)
+        source, n = found if found is not None else (None, 0)
+        run = self._host_run(off.tokens, off.seed, off.keys, n, len(off.tokens))
+        return None if run is None else (source, run)
 
+    def _host_run_for(self, tokens: list[int], seed: int, best: tuple[int, int] | None,
+                      limit: int) -> _HostRun | None:
+        """Under ``offload_all``: the host blocks extending the GPU's match ``best`` of
+        ``tokens`` (at most ``limit``); None if none does."""
+        if self.offload is None or not self.cache_policy.offload_all:
+            return None
+        if best is None:
+            return self._host_run(tokens, seed, (), 0, limit)
+        slot, n = best  # the source's hashes are the prompt's below the match only
+        return self._host_run(tokens, seed, self._sources[slot].hashes[: n // self.block_size],
+                              n, limit)
+
+    def _host_run(self, tokens: list[int], seed: int, keys: Sequence[int], start: int,
+                  limit: int) -> _HostRun | None:
+        """The host blocks holding ``tokens[start:end]`` for the largest ``end <= limit``
+        (``keys``: the chain hashes of the first blocks where known, at least those before
+        ``start``'s block); None if the host holds nothing past ``start``."""
+        store = self.offload
+        assert store is not None
+        bs = self.block_size
+        i = start // bs
+        prev = keys[i - 1] if i else seed
+        blocks: list[tuple[int, int]] = []
+        end = start
+        while i * bs < limit:
+            block = tokens[i * bs:(i + 1) * bs]
+            key = keys[i] if i < len(keys) and len(block) == bs else _chain(prev, block)
+            if len(block) == bs and store.held(key) == (bs, (prev, tuple(block))):
+                blocks.append((key, i * bs))
+                end, prev, i = min((i + 1) * bs, limit), key, i + 1
+                continue
+            part = self._held_part(prev, block[:bs - 1])
+            if part is not None:
+                blocks.append((part[0], i * bs))
+                end = min(i * bs + part[1], limit)
+            break
+        return _HostRun(blocks, start, end) if end > start else None
+
+    def _held_part(self, prev: int, tokens: list[int]) -> tuple[int, int] | None:
+        """``(key, n)`` of the longest partial block ``tokens[:n]`` after chain hash ``prev``
+        that the host holds (a sequence's last block); None if none."""
+        store = self.offload
+        assert store is not None
+        for n in range(len(tokens), 0, -1):
+            part = tokens[:n]
+            key = _chain(prev, part)
+            if store.held(key) == (n, (prev, tuple(part))):
+                return key, n
+        return None
+
+    def _check_room(self, run: _HostRun) -> None:
+        """Raise `PoolExhaustedError` (nothing changed) unless the pool has the pages of a
+        hit of ``run.end`` tokens whose first ``run.start`` the GPU holds: at most those past
+        the shared full pages of that prefix (a branch's boundary page, or an adopted entry's
+        copy-on-write, included)."""
+        arena = self.arena
+        shared = run.start * arena.spec.token_bytes // arena.page_size
+        need = arena.pages_for(run.end) - shared
+        if need > arena.pool.num_free:
+            raise PoolExhaustedError(need, arena.pool.num_free)
+
+    def _load_run(self, hit: PrefixHit, run: _HostRun) -> PrefixHit:
+        """Map ``hit``'s slot for ``run.end`` tokens and load the host blocks into it (``hit``
+        as it is if the pool is short after all)."""
+        assert self.offload is not None and hit.num_tokens == run.start
+        try:
+            self.arena.grow(hit.slot, run.end)
+        except PoolExhaustedError:
+            return hit
+        self._pend(hit.slot, self.offload.load(hit.slot, run.blocks, run.start, run.end))
+        self._await(hit.slot)  # the sequence's first step runs after the copy (on the GPU)
+        self.restored_total += 1
+        return PrefixHit(hit.slot, run.end, hit.source, hit.claimed, hit.source_tokens,
+                         hit.committed, hit.rank, hit.priority, run.end - run.start)
+
+    def _drop_offloaded(self, tags: set[CacheTag], demote: bool = True) -> None:
+        """Forget the host records of ``tags``; with ``demote`` their blocks no other record
+        holds are the first to leave the host."""
+        for tag in tags & self._offloaded.keys():
+            off = self._offloaded.pop(tag)
+            store = self.offload_store()
+            store.unpin(off.keys)
+            if demote:
+                store.demote(off.keys)
+
+    # ------------------------------------------------------------------ copies in flight
     def _pend(self, slot: int, ticket: CopyTicket) -> None:
         """Remember a copy that may still run on ``slot``."""
         if not ticket.done:
-            self._pending.setdefault(slot, []).append(ticket)
+            running = [t for t in self._pending.get(slot, ()) if not t.done]
+            self._pending[slot] = [*running, ticket]
 
     def _await(self, slot: int) -> None:
         """Order the compute stream (and so the unmap fence) after the copies on ``slot``."""
@@ -505,15 +726,51 @@ class PrefixCache:
         """Copies that may still run on ``slot`` (not yet awaited)."""
         return len(self._pending.get(slot, ()))
 
-    def _drop_offloaded(self, tags: set[CacheTag]) -> None:
-        for tag in tags & self._offloaded.keys():
-            off = self._offloaded.pop(tag)
-            assert self.offload is not None
-            self.offload.release(off.kv)
+    # ------------------------------------------------------------------ internals
+    def _trim(self, slot: int, pages: int) -> bool:
+        """Tail-first eviction: unmap the last ``pages`` pages of entry ``slot`` when they
+        are private and some private page stays (its KV to the host first under
+        ``offload_all``); False (nothing done) when the entry should go whole instead: it has
+        no more private pages than asked for, or it is a paused session's whose KV goes to the
+        host by its tag."""
+        entry = self._lru[slot]
+        if (self.offload is not None and not self.cache_policy.offload_all
+                and entry.tag is not None and entry.rank == EntryRank.RETAINED):
+            return False
+        arena = self.arena
+        mapped = arena.slot_pages(slot)
+        tail = 0
+        for page in reversed(mapped):
+            if arena.pool.refcount(page) != 1:
+                break
+            tail += 1
+        if not 0 < pages < tail:
+            return False
+        src = self._sources[slot]
+        n = min(self._tokens_within(len(mapped) - pages), src.num_tokens)
+        if n <= 0 or n * arena.spec.token_bytes // arena.page_size < len(mapped) - tail:
+            return False  # the new frontier would fall on a shared page
+        if self.offload is not None and self.cache_policy.offload_all:
+            self._save(slot, n // self.block_size)
+        self._await(slot)
+        before = len(mapped)
+        arena.truncate(slot, n)
+        self._shrink(slot, n)
+        self.trimmed_pages += before - len(arena.slot_pages(slot))
+        return True
+
+    def _tokens_within(self, num_pages: int) -> int:
+        """The most tokens a slot may hold in ``num_pages`` pages (read alignment kept)."""
+        arena = self.arena
+        n = num_pages * arena.page_size // arena.spec.token_bytes
+        n -= n % arena.read_align
+        while n > 0 and arena.pages_for(n) > num_pages:
+            n -= arena.read_align
+        return max(n, 0)
 
     def _free_entry(self, slot: int) -> None:
         del self._lru[slot]
-        self._drop_shadow(slot)
+        self._shadows.discard(slot)
         self._unindex(slot)
         self._await(slot)
         self.arena.free(slot)
@@ -553,12 +810,12 @@ class PrefixCache:
             self._lru.move_to_end(slot)
             return PrefixHit(new, n, slot, self._lru[slot].tag, held)
         entry = self._lru.pop(slot)
-        self._drop_shadow(slot)
+        self._shadows.discard(slot)
         committed: list[int] = []
         if own_tag is not None and entry.tag != own_tag:
             for old in self.tagged(own_tag):
                 del self._lru[old]
-                self._drop_shadow(old)
+                self._shadows.discard(old)
                 self._await(old)
                 self._unindex(old)
                 self.arena.commit(old, slot)  # retired: reclaimed after the step
@@ -589,16 +846,20 @@ class PrefixCache:
         src.tokens, src.num_tokens = src.tokens[:num_tokens], num_tokens
 
     def _extend(self, slot: int, src: _Source, num_tokens: int) -> None:
-        """Index the full blocks of ``src.tokens[:num_tokens]`` not indexed yet."""
+        """Index the full blocks of ``src.tokens[:num_tokens]`` not indexed yet (and, policy
+        ``write_through``, copy them to the host)."""
         if num_tokens < src.num_tokens:
             raise KVMemoryError(f"slot {slot}: source shrank from {src.num_tokens} to {num_tokens}")
         bs = self.block_size
+        first = len(src.hashes)
         prev = src.hashes[-1] if src.hashes else src.seed
-        for i in range(len(src.hashes), num_tokens // bs):
+        for i in range(first, num_tokens // bs):
             prev = _chain(prev, src.tokens[i * bs:(i + 1) * bs])
             src.hashes.append(prev)
             self._index.setdefault(prev, {})[slot] = None
         src.num_tokens = num_tokens
+        if len(src.hashes) > first:
+            self._write_through(slot, first)
 
     def _unindex(self, slot: int) -> None:
         src = self._sources.pop(slot, None)

@@ -71,6 +71,7 @@ from edmm.engine.sequence import (
     SequenceStatus,
 )
 from edmm.memory import NoFreeSlotError, PoolExhaustedError
+from edmm.memory.errors import pages_short
 
 
 @dataclass(frozen=True)
@@ -487,8 +488,8 @@ class Scheduler:
             try:
                 self.kv.grow(seq.slot, num_tokens)
                 return True
-            except PoolExhaustedError:
-                if self._make_room():
+            except PoolExhaustedError as e:
+                if self._make_room(pages=e.shortfall):
                     continue
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -507,7 +508,11 @@ class Scheduler:
         copy does not, and the recompute ends up needing the same pages), and the loop below
         never evicts the sequence's own session entry to make room for it (that frees no
         memory it would not need again to recompute the same tokens); with nothing running it
-        evicts anything, so admission always progresses."""
+        evicts any other entry. It never evicts the entry it adopted, or loaded from the host,
+        and gave back (its own KV, as a preempted request's): that KV would be adopted or
+        loaded again on the retry, no page the better (a tail-first trim of it, reloaded, is a
+        loop that never ends). If nothing else is left to evict, the sequence does not fit
+        the pool and waits."""
         own = () if seq.hints.tag is None else (seq.hints.tag,)
         if not self.kv.restore_claimed({*seq.hints.claim, *own}) and self.running:
             return 0
@@ -520,10 +525,13 @@ class Scheduler:
                 self.kv.grow(seq.slot, seq.num_computed_tokens + n)
                 self._record_admission(seq, hit)
                 return n
-            except (NoFreeSlotError, PoolExhaustedError):
+            except (NoFreeSlotError, PoolExhaustedError) as e:
+                mine: tuple[int, ...] = ()
                 if seq.slot is not None:
+                    kept = hit is not None and (hit.slot == hit.source or hit.host_tokens > 0)
+                    mine = (seq.slot,) if kept else ()
                     self._unassign(seq, hit)
-                if not self._make_room(own if self.running else ()):
+                if not self._make_room(own if self.running else (), pages_short(e), mine):
                     return 0
 
     def _admit_speculation(self, seq: Sequence, budget: int) -> int | None:
@@ -534,8 +542,8 @@ class Scheduler:
             try:
                 hit = self._assign_slot(seq)
                 break
-            except (NoFreeSlotError, PoolExhaustedError):
-                if not self._free_for_speculation():
+            except (NoFreeSlotError, PoolExhaustedError) as e:
+                if not self._free_for_speculation(pages_short(e)):
                     return None
         want = min(seq.num_uncomputed_tokens, budget)
         chunk = self._map_speculation(seq, want) if want else 0
@@ -559,8 +567,8 @@ class Scheduler:
             try:
                 self.kv.grow(seq.slot, start + n)
                 return n
-            except PoolExhaustedError:
-                if not self._free_for_speculation():
+            except PoolExhaustedError as e:
+                if not self._free_for_speculation(e.shortfall):
                     return 0
 
     def _speculation_room(self, slot: int) -> int:
@@ -583,22 +591,24 @@ class Scheduler:
     def _is_speculative_slot(self, slot: int) -> bool:
         return slot in self._speculative_slots()
 
-    def _free_for_speculation(self) -> bool:
+    def _free_for_speculation(self, pages: int | None = None) -> bool:
         """Reclaim retired slots, else evict one speculation or plain entry (never a retained
-        session's); False if none."""
-        return self.kv.make_room(EntryRank.PLAIN)
+        session's) for ``pages`` pages (None: a slot); False if none."""
+        return self.kv.make_room(EntryRank.PLAIN, pages=pages)
 
-    def _make_room(self, protect: tuple[CacheTag, ...] = ()) -> bool:
-        """Free memory for a request: slots retired by zero-copy commits, a speculation entry,
-        else the latest speculative prefill, else any other cache entry (rank, priority, LRU)
-        not tagged in ``protect``. False if none is left."""
-        if self.kv.make_room(EntryRank.SPECULATIVE):
+    def _make_room(self, protect: tuple[CacheTag, ...] = (), pages: int | None = None,
+                   spare: tuple[int, ...] = ()) -> bool:
+        """Free memory for a request that lacks ``pages`` pages (None: a slot): slots retired
+        by zero-copy commits, a speculation entry, else the latest speculative prefill, else
+        any other cache entry (rank, priority, LRU) not tagged in ``protect`` and not in
+        ``spare``. False if none is left."""
+        if self.kv.make_room(EntryRank.SPECULATIVE, pages=pages, spare=spare):
             return True
         if self.spec_running:
             seq = self.spec_running.pop()
             self._drop(seq)
             return True
-        return self.kv.make_room(protect=protect)
+        return self.kv.make_room(protect=protect, pages=pages, spare=spare)
 
     def _drop(self, seq: Sequence) -> None:
         """Finish a speculative prefill and free its slot outright (memory pressure)."""
@@ -623,11 +633,12 @@ class Scheduler:
         return dataclasses.replace(hit, seconds=time.perf_counter() - t0)
 
     def _unassign(self, seq: Sequence, hit: PrefixHit | None) -> None:
-        """Undo `_assign_slot` after memory ran short: an adopted entry goes back to the cache
-        (with its KV); a fresh slot or a branch is freed (caching a branch, a copy of part of
-        its source, and evicting it would loop forever)."""
+        """Undo `_assign_slot` after memory ran short: an adopted entry, or a slot holding KV
+        loaded from the host, goes back to the cache (with its KV: the retry finds it there,
+        the host copy is not loaded again); a fresh slot or a branch is freed (caching a
+        branch, a copy of part of its source, and evicting it would loop forever)."""
         assert seq.slot is not None
-        if hit is not None and hit.slot == hit.source:
+        if hit is not None and (hit.slot == hit.source or hit.host_tokens):
             self._release_slot(seq, (hit.rank, hit.priority))
             return
         self.kv.drop(seq.slot)
@@ -669,3 +680,4 @@ class Scheduler:
 
     def _running(self, seq: Sequence) -> list[Sequence]:
         return self.spec_running if seq.is_speculative else self.running
+

@@ -207,7 +207,7 @@ class KVArena:
         return ArenaStats(
             slots_in_use=len(live), slots_retired=len(self._retired),
             pages_used=self.pool.num_used, pages_free=self.pool.num_free,
-            pages_shared=sum(self.pool.refcount(p) > 1 for p in range(self.pool.capacity)),
+            pages_shared=self.pool.num_shared,
             tokens=sum(s.num_tokens for s in live))
 
     # ------------------------------------------------------------------ lifecycle

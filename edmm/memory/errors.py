@@ -34,6 +34,17 @@ class PoolExhaustedError(KVMemoryError):
         self.free = free
         super().__init__(f"page pool exhausted: {wanted} page(s) wanted, {free} free")
 
+    @property
+    def shortfall(self) -> int:
+        """Pages that would have to be freed for the request to succeed."""
+        return max(self.wanted - self.free, 1)
+
+
+def pages_short(error: KVMemoryError) -> int | None:
+    """The shortfall of a `PoolExhaustedError`; None for any other error (a `NoFreeSlotError`:
+    a slot, not pages, was short)."""
+    return error.shortfall if isinstance(error, PoolExhaustedError) else None
+
 
 class NoFreeSlotError(KVMemoryError):
     """Every slot of the arena is in use."""

@@ -27,6 +27,7 @@ class PagePool:
         self._handles: list[int] = []
         self._refcount: list[int] = []
         self._free: deque[int] = deque()
+        self._shared = 0  # pages with refcount > 1
         self.add_pages(num_pages)
 
     @property
@@ -48,6 +49,11 @@ class PagePool:
     def num_used(self) -> int:
         """Pages mapped at least once."""
         return self.capacity - self.num_free
+
+    @property
+    def num_shared(self) -> int:
+        """Pages mapped more than once (a prefix several slots share)."""
+        return self._shared
 
     def add_pages(self, n: int) -> None:
         """Create ``n`` more physical pages (driver calls: keep this off the critical path)."""
@@ -79,19 +85,22 @@ class PagePool:
         if self._refcount[page] <= 0:
             raise SlotStateError(f"incref of free page {page}")
         self._refcount[page] += 1
+        self._shared += self._refcount[page] == 2
 
     def decref(self, page: int) -> bool:
         """Drop one mapping of ``page``; return True when it went back to the free list."""
         if self._refcount[page] <= 0:
             raise SlotStateError(f"decref of free page {page}")
         self._refcount[page] -= 1
+        self._shared -= self._refcount[page] == 1
         if self._refcount[page] == 0:
             self._free.append(page)
             return True
         return False
 
     def check_integrity(self) -> None:
-        """Assert the pool's invariants: free list == pages with refcount 0, no duplicates."""
+        """Assert the pool's invariants: free list == pages with refcount 0, no duplicates,
+        the shared count == pages with refcount > 1."""
         free = list(self._free)
         if len(set(free)) != len(free):
             raise KVMemoryError("pool: duplicate page in free list")
@@ -101,6 +110,9 @@ class PagePool:
                 f"pool: free list {sorted(free)} != refcount-0 pages {sorted(zero)}")
         if any(rc < 0 for rc in self._refcount):
             raise KVMemoryError("pool: negative refcount")
+        if self._shared != sum(rc > 1 for rc in self._refcount):
+            raise KVMemoryError(f"pool: {self._shared} pages counted shared, "
+                                f"{sum(rc > 1 for rc in self._refcount)} are")
 
     def close(self) -> None:
         """Destroy every page. All pages must be free (unmapped)."""

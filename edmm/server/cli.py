@@ -37,6 +37,7 @@ from edmm.agent.retention import RETENTION_POLICIES
 from edmm.agent.speculation import SPECULATION_SOURCES
 from edmm.agent.types import ADMISSION_ORDERS
 from edmm.argparsing import ArgumentParser, float_at_least, int_at_least, int_list, resolve_device
+from edmm.engine.kv_policy import CACHE_POLICIES
 from edmm.model.kv_quant import KV_CACHE_DTYPES
 from edmm.model.loader import LOAD_FORMATS
 from edmm.server.collector import raise_threshold
@@ -274,6 +275,10 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
                              "CUDA graphs, 64 without)")
     parser.add_argument("--no-spec-in-padding", action="store_true",
                         help="CUDA: speculation never fills the padding of busy steps")
+    parser.add_argument("--kv-cache-policy", choices=sorted(CACHE_POLICIES), default=None,
+                        help="eviction of cached KV and what goes to the host: sessions, apc "
+                             "(tail-first, as vLLM), blocks (apc + every block written "
+                             "through, as LMCache) (default: the engine's)")
 
 
 def _agent_arguments(parser: argparse.ArgumentParser) -> None:
@@ -435,7 +440,8 @@ def _engine_fields(args: argparse.Namespace) -> dict[str, Any]:
                        ("host_page_size", "host_page_size"),
                        ("busy_spec_tokens", "speculative_tokens_when_busy"),
                        ("block_size", "prefix_block_size"),
-                       ("async_scheduling", "async_scheduling")):
+                       ("async_scheduling", "async_scheduling"),
+                       ("kv_cache_policy", "kv_cache_policy")):
         if getattr(args, flag) is not None:
             engine[name] = getattr(args, flag)
     if DTYPES[args.dtype] is not None:

@@ -135,6 +135,10 @@ class ServerMetrics(Collector):
                           kv.pages_total)
         yield self._gauge("edmm_kv_cached_pages", "KV pages held by prefix-cache entries.",
                           kv.cached_pages)
+        yield self._gauge("edmm_kv_pages_shared", "KV pages mapped by more than one slot "
+                          "(a shared prefix).", kv.pages_shared)
+        yield self._gauge("edmm_kv_pages_private", "KV pages mapped by one slot only.",
+                          kv.pages_private)
         yield self._counter("edmm_kv_offloads", "Paused sessions' KV copied to host memory.",
                             kv.offloads)
         yield self._counter("edmm_kv_restores", "Host copies of KV brought back.",

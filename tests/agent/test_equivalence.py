@@ -290,19 +290,19 @@ def device(request: pytest.FixtureRequest) -> str:
 
 @pytest.fixture(scope="module")
 def engines(tiny_dir: Path, device: str,
-            ) -> Iterator[Callable[[int, int], tuple[AgentEngine, FakeClock]]]:
+            ) -> Iterator[Callable[..., tuple[AgentEngine, FakeClock]]]:
     clock = FakeClock()
-    built: dict[tuple[int, int], AgentEngine] = {}
+    built: dict[tuple[int, int, str], AgentEngine] = {}
 
-    def get(num_pages: int, budget: int) -> tuple[AgentEngine, FakeClock]:
-        key = (num_pages, budget)
+    def get(num_pages: int, budget: int, cache: str = "sessions") -> tuple[AgentEngine, FakeClock]:
+        key = (num_pages, budget, cache)
         if key in built and not _clean(built[key]):  # a failed example left state behind
             built.pop(key).close()
         if key not in built:
             config = engine_config(tiny_dir, num_pages=num_pages, max_num_batched_tokens=budget,
                                    max_num_seqs=8, speculative_tokens_when_busy=8,
                                    device=device.removesuffix("-async"),
-                                   kv_offload_bytes=OFFLOAD_BYTES,
+                                   kv_offload_bytes=OFFLOAD_BYTES, kv_cache_policy=cache,
                                    async_scheduling=True if device.endswith("-async") else None)
             built[key] = AgentEngine(config, clock=clock)
         return built[key], clock
@@ -351,14 +351,44 @@ HEAVY = Script(  # three long sessions in a pool that holds barely one: eviction
 @given(script=script_st)
 @example(script=HEAVY)
 def test_greedy_outputs_identical_with_edmm_on_and_off(
-        engines: Callable[[int, int], tuple[AgentEngine, FakeClock]],
+        engines: Callable[..., tuple[AgentEngine, FakeClock]],
         reference_engine: Callable[[], Engine], script: Script) -> None:
-    tag = f"x{next(_ids)}"
     rng = random.Random(script.seed)
     plans = [plan(s, rng) for s in script.sessions]
-    agent, clock = engines(script.num_pages, script.budget)
+    _compare(*engines(script.num_pages, script.budget), reference_engine(), script, plans)
+
+
+SHARED = 20  # tokens of the system prompt every session of the baselines' test starts with
+
+
+@settings(max_examples=examples(60), deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(script=script_st, cache=st.sampled_from(["apc", "blocks"]))
+@example(script=HEAVY, cache="blocks")
+@example(script=HEAVY, cache="apc")
+def test_greedy_outputs_identical_under_the_baselines_cache_policies(
+        engines: Callable[..., tuple[AgentEngine, FakeClock]],
+        reference_engine: Callable[[], Engine], script: Script, cache: str) -> None:
+    """The same, with every session's prompt on one shared system prompt (their KV of it one
+    physical copy) and the baselines' eviction and host tier: ``apc`` (tail-first,
+    page-granular) and ``blocks`` (that, every block written through to the host once, and
+    every admission loading the blocks the GPU lacks)."""
+    rng = random.Random(script.seed)
+    system = [rng.randrange(5, VOCAB) for _ in range(SHARED)]
+    plans = [plan(s, rng) for s in script.sessions]
+    for p in plans:
+        p.prompt[:0] = system
+    _compare(*engines(script.num_pages, script.budget, cache), reference_engine(), script,
+             plans)
+
+
+def _compare(agent: AgentEngine, clock: FakeClock, reference_engine: Engine, script: Script,
+             plans: list[Plan]) -> None:
+    """Run ``plans`` on the agent engine and on the plain one: the same greedy tokens; then
+    every entry and page of the agent engine is back."""
+    tag = f"x{next(_ids)}"
     on = run_agent(agent, clock, script, plans, tag)
-    off = reference(reference_engine(), script, plans, tag)
+    off = reference(reference_engine, script, plans, tag)
     assert on == off
     agent.check_integrity()
     assert not agent.has_speculation() and not agent.session_ids()
@@ -379,7 +409,7 @@ def test_greedy_outputs_identical_with_edmm_on_and_off(
 @example(script=Script((SessionScript(6, 4, (ToolStep((CallScript(1, 0.5, "none"),), 0, 0, 0,
                                                       False, 1),)),), 34, 16, 0))
 def test_closing_a_session_frees_every_entry_it_made(
-        engines: Callable[[int, int], tuple[AgentEngine, FakeClock]], script: Script) -> None:
+        engines: Callable[..., tuple[AgentEngine, FakeClock]], script: Script) -> None:
     """The ownership half of the test above, without the reference run (so it covers more
     scripts in less time): entries a session's sequences left unadopted stay the session's,
     so closing it frees them. The example: a result inserted mid-prompt, so the resume

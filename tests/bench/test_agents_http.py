@@ -37,7 +37,7 @@ def test_serve_args_read_back_as_the_in_process_run(name: str) -> None:
                             load=2, policies=(name,))
     matrix = Matrix(hcfg.matrix_config())
     policy = POLICIES.create(name)
-    engine = matrix.engine_config(policy.offload)
+    engine = matrix.engine_config(policy.offload, policy.cache)
     # The pool is the in-process run's at this load and oversubscription (+ the pad page).
     assert engine.num_pages == pool_pages(matrix.mixes["long"], 2, 2.0, matrix.cfg) + 1
     args = build_parser().parse_args(serve_args(policy, engine, matrix.cfg.prefetch_lead_s))

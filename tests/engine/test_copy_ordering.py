@@ -101,7 +101,8 @@ def watched_cache(num_pages: int) -> Iterator[tuple[PrefixCache, FakeStream]]:
     backend.stream = stream
     pool = PagePool(backend, num_pages)
     arena = KVArena(pool, SPEC, num_slots=6, max_tokens=64)
-    store = HostKVStore(arena, capacity_bytes=120 * SPEC.token_bytes, copier=stream)
+    store = HostKVStore(arena, capacity_bytes=120 * SPEC.token_bytes, copier=stream,
+                        block_tokens=4)
     cache = PrefixCache(arena, block_size=4, offload=store)
     try:
         yield cache, stream

@@ -48,7 +48,7 @@ def test_page_size_is_the_driver_granularity() -> None:
 
 def test_offload_round_trip_through_pinned_host_memory() -> None:
     """A slot's KV copied to pinned host memory and back into another slot, byte for byte."""
-    from edmm.memory.offload import HostKVStore
+    from edmm.memory.offload import BlockSave, HostKVStore
 
     backend = open_backend("cuda")
     pool = PagePool(backend, 64)
@@ -59,11 +59,15 @@ def test_offload_round_trip_through_pinned_host_memory() -> None:
     arena.grow(slot, n)
     arena.grow(other, n)
     arena.kv[slot, :n] = torch.randn(n, 28, 2, 4, 128, dtype=torch.bfloat16, device="cuda")
-    host = store.save(slot, n)
-    assert host is not None and store.buffer.is_pinned() and not store.buffer.is_cuda
-    store.load(host, other)
+    bt = store.block_tokens
+    blocks = [BlockSave(i, start, min(bt, n - start))
+              for i, start in enumerate(range(0, n, bt))]
+    ticket, held = store.save(slot, blocks)
+    assert ticket is not None and held == len(blocks)
+    assert store.buffer.is_pinned() and not store.buffer.is_cuda
+    store.load(other, [(b.key, b.start) for b in blocks], 0, n)
     assert torch.equal(arena.kv[other, :n], arena.kv[slot, :n])
-    store.release(host)
+    store.clear()
     arena.check_integrity()
     arena.close()
     pool.close()

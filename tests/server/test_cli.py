@@ -58,7 +58,7 @@ def test_policy_and_engine_size_options() -> None:
         "--speculation-gate", "--prefetch-lead-s", "0.05", "--tool-timeout-s", "7",
         "--num-slots", "9", "--max-num-batched-tokens", "512", "--cuda-graph-sizes",
         "64,128", "--host-page-size", "16384", "--busy-spec-tokens", "4",
-        "--no-spec-in-padding"]))
+        "--no-spec-in-padding", "--kv-cache-policy", "blocks"]))
     assert cfg.agent_config() == AgentConfig(
         speculation=("template", "prompt"), retention="keep", admission="program",
         prefetch=False, prefetch_lead_s=0.05, tool_timeout_s=7.0,
@@ -66,7 +66,7 @@ def test_policy_and_engine_size_options() -> None:
     assert cfg.engine == {"kv_offload_bytes": 1 << 30, "num_slots": 9,
                           "max_num_batched_tokens": 512, "cuda_graph_token_sizes": (64, 128),
                           "host_page_size": 16384, "speculative_tokens_when_busy": 4,
-                          "speculation_fills_padding": False}
+                          "speculation_fills_padding": False, "kv_cache_policy": "blocks"}
     none = config_from_args(build_parser().parse_args(["--speculation", "none"]))
     assert none.agent_config().speculation == ()
     for bad in (["--speculation", "template,psychic"], ["--retention", "forever"],

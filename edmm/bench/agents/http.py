@@ -193,6 +193,7 @@ def serve_args(policy: Policy, engine: EngineConfig, prefetch_lead_s: float,
     if engine.dtype is not None:
         args += ["--dtype", str(engine.dtype).removeprefix("torch.")]
     args += ["--kv-offload-gib", repr(engine.kv_offload_bytes / 2**30)]  # 0: off
+    args += ["--kv-cache-policy", engine.kv_cache_policy]
     if engine.speculative_tokens_when_busy is not None:
         args += ["--busy-spec-tokens", str(engine.speculative_tokens_when_busy)]
     if not engine.speculation_fills_padding:
@@ -337,7 +338,7 @@ def _wait_turn(runs: Sequence[HttpRun], i: int, ready: threading.Barrier) -> Non
 def _run_policy(run: HttpRun, matrix: Matrix, jobs: list[Job], cfg: HttpReplayConfig,
                 live: LiveBenchConfig, tok: Any, wait_turn: Callable[[], None]) -> None:
     folder = live.tokenizer or live.model  # the client processes load the same tokenizer
-    engine = matrix.engine_config(run.policy.offload)
+    engine = matrix.engine_config(run.policy.offload, run.policy.cache)
     args = serve_args(run.policy, server_engine(engine, matrix.cfg, jobs, tok),
                       matrix.cfg.prefetch_lead_s)
     live = dataclasses.replace(live, server_args=(*args, *live.server_args))

@@ -44,6 +44,7 @@ from edmm.bench.agents.trace import (
 from edmm.bench.agents.tracelab import read_tracelab
 from edmm.bench.results import Progress
 from edmm.engine import Engine, EngineConfig
+from edmm.engine.kv_policy import cache_policy
 from edmm.engine.step_cost import STEP_TIME_MODELS
 from edmm.memory import KVSpec
 from edmm.model.config import PRESETS, ModelConfig, parse_dtype, resolve_preset
@@ -299,6 +300,7 @@ class Matrix:
                             prefetch_lead_s=self.cfg.prefetch_lead_s, seed=self.cfg.seed,
                             step_log=self.cfg.step_log)
         clock = ReplayClock(rcfg.clock)
+        engine.kv.set_cache_policy(cache_policy(policy.cache))
         # The agent layer times tool windows (learned durations, retention, prefetch) on the
         # replay's clock: on a virtual or modelled clock, wall time says nothing of them.
         agent = AgentEngine(engine, policy.agent_config(rcfg.tool_timeout_s,
@@ -311,6 +313,7 @@ class Matrix:
         finally:
             agent.close()
             ballast.release()
+            engine.kv.set_cache_policy(cache_policy(engine.config.kv_cache_policy))
         engine.reset_prefix_cache()
         engine.check_integrity()
         if pages_in_use(engine) != self._idle_pages:
@@ -336,8 +339,9 @@ class Matrix:
             self._replay(self._engine, POLICIES.create("lru"), warm, 2, 0)
         return self._engine
 
-    def engine_config(self, offload: bool) -> EngineConfig:
-        """The engine of every run with this offload setting."""
+    def engine_config(self, offload: bool, cache: str = "sessions") -> EngineConfig:
+        """The engine of every run with this offload setting (each run sets its policy's
+        ``cache`` on it; a server is started with it)."""
         cfg = self.cfg
         jobs = self.mixes["long"]
         pages = self.all_pages() + 1  # + the page of the CUDA graphs' pad slot
@@ -358,7 +362,8 @@ class Matrix:
             max_num_seqs=min(cfg.max_num_seqs, slots),
             speculative_tokens_when_busy=cfg.speculative_tokens_when_busy,
             speculation_fills_padding=cfg.speculation_fills_padding,
-            kv_offload_bytes=min(ws_bytes, cfg.offload_cap_bytes) if offload else 0, **extra)
+            kv_offload_bytes=min(ws_bytes, cfg.offload_cap_bytes) if offload else 0,
+            kv_cache_policy=cache, **extra)
 
 
 def _progress_line(record: RunRecord) -> str:

@@ -1,19 +1,26 @@
 """The KV policies the agent-workload bench compares, as registry entries.
 
 Each `Policy` is a set of mechanisms mapped onto the engine's own switches: a retention policy
-(`edmm.agent.retention`), KV offload to host memory (`EngineConfig.kv_offload_bytes`), prefetch
+(`edmm.agent.retention`), KV offload to host memory (`EngineConfig.kv_offload_bytes`), how cached
+KV is evicted and what goes to the host (`EngineConfig.kv_cache_policy`), prefetch
 of offloaded KV before the predicted return (`AgentConfig.prefetch`), speculation sources
 (`edmm.agent.speculation`), the admission order of waiting turns (`AgentConfig.admission`),
 and the client-side re-warm of the known history. Named after
 what users run today:
 
-- ``lru``: a paused session's KV is an ordinary prefix-cache entry (vLLM automatic prefix
-  caching, SGLang's radix cache); no speculation. This is EDMM off.
+- ``lru``: a paused session's KV is an ordinary prefix-cache entry, evicted tail-first, page by
+  page, as many pages as a request lacks, so shared prefixes stay (vLLM's automatic prefix
+  caching frees a finished request's blocks from the tail; SGLang's radix cache its leaves);
+  no speculation. This is EDMM off.
 - ``ttl``: kept for the tool's expected time, then ordinary, with program-level first come,
   first served admission (Continuum: a session's turns are admitted in the order the sessions
   started).
-- ``offload``: evicted KV of paused sessions goes to host memory and is copied back at the
-  resume (LMCache, vLLM's offloading connector); no prediction.
+- ``offload``: LMCache / vLLM's offloading connector on ``lru``'s eviction: every block of
+  KV is written through to host memory as it is computed, once (hash-deduplicated: a prefix
+  that sessions share is held once), and kept there after it is loaded back; whatever an
+  eviction removes (a preempted turn's KV too) is on the host, and every admission loads from
+  it the blocks the GPU lacks (a resume, a preempted turn, a new session on a shared prefix)
+  instead of recomputing them; paused sessions are kept like any entry; no prediction.
 - ``rewarm``: shortly before the tool is expected back the known history is prefilled again as
   an ordinary 1-token request (Dynamo's speculative prefill); nothing more.
 - ``edmm``: cost-based retention + offload + prefetch + template, streamed and predicted
@@ -47,6 +54,7 @@ class Policy:
     description: str
     retention: str = "lru"  # a name of edmm.agent.retention.RETENTION_POLICIES
     offload: bool = False  # evicted paused sessions go to host memory
+    cache: str = "sessions"  # eviction and host tier (`edmm.engine.kv_policy.CACHE_POLICIES`)
     prefetch: bool = False  # offloaded KV comes back before the predicted return
     template: bool = False  # the known next prompt up to the tool result is speculated
     streamed: bool = False  # streamed tool output is prefilled as it arrives
@@ -82,11 +90,13 @@ class Policy:
 POLICIES: Registry[Policy] = Registry("bench policy")
 
 _BASE = {
-    "lru": Policy("lru", "paused KV is a plain LRU cache entry (EDMM off)"),
+    "lru": Policy("lru", "paused KV is a plain LRU cache entry, evicted tail-first "
+                  "(vLLM APC; EDMM off)", cache="apc"),
     "ttl": Policy("ttl", "paused KV kept for the tool's expected time, then LRU; "
                   "turns in session order (Continuum)", retention="ttl", admission="program"),
-    "offload": Policy("offload", "evicted paused KV copied to host, back at resume",
-                      retention="keep", offload=True),
+    "offload": Policy("offload", "every block written through to host once, what the GPU "
+                      "lacks loaded back at admission (LMCache, vLLM offloading connector)",
+                      retention="keep", offload=True, cache="blocks"),
     "rewarm": Policy("rewarm", "known history prefilled again before the resume",
                      rewarm=True),
     "edmm": Policy("edmm", "cost retention + offload + prefetch + speculation; turns in "
