@@ -31,6 +31,7 @@ from typing import Any
 from edmm.bench.results import ResultWriter, collect_environment
 from edmm.bench.stats import summarize
 from edmm.engine import SamplingParams
+from edmm.server.sessions import session_key
 from edmm.server.state import ServerConfig, ServerState
 from edmm.server.tool_parser import ParsedToolCall
 from edmm.server.turns import Turn
@@ -63,7 +64,8 @@ def _resume(state: ServerState, rng: random.Random, context: int, tag: str,
     ended = Turn(engine.make_request(f"{tag}-0", first, params), asked_session=tag)
     ended.session_id = sessions.begin(ended)
     _run_out(state)
-    ctx = sessions.agent.session_context(tag)
+    agent_id = session_key(ended.owner, tag)  # the agent layer's id of the client's name
+    ctx = sessions.agent.session_context(agent_id)
     mid = len(ctx) // 2
     predicted = [*ctx[:mid], *(rng.randrange(vocab) for _ in range(RESULT_TOKENS)), *ctx[mid:]]
     call = ParsedToolCall("lookup", "{}", id=f"call-{tag}")
@@ -80,9 +82,9 @@ def _resume(state: ServerState, rng: random.Random, context: int, tag: str,
         raise RuntimeError(f"session {tag}: the resume matched no cached KV")
     spans["cache match"].append(hit.seconds * 1e3)
     _run_out(state)
-    if sessions.agent.session_metrics(tag).spec_hits != 1:
+    if sessions.agent.session_metrics(agent_id).spec_hits != 1:
         raise RuntimeError(f"session {tag}: the resume was no speculation hit")
-    sessions.agent.close_session(tag)
+    sessions.agent.close_session(agent_id)
     if times is not None:
         for name, span in spans.items():
             times[name].append(span[0])

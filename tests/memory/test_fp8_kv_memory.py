@@ -105,7 +105,7 @@ def test_offload_and_restore_carry_fp8_bytes_at_half_the_host_bytes(
     held = {}
     for dtype in (torch.bfloat16, FP8_KV_DTYPE):
         with _arena(backend, SMALL, dtype, num_pages=16, max_tokens=64) as arena:
-            store = HostKVStore(arena, capacity_bytes=8 * arena.page_size)
+            store = HostKVStore(arena, capacity_bytes=8 * arena.page_size, block_tokens=4)
             cache = PrefixCache(arena, block_size=4, offload=store)
             tokens = list(range(1, 41))
             slot = arena.allocate()
