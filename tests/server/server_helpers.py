@@ -13,6 +13,7 @@ import openai
 from loopback import serve_app
 
 from edmm.server import ServerConfig, ServerState, build_app
+from edmm.server.read_timeouts import read_timeout_protocol
 from edmm.server.sessions import owner_of, session_key
 
 MODEL = "edmm-tiny"
@@ -61,15 +62,24 @@ class LiveServer:
             time.sleep(0.05)
 
 
-def serve(state: ServerState) -> Iterator[LiveServer]:
+def serve(state: ServerState, read_timeouts: bool = False) -> Iterator[LiveServer]:
     """Run ``state``'s app under uvicorn on a free loopback port until the generator closes;
-    then check the engine's memory integrity and close the state."""
+    then check the engine's memory integrity and close the state. ``read_timeouts``: with the
+    config's header and body read timeouts, as ``edmm serve`` runs it (else none)."""
+    config = state.config
+    http = ({"http": read_timeout_protocol(config.header_timeout_s, config.body_timeout_s)}
+            if read_timeouts else {})
     try:
-        with serve_app(build_app(state)) as url:
+        with serve_app(build_app(state), **http) as url:
             yield LiveServer(url, state)
     finally:
         state.engine.check_integrity()
         state.close()
+
+
+def nested_json(depth: int, inner: str = "1") -> str:
+    """JSON text of ``depth`` nested arrays and objects around ``inner``."""
+    return '[{"a": ' * (depth // 2) + inner + "}]" * (depth // 2)
 
 
 def server_config(tiny_dir: Path, execution_aware: bool = True) -> ServerConfig:

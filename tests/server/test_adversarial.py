@@ -20,7 +20,16 @@ from typing import Any
 
 import httpx
 import pytest
-from server_helpers import MAX_MODEL_LEN, MODEL, QUESTION, WEATHER, LiveServer, serve, server_config
+from server_helpers import (
+    MAX_MODEL_LEN,
+    MODEL,
+    QUESTION,
+    WEATHER,
+    LiveServer,
+    nested_json,
+    serve,
+    server_config,
+)
 
 from edmm.server import ServerState
 from edmm.server.templates import TemplateLimits
@@ -222,11 +231,6 @@ def test_any_arguments_string_is_accepted_in_history(hardened: LiveServer,
     assert resp.status_code == 200, resp.text
 
 
-def _nested(depth: int, inner: str = "1") -> str:
-    """JSON text of ``depth`` nested arrays and objects around ``inner``."""
-    return '[{"a": ' * (depth // 2) + inner + "}]" * (depth // 2)
-
-
 def _deep_schema(depth: int) -> str:
     schema = '{"type": "object"}'
     for _ in range(depth):
@@ -245,17 +249,17 @@ def _tool_schema(schema: str) -> str:
 
 @pytest.mark.parametrize(("path", "body"), [
     pytest.param("/v1/chat/completions",
-                 _HEAD + '"messages": ' + _nested(100_000, '{"role": "user", "content": "x"}')
+                 _HEAD + '"messages": ' + nested_json(100_000, '{"role": "user", "content": "x"}')
                  + "}", id="chat-messages"),
-    pytest.param("/v1/chat/completions", _HEAD + _ONE_USER + '"pad": ' + _nested(100_000)
+    pytest.param("/v1/chat/completions", _HEAD + _ONE_USER + '"pad": ' + nested_json(100_000)
                  + "}", id="chat-extra"),
     pytest.param("/v1/chat/completions", _tool_schema(_deep_schema(5_000)), id="tool-schema"),
     pytest.param("/v1/chat/completions", _tool_schema(_deep_schema(300)),
                  id="tool-schema-300"),
-    pytest.param("/v1/completions", _HEAD + '"prompt": ' + _nested(100_000) + "}",
+    pytest.param("/v1/completions", _HEAD + '"prompt": ' + nested_json(100_000) + "}",
                  id="completion"),
     pytest.param("/v1/edmm/sessions/any/tool_output",
-                 '{"tool_call_id": "c", "content": ' + _nested(100_000) + "}",
+                 '{"tool_call_id": "c", "content": ' + nested_json(100_000) + "}",
                  id="tool-output"),
 ])
 def test_deep_json_is_400(hardened: LiveServer, path: str, body: str) -> None:

@@ -8,6 +8,12 @@ no remembered verdict helps: a costly regex, and the same regex placed after che
 refused by the grammar probe's process, the second by its pattern's own check). Every abusive
 request must get its 4xx.
 
+Issue 44's abusive tenants, under API keys of their own beside the normal clients' key, on a
+server with a quota of awaiting sessions per key and short read timeouts: a key that holds its
+quota of sessions ended in forced tool calls, never resumed, and floods more (each a 429 with
+``Retry-After``); idle and half-sent connections (each closed by the read timeouts, unanswered);
+deep JSON bodies (400s); tiny tool-output chunks without whitespace into one session (200s).
+
 The CPU is shared (other processes come and go), so one comparison of two runs would measure
 the neighbours as much as the server: the test runs `ROUNDS` rounds, each a run alone and a run
 beside the abusive clients back to back (in alternating order), and compares the median over
@@ -20,19 +26,30 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import socket
 import statistics
 import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import pytest
-from server_helpers import MODEL, QUESTION, LiveServer, serve, server_config
+from server_helpers import (
+    MODEL,
+    QUESTION,
+    WEATHER,
+    LiveServer,
+    nested_json,
+    serve,
+    server_config,
+)
 
 from edmm.server import ServerState
+from edmm.server.sessions import owner_of
 from edmm.server.templates import TemplateLimits
 
 pytestmark = pytest.mark.slow  # ~30 s a test; fast tier: each abuse beside a bystander,
@@ -40,12 +57,22 @@ pytestmark = pytest.mark.slow  # ~30 s a test; fast tier: each abuse beside a by
 
 NORMAL_CLIENTS = 3
 REQUESTS_PER_CLIENT = 8
-ABUSIVE_CLIENTS = 3
+ABUSIVE_CLIENTS = 3  # at least; one per kind where there are more kinds
 ROUNDS = 5
 BODY_LIMIT = 1 << 20
 P99_RATIO = 1.5
 LEAD_S = 0.3  # the abusive clients are at it this long before the normal ones start
 COSTLY = "^((a{100}){100}){%d}$"  # lexer states for ~0.2 s of CPU (any count >= 10)
+NORMAL_KEY = {"Authorization": "Bearer normal-key"}  # the normal clients' API key
+# the abusive tenants' server and keys
+FLOOD_KEY = {"Authorization": "Bearer flooding-key"}  # forced-call sessions, never resumed
+ABUSE_KEY = {"Authorization": "Bearer abusive-key"}  # connections, deep JSON, tiny chunks
+MAX_AWAITING = 8  # sessions awaiting tools a key may hold
+READ_TIMEOUT_S = 0.5  # header and body read timeouts
+SLACK_S = 3.0  # a loaded machine's lateness in closing a timed-out connection
+BURST = 10  # requests of a kind one abusive client sends in a row
+CONNECTIONS = 30  # idle and half-sent connections one abusive client opens at once
+DEEP = 100_000  # levels of the deep JSON bodies
 
 
 @pytest.fixture(scope="module")
@@ -56,9 +83,18 @@ def server(tiny_dir: Path) -> Iterator[LiveServer]:
     yield from serve(ServerState(config))
 
 
+@pytest.fixture(scope="module")
+def tenants(tiny_dir: Path) -> Iterator[LiveServer]:
+    """A server with a quota of awaiting sessions per key and short read timeouts."""
+    config = dataclasses.replace(
+        server_config(tiny_dir), max_body_bytes=BODY_LIMIT, max_awaiting_per_key=MAX_AWAITING,
+        header_timeout_s=READ_TIMEOUT_S, body_timeout_s=READ_TIMEOUT_S)
+    yield from serve(ServerState(config), read_timeouts=True)
+
+
 def _normal(http: httpx.Client) -> float:
     t0 = time.monotonic()
-    resp = http.post("/v1/chat/completions", json={
+    resp = http.post("/v1/chat/completions", headers=NORMAL_KEY, json={
         "model": MODEL, "messages": QUESTION, "max_tokens": 8, "temperature": 0})
     assert resp.status_code == 200, resp.text
     return time.monotonic() - t0
@@ -94,10 +130,134 @@ def _abusive(kind: str, i: int) -> tuple[bytes, int]:
                       ).encode(), 400
 
 
-def _run(server: LiveServer, kinds: tuple[str, ...], sent: Counter[str],
+@dataclass(frozen=True)
+class Abuse:
+    """A kind of abusive request: ``send(http, i)`` sends the ``i``-th burst of ``name`` (on
+    ``http``, or on sockets of its own), checks that each request gets what it must, and
+    returns how many requests it sent."""
+
+    name: str
+    send: Callable[[httpx.Client, int], int]
+
+
+def _posted(kind: str) -> Abuse:
+    """The chat body `_abusive` makes for ``kind``, posted; its 4xx checked."""
+    def send(http: httpx.Client, i: int) -> int:
+        body, status = _abusive(kind, i)
+        resp = http.post("/v1/chat/completions", content=body,
+                         headers={"content-type": "application/json"})
+        assert resp.status_code == status, (kind, resp.text[:300])
+        assert "error" in resp.json()
+        return 1
+    return Abuse(kind, send)
+
+
+def _forced_call(http: httpx.Client, key: dict[str, str]) -> httpx.Response:
+    """A turn of ``key``'s that ends in a forced weather call (the session then awaits it)."""
+    return http.post("/v1/chat/completions", headers=key, json={
+        "model": MODEL, "messages": QUESTION, "tools": [WEATHER], "tool_choice": "required",
+        "parallel_tool_calls": False, "temperature": 0, "max_tokens": 64})
+
+
+def _awaiting(resp: httpx.Response) -> tuple[str, str]:
+    """The session id and call id of a turn that ended in one tool call."""
+    assert resp.status_code == 200, resp.text
+    choice = resp.json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls", choice
+    return resp.headers["x-session-id"], choice["message"]["tool_calls"][0]["id"]
+
+
+def _flood(http: httpx.Client, i: int) -> int:
+    """More forced-call turns of `FLOOD_KEY`, which holds its quota of awaiting sessions:
+    each a 429 with ``Retry-After``."""
+    for _ in range(BURST):
+        resp = _forced_call(http, FLOOD_KEY)
+        assert resp.status_code == 429, resp.text[:300]
+        assert resp.json()["error"]["code"] == "quota_awaiting", resp.text[:300]
+        assert 1 <= int(resp.headers["retry-after"]) <= 600
+    return BURST
+
+
+def _half_sent(address: tuple[str, int], session: str) -> list[bytes]:
+    """What the idle and half-sent connections send: nothing, part of the headers, the
+    headers and part of the body."""
+    head = (f"POST /v1/edmm/sessions/{session}/tool_output HTTP/1.1\r\n"
+            f"Host: {address[0]}:{address[1]}\r\n"
+            f"Authorization: {ABUSE_KEY['Authorization']}\r\n").encode()
+    return [b"", head + b"Content-Type: appl",
+            head + b"Content-Type: application/json\r\nContent-Length: 100\r\n\r\n{\"tool"]
+
+
+def _connections(address: tuple[str, int], session: str) -> int:
+    """`CONNECTIONS` connections at once, idle or half-sent: each closed by the read
+    timeouts, unanswered."""
+    sends = _half_sent(address, session)
+    socks = [socket.create_connection(address, timeout=10) for _ in range(CONNECTIONS)]
+    try:
+        for k, sock in enumerate(socks):
+            sock.sendall(sends[k % len(sends)])
+        deadline = time.monotonic() + READ_TIMEOUT_S + SLACK_S
+        for sock in socks:
+            sock.settimeout(max(0.01, deadline - time.monotonic()))
+            try:
+                assert sock.recv(4096) == b"", "a half-sent request was answered"
+            except TimeoutError:
+                raise AssertionError("an idle or half-sent connection stays open") from None
+            except ConnectionResetError:
+                pass  # closed
+    finally:
+        for sock in socks:
+            sock.close()
+    return CONNECTIONS
+
+
+def _deep(http: httpx.Client, i: int, session: str) -> int:
+    """JSON nested `DEEP` levels deep, as a chat body and as a tool output: 400s."""
+    inner = nested_json(DEEP)
+    bodies = [('/v1/chat/completions', f'{{"model": "{MODEL}", "messages": {inner}}}'),
+              (f"/v1/edmm/sessions/{session}/tool_output",
+               f'{{"tool_call_id": "c", "content": {inner}}}')]
+    for j in range(BURST):
+        path, body = bodies[(i + j) % len(bodies)]
+        resp = http.post(path, content=body, headers={**ABUSE_KEY,
+                                                      "content-type": "application/json"})
+        assert resp.status_code == 400, resp.text[:300]
+        assert "error" in resp.json()
+    return BURST
+
+
+def _chunks(http: httpx.Client, i: int, session: str, call: str) -> int:
+    """Tiny tool-output chunks without whitespace into the session's awaited call: 200s."""
+    path = f"/v1/edmm/sessions/{session}/tool_output"
+    for j in range(BURST):
+        chunk = "ab7{"[(i + j) % 4]
+        resp = http.post(path, headers=ABUSE_KEY, json={"tool_call_id": call, "content": chunk})
+        assert resp.status_code == 200, resp.text[:300]
+        assert resp.json()["accepted"] == 1
+    return BURST
+
+
+def _tenant_abuses(server: LiveServer) -> tuple[Abuse, ...]:
+    """Issue 44's abusive tenants, once `FLOOD_KEY` holds its quota of awaiting sessions
+    (its next turn is a 429) and `ABUSE_KEY` holds one whose call the chunks feed."""
+    host, port = server.url.removeprefix("http://").split(":")
+    with httpx.Client(base_url=server.url, timeout=60) as http:
+        with ThreadPoolExecutor(MAX_AWAITING) as pool:
+            held = list(pool.map(lambda _: _forced_call(http, FLOOD_KEY), range(MAX_AWAITING)))
+        assert len({_awaiting(resp) for resp in held}) == MAX_AWAITING
+        assert _flood(http, 0) == BURST
+        session, call = _awaiting(_forced_call(http, ABUSE_KEY))
+    return (Abuse("flood", _flood),
+            Abuse("connections", lambda http, i: _connections((host, int(port)), session)),
+            Abuse("deep", lambda http, i: _deep(http, i, session)),
+            Abuse("chunks", lambda http, i: _chunks(http, i, session, call)))
+
+
+def _run(server: LiveServer, kinds: tuple[Abuse, ...], sent: Counter[str],
          serial: Iterator[int]) -> list[float]:
-    """The normal clients' latencies, alone (no ``kinds``) or beside abusive clients sending
-    requests of ``kinds`` in turn (each checked for its status, counted in ``sent``)."""
+    """The normal clients' latencies, alone (no ``kinds``) or beside abusive clients (at
+    least one per kind) sending requests of ``kinds`` in turn (each checked, counted in
+    ``sent``)."""
     latencies: list[float] = []
     done = threading.Event()
     lock = threading.Lock()
@@ -114,15 +274,12 @@ def _run(server: LiveServer, kinds: tuple[str, ...], sent: Counter[str],
         with httpx.Client(base_url=server.url, timeout=60) as http:
             i = offset
             while not done.is_set():
-                kind = kinds[i % len(kinds)]
+                abuse = kinds[i % len(kinds)]
                 with lock:
-                    body, status = _abusive(kind, next(serial))
-                resp = http.post("/v1/chat/completions", content=body,
-                                 headers={"content-type": "application/json"})
-                assert resp.status_code == status, (kind, resp.text[:300])
-                assert "error" in resp.json()
+                    n = next(serial)
+                requests = abuse.send(http, n)
                 with lock:
-                    sent[kind] += 1
+                    sent[abuse.name] += requests
                 i += 1
 
     def guarded(fn: Callable[..., None], *args: int) -> threading.Thread:
@@ -133,7 +290,8 @@ def _run(server: LiveServer, kinds: tuple[str, ...], sent: Counter[str],
                 errors.append(e)
         return threading.Thread(target=run)
 
-    side = [guarded(abusive, k) for k in range(ABUSIVE_CLIENTS if kinds else 0)]
+    clients = max(ABUSIVE_CLIENTS, len(kinds)) if kinds else 0
+    side = [guarded(abusive, k) for k in range(clients)]
     for t in side:
         t.start()
     if kinds:
@@ -176,7 +334,7 @@ class Measurement:
                 f"abusive requests: {dict(self.sent)})")
 
 
-def _measure(server: LiveServer, kinds: tuple[str, ...]) -> Measurement:
+def _measure(server: LiveServer, kinds: tuple[Abuse, ...]) -> Measurement:
     """`ROUNDS` rounds of a run alone and one beside the abusive clients, in alternating
     order, after a warm-up run (the first requests compile and fill caches)."""
     m = Measurement()
@@ -186,29 +344,43 @@ def _measure(server: LiveServer, kinds: tuple[str, ...]) -> Measurement:
         for abuse in ((False, True) if r % 2 == 0 else (True, False)):
             p99 = _p99(_run(server, kinds if abuse else (), m.sent, serial))
             (m.beside if abuse else m.alone).append(p99)
-    assert set(m.sent) == set(kinds), m.sent
+    assert set(m.sent) == {abuse.name for abuse in kinds}, m.sent
     return m
 
 
-def _compare(server: LiveServer, kinds: tuple[str, ...]) -> list[Measurement]:
+def _compare(server: LiveServer, kinds: tuple[Abuse, ...]) -> list[Measurement]:
     """Measurements (a second one only when the first is over `P99_RATIO`); the last must
     be within it."""
     measurements = [_measure(server, kinds)]
     if measurements[0].ratio > P99_RATIO:
         measurements.append(_measure(server, kinds))
     report = "; then ".join(map(str, measurements))
-    print(f"\n{'+'.join(kinds)}: {report}")
+    print(f"\n{'+'.join(abuse.name for abuse in kinds)}: {report}")
     assert measurements[-1].ratio <= P99_RATIO, report
     return measurements
 
 
 def test_abusive_clients_do_not_slow_normal_ones(server: LiveServer) -> None:
-    _compare(server, ("template", "body", "surrogate"))
+    _compare(server, tuple(map(_posted, ("template", "body", "surrogate"))))
 
 
 def test_costly_grammar_clients_do_not_slow_normal_ones(server: LiveServer) -> None:
-    _compare(server, ("grammar",))
+    _compare(server, (_posted("grammar"),))
 
 
 def test_costly_patterns_after_cheap_masks_do_not_slow_normal_ones(server: LiveServer) -> None:
-    _compare(server, ("later",))
+    _compare(server, (_posted("later"),))
+
+
+def test_abusive_tenants_do_not_slow_normal_ones(tenants: LiveServer) -> None:
+    """Issue 44's tenants beside the normal clients' key: a key past its quota of idle
+    awaiting sessions (429s), idle and half-sent connections (closed by the read timeouts),
+    deep JSON (400s), tiny tool-output chunks without whitespace (200s). Their sessions stay
+    held: the flooding key's refusals are all counted, and it holds exactly its quota."""
+    kinds = _tenant_abuses(tenants)
+    measurements = _compare(tenants, kinds)
+    flood = owner_of({"authorization": FLOOD_KEY["Authorization"]})
+    refused = BURST + sum(m.sent["flood"] for m in measurements)
+    assert tenants.metric("edmm_key_quota_refusals_total", key=flood,
+                          quota="awaiting") == refused
+    assert tenants.metric("edmm_key_awaiting_sessions", key=flood) == MAX_AWAITING
