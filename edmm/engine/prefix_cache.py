@@ -809,6 +809,9 @@ class PrefixCache:
             new = self.arena.branch(slot, n)
             self._lru.move_to_end(slot)
             return PrefixHit(new, n, slot, self._lru[slot].tag, held)
+        if n < held:  # first: a pool too short for its copy-on-write raises, nothing changed
+            self.arena.truncate(slot, n)
+            self._shrink(slot, n)
         entry = self._lru.pop(slot)
         self._shadows.discard(slot)
         committed: list[int] = []
@@ -820,9 +823,6 @@ class PrefixCache:
                 self._unindex(old)
                 self.arena.commit(old, slot)  # retired: reclaimed after the step
                 committed.append(old)
-        if n < held:
-            self.arena.truncate(slot, n)
-            self._shrink(slot, n)
         return PrefixHit(slot, n, slot, entry.tag, held, tuple(committed), entry.rank,
                          entry.priority)
 

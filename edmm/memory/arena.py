@@ -42,6 +42,7 @@ from edmm.memory.errors import (
     InvalidBranchError,
     KVMemoryError,
     NoFreeSlotError,
+    PoolExhaustedError,
     SlotOverflowError,
     SlotStateError,
 )
@@ -286,20 +287,25 @@ class KVArena:
 
         If the new frontier page (partly filled) or a page after it is shared (mapped by another
         slot too), it is replaced by a private copy, so later appends never write into another
-        slot's tokens.
+        slot's tokens. Raises `PoolExhaustedError` with the slot unchanged when the pool cannot
+        give those copies (counting the pages the truncation itself frees).
         """
         s = self._writable(slot)
         if not 0 <= num_tokens <= s.num_tokens:
             raise InvalidBranchError(f"truncate slot {slot} of {s.num_tokens} to {num_tokens}")
         keep = self.pages_for(num_tokens)
+        frontier = self._frontier_page(num_tokens)
+        shared = [i for i in range(frontier, min(keep, len(s.pages)))
+                  if self.pool.refcount(s.pages[i]) > 1]
+        freed = sum(self.pool.refcount(p) == 1 for p in s.pages[keep:])
+        if len(shared) > self.pool.num_free + freed:
+            raise PoolExhaustedError(len(shared), self.pool.num_free + freed)
         if keep < len(s.pages):
             self._unmap_pages(slot, keep)
         s.num_tokens = num_tokens
-        frontier = self._frontier_page(num_tokens)
         partial = (num_tokens * self.spec.token_bytes) % self.page_size
-        for index in range(frontier, keep):
-            if self.pool.refcount(s.pages[index]) > 1:  # the margin's bytes need no copy
-                self._make_private(slot, index, partial if index == frontier else 0)
+        for index in shared:  # the margin's bytes need no copy
+            self._make_private(slot, index, partial if index == frontier else 0)
 
     def free(self, slot: int) -> None:
         """Unmap every page of a slot and give the slot back (retired slots too)."""

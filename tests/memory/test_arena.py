@@ -155,6 +155,35 @@ def test_truncate_makes_a_shared_frontier_page_private(arena: KVArena) -> None:
     arena.check_integrity()
 
 
+def test_truncate_short_of_a_page_for_its_copy_changes_nothing(arena: KVArena) -> None:
+    """A shared frontier page needs a private copy: with no page free (none freed by the cut
+    itself either) the truncate raises `PoolExhaustedError` and leaves the slot as it was (an
+    agent resume once truncated such a slot, lost the copy, and two slots went on writing one
+    page)."""
+    tpp = tokens_per_page(arena)
+    src = arena.allocate()
+    n = int(tpp * 3)
+    arena.grow(src, n)
+    write_tokens(arena, src, 0, n, 0.0)
+    br = arena.branch(src, n)
+    pages = arena.slot_pages(src)
+    cut = int(tpp * 1.5)  # inside the shared second page
+    pinned = pages[arena.pages_for(cut):]  # what the cut would free: held elsewhere
+    for p in pinned:
+        arena.pool.incref(p)
+    held = arena.pool.alloc(arena.pool.num_free)  # the rest of the pool, taken
+    with pytest.raises(PoolExhaustedError):
+        arena.truncate(src, cut)
+    assert (arena.num_tokens(src), arena.slot_pages(src)) == (n, pages)
+    for p in [*pinned, *held]:
+        arena.pool.decref(p)
+    arena.check_integrity()
+    arena.truncate(src, cut)  # the cut's own pages now pay for the copy
+    assert arena.pool.refcount(pages[1]) == 1  # only the branch maps it
+    assert read_tokens(arena, br) == [float(t) for t in range(n)]
+    arena.check_integrity()
+
+
 def test_bad_input_is_typed_and_harmless(arena: KVArena) -> None:
     slot = arena.allocate()
     arena.grow(slot, 10)
