@@ -4,6 +4,7 @@ makes (by tool call id, by prompt prefix) find what they did before."""
 
 from __future__ import annotations
 
+import statistics
 import time
 from typing import Any
 
@@ -68,7 +69,7 @@ def test_idle_awaiting_sessions_cost_another_owners_decode_nothing(
         make_agent: MakeAgent, speculation: tuple[str, ...]) -> None:
     """Two agent engines, one with `IDLE` sessions of owner A awaiting tools, one with none;
     owner B's decode on each, in alternating rounds (the CPU is shared: neighbours weigh on
-    both alike), the fastest of each compared."""
+    both alike), the median of the rounds' ratios compared."""
     config = AgentConfig(speculation=speculation)
     alone_agent, busy_agent = make_agent(config), make_agent(config)
     ids = _pause(busy_agent, IDLE, "A")
@@ -80,11 +81,11 @@ def test_idle_awaiting_sessions_cost_another_owners_decode_nothing(
             times.append(_decode(agent, str(r)))
     calls = _spied(busy_agent)
     _, steps = _decode(busy_agent, "spied")
-    best_alone, best_beside = min(t for t, _ in alone), min(t for t, _ in beside)
-    print(f"\n{DECODE_TOKENS}-token decode: {best_alone * 1e3:.0f} ms CPU alone, "
-          f"{best_beside * 1e3:.0f} ms beside {IDLE} idle sessions "
-          f"({best_beside / best_alone:.2f}x)")
-    assert best_beside <= RATIO * best_alone, (alone, beside)
+    # each round's two decodes ran back to back: their ratio cancels what the neighbours did
+    ratio = statistics.median(b / a for (a, _), (b, _) in zip(alone, beside, strict=True))
+    print(f"\n{DECODE_TOKENS}-token decode beside {IDLE} idle sessions: {ratio:.2f}x its time "
+          "alone (median over rounds)")
+    assert ratio <= RATIO, (alone, beside)
     assert len(calls) <= steps  # ranks follow what memory holds: not one per session
     assert busy_agent.stats().sessions["awaiting_tool"] == IDLE
     assert busy_agent.session_awaiting(f"call-{ids[-1]}", "A") == ids[-1]
