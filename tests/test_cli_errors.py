@@ -122,6 +122,7 @@ def test_every_flag_has_help_and_shows_its_default() -> None:
             assert "(default: " in p.format_help(), p.prog
 
 
+@pytest.mark.slow  # a server, subprocess or seconds of waiting: the thorough tier
 def test_serve_refuses_a_busy_port_before_loading() -> None:
     """Exit 2 with the one line, and nothing logged of loading a model before it."""
     with socket.socket() as busy:

@@ -24,6 +24,7 @@ def test_every_stage_is_timed(tiny_dir: Path) -> None:
     assert abs(rows[0]["prompt_tokens"] - 2048) < 80
 
 
+@pytest.mark.slow  # a server, subprocess or seconds of waiting: the thorough tier
 def test_body_transfer_parts(tiny_dir: Path) -> None:
     """`benchmarks.scripts.body_transfer`: every part of the body's way is timed, in order."""
     pytest.importorskip("uvicorn")

@@ -232,6 +232,7 @@ def test_tensor_parallel_ranks_calibrate_their_own_heads(tiny_dir: Path) -> None
     assert got == want
 
 
+@pytest.mark.slow  # a server, subprocess or seconds of waiting: the thorough tier
 def test_the_demo_sessions_are_unchanged_with_fp8() -> None:
     """``edmm demo``'s three interleaved agent sessions (13 model turns: tool calls, streamed
     and predicted results, speculation, retention, zero-copy commits) give the same greedy

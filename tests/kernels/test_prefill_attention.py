@@ -169,6 +169,7 @@ def test_mixed_batch_single_queries_split_k(make_cache: MakeCache, check_close: 
     check_close(out[:44], ref, dtype)
 
 
+@pytest.mark.slow  # a server, subprocess or seconds of waiting: the thorough tier
 @grid({"small": SMALL_CONFIGS}, fast=[(SMALL,)])  # ~1 min a case in the interpreter
 def test_many_padding_sequences_span_several_scans(make_cache: MakeCache,
                                                     check_close: CheckClose,

@@ -117,6 +117,7 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+@pytest.mark.slow  # a server, subprocess or seconds of waiting: the thorough tier
 def test_serve_starts_answers_and_stops_on_sigint(tiny_dir: Path) -> None:
     port = _free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

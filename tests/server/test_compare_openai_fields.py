@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 from server_helpers import MODEL, LiveServer
 
 from benchmarks.scripts.compare_openai_fields import CASES, compare, main, shape
@@ -26,6 +27,7 @@ def test_shape_keeps_types_and_enumerations() -> None:
     assert differs.only_a == ["tool_calls: []"] and differs.only_b == []
 
 
+@pytest.mark.slow  # a server, subprocess or seconds of waiting: the thorough tier
 def test_a_run_against_the_server(server: LiveServer, tmp_path: Path) -> None:
     out = tmp_path / "compare.md"
     assert main(["--a", server.url, "--a-model", MODEL, "--b", server.url, "--b-model", MODEL,

@@ -130,6 +130,7 @@ def test_headers_trickled_in_are_cut_at_the_header_timeout(address: tuple[str, i
         assert _closed_within(sock, HEADER_S + SLACK_S, trickle) >= HEADER_S * 0.9
 
 
+@pytest.mark.slow  # a server, subprocess or seconds of waiting: the thorough tier
 def test_a_stalled_body_is_cut_a_slow_one_is_not(address: tuple[str, int]) -> None:
     """A body that stops is cut ``BODY_S`` after its last piece; one whose pieces keep
     coming (in all longer than both timeouts) is read whole and answered."""
@@ -144,6 +145,7 @@ def test_a_stalled_body_is_cut_a_slow_one_is_not(address: tuple[str, int]) -> No
         assert _reply_body(sock) == b"8"
 
 
+@pytest.mark.slow  # a server, subprocess or seconds of waiting: the thorough tier
 def test_an_app_that_takes_its_time_is_not_cut(address: tuple[str, int]) -> None:
     """No timer runs while the app works on a request whose body is in."""
     with _connect(address) as sock:

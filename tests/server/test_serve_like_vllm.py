@@ -105,6 +105,7 @@ def test_cuda_on_a_cpu_build_is_one_line(capsys: pytest.CaptureFixture[str]) -> 
     assert e.value.code == 2 and len(err.splitlines()) == 1 and "--device cuda" in err
 
 
+@pytest.mark.slow  # a server, subprocess or seconds of waiting: the thorough tier
 def test_a_subprocess_error_has_no_traceback() -> None:
     done = subprocess.run([sys.executable, "-m", "edmm.server", "/no/such/model"],
                           capture_output=True, text=True, timeout=120)
@@ -161,6 +162,7 @@ def _stream(url: str, results: list[tuple[bool, str]]) -> None:
     results.append((done, lines[-2] if len(lines) > 1 else ""))
 
 
+@pytest.mark.slow  # a server, subprocess or seconds of waiting: the thorough tier
 def test_vllm_style_serve_then_sigterm_drains_and_leaves_nothing(tiny_dir: Path) -> None:
     """A vLLM command line serves; SIGTERM with streams running: each stream ends complete or
     with an error event, both with [DONE]; the server exits 0 and no child process is left."""

@@ -106,6 +106,7 @@ def _reply(client: openai.OpenAI, messages: list[dict[str, Any]], stream: bool,
     return message, choice.finish_reason
 
 
+@pytest.mark.slow  # a server, subprocess or seconds of waiting: the thorough tier
 def test_a_conversation_that_echoes_every_reply_never_gets_a_4xx(
         client: openai.OpenAI) -> None:
     """An agent that sends back every assistant message it got, exactly as its SDK gave it,

@@ -50,6 +50,7 @@ def _has_kv(server: LiveServer, owner: str, sid: str) -> bool:
     return bool(server.state.loop.call(lambda b: b.engine.kv.tagged(tag)).result(10))
 
 
+@pytest.mark.slow  # a server, subprocess or seconds of waiting: the thorough tier
 def test_a_flood_gets_429s_and_leaves_another_keys_paused_kv(tenants: LiveServer) -> None:
     """Key B pauses a session; key A opens forced-call sessions that never resume, more
     than memory holds: past its quota of awaiting sessions it gets 429s with Retry-After,
@@ -107,6 +108,7 @@ def _scrape(server: LiveServer) -> dict[str, float]:
     return values
 
 
+@pytest.mark.slow  # a server, subprocess or seconds of waiting: the thorough tier
 def test_deadlines_expire_on_an_idle_server(deadlines: LiveServer) -> None:
     """20 sessions awaiting tools, then no request at all: within a second of the last
     deadline every one is abandoned and its pages are back (read in one scrape, whose
