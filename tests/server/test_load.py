@@ -264,7 +264,10 @@ def _run(server: LiveServer, kinds: tuple[Abuse, ...], sent: Counter[str],
     errors: list[BaseException] = []
 
     def normal() -> None:
-        with httpx.Client(base_url=server.url, timeout=60) as http:
+        # a connection per request: a kept-alive one the server closes at its read timeout
+        # (0.5 s with the tenants' server) would race the client's next request on it
+        with httpx.Client(base_url=server.url, timeout=60,
+                          limits=httpx.Limits(max_keepalive_connections=0)) as http:
             for _ in range(REQUESTS_PER_CLIENT):
                 seconds = _normal(http)
                 with lock:
