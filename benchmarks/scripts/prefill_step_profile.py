@@ -1,0 +1,133 @@
+"""Where a prefill's time goes in the engine with its serving defaults, in process (no HTTP).
+
+    python -m benchmarks.scripts.prefill_step_profile --device cuda --model qwen2.5-7b \
+        --prompts 2048,8192 --batches 1,8 --out OUT [--max-num-seqs N]
+
+The engine is built as `edmm serve` builds it (``EngineConfig`` defaults: running sequences
+and slots sized from the device, CUDA graphs, async scheduling). For each prompt length P and
+batch B, B requests of P random tokens and one output token are queued at once and stepped
+until all finish; the wall time from queueing to the last output is the batch's time to first
+tokens (median of ``--repeats``), and prefill tokens/s is B x P over it. One more repetition
+runs under `torch.profiler`: the CUDA kernels by total device time (top ``--top``) and the
+sum of all device time against the wall time (the rest is the device idle, waiting for the
+host). Writes ``prefill-profile.json`` and ``prefill-profile.md`` under ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from edmm.engine.config import EngineConfig
+from edmm.engine.engine import Engine
+from edmm.engine.sampling import SamplingParams
+
+
+def _device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def run_batch(engine: Engine, prompt: int, batch: int, rng: random.Random, tag: str) -> float:
+    """Queue ``batch`` requests of ``prompt`` random tokens (one output token each) and step to
+    the end; the wall seconds."""
+    vocab = engine.model_config.vocab_size
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    t0 = time.perf_counter()
+    for i in range(batch):
+        ids = [rng.randrange(1000, min(vocab, 100_000)) for _ in range(prompt)]
+        engine.add_request(f"{tag}-{i}", ids, params)
+    while engine.has_unfinished():
+        engine.step()
+    return time.perf_counter() - t0
+
+
+def kernel_table(prof: Any, top: int) -> tuple[list[dict[str, Any]], float]:
+    """The ``top`` CUDA kernels by total device time, and the device time of all of them."""
+    rows = []
+    for ev in prof.key_averages():
+        dev = getattr(ev, "device_time_total", None) or getattr(ev, "cuda_time_total", 0)
+        if dev and ev.device_type == torch.autograd.DeviceType.CUDA:
+            rows.append({"kernel": ev.key[:90], "calls": ev.count, "ms": dev / 1e3})
+    rows.sort(key=lambda r: -r["ms"])
+    return rows[:top], sum(r["ms"] for r in rows)
+
+
+def profile_point(engine: Engine, prompt: int, batch: int, repeats: int, top: int,
+                  rng: random.Random) -> dict[str, Any]:
+    walls = [run_batch(engine, prompt, batch, rng, f"p{prompt}b{batch}r{r}")
+             for r in range(repeats)]
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
+                                            torch.profiler.ProfilerActivity.CUDA]) as prof:
+        wall = run_batch(engine, prompt, batch, rng, f"p{prompt}b{batch}prof")
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+    kernels, device_ms = kernel_table(prof, top)
+    med = statistics.median(walls)
+    return {"prompt": prompt, "batch": batch, "wall_ms": [w * 1e3 for w in walls],
+            "wall_ms_p50": med * 1e3, "prefill_tok_s": prompt * batch / med,
+            "profiled_wall_ms": wall * 1e3, "device_ms": device_ms, "kernels": kernels}
+
+
+def write_md(path: Path, cfg: EngineConfig, points: list[dict[str, Any]], cmd: str) -> None:
+    lines = [f"# Prefill in process, `edmm serve` defaults ({_device_name()})", "",
+             f"{time.strftime('%Y-%m-%d')}; max_num_seqs {cfg.max_num_seqs}, num_slots "
+             f"{cfg.num_slots}, max_num_batched_tokens {cfg.max_num_batched_tokens}.", "",
+             f"    {cmd}", "",
+             "| prompt | batch | time to all first tokens p50 (ms) | prefill tok/s |",
+             "|---:|---:|---:|---:|"]
+    lines += [f"| {p['prompt']} | {p['batch']} | {p['wall_ms_p50']:.1f} | "
+              f"{p['prefill_tok_s']:,.0f} |" for p in points]
+    for p in points:
+        lines += ["", f"## {p['prompt']} tokens x {p['batch']}: kernels of one profiled run "
+                  f"(device {p['device_ms']:.1f} ms of {p['profiled_wall_ms']:.1f} ms wall, "
+                  "under the profiler)", "", "| kernel | calls | ms |", "|---|---:|---:|"]
+        lines += [f"| `{k['kernel']}` | {k['calls']} | {k['ms']:.2f} |" for k in p["kernels"]]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="qwen2.5-7b", help="a preset or folder; '': the embedded model")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--prompts", default="2048,8192")
+    p.add_argument("--batches", default="1,8")
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--top", type=int, default=15)
+    p.add_argument("--max-num-seqs", type=int, default=0, help="0: the device's default")
+    p.add_argument("--kv-cache-dtype", default="auto")
+    p.add_argument("--out", type=Path, required=True)
+    a = p.parse_args()
+    prompts = [int(x) for x in a.prompts.split(",")]
+    batches = [int(x) for x in a.batches.split(",")]
+    cfg = EngineConfig(model=a.model or None, device=a.device, dtype=a.dtype or None,
+                       max_num_seqs=a.max_num_seqs, kv_cache_dtype=a.kv_cache_dtype)
+    engine = Engine(cfg)
+    rng = random.Random(0)
+    run_batch(engine, 256, 2, rng, "warm")
+    points = [profile_point(engine, pr, b, a.repeats, a.top, rng)
+              for pr in prompts for b in batches]
+    a.out.mkdir(parents=True, exist_ok=True)
+    cmd = ("python -m benchmarks.scripts.prefill_step_profile --model " + a.model
+           + f" --prompts {a.prompts} --batches {a.batches} --kv-cache-dtype {a.kv_cache_dtype}")
+    (a.out / "prefill-profile.json").write_text(json.dumps(
+        {"device": _device_name(), "config": repr(engine.config),
+         "points": points}, indent=1))
+    write_md(a.out / "prefill-profile.md", engine.config, points, cmd)
+    for pt in points:
+        print(f"prompt {pt['prompt']} x{pt['batch']}: {pt['wall_ms_p50']:.1f} ms "
+              f"({pt['prefill_tok_s']:,.0f} tok/s); device {pt['device_ms']:.1f} of "
+              f"{pt['profiled_wall_ms']:.1f} ms profiled")
+        for k in pt["kernels"][:6]:
+            print(f"    {k['ms']:8.2f} ms {k['calls']:5d}x {k['kernel']}")
+
+
+if __name__ == "__main__":
+    main()
