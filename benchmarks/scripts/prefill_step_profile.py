@@ -94,7 +94,8 @@ def write_md(path: Path, cfg: EngineConfig, points: list[dict[str, Any]], cmd: s
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--model", default="qwen2.5-7b", help="a preset or folder; '': the embedded model")
+    p.add_argument("--model", default="qwen2.5-7b",
+                   help="a preset or folder; '': the embedded model")
     p.add_argument("--device", default="cuda")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--prompts", default="2048,8192")

@@ -10,9 +10,9 @@ from __future__ import annotations
 import argparse
 from types import ModuleType
 
-from edmm.bench.commands import agents, agents_merge, live, load, ttft, vmm
+from edmm.bench.commands import agents, agents_merge, live, load, single, ttft, vmm
 
-BENCHES: tuple[ModuleType, ...] = (vmm, ttft, live, load, agents, agents_merge)
+BENCHES: tuple[ModuleType, ...] = (vmm, ttft, live, single, load, agents, agents_merge)
 
 
 def add_bench_parsers(subparsers: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]

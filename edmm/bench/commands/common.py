@@ -5,9 +5,17 @@ Light to import (torch loads on first call), so that building the command line s
 
 from __future__ import annotations
 
+import argparse
 import datetime as _dt
+import shlex
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+from edmm.argparsing import float_at_least, int_at_least
+
+if TYPE_CHECKING:
+    from edmm.bench.peers import ServerSpec
 
 OUT_HELP = "output folder (default: benchmarks/results/<date>-<device>)"
 
@@ -47,3 +55,49 @@ def print_report(paths: Mapping[str, str | Path]) -> None:
     """Print a run's Markdown report (``paths["md"]``), then every file it wrote."""
     print(Path(paths["md"]).read_text())
     print("wrote " + ", ".join(str(p) for p in paths.values()))
+
+
+def add_server_arguments(parser: argparse.ArgumentParser, served_name: str) -> None:
+    """The options naming the servers a client-side bench measures: ``edmm serve`` started
+    here (``--edmm-args``, ``--no-edmm``) and its peers (``--peer`` and how vLLM starts)."""
+    parser.add_argument("--edmm-args", default="", metavar="ARGS",
+                        help="arguments of the EDMM server started here, one string (e.g. "
+                             "\"--model DIR --device cuda\"); default: the embedded model on "
+                             "the CPU")
+    parser.add_argument("--no-edmm", action="store_true",
+                        help="measure the peers only (no EDMM server)")
+    parser.add_argument("--peer", action="append", default=[], metavar="PEER",
+                        help="also measure: vllm, vllm-offload, vllm-fp8 or an http(s) URL "
+                             "(repeatable)")
+    parser.add_argument("--peer-model-dir", default=None,
+                        help="the HF folder (config.json + tokenizer) the vLLM peers load with "
+                             "random weights (--load-format dummy)")
+    parser.add_argument("--peer-python-path", default="",
+                        help="PYTHONPATH entries where vLLM is installed (default: none)")
+    parser.add_argument("--peer-kv-bytes", type=int_at_least(1), default=None,
+                        help="vLLM's KV cache in bytes, to match EDMM's pool (default: vLLM "
+                             "sizes it)")
+    parser.add_argument("--peer-offload-gib", type=float_at_least(0.0), default=16.0,
+                        help="host memory of vllm-offload's connector (default %(default)g)")
+    parser.add_argument("--peer-max-model-len", type=int_at_least(1), default=None,
+                        help="vLLM's --max-model-len (default: the model's)")
+    parser.add_argument("--served-model-name", default=served_name,
+                        help="model name the vLLM peers serve under (default %(default)s)")
+
+
+def server_specs(args: argparse.Namespace) -> list[ServerSpec]:
+    """The servers `add_server_arguments`'s options name, EDMM first; a usage error (exit 2,
+    naming the flag) when a peer is unknown or nothing is left to measure."""
+    from edmm.bench.peers import PeerError, VLLMOptions, edmm_spec, parse_peer
+
+    vllm = (VLLMOptions(args.peer_model_dir, args.peer_python_path, args.peer_kv_bytes,
+                        args.peer_offload_gib, args.peer_max_model_len)
+            if args.peer_model_dir else None)
+    try:
+        specs = [] if args.no_edmm else [edmm_spec(shlex.split(args.edmm_args))]
+        specs += [parse_peer(p, vllm, args.served_model_name) for p in args.peer]
+    except PeerError as e:
+        args.parser.error(f"--peer: {e}")
+    if not specs:
+        args.parser.error("nothing to measure: --no-edmm needs at least one --peer")
+    return specs
