@@ -74,6 +74,10 @@ class EngineConfig:
             tokens takes up to ``T - 1`` sequences); sizes above ``max_num_batched_tokens``
             are skipped. Empty: such batches run eagerly (decode batches still replay graphs,
             one per batch size up to ``max_num_seqs``).
+        cuda_graph_mixed_seq_buckets: smaller sequence bounds of those graphs: for each ``T``
+            one graph per bound below its most sequences, and one for the most, so that a
+            prefill with few sequences beside it replays a graph padded to the next bound, not
+            to hundreds of sequences (`edmm.engine.cuda_graph.mixed_buckets`).
         speculative_tokens_when_busy: most tokens of speculative prefill (agent sessions' tool
             windows) added to a step that runs requests; None: `busy_speculation_tokens`.
         speculation_fills_padding: with CUDA graphs, speculative prefill may also fill the
@@ -124,6 +128,7 @@ class EngineConfig:
     enforce_eager: bool = False
     attention: str = "auto"
     cuda_graph_token_sizes: tuple[int, ...] = DEFAULT_GRAPH_TOKEN_SIZES
+    cuda_graph_mixed_seq_buckets: tuple[int, ...] = (16, 64)
     speculative_tokens_when_busy: int | None = None
     speculation_fills_padding: bool = True
     speculative_tokens_when_idle: int = 2048
@@ -158,6 +163,9 @@ class EngineConfig:
         if self.kv_cache_policy not in CACHE_POLICIES:
             raise EngineConfigError(f"kv_cache_policy must be one of {sorted(CACHE_POLICIES)}, "
                                     f"got {self.kv_cache_policy!r}")
+        if any(b < 1 for b in self.cuda_graph_mixed_seq_buckets):
+            raise EngineConfigError("cuda_graph_mixed_seq_buckets must be positive, got "
+                                    f"{self.cuda_graph_mixed_seq_buckets}")
         if self.tensor_parallel_size < 1:
             raise EngineConfigError(
                 f"tensor_parallel_size must be >= 1, got {self.tensor_parallel_size}")

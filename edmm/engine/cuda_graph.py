@@ -8,12 +8,16 @@ input buffers, and replays the graph after copying a step's inputs in:
 - **decode graphs**, one per batch size in ``sizes``: every sequence computes one token (the
   split-K decode kernel), and the graph ends with the logits of every row, so a decode step
   launches only the sampler after it;
-- **mixed graphs**, one per token count ``T`` in ``token_sizes``: any batch of at most ``T``
-  tokens and ``min(max_seqs, T - 1)`` sequences — prefill chunks, a resume's new tokens,
-  decodes with a speculation riding along (the varlen prefill kernel, whose launch depends on
-  the token and sequence counts only). A batch with a prefill has fewer sequences than
-  tokens, so every such batch of at most ``max_seqs`` sequences fits the graph of the
-  smallest ``T`` that holds its tokens.
+- **mixed graphs**, per token count ``T`` in ``token_sizes`` one per sequence bound ``S``
+  (the ``seq_buckets`` below ``min(max_seqs, T - 1)``, and that): any batch of at most ``T``
+  tokens and ``S`` sequences — prefill chunks, a resume's new tokens, decodes with a
+  speculation riding along (the varlen prefill kernel, whose launch depends on the token and
+  sequence counts only). A batch with a prefill has fewer sequences than tokens, so every
+  such batch of at most ``max_seqs`` sequences fits the graph of the smallest ``T`` that
+  holds its tokens; of that ``T``, the smallest ``S`` that holds its sequences replays. The
+  prefill kernel launches ``T / BLOCK_M + S`` row tiles per head and each padding sequence's
+  tile still runs the kernel's prologue, so a prefill with few sequences beside it must not
+  replay a graph padded to hundreds (`mixed_shape`).
 
 Padding never touches a live slot: padding tokens write their KV to token 0 of a reserved
 one-token pad slot, padding sequences have no queries (query offsets repeat the last one) and
@@ -113,6 +117,28 @@ class _StaticInputs:
         self._dirty_tokens, self._dirty_seqs = t, b
 
 
+MIXED_SEQ_BUCKETS = (16, 64)  # sequence bounds of the mixed graphs below their largest
+
+
+def mixed_buckets(tokens: int, max_seqs: int, seq_buckets: tuple[int, ...]) -> tuple[int, ...]:
+    """Sequence bounds of the mixed graphs of ``tokens`` tokens, ascending: each of
+    ``seq_buckets`` below the most such a graph takes, ``min(max_seqs, tokens - 1)``, then
+    that most."""
+    most = min(max_seqs, tokens - 1)
+    return tuple(sorted({b for b in seq_buckets if 0 < b < most} | {most}))
+
+
+def mixed_shape(token_sizes: tuple[int, ...], max_seqs: int, seq_buckets: tuple[int, ...],
+                tokens: int, seqs: int) -> tuple[int, int] | None:
+    """The (tokens, sequences) of the mixed graph a batch replays: the smallest token count
+    of ``token_sizes`` (ascending) that holds ``tokens`` and whose largest graph holds
+    ``seqs``, then its smallest sequence bound that holds ``seqs``; None: no graph fits."""
+    for t in token_sizes:
+        if t >= tokens and min(max_seqs, t - 1) >= seqs:
+            return t, next(b for b in mixed_buckets(t, max_seqs, seq_buckets) if b >= seqs)
+    return None
+
+
 class CudaGraphRunner(ModelRunner):
     """A `ModelRunner` whose batches replay captured CUDA graphs (see the module docstring).
 
@@ -123,12 +149,14 @@ class CudaGraphRunner(ModelRunner):
             tokens, so its static metadata always selects the prefill kernel. Empty: no
             mixed graphs.
         max_seqs: most sequences a mixed graph takes (default: the most the arena can hold).
+        seq_buckets: smaller sequence bounds of the mixed graphs (`mixed_buckets`).
     """
 
     def __init__(self, model: CausalModel, arena: KVArena, device: torch.device | str,
                  sampler: Sampler | None = None,
                  sizes: tuple[int, ...] = DEFAULT_GRAPH_SIZES,
-                 token_sizes: tuple[int, ...] = (), max_seqs: int | None = None) -> None:
+                 token_sizes: tuple[int, ...] = (), max_seqs: int | None = None,
+                 seq_buckets: tuple[int, ...] = MIXED_SEQ_BUCKETS) -> None:
         super().__init__(model, arena, device, sampler)
         self.pad_slot = arena.allocate()
         arena.grow(self.pad_slot, 1)
@@ -136,14 +164,16 @@ class CudaGraphRunner(ModelRunner):
         self.max_seqs = min(max_seqs or usable, usable)
         self.sizes = tuple(sorted(s for s in sizes if s <= usable))
         self.token_sizes = tuple(sorted(t for t in token_sizes if 1 < t <= arena.max_tokens))
+        self.seq_buckets = seq_buckets
         self._decode_in = _StaticInputs(max(self.sizes, default=0), max(self.sizes, default=0),
                                         self.pad_slot, self.device)
         self._mixed_in = _StaticInputs(max(self.token_sizes, default=0), self.max_seqs,
                                        self.pad_slot, self.device)
         self._pool = torch.cuda.graph_pool_handle()
         # Largest first, so smaller graphs reuse the pool's blocks.
-        self._mixed = {t: self._capture(self._mixed_in, t, self.mixed_seqs(t), logits=False)
-                       for t in reversed(self.token_sizes)}
+        self._mixed = {(t, b): self._capture(self._mixed_in, t, b, logits=False)
+                       for t in reversed(self.token_sizes)
+                       for b in reversed(self.mixed_buckets(t))}
         self._decode = {bs: self._capture(self._decode_in, bs, bs, logits=True)
                         for bs in reversed(self.sizes)}
         self._logits: Tensor | None = None  # [T, vocab] of the decode graph just replayed
@@ -155,8 +185,12 @@ class CudaGraphRunner(ModelRunner):
         return 1
 
     def mixed_seqs(self, tokens: int) -> int:
-        """Sequences the mixed graph of ``tokens`` tokens takes."""
+        """The most sequences a mixed graph of ``tokens`` tokens takes."""
         return min(self.max_seqs, tokens - 1)
+
+    def mixed_buckets(self, tokens: int) -> tuple[int, ...]:
+        """Sequence bounds of the mixed graphs of ``tokens`` tokens (`mixed_buckets`)."""
+        return mixed_buckets(tokens, self.max_seqs, self.seq_buckets)
 
     def _capture(self, static: _StaticInputs, tokens: int, seqs: int, logits: bool) -> _Graph:
         query_lens = [tokens - seqs + 1] + [1] * (seqs - 1)  # sums to tokens
@@ -183,9 +217,8 @@ class CudaGraphRunner(ModelRunner):
         if decode_only and seqs <= max(self.sizes, default=0):
             return "decode", self._decode_in, self._decode[next(s for s in self.sizes
                                                                 if s >= seqs)]
-        size = next((s for s in self.token_sizes if s >= tokens and self.mixed_seqs(s) >= seqs),
-                    None)
-        return None if size is None else ("mixed", self._mixed_in, self._mixed[size])
+        shape = mixed_shape(self.token_sizes, self.max_seqs, self.seq_buckets, tokens, seqs)
+        return None if shape is None else ("mixed", self._mixed_in, self._mixed[shape])
 
     def graph_for(self, num_tokens: int, num_seqs: int = 1) -> torch.cuda.CUDAGraph | None:
         """The graph a step of ``num_tokens`` tokens over ``num_seqs`` sequences replays (a

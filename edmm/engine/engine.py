@@ -751,4 +751,5 @@ def _build_runner(config: EngineConfig, model: CausalLM, arena: KVArena,
     # Mixed graphs take the running sequences and as many speculative prefills.
     return CudaGraphRunner(model, arena, config.device, sampler,
                            sizes=decode_graph_sizes(config.max_num_seqs),
-                           token_sizes=token_sizes, max_seqs=2 * config.max_num_seqs)
+                           token_sizes=token_sizes, max_seqs=2 * config.max_num_seqs,
+                           seq_buckets=config.cuda_graph_mixed_seq_buckets)

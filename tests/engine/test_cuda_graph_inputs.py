@@ -5,9 +5,12 @@ Runs on the CPU (the buffers are plain tensors); replay itself is tested on the 
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from edmm.engine.cuda_graph import _StaticInputs
+from edmm.engine.config import EngineConfig
+from edmm.engine.cuda_graph import _StaticInputs, mixed_buckets, mixed_shape
+from edmm.engine.errors import EngineConfigError
 from edmm.engine.runner import ModelInputs
 from edmm.model.attention import AttentionMetadata
 
@@ -57,3 +60,26 @@ def test_static_meta_views_the_buffers() -> None:
     assert meta.slot_ids_t is not None and meta.slot_ids_t.tolist() == [3, 1, PAD, PAD]
     assert meta.query_start_loc is not None and meta.query_start_loc.tolist() == [0, 5, 7, 7, 7]
     assert meta.slot_index is not None and meta.slot_index.tolist()[:8] == [3] * 5 + [1] * 2 + [PAD]
+
+
+def test_mixed_graph_shapes_pad_few_sequences_to_a_small_bound() -> None:
+    """A prefill alone replays the mixed graph of the smallest sequence bound (16), not the one
+    padded to the engine's most sequences (512): the prefill kernel launches a row tile per
+    padding sequence; a batch of many sequences still finds a graph that holds it."""
+    sizes, most, buckets = (32, 64, 2048), 512, (16, 64)
+    assert mixed_buckets(2048, most, buckets) == (16, 64, 512)
+    assert mixed_buckets(32, most, buckets) == (16, 31)
+    assert mixed_buckets(8, most, buckets) == (7,)
+    assert mixed_shape(sizes, most, buckets, 2048, 1) == (2048, 16)
+    assert mixed_shape(sizes, most, buckets, 2048, 17) == (2048, 64)
+    assert mixed_shape(sizes, most, buckets, 2048, 65) == (2048, 512)
+    assert mixed_shape(sizes, most, buckets, 40, 20) == (64, 63)
+    assert mixed_shape(sizes, most, buckets, 30, 20) == (32, 31)
+    assert mixed_shape(sizes, most, buckets, 30, 40) == (64, 63)  # 32 tokens hold 31 at most
+    assert mixed_shape(sizes, most, buckets, 2049, 1) is None  # past every graph: eager
+    assert mixed_shape(sizes, most, (), 2048, 1) == (2048, 512)  # no buckets: as before
+
+
+def test_mixed_seq_buckets_are_checked() -> None:
+    with pytest.raises(EngineConfigError, match="cuda_graph_mixed_seq_buckets"):
+        EngineConfig(cuda_graph_mixed_seq_buckets=(0, 16))

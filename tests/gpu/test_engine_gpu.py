@@ -98,7 +98,8 @@ def test_mixed_graphs_match_eager_with_staggered_requests(tmp_path: Path, small:
     # the 7 usable slots (one is the pad slot) bound a graph's sequences
     assert [runner.mixed_seqs(t) for t in sizes[:4]] == ([2, 3, 5, 7] if small else [7] * 4)
     assert runner.graph_for(1) is runner._decode[min(runner.sizes)].graph
-    assert runner.graph_for(100) is runner._mixed[128].graph
+    assert runner.mixed_buckets(128) == (7,)  # 16 and 64 exceed the 7 sequences
+    assert runner.graph_for(100) is runner._mixed[(128, 7)].graph
     assert runner.graph_for(257) is None  # past the largest mixed graph: eager
     got = _staggered(fast, prompts)
     fast.check_integrity()
