@@ -36,6 +36,7 @@ from edmm.agent.errors import (
     UnknownToolCallError,
 )
 from edmm.agent.gate import BranchPlan
+from edmm.agent.learning import Outcome, UsageStats, window_tool
 from edmm.agent.owners import OwnerStats, OwnerUsage
 from edmm.agent.prompt_index import PromptIndex
 from edmm.agent.render import PromptRenderer, TemplateRenderer, TokenRenderer
@@ -43,6 +44,7 @@ from edmm.agent.retention import RETENTION_POLICIES, PausedSession
 from edmm.agent.session import Session
 from edmm.agent.speculation import (
     SPECULATION_SOURCES,
+    Branch,
     PromptSource,
     Speculation,
     SpeculationSource,
@@ -131,6 +133,7 @@ class AgentEngine:
         self._closed_totals: Counter[str] = Counter()  # counters of closed sessions
         self._tools: dict[str, ToolSpec] = {}
         self._durations: dict[str, float] = {}  # tool name -> EMA of observed seconds
+        self._usage_stats = UsageStats()  # branch outcomes per (source, tool), all sessions
         self._memo: dict[tuple[str, str], ToolContent] = {}  # idempotent calls' results
         tok = self.engine.tokenizer  # template renders reuse the ids of earlier ones
         self._encoder = PromptEncoder(tok) if tok is not None else None
@@ -525,6 +528,7 @@ class AgentEngine:
             self._unadmitted.pop(session.request_id, None)
             self.engine.abort(session.request_id)
         self._drop_kv(session)
+        self._usage_stats.forget(session_id)
         self._closed_totals.update(_counters(session.metrics))
         self._close_window(session)
         self._timers.cancel(session_id)
@@ -729,15 +733,23 @@ class AgentEngine:
         session.transition(S.GENERATING)
 
     def _classify(self, session: Session, hit: PrefixHit | None, prompt_len: int) -> None:
-        """Speculation hit (a branch matched entirely), partial, or miss."""
+        """Speculation hit (a branch matched entirely), partial, or miss, for the session's
+        counters; and each branch's own outcome (the committed one's hit or partial, a miss
+        for every other) for its source and tool (`UsageStats`)."""
         assert session.window is not None
         if not session.window.branches:
             return
-        branches = {SessionTag.branch(session.id, k) for k in session.window.branches}
+        claimed = None
+        for key, branch in session.window.branches.items():
+            outcome = Outcome.MISS
+            if hit is not None and hit.claimed == SessionTag.branch(session.id, key):
+                full = hit.num_tokens >= min(hit.source_tokens, prompt_len - 1)
+                claimed = outcome = Outcome.HIT if full else Outcome.PARTIAL
+            self._usage_stats.record(session.id, branch.source, branch.tool, outcome)
         m = session.metrics
-        if hit is None or hit.claimed not in branches:
+        if claimed is None:
             m.spec_misses += 1
-        elif hit.num_tokens >= min(hit.source_tokens, prompt_len - 1):
+        elif claimed is Outcome.HIT:
             m.spec_hits += 1
         else:
             m.spec_partial += 1
@@ -746,35 +758,42 @@ class AgentEngine:
                      hook: Callable[[SpeculationSource], list[Speculation]]) -> None:
         for source in self._sources:
             for spec in hook(source):
-                self._speculate(session, spec)
+                self._speculate(session, spec, source.name)
 
-    def _speculate(self, session: Session, spec: Speculation) -> None:
-        assert session.window is not None
+    def _speculate(self, session: Session, spec: Speculation, source: str) -> None:
+        window = session.window
+        assert window is not None
         if not spec.token_ids or len(spec.token_ids) > self.engine.max_model_len:
             return
         tag = SessionTag.branch(session.id, spec.key)
+        calls = window.calls.values() if spec.call_id is None else [window.calls[spec.call_id]]
+        branch = Branch(source, window_tool(c.name for c in calls))
         # The branch extends the session's KV (all of its context but the last token, which
         # has none): dropped if that KV is gone by the time it is admitted.
         base = min(common_prefix_len(session.context, spec.token_ids), len(session.context) - 1)
-        if not self._branch_pays(session, len(spec.token_ids) - max(base, 0), max(base, 0)):
+        if not self._branch_pays(session, branch, len(spec.token_ids) - max(base, 0),
+                                 max(base, 0)):
             session.metrics.spec_gated += 1
             return
         self.engine.speculate(_spec_id(tag), spec.token_ids,
                               SlotHints(tag, EntryRank.SPECULATIVE, min_cached=max(base, 0),
                                         cache_salt=session.cache_salt,
                                         stale_tag=SessionTag.lost(session.id)))
-        session.window.branches.add(spec.key)
+        window.branches[spec.key] = branch
 
-    def _branch_pays(self, session: Session, new_tokens: int, base: int) -> bool:
-        """The config's gate on a branch of ``new_tokens`` over ``base`` tokens of the
-        session's KV (no gate: always)."""
+    def _branch_pays(self, session: Session, branch: Branch, new_tokens: int,
+                     base: int) -> bool:
+        """The config's gate on ``branch``, of ``new_tokens`` over ``base`` tokens of the
+        session's KV, judged on how that source's branches for that tool fared (no gate:
+        always)."""
         gate = self.config.speculation_gate
         if gate is None:
             return True
-        m, kv = session.metrics, self.engine.kv
+        kv, stats = self.engine.kv, self._usage_stats
         plan = BranchPlan(
             new_tokens=new_tokens, shared_pages=kv.layout().full_pages(base),
-            hits=m.spec_hits, partials=m.spec_partial, misses=m.spec_misses,
+            others=stats.others(session.id, branch.source, branch.tool),
+            own=stats.own(session.id, branch.source, branch.tool),
             engine_idle=not self.engine.has_unfinished(),
             padding_free=self.engine.padding_free,
             token_s=self.engine.step_cost.per_token_s(), page_s=kv.page_seconds())
