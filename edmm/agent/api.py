@@ -36,7 +36,7 @@ from edmm.agent.errors import (
     UnknownToolCallError,
 )
 from edmm.agent.gate import BranchPlan
-from edmm.agent.learning import Outcome, UsageStats, window_tool
+from edmm.agent.learning import Outcome, ToolDurations, UsageStats, window_tool
 from edmm.agent.owners import OwnerStats, OwnerUsage
 from edmm.agent.prompt_index import PromptIndex
 from edmm.agent.render import PromptRenderer, TemplateRenderer, TokenRenderer
@@ -84,7 +84,6 @@ S = SessionState
 T = TimerKind
 _BUSY = (S.GENERATING, S.RESUMING)
 _CLOSABLE = (S.FINISHED, S.ABANDONED)  # what an owner at its session quota gives up first
-DURATION_EMA = 0.5  # weight of the newest observed duration of a tool
 _PROMOTED = -1.0  # admission priority of an overdue turn: ahead of every order's (all >= 0)
 
 
@@ -132,7 +131,7 @@ class AgentEngine:
         self._by_request: dict[str, str] = {}  # request id -> session id
         self._closed_totals: Counter[str] = Counter()  # counters of closed sessions
         self._tools: dict[str, ToolSpec] = {}
-        self._durations: dict[str, float] = {}  # tool name -> EMA of observed seconds
+        self._durations = ToolDurations()  # per tool name: a log-normal of its seconds
         self._usage_stats = UsageStats()  # branch outcomes per (source, tool), all sessions
         self._memo: dict[tuple[str, str], ToolContent] = {}  # idempotent calls' results
         tok = self.engine.tokenizer  # template renders reuse the ids of earlier ones
@@ -282,7 +281,10 @@ class AgentEngine:
         the next prompt with the chat template; without them the next prompt follows
         ``layout`` (token ids). ``predictions``: call id -> predicted result.
         ``deadline_s``: seconds until the session is abandoned (default: the config's).
-        Raises `SessionStateError` unless the session's turn has finished,
+        ``expected_duration_s``: the client's estimate of how long the tools run; None: the
+        median of each tool's learned durations once trusted, else its declared one
+        (`declare_tool`), the longest of the calls' (it ranks the session's KV and times its
+        prefetch). Raises `SessionStateError` unless the session's turn has finished,
         `UnknownToolCallError` for predictions or positions of other calls,
         `InsertionPositionError` for a layout position outside the context.
         """
@@ -982,11 +984,12 @@ class AgentEngine:
             self._release(session)
 
     def _expected_duration(self, calls: Iterable[ToolCall]) -> float | None:
-        """The longest expected duration among the calls' tools (learned, else declared)."""
+        """The longest expected duration among the calls' tools: the median of its learned
+        durations once trusted (`ToolDurations`), else the declared one (`ToolSpec`)."""
         known = []
-        for call in calls:
-            learned = self._durations.get(call.name)
-            spec = self._tools.get(call.name)
+        for name in {call.name for call in calls}:
+            learned = self._durations.median(name)
+            spec = self._tools.get(name)
             declared = spec.expected_duration_s if spec is not None else None
             value = learned if learned is not None else declared
             if value is not None:
@@ -1004,13 +1007,16 @@ class AgentEngine:
         return out
 
     def _learn(self, window: ToolWindow, results: Sequence[ToolResult], now: float) -> None:
-        """Observed tool durations (EMA per tool) and results of idempotent tools (memo)."""
-        elapsed = now - window.started
+        """The window's duration, as an observation of its tool (`ToolDurations`), and results
+        of idempotent tools (memo). Only a window whose calls are all of one tool is an
+        observation: the resume of calls of several tools comes when the slowest returns,
+        which says nothing of the others' times. (A window abandoned at its deadline is not
+        one either: its duration is only known to be longer.)"""
+        names = {call.name for call in window.calls.values()}
+        if len(names) == 1:
+            self._durations.observe(names.pop(), now - window.started)
         for r in results:
             call = window.calls[r.call_id]
-            old = self._durations.get(call.name)
-            self._durations[call.name] = elapsed if old is None else \
-                DURATION_EMA * elapsed + (1 - DURATION_EMA) * old
             spec = self._tools.get(call.name)
             if spec is not None and spec.cacheable and (key := call.memo_key()) is not None:
                 self._memo[key] = r.content

@@ -112,8 +112,8 @@ class ToolSpec:
     """What is known of a tool before it runs.
 
     ``cacheable``: idempotent (same arguments, same result): real results are memoised and
-    predicted for later calls. ``expected_duration_s``: a prior for the retention policy (the
-    observed durations of the tool's calls are learned on top).
+    predicted for later calls. ``expected_duration_s``: a prior for the retention policy and
+    the prefetch, until the tool's own durations are learned (`edmm.agent.learning`).
     """
 
     name: str
