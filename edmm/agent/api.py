@@ -84,7 +84,6 @@ S = SessionState
 T = TimerKind
 _BUSY = (S.GENERATING, S.RESUMING)
 _CLOSABLE = (S.FINISHED, S.ABANDONED)  # what an owner at its session quota gives up first
-_PROMOTED = -1.0  # admission priority of an overdue turn: ahead of every order's (all >= 0)
 
 
 class AgentEngine:
@@ -126,8 +125,7 @@ class AgentEngine:
         self._owners: dict[str | None, OwnerUsage] = {}
         self._page_tokens = max(1, self.engine.kv.tokens_in_pages(1))
         self._pool_pages = self.engine.kv.stats().pages_total
-        self._ordinals = itertools.count()  # sessions' start order (program-level FCFS)
-        self._unadmitted: dict[str, float] = {}  # request id -> when queued (admission bound)
+        self._turns = itertools.count()  # session turns' arrival numbers (admission order)
         self._by_request: dict[str, str] = {}  # request id -> session id
         self._closed_totals: Counter[str] = Counter()  # counters of closed sessions
         self._tools: dict[str, ToolSpec] = {}
@@ -161,9 +159,10 @@ class AgentEngine:
         session = self._sessions.get(session_id)
         if session is not None:
             session.require(S.FINISHED, "a new turn")
+        number = next(self._turns)
         if session is None:
-            session = Session(session_id, owner=owner, ordinal=next(self._ordinals))
-        self._submit_turn(session, request, claim=(), resume=False)
+            session = Session(session_id, owner=owner, ordinal=number)
+        self._submit_turn(session, request, claim=(), resume=False, number=number)
         session.transition(S.GENERATING)
         self._touch(session)
 
@@ -208,10 +207,8 @@ class AgentEngine:
         paused sessions near their tool's expected return after it. Returns the outputs of
         requests that got a token."""
         self.tick()
-        self._promote_overdue()
         outputs = self.engine.step()
         for out in outputs:
-            self._unadmitted.pop(out.request_id, None)
             session_id = self._by_request.get(out.request_id)
             if session_id is not None:
                 self._on_output(self._sessions[session_id], out)
@@ -246,7 +243,6 @@ class AgentEngine:
     def abort(self, request_id: str) -> bool:
         """Stop a request; its session (if any) becomes FINISHED. False if unknown."""
         session_id = self._by_request.pop(request_id, None)
-        self._unadmitted.pop(request_id, None)
         found = self.engine.abort(request_id)
         if session_id is not None:
             session = self._sessions[session_id]
@@ -434,7 +430,7 @@ class AgentEngine:
         self._learn(window, results, started)
         claim = tuple(SessionTag.branch(session_id, key) for key in sorted(window.branches))
         self._close_window(session)
-        self._submit_turn(session, request, claim, resume=True)
+        self._submit_turn(session, request, claim, resume=True, number=next(self._turns))
         session.resume_started = started
         session.transition(S.RESUMING)
         self._touch(session)
@@ -527,7 +523,6 @@ class AgentEngine:
         session = self._get(session_id)
         if session.request_id is not None:
             self._by_request.pop(session.request_id, None)
-            self._unadmitted.pop(session.request_id, None)
             self.engine.abort(session.request_id)
         self._drop_kv(session)
         self._usage_stats.forget(session_id)
@@ -631,16 +626,12 @@ class AgentEngine:
                                 self.config.reserialize_arguments, self._encoder)
 
     def _submit_turn(self, session: Session, request: Request, claim: tuple[SessionTag, ...],
-                     resume: bool) -> None:
-        """Queue a turn whose slot is the session's (tagged) and may adopt ``claim``, at its
-        place in the `AgentConfig.admission` order."""
-        order = self.config.admission
-        if order == "program":
-            request = dataclasses.replace(request, priority=float(session.ordinal))
-        elif order == "resumes-first":
-            request = dataclasses.replace(request, priority=0.0 if resume else 1.0)
-        if order != "arrival" and self.config.admission_bound_s is not None:
-            self._unadmitted[request.request_id] = self._clock()
+                     resume: bool, number: int) -> None:
+        """Queue a turn (the ``number``-th session turn to arrive) whose slot is the session's
+        (tagged) and may adopt ``claim``, at its place in the `AgentConfig.admission` order."""
+        key = self._admission_key(session, resume, number)
+        if key is not None:
+            request = dataclasses.replace(request, priority=key)
         rank, priority = self._retention.retention(
             PausedSession(len(request.prompt_token_ids), False, None))
         self.engine.submit(request, SlotHints(SessionTag.session(session.id), rank, priority, claim,
@@ -655,6 +646,23 @@ class AgentEngine:
         session.context = prompt  # the request's own list, never changed: no copy of it
         session.prompt_len = len(prompt)
         self._by_request[request.request_id] = session.id
+
+    def _admission_key(self, session: Session, resume: bool, number: int) -> float | None:
+        """The turn's admission priority (`Request.priority`: lower first, then arrival) under
+        `AgentConfig.admission`; None: the request's own (``arrival``). A turn's key is the
+        arrival number it is ordered as: ``program``, its session's first turn's; ``resumes-
+        first``, ``admission_jump`` turns ahead of its own for a resume; never more than
+        ``admission_jump`` (plus one half, so that a tie goes to the earlier turn) ahead of its
+        own number. As every key is at most its turn's own number, a turn is overtaken only
+        by turns that arrived at most ``admission_jump`` turns after it (None: no bound, a
+        resume is keyed ahead of every turn's own number)."""
+        order, jump = self.config.admission, self.config.admission_jump
+        if order == "arrival":
+            return None
+        earliest = -1.0 if jump is None else number - jump - 0.5
+        if order == "program":
+            return max(float(session.ordinal), earliest)
+        return earliest if resume else float(number)
 
     def _touch(self, session: Session) -> None:
         """Make ``session`` the most recently used; while more than ``max_sessions`` are
@@ -816,18 +824,6 @@ class AgentEngine:
         if session.window is not None:
             self._drop_branches(session, session.window)
         self.engine.kv.discard([SessionTag.session(session.id), SessionTag.lost(session.id)])
-
-    def _promote_overdue(self) -> None:
-        """Turns waiting for their first token longer than `AgentConfig.admission_bound_s`
-        go ahead of every turn that has not waited so long."""
-        bound = self.config.admission_bound_s
-        if bound is None or not self._unadmitted:
-            return
-        now = self._clock()
-        for request_id, queued in list(self._unadmitted.items()):
-            if now - queued >= bound:
-                self.engine.reprioritize(request_id, _PROMOTED)
-                del self._unadmitted[request_id]
 
     def _on_timer(self, session: Session, kind: TimerKind) -> None:
         """A timer of ``session`` came up (`tick`)."""
