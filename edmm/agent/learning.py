@@ -61,9 +61,10 @@ class Outcomes:
                         self.misses + n * (outcome is Outcome.MISS))
 
     def minus(self, other: Outcomes) -> Outcomes:
-        """These counts without ``other`` (a part of them)."""
-        return Outcomes(self.hits - other.hits, self.partials - other.partials,
-                        self.misses - other.misses)
+        """These counts without ``other``, each at least 0 (``other`` may not be a part of
+        them: counts the pool forgot)."""
+        return Outcomes(max(0, self.hits - other.hits), max(0, self.partials - other.partials),
+                        max(0, self.misses - other.misses))
 
 
 def window_tool(names: Iterable[str]) -> str:
@@ -79,7 +80,9 @@ _Key = tuple[str, str]  # (speculation source name, tool key)
 class UsageStats:
     """Branch outcomes per (speculation source, tool key), pooled over every session seen, and
     per live session (what `SpeculationGate` refines the pool with). A closed session's
-    counts stay in the pool (`forget`)."""
+    counts stay in the pool (`forget`). A key the pool forgets (past ``max_keys``) stays in
+    the live sessions' own counts; if it comes back, the pool without a session's own is
+    counted at no less than 0 each."""
 
     max_keys: int = MAX_KEYS
     _pooled: OrderedDict[_Key, Outcomes] = field(default_factory=OrderedDict)
@@ -102,10 +105,7 @@ class UsageStats:
         """Every other session's outcomes for ``source`` and ``tool`` (the pool without the
         session's own, so the gate does not count them twice)."""
         pooled = self._pooled.get((source, tool), Outcomes())
-        own = self.own(session_id, source, tool)
-        if own.total > pooled.total:  # the pool forgot the key since: only the session's
-            return Outcomes()
-        return pooled.minus(own)
+        return pooled.minus(self.own(session_id, source, tool))
 
     def forget(self, session_id: str) -> None:
         """The session closed: its counts stay in the pool only."""

@@ -84,7 +84,9 @@ def test_usage_stats_forget_the_least_recently_updated_key_past_the_cap() -> Non
     stats.record("s", "predicted", "c", Outcome.MISS)
     assert stats.others("x", "predicted", "b") == Outcomes()
     assert stats.others("x", "predicted", "a") == Outcomes(hits=1, misses=1)
-    assert stats.others("s", "predicted", "b") == Outcomes()  # the session's own outlive it
+    assert stats.own("s", "predicted", "b") == Outcomes(misses=1)  # the session's own stay
+    stats.record("t", "predicted", "b", Outcome.HIT)  # back in the pool, without s's miss
+    assert stats.others("s", "predicted", "b") == Outcomes(hits=1)
 
 
 def test_gate_falls_back_to_the_h200_numbers_until_measured() -> None:
