@@ -648,14 +648,18 @@ class AgentEngine:
         self._by_request[request.request_id] = session.id
 
     def _admission_key(self, session: Session, resume: bool, number: int) -> float | None:
-        """The turn's admission priority (`Request.priority`: lower first, then arrival) under
-        `AgentConfig.admission`; None: the request's own (``arrival``). A turn's key is the
-        arrival number it is ordered as: ``program``, its session's first turn's; ``resumes-
-        first``, ``admission_jump`` turns ahead of its own for a resume; never more than
-        ``admission_jump`` (plus one half, so that a tie goes to the earlier turn) ahead of its
-        own number. As every key is at most its turn's own number, a turn is overtaken only
-        by turns that arrived at most ``admission_jump`` turns after it (None: no bound, a
-        resume is keyed ahead of every turn's own number)."""
+        """The turn's admission priority (`Request.priority`: lower first, then arrival), or
+        None under ``arrival`` (the request's own). Session turns are numbered in arrival
+        order (``number``); a key is the number a turn is ordered as:
+
+        - ``program``: its session's first turn's number;
+        - ``resumes-first``: a resume ahead of every other turn, another turn its own number;
+
+        but never below ``number - admission_jump - 0.5`` (the half: a tie goes to the turn
+        that arrived first). A key is at most its turn's own number, so turn ``j`` goes ahead
+        of an earlier turn ``i`` only if ``j <= i + admission_jump``: no turn is overtaken by
+        more than ``admission_jump`` later ones, whatever its kind. ``admission_jump`` None:
+        no bound (a resume's key under ``resumes-first`` is -1, below every number)."""
         order, jump = self.config.admission, self.config.admission_jump
         if order == "arrival":
             return None
