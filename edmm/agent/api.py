@@ -36,6 +36,7 @@ from edmm.agent.errors import (
     UnknownToolCallError,
 )
 from edmm.agent.gate import BranchPlan
+from edmm.agent.learning import Outcome, ToolDurations, UsageStats, window_tool
 from edmm.agent.owners import OwnerStats, OwnerUsage
 from edmm.agent.prompt_index import PromptIndex
 from edmm.agent.render import PromptRenderer, TemplateRenderer, TokenRenderer
@@ -43,6 +44,7 @@ from edmm.agent.retention import RETENTION_POLICIES, PausedSession
 from edmm.agent.session import Session
 from edmm.agent.speculation import (
     SPECULATION_SOURCES,
+    Branch,
     PromptSource,
     Speculation,
     SpeculationSource,
@@ -82,8 +84,6 @@ S = SessionState
 T = TimerKind
 _BUSY = (S.GENERATING, S.RESUMING)
 _CLOSABLE = (S.FINISHED, S.ABANDONED)  # what an owner at its session quota gives up first
-DURATION_EMA = 0.5  # weight of the newest observed duration of a tool
-_PROMOTED = -1.0  # admission priority of an overdue turn: ahead of every order's (all >= 0)
 
 
 class AgentEngine:
@@ -125,12 +125,12 @@ class AgentEngine:
         self._owners: dict[str | None, OwnerUsage] = {}
         self._page_tokens = max(1, self.engine.kv.tokens_in_pages(1))
         self._pool_pages = self.engine.kv.stats().pages_total
-        self._ordinals = itertools.count()  # sessions' start order (program-level FCFS)
-        self._unadmitted: dict[str, float] = {}  # request id -> when queued (admission bound)
+        self._turns = itertools.count()  # session turns' arrival numbers (admission order)
         self._by_request: dict[str, str] = {}  # request id -> session id
         self._closed_totals: Counter[str] = Counter()  # counters of closed sessions
         self._tools: dict[str, ToolSpec] = {}
-        self._durations: dict[str, float] = {}  # tool name -> EMA of observed seconds
+        self._durations = ToolDurations()  # per tool name: a log-normal of its seconds
+        self._usage_stats = UsageStats()  # branch outcomes per (source, tool), all sessions
         self._memo: dict[tuple[str, str], ToolContent] = {}  # idempotent calls' results
         tok = self.engine.tokenizer  # template renders reuse the ids of earlier ones
         self._encoder = PromptEncoder(tok) if tok is not None else None
@@ -159,9 +159,10 @@ class AgentEngine:
         session = self._sessions.get(session_id)
         if session is not None:
             session.require(S.FINISHED, "a new turn")
+        number = next(self._turns)
         if session is None:
-            session = Session(session_id, owner=owner, ordinal=next(self._ordinals))
-        self._submit_turn(session, request, claim=(), resume=False)
+            session = Session(session_id, owner=owner, ordinal=number)
+        self._submit_turn(session, request, claim=(), resume=False, number=number)
         session.transition(S.GENERATING)
         self._touch(session)
 
@@ -206,10 +207,8 @@ class AgentEngine:
         paused sessions near their tool's expected return after it. Returns the outputs of
         requests that got a token."""
         self.tick()
-        self._promote_overdue()
         outputs = self.engine.step()
         for out in outputs:
-            self._unadmitted.pop(out.request_id, None)
             session_id = self._by_request.get(out.request_id)
             if session_id is not None:
                 self._on_output(self._sessions[session_id], out)
@@ -244,7 +243,6 @@ class AgentEngine:
     def abort(self, request_id: str) -> bool:
         """Stop a request; its session (if any) becomes FINISHED. False if unknown."""
         session_id = self._by_request.pop(request_id, None)
-        self._unadmitted.pop(request_id, None)
         found = self.engine.abort(request_id)
         if session_id is not None:
             session = self._sessions[session_id]
@@ -279,7 +277,10 @@ class AgentEngine:
         the next prompt with the chat template; without them the next prompt follows
         ``layout`` (token ids). ``predictions``: call id -> predicted result.
         ``deadline_s``: seconds until the session is abandoned (default: the config's).
-        Raises `SessionStateError` unless the session's turn has finished,
+        ``expected_duration_s``: the client's estimate of how long the tools run; None: the
+        median of each tool's learned durations once trusted, else its declared one
+        (`declare_tool`), the longest of the calls' (it ranks the session's KV and times its
+        prefetch). Raises `SessionStateError` unless the session's turn has finished,
         `UnknownToolCallError` for predictions or positions of other calls,
         `InsertionPositionError` for a layout position outside the context.
         """
@@ -429,7 +430,7 @@ class AgentEngine:
         self._learn(window, results, started)
         claim = tuple(SessionTag.branch(session_id, key) for key in sorted(window.branches))
         self._close_window(session)
-        self._submit_turn(session, request, claim, resume=True)
+        self._submit_turn(session, request, claim, resume=True, number=next(self._turns))
         session.resume_started = started
         session.transition(S.RESUMING)
         self._touch(session)
@@ -522,9 +523,9 @@ class AgentEngine:
         session = self._get(session_id)
         if session.request_id is not None:
             self._by_request.pop(session.request_id, None)
-            self._unadmitted.pop(session.request_id, None)
             self.engine.abort(session.request_id)
         self._drop_kv(session)
+        self._usage_stats.forget(session_id)
         self._closed_totals.update(_counters(session.metrics))
         self._close_window(session)
         self._timers.cancel(session_id)
@@ -625,16 +626,12 @@ class AgentEngine:
                                 self.config.reserialize_arguments, self._encoder)
 
     def _submit_turn(self, session: Session, request: Request, claim: tuple[SessionTag, ...],
-                     resume: bool) -> None:
-        """Queue a turn whose slot is the session's (tagged) and may adopt ``claim``, at its
-        place in the `AgentConfig.admission` order."""
-        order = self.config.admission
-        if order == "program":
-            request = dataclasses.replace(request, priority=float(session.ordinal))
-        elif order == "resumes-first":
-            request = dataclasses.replace(request, priority=0.0 if resume else 1.0)
-        if order != "arrival" and self.config.admission_bound_s is not None:
-            self._unadmitted[request.request_id] = self._clock()
+                     resume: bool, number: int) -> None:
+        """Queue a turn (the ``number``-th session turn to arrive) whose slot is the session's
+        (tagged) and may adopt ``claim``, at its place in the `AgentConfig.admission` order."""
+        key = self._admission_key(session, resume, number)
+        if key is not None:
+            request = dataclasses.replace(request, priority=key)
         rank, priority = self._retention.retention(
             PausedSession(len(request.prompt_token_ids), False, None))
         self.engine.submit(request, SlotHints(SessionTag.session(session.id), rank, priority, claim,
@@ -649,6 +646,27 @@ class AgentEngine:
         session.context = prompt  # the request's own list, never changed: no copy of it
         session.prompt_len = len(prompt)
         self._by_request[request.request_id] = session.id
+
+    def _admission_key(self, session: Session, resume: bool, number: int) -> float | None:
+        """The turn's admission priority (`Request.priority`: lower first, then arrival), or
+        None under ``arrival`` (the request's own). Session turns are numbered in arrival
+        order (``number``); a key is the number a turn is ordered as:
+
+        - ``program``: its session's first turn's number;
+        - ``resumes-first``: a resume ahead of every other turn, another turn its own number;
+
+        but never below ``number - admission_jump - 0.5`` (the half: a tie goes to the turn
+        that arrived first). A key is at most its turn's own number, so turn ``j`` goes ahead
+        of an earlier turn ``i`` only if ``j <= i + admission_jump``: no turn is overtaken by
+        more than ``admission_jump`` later ones, whatever its kind. ``admission_jump`` None:
+        no bound (a resume's key under ``resumes-first`` is -1, below every number)."""
+        order, jump = self.config.admission, self.config.admission_jump
+        if order == "arrival":
+            return None
+        earliest = -1.0 if jump is None else number - jump - 0.5
+        if order == "program":
+            return max(float(session.ordinal), earliest)
+        return earliest if resume else float(number)
 
     def _touch(self, session: Session) -> None:
         """Make ``session`` the most recently used; while more than ``max_sessions`` are
@@ -729,15 +747,23 @@ class AgentEngine:
         session.transition(S.GENERATING)
 
     def _classify(self, session: Session, hit: PrefixHit | None, prompt_len: int) -> None:
-        """Speculation hit (a branch matched entirely), partial, or miss."""
+        """Speculation hit (a branch matched entirely), partial, or miss, for the session's
+        counters; and each branch's own outcome (the committed one's hit or partial, a miss
+        for every other) for its source and tool (`UsageStats`)."""
         assert session.window is not None
         if not session.window.branches:
             return
-        branches = {SessionTag.branch(session.id, k) for k in session.window.branches}
+        claimed = None
+        for key, branch in session.window.branches.items():
+            outcome = Outcome.MISS
+            if hit is not None and hit.claimed == SessionTag.branch(session.id, key):
+                full = hit.num_tokens >= min(hit.source_tokens, prompt_len - 1)
+                claimed = outcome = Outcome.HIT if full else Outcome.PARTIAL
+            self._usage_stats.record(session.id, branch.source, branch.tool, outcome)
         m = session.metrics
-        if hit is None or hit.claimed not in branches:
+        if claimed is None:
             m.spec_misses += 1
-        elif hit.num_tokens >= min(hit.source_tokens, prompt_len - 1):
+        elif claimed is Outcome.HIT:
             m.spec_hits += 1
         else:
             m.spec_partial += 1
@@ -746,35 +772,42 @@ class AgentEngine:
                      hook: Callable[[SpeculationSource], list[Speculation]]) -> None:
         for source in self._sources:
             for spec in hook(source):
-                self._speculate(session, spec)
+                self._speculate(session, spec, source.name)
 
-    def _speculate(self, session: Session, spec: Speculation) -> None:
-        assert session.window is not None
+    def _speculate(self, session: Session, spec: Speculation, source: str) -> None:
+        window = session.window
+        assert window is not None
         if not spec.token_ids or len(spec.token_ids) > self.engine.max_model_len:
             return
         tag = SessionTag.branch(session.id, spec.key)
+        calls = window.calls.values() if spec.call_id is None else [window.calls[spec.call_id]]
+        branch = Branch(source, window_tool(c.name for c in calls))
         # The branch extends the session's KV (all of its context but the last token, which
         # has none): dropped if that KV is gone by the time it is admitted.
         base = min(common_prefix_len(session.context, spec.token_ids), len(session.context) - 1)
-        if not self._branch_pays(session, len(spec.token_ids) - max(base, 0), max(base, 0)):
+        if not self._branch_pays(session, branch, len(spec.token_ids) - max(base, 0),
+                                 max(base, 0)):
             session.metrics.spec_gated += 1
             return
         self.engine.speculate(_spec_id(tag), spec.token_ids,
                               SlotHints(tag, EntryRank.SPECULATIVE, min_cached=max(base, 0),
                                         cache_salt=session.cache_salt,
                                         stale_tag=SessionTag.lost(session.id)))
-        session.window.branches.add(spec.key)
+        window.branches[spec.key] = branch
 
-    def _branch_pays(self, session: Session, new_tokens: int, base: int) -> bool:
-        """The config's gate on a branch of ``new_tokens`` over ``base`` tokens of the
-        session's KV (no gate: always)."""
+    def _branch_pays(self, session: Session, branch: Branch, new_tokens: int,
+                     base: int) -> bool:
+        """The config's gate on ``branch``, of ``new_tokens`` over ``base`` tokens of the
+        session's KV, judged on how that source's branches for that tool fared (no gate:
+        always)."""
         gate = self.config.speculation_gate
         if gate is None:
             return True
-        m, kv = session.metrics, self.engine.kv
+        kv, stats = self.engine.kv, self._usage_stats
         plan = BranchPlan(
             new_tokens=new_tokens, shared_pages=kv.layout().full_pages(base),
-            hits=m.spec_hits, partials=m.spec_partial, misses=m.spec_misses,
+            others=stats.others(session.id, branch.source, branch.tool),
+            own=stats.own(session.id, branch.source, branch.tool),
             engine_idle=not self.engine.has_unfinished(),
             padding_free=self.engine.padding_free,
             token_s=self.engine.step_cost.per_token_s(), page_s=kv.page_seconds())
@@ -795,18 +828,6 @@ class AgentEngine:
         if session.window is not None:
             self._drop_branches(session, session.window)
         self.engine.kv.discard([SessionTag.session(session.id), SessionTag.lost(session.id)])
-
-    def _promote_overdue(self) -> None:
-        """Turns waiting for their first token longer than `AgentConfig.admission_bound_s`
-        go ahead of every turn that has not waited so long."""
-        bound = self.config.admission_bound_s
-        if bound is None or not self._unadmitted:
-            return
-        now = self._clock()
-        for request_id, queued in list(self._unadmitted.items()):
-            if now - queued >= bound:
-                self.engine.reprioritize(request_id, _PROMOTED)
-                del self._unadmitted[request_id]
 
     def _on_timer(self, session: Session, kind: TimerKind) -> None:
         """A timer of ``session`` came up (`tick`)."""
@@ -963,11 +984,12 @@ class AgentEngine:
             self._release(session)
 
     def _expected_duration(self, calls: Iterable[ToolCall]) -> float | None:
-        """The longest expected duration among the calls' tools (learned, else declared)."""
+        """The longest expected duration among the calls' tools: the median of its learned
+        durations once trusted (`ToolDurations`), else the declared one (`ToolSpec`)."""
         known = []
-        for call in calls:
-            learned = self._durations.get(call.name)
-            spec = self._tools.get(call.name)
+        for name in {call.name for call in calls}:
+            learned = self._durations.median(name)
+            spec = self._tools.get(name)
             declared = spec.expected_duration_s if spec is not None else None
             value = learned if learned is not None else declared
             if value is not None:
@@ -985,13 +1007,16 @@ class AgentEngine:
         return out
 
     def _learn(self, window: ToolWindow, results: Sequence[ToolResult], now: float) -> None:
-        """Observed tool durations (EMA per tool) and results of idempotent tools (memo)."""
-        elapsed = now - window.started
+        """The window's duration, as an observation of its tool (`ToolDurations`), and results
+        of idempotent tools (memo). Only a window whose calls are all of one tool is an
+        observation: the resume of calls of several tools comes when the slowest returns,
+        which says nothing of the others' times. (A window abandoned at its deadline is not
+        one either: its duration is only known to be longer.)"""
+        names = {call.name for call in window.calls.values()}
+        if len(names) == 1:
+            self._durations.observe(names.pop(), now - window.started)
         for r in results:
             call = window.calls[r.call_id]
-            old = self._durations.get(call.name)
-            self._durations[call.name] = elapsed if old is None else \
-                DURATION_EMA * elapsed + (1 - DURATION_EMA) * old
             spec = self._tools.get(call.name)
             if spec is not None and spec.cacheable and (key := call.memo_key()) is not None:
                 self._memo[key] = r.content

@@ -9,8 +9,24 @@ tokens it computed beyond the session's KV; it costs engine time whether or not 
 - the prefill of its tokens, unless they ride in the padding of CUDA-graph steps that compute
   that many tokens anyway (``padding_free``) or the engine has nothing else to run.
 
-Expected saving = P(used) x new tokens x the cost of a token in a step; P(used) is the
-session's own history of hits (partials count half) with a prior of one hit in two resumes.
+Expected saving = P(used) x new tokens x the cost of a token in a step. P(used) is estimated
+per (speculation source, tool) (`edmm.agent.learning.UsageStats`), as a shrunk (hierarchical)
+estimate: the other sessions' branches of that source for that tool give a pooled rate, with a
+Beta prior of one use in two (``prior_hits`` in ``prior_resumes``), and that rate is the prior
+of the session's own branches of the source for the tool, worth ``session_weight`` of them
+(partials count half)::
+
+    pooled = (others.used + prior_hits) / (others.total + prior_resumes)
+    P(used) = (own.used + session_weight * pooled) / (own.total + session_weight)
+
+Pooled because a session has too few resumes to move a prior (2-3 in a short job): what one
+source guessed for one tool on the other sessions of an agent says more about the next branch
+than the session's own count; per source and per tool because sources and tools differ (a
+template prefix is almost always used, a predicted result of a flaky tool seldom), and a hit of
+one must not lift another. Refined by the session's own because clients differ (one predicts
+results well, another never): after ``session_weight`` resumes the session's own history
+counts as much as the pool. With the defaults, with no history or only the session's own, this
+is the per-session estimate with a prior of one hit in two resumes.
 The gate is the one owner of this decision; the agent layer asks it before each branch
 (`AgentEngine`), with the costs measured on this engine (`BranchPlan`): the seconds per token
 of its steps (`edmm.engine.step_cost.StepCostModel`) and per page of its arena's maps and
@@ -26,6 +42,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from edmm.agent.learning import Outcomes
 from edmm.engine.kv_policy import AdoptionCost
 
 PREFILL_TOKEN_S = 16e-3 / 511  # docs/design.md, H200: (39 ms - 23 ms) / 511 tokens
@@ -34,13 +51,14 @@ PREFILL_TOKEN_S = 16e-3 / 511  # docs/design.md, H200: (39 ms - 23 ms) / 511 tok
 @dataclass(frozen=True)
 class BranchPlan:
     """What a speculation branch would do: ``new_tokens`` computed beyond the session's KV,
-    on a branch mapping ``shared_pages`` pages of the session's prefix."""
+    on a branch mapping ``shared_pages`` pages of the session's prefix; and how the branches of
+    its source for its tool fared before (``others``: on the other sessions; ``own``: on this
+    one)."""
 
     new_tokens: int
     shared_pages: int
-    hits: int  # the session's past resumes that adopted a branch entirely
-    partials: int  # that adopted part of one
-    misses: int  # that had branches and used none
+    others: Outcomes
+    own: Outcomes
     engine_idle: bool  # no request waits or runs now: the prefill costs nothing else
     padding_free: bool  # the engine fills CUDA-graph padding with speculation
     token_s: float | None = None  # measured seconds per token of a step (None: not yet)
@@ -55,11 +73,13 @@ class SpeculationGate:
     driver: AdoptionCost = field(default_factory=AdoptionCost)
     prior_hits: float = 1.0
     prior_resumes: float = 2.0
+    session_weight: float = 2.0
 
     def p_used(self, plan: BranchPlan) -> float:
-        """The session's estimated probability that its next branch is adopted."""
-        used = plan.hits + 0.5 * plan.partials + self.prior_hits
-        return used / (plan.hits + plan.partials + plan.misses + self.prior_resumes)
+        """The estimated probability that the branch is adopted (module docstring)."""
+        others, own = plan.others, plan.own
+        pooled = (others.used + self.prior_hits) / (others.total + self.prior_resumes)
+        return (own.used + self.session_weight * pooled) / (own.total + self.session_weight)
 
     def saving_s(self, plan: BranchPlan) -> float:
         """Expected prefill time saved at the resume."""

@@ -40,7 +40,7 @@ class Session:
     previous: list[int] = field(default_factory=list)  # context before the running turn
     owner: str | None = None  # the client it belongs to (opaque to the agent layer)
     cache_salt: str | None = None  # its last turn's (`Request.cache_salt`): speculation's too
-    ordinal: int = 0  # the order it started in among the agent engine's sessions
+    ordinal: int = 0  # the arrival number of its first turn among all sessions' turns
     ended_at: float | None = None  # FINISHED, its end not reported yet: clock time it ended
     unreported: bool = False  # its last turn finished, `end_turn` / `await_tools` not called
     demoted: bool = False  # AWAITING_TOOL past its owner's fair share: its KV not retained

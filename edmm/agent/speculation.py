@@ -37,7 +37,16 @@ class ToolWindow:
     closed: set[str] = field(default_factory=set)  # calls whose streamed output is complete
     max_tokens: int | None = None  # the longest prompt worth speculating (the context)
     predicted_prompt: list[int] | None = None  # the whole next prompt, as the client predicts
-    branches: set[str] = field(default_factory=set)  # keys of the speculations started
+    branches: dict[str, Branch] = field(default_factory=dict)  # speculations started, by key
+
+
+@dataclass(frozen=True)
+class Branch:
+    """Where a speculation branch came from: the source that offered it and the tool key it
+    speculates on (`edmm.agent.learning.window_tool`), what its outcome is counted under."""
+
+    source: str
+    tool: str
 
 
 MAX_CHARS_PER_TOKEN = 32  # a bound on text one token covers: past budget * this, stop folding
@@ -119,10 +128,12 @@ def _last_boundary(text: str) -> int:
 
 @dataclass(frozen=True)
 class Speculation:
-    """A probable next prompt (or its first part) to prefill in the branch named ``key``."""
+    """A probable next prompt (or its first part) to prefill in the branch named ``key``;
+    ``call_id``: the one call whose result it speculates on (None: the window's calls)."""
 
     key: str
     token_ids: list[int]
+    call_id: str | None = None
 
 
 class SpeculationSource(abc.ABC):
@@ -181,7 +192,7 @@ class StreamedSource(SpeculationSource):
             results[call_id] = []
             fold.head = window.renderer.render(results, stop_after=call_id)
         ids = fold.extend(chunk, window.renderer.encode_content, window.max_tokens)
-        return [] if ids is None else [Speculation(f"{self.name}:{call_id}", ids)]
+        return [] if ids is None else [Speculation(f"{self.name}:{call_id}", ids, call_id)]
 
 
 @SPECULATION_SOURCES.register("predicted")

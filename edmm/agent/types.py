@@ -112,8 +112,8 @@ class ToolSpec:
     """What is known of a tool before it runs.
 
     ``cacheable``: idempotent (same arguments, same result): real results are memoised and
-    predicted for later calls. ``expected_duration_s``: a prior for the retention policy (the
-    observed durations of the tool's calls are learned on top).
+    predicted for later calls. ``expected_duration_s``: a prior for the retention policy and
+    the prefetch, until the tool's own durations are learned (`edmm.agent.learning`).
     """
 
     name: str
@@ -217,10 +217,10 @@ class AgentConfig:
             ``"arrival"``: each turn in its own arrival order (first come, first served, as
             engines do today); ``"program"``: program-level first come, first served
             (Continuum's scheduling): a session's turns in the order the sessions started, so
-            a resume goes ahead of the turns of every session that started after it;
+            a resume goes ahead of the turns of sessions that started after it;
             ``"resumes-first"``: resumes (whose context has KV resident, on the host or in a
-            branch: a short prefill) ahead of new turns (a cold prompt), arrival order within
-            each.
+            branch: a short prefill) ahead of other turns (a cold prompt). Both within
+            ``admission_jump``.
         report_window_s: a session whose turn just finished is held like one awaiting a tool
             of unknown duration for up to this many seconds, until its caller reports how the
             turn ended (`AgentEngine.await_tools`, or `AgentEngine.end_turn`: no tool call).
@@ -229,10 +229,12 @@ class AgentConfig:
             evicted (and not offloaded) when other sessions' KV is retained. 0: not held.
         quota: what one owner (a client) may hold (`edmm.agent.owners.KeyQuota`), checked
             by `AgentEngine.admit`; the default bounds nothing.
-        admission_bound_s: under the ``program`` and ``resumes-first`` orders, a turn that has
-            waited this many seconds for its first token goes ahead of every turn that has not
-            (arrival order among them): a bound on how long an order that favours some
-            sessions can starve the others when memory is short. None: no bound.
+        admission_jump: under the ``program`` and ``resumes-first`` orders, how far a turn
+            may jump the queue: it goes ahead of at most the ``admission_jump`` turns that
+            arrived just before it, so every turn, first turns included, is overtaken by at
+            most ``admission_jump`` turns that arrived after it, however many resumes keep
+            arriving and however short memory is (turns are counted, not seconds, so the bound
+            holds at any load and time scale). 0: arrival order; None: no bound.
 
     ``AgentConfig.off()`` is EDMM off: no speculation, paused sessions' KV a plain LRU entry.
     """
@@ -246,7 +248,7 @@ class AgentConfig:
     prefetch: bool = True
     speculation_gate: SpeculationGate | None = None
     admission: str = "program"
-    admission_bound_s: float | None = 0.5
+    admission_jump: int | None = 8
     report_window_s: float = 5.0
     quota: KeyQuota = field(default_factory=KeyQuota)
 
@@ -260,9 +262,9 @@ class AgentConfig:
         if self.admission not in ADMISSION_ORDERS:
             raise EngineConfigError(f"admission must be one of {ADMISSION_ORDERS}, "
                                     f"got {self.admission!r}")
-        if self.admission_bound_s is not None and not self.admission_bound_s > 0:
+        if self.admission_jump is not None and self.admission_jump < 0:
             raise EngineConfigError(
-                f"admission_bound_s must be > 0 or None, got {self.admission_bound_s}")
+                f"admission_jump must be >= 0 or None, got {self.admission_jump}")
         if self.report_window_s < 0:
             raise EngineConfigError(f"report_window_s must be >= 0, got {self.report_window_s}")
         if self.max_sessions < 1:

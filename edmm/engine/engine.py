@@ -401,12 +401,6 @@ class Engine:
         self._states.pop(request_id, None)
         return self._scheduler.abort(request_id) is not None
 
-    def reprioritize(self, request_id: str, priority: float) -> bool:
-        """Change a queued or running request's admission priority (`Request.priority`);
-        False if it is unknown or finished."""
-        check_priority(priority)
-        return self._scheduler.reprioritize(request_id, priority)
-
     def has_unfinished(self) -> bool:
         """True while any request waits or runs, or a launched step has a running request's
         output to give (speculative prefills aside, as they are for the scheduler)."""

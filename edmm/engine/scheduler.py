@@ -252,20 +252,6 @@ class Scheduler:
         """True while any speculative prefill waits or runs."""
         return bool(self.spec_waiting or self.spec_running)
 
-    def reprioritize(self, request_id: str, priority: float) -> bool:
-        """Change a request's admission priority (a waiting one moves to its new place);
-        False if it is unknown, finished or a speculative prefill."""
-        seq = self._seqs.get(request_id)
-        if seq is None or seq.is_speculative:
-            return False
-        if seq.status == SequenceStatus.WAITING:
-            self.waiting.remove(seq)
-            seq.priority = priority
-            self.waiting.push(seq)
-        else:
-            seq.priority = priority  # its place if it is preempted
-        return True
-
     def finish(self, seq: Sequence, reason: str) -> None:
         """Stop a sequence (``reason``: a FinishReason value, ABORTED or SPECULATED) and
         release its slot (to the prefix cache, with the sequence's slot hints); tokens still

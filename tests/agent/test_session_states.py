@@ -329,33 +329,67 @@ def test_resumes_first_puts_a_later_sessions_resume_ahead_of_a_new_turn(
         run(agent)
 
 
-@pytest.mark.parametrize("bound,first", [(1.0, "young-t1"), (None, "old-t1")])
-def test_an_overdue_turn_goes_ahead_of_the_order(make_agent: MakeAgent, bound: float | None,
-                                                 first: str) -> None:
-    """Program order admits the older session first, unless the younger one's resume has
-    waited past `AgentConfig.admission_bound_s`."""
-    clock = FakeClock()
-    agent = make_agent(AgentConfig(admission="program", admission_bound_s=bound), clock=clock,
-                       max_num_seqs=1)
-    agent.add_request("old-t0", PROMPT, greedy(), session_id="old")
+@pytest.mark.parametrize("jump,first", [(0, "young-t1"), (1, "young-t1"), (2, "old-t1"),
+                                        (None, "old-t1")])
+def test_a_turn_jumps_at_most_admission_jump_turns(make_agent: MakeAgent, jump: int | None,
+                                                   first: str) -> None:
+    """Program order admits the older session's later turn ahead of the younger session's
+    resume that arrived one turn before it, only where `AgentConfig.admission_jump` lets it
+    jump that far (the resume itself is ordered as its session's first turn, one turn
+    back)."""
+    agent = make_agent(AgentConfig(admission="program", admission_jump=jump), max_num_seqs=1)
+    agent.add_request("old-t0", PROMPT, greedy(), session_id="old")  # turn 0
     run(agent)
-    paused(agent, "young")
+    paused(agent, "young")  # turn 1
     blocker = "block"
     agent.add_request(blocker, [*range(200, 240)], greedy(40))  # holds the only running seat
     agent.step()
-    agent.resume("young", "young-t1", [ToolResult("c1", [7, 8, 9])], greedy())
-    clock.advance(2.0)  # young's resume is overdue (with a bound)
-    agent.add_request("old-t1", [*agent.session_context("old"), 5], greedy(), session_id="old")
+    agent.resume("young", "young-t1", [ToolResult("c1", [7, 8, 9])], greedy())  # turn 2
+    agent.add_request("old-t1", [*agent.session_context("old"), 5], greedy(),
+                      session_id="old")  # turn 3
     agent.abort(blocker)
     assert next(out.request_id for out in agent.step()) == first
     run(agent)
 
 
-def test_an_unknown_admission_order_or_bound_is_refused() -> None:
+def _admission_order(agent: AgentEngine) -> list[str]:
+    """Step until every request finished; request ids in the order of their first token."""
+    order: list[str] = []
+    while agent.has_unfinished():
+        order += [out.request_id for out in agent.step() if out.request_id not in order]
+    return order
+
+
+@pytest.mark.parametrize("admission", ["program", "resumes-first"])
+@pytest.mark.parametrize("jump,place", [(0, 0), (3, 3), (None, 6)])
+def test_a_first_turn_waits_behind_at_most_admission_jump_later_resumes(
+        make_agent: MakeAgent, admission: str, jump: int | None, place: int) -> None:
+    """A new session's first turn queued while older sessions' resumes keep arriving after it
+    (memory or seats short: one request at a time) is admitted behind at most
+    `AgentConfig.admission_jump` of them, however long the stream and whatever the clock
+    says; without a bound, behind all of them."""
+    clock = FakeClock()  # time stands still: no bound in seconds would promote it
+    agent = make_agent(AgentConfig(speculation=(), admission=admission, admission_jump=jump),
+                       clock=clock, max_num_seqs=1)
+    for i in range(6):
+        paused(agent, f"old{i}")
+    agent.add_request("block", [*range(200, 240)], greedy(40))  # holds the only running seat
+    agent.step()
+    agent.add_request("new-t0", [*range(60, 90)], greedy(), session_id="new")
+    for i in range(6):
+        agent.resume(f"old{i}", f"old{i}-t1", [ToolResult("c1", [7, 8, 9])], greedy())
+    agent.abort("block")
+    order = _admission_order(agent)
+    assert order.index("new-t0") == place and len(order) == 7
+    resumes = [r for r in order if r != "new-t0"]
+    assert resumes == [f"old{i}-t1" for i in range(6)]  # arrival order among themselves
+
+
+def test_an_unknown_admission_order_or_jump_is_refused() -> None:
     with pytest.raises(EngineConfigError, match="admission"):
         AgentConfig(admission="lifo")
-    with pytest.raises(EngineConfigError, match="admission_bound_s"):
-        AgentConfig(admission_bound_s=0.0)
+    with pytest.raises(EngineConfigError, match="admission_jump"):
+        AgentConfig(admission_jump=-1)
 
 
 def test_find_session_reported_skips_a_turn_whose_end_is_not_reported(
