@@ -579,8 +579,8 @@ class AgentEngine:
                 self.engine.kv.tagged(t) for t in (SessionTag.session(session.id),
                                                    SessionTag.lost(session.id))):
             raise AgentError(f"abandoned session {session.id!r} still holds KV")
-        keys = session.window.branches if session.window is not None else set()
-        owned = live_specs & self._spec_ids(session.id, keys)
+        window = session.window
+        owned = live_specs & (self._spec_ids(session, window) if window is not None else set())
         if owned and session.state != S.AWAITING_TOOL:
             raise AgentError(f"session {session.id!r} speculates in {session.state}")
         return owned
@@ -747,16 +747,22 @@ class AgentEngine:
         session.transition(S.GENERATING)
 
     def _classify(self, session: Session, hit: PrefixHit | None, prompt_len: int) -> None:
-        """Speculation hit (a branch matched entirely), partial, or miss, for the session's
-        counters; and each branch's own outcome (the committed one's hit or partial, a miss
-        for every other) for its source and tool (`UsageStats`)."""
-        assert session.window is not None
-        if not session.window.branches:
+        """Speculation hit (a branch, or the session's slot speculated in place, matched
+        entirely), partial, or miss, for the session's counters; and each speculation's own
+        outcome (the adopted one's hit or partial, a miss for every other) for its source and
+        tool (`UsageStats`)."""
+        window = session.window
+        assert window is not None
+        started = [(SessionTag.branch(session.id, k), b) for k, b in window.branches.items()]
+        if window.in_place is not None and window.in_place_branch is not None:
+            started.append((SessionTag.session(session.id), window.in_place_branch))
+        if not started:
             return
         claimed = None
-        for key, branch in session.window.branches.items():
+        for tag, branch in started:
             outcome = Outcome.MISS
-            if hit is not None and hit.claimed == SessionTag.branch(session.id, key):
+            if hit is not None and hit.claimed == tag and (
+                    tag != SessionTag.session(session.id) or hit.num_tokens > window.own_tokens):
                 full = hit.num_tokens >= min(hit.source_tokens, prompt_len - 1)
                 claimed = outcome = Outcome.HIT if full else Outcome.PARTIAL
             self._usage_stats.record(session.id, branch.source, branch.tool, outcome)
@@ -777,35 +783,79 @@ class AgentEngine:
     def _speculate(self, session: Session, spec: Speculation, source: str) -> None:
         window = session.window
         assert window is not None
-        if not spec.token_ids or len(spec.token_ids) > self.engine.max_model_len:
+        ids = spec.token_ids
+        if not ids or len(ids) > self.engine.max_model_len:
             return
-        tag = SessionTag.branch(session.id, spec.key)
         calls = window.calls.values() if spec.call_id is None else [window.calls[spec.call_id]]
         branch = Branch(source, window_tool(c.name for c in calls))
-        # The branch extends the session's KV (all of its context but the last token, which
-        # has none): dropped if that KV is gone by the time it is admitted.
-        base = min(common_prefix_len(session.context, spec.token_ids), len(session.context) - 1)
-        if not self._branch_pays(session, branch, len(spec.token_ids) - max(base, 0),
-                                 max(base, 0)):
+        # The session's KV: all of its context but the last token, which has none.
+        own = len(session.context) - 1
+        if self._goes_in_place(session, window, spec, own):
+            self._speculate_in_place(session, window, spec, branch, own)
+            return
+        tag = SessionTag.branch(session.id, spec.key)
+        # The branch extends the session's KV: dropped if that KV is gone by the time it is
+        # admitted.
+        base = max(min(common_prefix_len(session.context, ids), own), 0)
+        layout = self.engine.kv.layout()
+        new_pages = self.engine.kv.pages_for(len(ids)) - layout.full_pages(base)
+        if not self._branch_pays(session, branch, len(ids) - base, layout.full_pages(base),
+                                 new_pages):
             session.metrics.spec_gated += 1
             return
-        self.engine.speculate(_spec_id(tag), spec.token_ids,
-                              SlotHints(tag, EntryRank.SPECULATIVE, min_cached=max(base, 0),
+        self.engine.speculate(_spec_id(tag), ids,
+                              SlotHints(tag, EntryRank.SPECULATIVE, min_cached=base,
                                         cache_salt=session.cache_salt,
                                         stale_tag=SessionTag.lost(session.id)))
         window.branches[spec.key] = branch
 
+    def _goes_in_place(self, session: Session, window: ToolWindow, spec: Speculation,
+                       own: int) -> bool:
+        """Whether ``spec`` is prefilled in the session's own slot: it continues all of the
+        session's KV (no fork before its end), and the slot is free for it. One key at a time
+        extends the slot: the first whose speculation continues the session's KV (by default
+        the template source's, whose prompt up to the first result begins every other
+        source's), its later speculations (cutting back only its own speculated tokens), or
+        another key's speculation that continues all the tokens the slot's key asked for (a
+        predicted result after the template: nothing is cut). Every other speculation branches,
+        so no source's guess cuts off tokens another speculated in place."""
+        ids = spec.token_ids
+        if (not self.config.speculate_in_place or own < 1 or len(ids) <= own
+                or common_prefix_len(session.context, ids, own) < own):
+            return False
+        prior = window.in_place_ids
+        return (window.in_place is None or window.in_place == spec.key
+                or common_prefix_len(prior, ids) == len(prior))
+
+    def _speculate_in_place(self, session: Session, window: ToolWindow, spec: Speculation,
+                            branch: Branch, own: int) -> None:
+        """Prefill ``spec`` in the session's own slot after its KV (replacing the window's
+        speculation in place, continued from the tokens the two share)."""
+        ids, kv = spec.token_ids, self.engine.kv
+        start = max(own, common_prefix_len(window.in_place_ids, ids)) if window.in_place else own
+        if not self._branch_pays(session, branch, len(ids) - start, 0,
+                                 kv.pages_for(len(ids)) - kv.pages_for(start)):
+            session.metrics.spec_gated += 1
+            return
+        tag = SessionTag.session(session.id)
+        self.engine.speculate(_spec_id(tag), ids,
+                              SlotHints(tag, EntryRank.SPECULATIVE, min_cached=own,
+                                        cache_salt=session.cache_salt, in_place=True))
+        window.in_place, window.in_place_ids, window.own_tokens = spec.key, list(ids), own
+        window.in_place_branch = branch
+        session.metrics.spec_in_place += 1
+
     def _branch_pays(self, session: Session, branch: Branch, new_tokens: int,
-                     base: int) -> bool:
-        """The config's gate on ``branch``, of ``new_tokens`` over ``base`` tokens of the
-        session's KV, judged on how that source's branches for that tool fared (no gate:
-        always)."""
+                     shared_pages: int, new_pages: int) -> bool:
+        """The config's gate on a speculation of ``new_tokens`` on a slot mapping
+        ``shared_pages`` pages of the session's KV (0 in place) and ``new_pages`` of its own,
+        judged on how ``branch``'s source fared for its tool (no gate: always)."""
         gate = self.config.speculation_gate
         if gate is None:
             return True
         kv, stats = self.engine.kv, self._usage_stats
         plan = BranchPlan(
-            new_tokens=new_tokens, shared_pages=kv.layout().full_pages(base),
+            new_tokens=new_tokens, shared_pages=shared_pages, new_pages=max(new_pages, 0),
             others=stats.others(session.id, branch.source, branch.tool),
             own=stats.own(session.id, branch.source, branch.tool),
             engine_idle=not self.engine.has_unfinished(),
@@ -814,9 +864,12 @@ class AgentEngine:
         return gate.pays(plan)
 
     def _stop_speculation(self, session: Session, window: ToolWindow) -> None:
-        """Stop the window's prefills where they are (their KV stays claimable)."""
-        for key in window.branches:
-            tag = SessionTag.branch(session.id, key)
+        """Stop the window's prefills where they are (their KV stays claimable: a branch's
+        under its tag, the one in place in the session's own entry)."""
+        tags = [SessionTag.branch(session.id, key) for key in window.branches]
+        if window.in_place is not None:
+            tags.append(SessionTag.session(session.id))
+        for tag in tags:
             self.engine.stop_speculation(_spec_id(tag))
             session.metrics.tokens_speculated += self.engine.take_speculated_tokens(tag)
 
@@ -1021,8 +1074,12 @@ class AgentEngine:
             if spec is not None and spec.cacheable and (key := call.memo_key()) is not None:
                 self._memo[key] = r.content
 
-    def _spec_ids(self, session_id: str, keys: Iterable[str]) -> set[str]:
-        return {_spec_id(SessionTag.branch(session_id, k)) for k in keys}
+    def _spec_ids(self, session: Session, window: ToolWindow) -> set[str]:
+        """The ids of the speculations ``window`` may have started."""
+        ids = {_spec_id(SessionTag.branch(session.id, k)) for k in window.branches}
+        if window.in_place is not None:
+            ids.add(_spec_id(SessionTag.session(session.id)))
+        return ids
 
 
 def _recomputed(previous: list[int], prompt: list[int], cached: int) -> int:
@@ -1045,7 +1102,8 @@ def _counters(m: SessionMetrics) -> dict[str, int]:
     return {"turns": m.turns, "resumes": m.resumes, "spec_hits": m.spec_hits,
             "spec_partial": m.spec_partial, "spec_misses": m.spec_misses,
             "tokens_speculated": m.tokens_speculated,
-            "context_tokens_recomputed": m.context_tokens_recomputed, "spec_gated": m.spec_gated}
+            "context_tokens_recomputed": m.context_tokens_recomputed, "spec_gated": m.spec_gated,
+            "spec_in_place": m.spec_in_place}
 
 
 def _check_calls(tool_calls: Sequence[ToolCall]) -> dict[str, ToolCall]:

@@ -5,7 +5,10 @@ tokens it computed beyond the session's KV; it costs engine time whether or not 
 
 - the driver calls of the branch itself: mapping the session's full prefix pages into the
   branch's slot (`KVArena.branch`) and unmapping them when the branch is freed or committed
-  away (per page: `AdoptionCost`'s measured map and unmap times);
+  away (per page: `AdoptionCost`'s measured map and unmap times); a speculation in place
+  (the session's own slot extended, `KVCacheManager.lend`) maps none of them;
+- the pages its new tokens map, wasted when it is not used (mapped, then unmapped by the
+  truncation or eviction of a miss): counted at P(not used);
 - the prefill of its tokens, unless they ride in the padding of CUDA-graph steps that compute
   that many tokens anyway (``padding_free``) or the engine has nothing else to run.
 
@@ -51,9 +54,9 @@ PREFILL_TOKEN_S = 16e-3 / 511  # docs/design.md, H200: (39 ms - 23 ms) / 511 tok
 @dataclass(frozen=True)
 class BranchPlan:
     """What a speculation branch would do: ``new_tokens`` computed beyond the session's KV,
-    on a branch mapping ``shared_pages`` pages of the session's prefix; and how the branches of
-    its source for its tool fared before (``others``: on the other sessions; ``own``: on this
-    one)."""
+    on a branch mapping ``shared_pages`` pages of the session's prefix (0 in place) and
+    ``new_pages`` pages of its own for the new tokens; and how the branches of its source for
+    its tool fared before (``others``: on the other sessions; ``own``: on this one)."""
 
     new_tokens: int
     shared_pages: int
@@ -63,6 +66,7 @@ class BranchPlan:
     padding_free: bool  # the engine fills CUDA-graph padding with speculation
     token_s: float | None = None  # measured seconds per token of a step (None: not yet)
     page_s: tuple[float, float] | None = None  # measured map, unmap seconds per page
+    new_pages: int = 0  # pages mapped for the new tokens (the boundary page's copy included)
 
 
 @dataclass(frozen=True)
@@ -89,7 +93,8 @@ class SpeculationGate:
         """Engine time the branch costs, used or not."""
         map_s, unmap_s = plan.page_s if plan.page_s is not None else (
             self.driver.map_page_us * 1e-6, self.driver.unmap_page_us * 1e-6)
-        driver = plan.shared_pages * (map_s + unmap_s)
+        wasted = (1.0 - self.p_used(plan)) * plan.new_pages
+        driver = (plan.shared_pages + wasted) * (map_s + unmap_s)
         free = plan.engine_idle or plan.padding_free
         return driver + (0.0 if free else plan.new_tokens * self._token_s(plan))
 

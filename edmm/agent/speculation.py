@@ -1,9 +1,11 @@
 """Speculation sources: what to prefill, in a branch, while a session's tools run.
 
 Each source turns the tool window's state into `Speculation`s: token ids of a probable next
-prompt (or of its first part) under a key. The agent layer prefills each in an arena branch at
-low priority; a later speculation under the same key replaces the earlier one and continues from
-its KV. At resume the branch sharing the longest token prefix with the real prompt is committed.
+prompt (or of its first part) under a key. The agent layer prefills each at low priority, in
+the session's own slot when it continues the session's KV (in place: `ToolWindow.in_place`),
+else in an arena branch; a later speculation under the same key replaces the earlier one and
+continues from its KV. At resume the branch (or the session's own slot) sharing the longest
+token prefix with the real prompt is committed, truncated after the match.
 
 Sources are looked up by name in a `Registry` (``SPECULATION_SOURCES``), so a deployment picks
 them by configuration (`AgentConfig.speculation`) and new ones plug in without touching the
@@ -38,6 +40,12 @@ class ToolWindow:
     max_tokens: int | None = None  # the longest prompt worth speculating (the context)
     predicted_prompt: list[int] | None = None  # the whole next prompt, as the client predicts
     branches: dict[str, Branch] = field(default_factory=dict)  # speculations started, by key
+    # The key whose speculation extends the session's own slot (in place), the tokens it asked
+    # for, and the tokens of the session's own KV it continues (its first ``own_tokens``).
+    in_place: str | None = None
+    in_place_ids: list[int] = field(default_factory=list)
+    own_tokens: int = 0
+    in_place_branch: Branch | None = None  # the in-place speculation's source and tool
 
 
 @dataclass(frozen=True)

@@ -144,8 +144,9 @@ class SessionMetrics:
     ``context_tokens_recomputed``: over every finished turn, tokens of the session's previous
     context (prompt + output of its last turn) that the turn's prompt repeated and that were
     computed again rather than reused (a lost context). A resume that commits a
-    speculation branch matching all its tokens is a hit, one matching part of them a partial,
-    and one whose speculation lost to the retained KV (or had none to use) a miss.
+    speculation branch (or the session's slot speculated in place) matching all its tokens is
+    a hit, one matching part of them a partial, and one whose speculation lost to the
+    retained KV (or had none to use) a miss.
     """
 
     session_id: str
@@ -153,12 +154,13 @@ class SessionMetrics:
     resumes: int = 0
     tokens_reused: int = 0
     tokens_recomputed: int = 0
-    tokens_speculated: int = 0  # tokens prefilled into speculation branches
+    tokens_speculated: int = 0  # tokens prefilled by speculation (branches and in place)
     context_tokens_recomputed: int = 0
     spec_hits: int = 0
     spec_partial: int = 0
     spec_misses: int = 0
     spec_gated: int = 0  # branches not started: the gate found them not paying
+    spec_in_place: int = 0  # speculations started in the session's own slot, not a branch
     resume_ttft_s: list[float] = field(default_factory=list)  # resume() to first token
     commit_s: list[float] = field(default_factory=list)  # slot lookup + commit + truncate
     abandoned: bool = False
@@ -186,6 +188,7 @@ class AgentStats:
     tokens_speculated: int = 0
     context_tokens_recomputed: int = 0
     spec_gated: int = 0
+    spec_in_place: int = 0
 
 
 ADMISSION_ORDERS = ("arrival", "program", "resumes-first")
@@ -213,6 +216,11 @@ class AgentConfig:
             resume, as an offloading cache without predictions does).
         speculation_gate: start a speculation branch only where its expected saving exceeds
             its cost (`edmm.agent.gate.SpeculationGate`); None: every branch a source offers.
+        speculate_in_place: a speculation that continues the session's own KV is prefilled in
+            the session's own slot (its driver cost: the new tokens' pages only), not in a
+            branch mapping the session's whole prefix; a miss truncates the slot back to the
+            match at resume. One key of a window at a time (`AgentEngine`). False: every
+            speculation branches.
         admission: the order in which waiting turns are admitted (`ADMISSION_ORDERS`):
             ``"arrival"``: each turn in its own arrival order (first come, first served, as
             engines do today); ``"program"``: program-level first come, first served
@@ -247,6 +255,7 @@ class AgentConfig:
     max_sessions: int = 4096
     prefetch: bool = True
     speculation_gate: SpeculationGate | None = None
+    speculate_in_place: bool = True
     admission: str = "program"
     admission_jump: int | None = 8
     report_window_s: float = 5.0

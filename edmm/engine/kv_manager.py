@@ -13,7 +13,8 @@ The choice between truncating a claimed entry in place and branching from it is 
 named policy, `AdoptionCost`, which the index consults.
 
 The agent layer reaches the tagged entries through the same object (`tagged`, `set_retention`,
-`untag`, `retag`, `discard`, `restore`, `offloaded_tokens`) and asks it what a slot's tokens cost
+`untag`, `retag`, `discard`, `restore`, `offloaded_tokens`; `lend` gives a speculation its
+session's entry to extend in place) and asks it what a slot's tokens cost
 (`layout`, `page_seconds`); a bench holds pages out of use through it (`hold_pages`,
 `release_held`); `stats` returns a `KVStats` snapshot. Nothing outside the engine touches the
 arena or the index: they are private to this object.
@@ -140,8 +141,30 @@ class KVCacheManager:
         self._index.release(slot, tokens, num_tokens, tag, rank, priority, salt)
 
     def drop(self, slot: int) -> None:
-        """Release ``slot`` and its pages outright (never kept as an entry)."""
+        """Release ``slot`` and its pages outright (never kept as an entry); a slot `lend`
+        gave is given back as its entry, cut to its owner's KV."""
         self._index.release(slot, [], 0)
+
+    def lendable(self, tag: CacheTag, tokens: list[int], keep: int,
+                 salt: str | None = None) -> bool:
+        """Whether `lend` would give a speculation of ``tokens`` the entry tagged ``tag``."""
+        return self._index.lendable(tag, tokens, keep, salt)
+
+    def lend(self, tag: CacheTag, tokens: list[int], keep: int,
+             salt: str | None = None) -> PrefixHit:
+        """The slot of the entry tagged ``tag`` for a speculation of ``tokens`` continuing it
+        in place (its speculative tail cut back to the match, never below ``keep`` tokens nor
+        its owner's KV); `free` gives it back as that entry, `drop` cut to its owner's KV. See
+        `PrefixCache.lend`; `PoolExhaustedError` (nothing changed): `make_room` and retry."""
+        return self._index.lend(tag, tokens, keep, salt)
+
+    def tail_pages(self) -> int:
+        """Pages that cache entries' speculative tails (speculated in place) map."""
+        return self._index.tail_pages()
+
+    def pages_for(self, num_tokens: int) -> int:
+        """Pages a slot of ``num_tokens`` tokens maps."""
+        return self._arena.pages_for(num_tokens)
 
     def make_room(self, max_rank: EntryRank = EntryRank.RETAINED,
                   protect: Collection[CacheTag] = (), pages: int | None = None,

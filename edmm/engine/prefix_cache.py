@@ -28,6 +28,17 @@ prefix sit on the copied boundary page). When the sequence extends an entry enti
 turn of an agent loop, a preempted sequence resuming), it adopts the entry's slot instead: no
 copy at all. A commit swaps slots, so the pages the session shared stay shared.
 
+**Speculation in place.** A paused session's speculation that continues the session's own
+tokens need not branch: `lend` hands the session's entry to the speculative prefill as its
+slot (no page mapped but the new tokens'), cut back first to the tokens the speculation
+shares with it (never below the tokens the session computed itself). When the prefill stops
+its slot comes back as the same entry (tag, class, priority as they are then), its tokens
+past the session's own marked as a speculative tail; `drop` (memory pressure) gives it back
+cut to the session's own tokens. A tail is evicted before anything of rank above
+``SPECULATIVE`` (`evict_one` cuts it off, keeping the session's KV), and a claim at resume
+adopts the entry truncated to the match as any claimed entry: a miss cuts the tail back
+exactly.
+
 **Eviction** (`CachePolicy`): an evicted entry goes whole, or, ``tail_first``, loses only the
 private pages asked for from its tail (vLLM's automatic prefix caching), keeping its prefix
 indexed. Pages another slot still maps are never freed by an eviction.
@@ -132,9 +143,14 @@ class _Entry:
     tag: CacheTag | None = None
     rank: EntryRank = EntryRank.PLAIN
     priority: float = 0.0  # within a rank: lower is evicted first
+    own: int | None = None  # tokens of its owner's KV; those after were speculated in place
 
     def eviction_key(self) -> tuple[int, float]:
         return int(self.rank), self.priority
+
+    def tail_key(self) -> tuple[int, float] | None:
+        """The eviction key of its speculative tail (None: it has none)."""
+        return None if self.own is None else (int(EntryRank.SPECULATIVE), self.priority)
 
 
 @dataclass
@@ -196,6 +212,7 @@ class PrefixCache:
         self.trimmed_pages = 0  # pages freed by tail-first evictions
         self._sources: dict[int, _Source] = {}
         self._lru: OrderedDict[int, _Entry] = OrderedDict()  # entries, least recently used first
+        self._lent: dict[int, _Entry] = {}  # slot -> the entry it was, lent to a speculation
         self._index: dict[int, dict[int, None]] = {}  # block hash -> slots holding that chain
         self._pending: dict[int, list[CopyTicket]] = {}  # slot -> copies maybe running on it
         self._shadows: set[int] = set()  # entry slots written behind to the host
@@ -217,7 +234,8 @@ class PrefixCache:
 
     def tags(self) -> set[CacheTag]:
         """The tags of every entry and host record."""
-        return {e.tag for e in self._lru.values() if e.tag is not None} | set(self._offloaded)
+        entries = [*self._lru.values(), *self._lent.values()]
+        return {e.tag for e in entries if e.tag is not None} | set(self._offloaded)
 
     def offloaded_tokens(self, tag: CacheTag) -> int:
         """Tokens of ``tag``'s KV that `restore` would give its entry now (the longest
@@ -257,6 +275,9 @@ class PrefixCache:
         eviction class, or free it."""
         if slot in self._lru:
             raise KVMemoryError(f"slot {slot} is already a cache entry")
+        if slot in self._lent:
+            self._give_back(slot, tokens, num_tokens)
+            return
         if not self.enabled or num_tokens == 0:
             self._unindex(slot)
             self._await(slot)
@@ -275,10 +296,13 @@ class PrefixCache:
         for slot in slots:
             self._lru[slot].rank, self._lru[slot].priority = rank, priority
             self._write_behind(slot)
+        lent = [e for e in self._lent.values() if e.tag == tag]
+        for entry in lent:  # the class it has when the speculation gives it back
+            entry.rank, entry.priority = rank, priority
         off = self._offloaded.get(tag)
         if off is not None:
             off.priority = priority  # what a prefetch of it may evict (`restore`)
-        return len(slots)
+        return len(slots) + len(lent)
 
     def untag(self, tags: Iterable[CacheTag], rank: EntryRank) -> int:
         """Make the entries tagged with any of ``tags`` plain untagged entries of ``rank`` (no
@@ -292,14 +316,19 @@ class PrefixCache:
         self._drop_offloaded(wanted)
         slots = [slot for slot, e in self._lru.items() if e.tag in wanted]
         for slot in slots:
-            self._lru[slot] = _Entry(new_tag, rank)
+            self._lru[slot] = _Entry(new_tag, rank, own=self._lru[slot].own)
             self._shadows.discard(slot)
+        for entry in self._lent.values():  # as they will be given back
+            if entry.tag in wanted:
+                entry.tag, entry.rank, entry.priority = new_tag, rank, 0.0
         return len(slots)
 
     def discard(self, tags: Iterable[CacheTag]) -> int:
         """Free every entry tagged with one of ``tags`` (and drop their host records); return
         how many entries."""
         wanted = set(tags)
+        if any(e.tag in wanted for e in self._lent.values()):
+            raise KVMemoryError("discard of an entry lent to a speculation: stop it first")
         self._drop_offloaded(wanted)
         slots = [slot for slot, e in self._lru.items() if e.tag in wanted]
         for slot in slots:
@@ -402,6 +431,95 @@ class PrefixCache:
             self._lru.move_to_end(source)
         return PrefixHit(slot, n, source, source_tokens=self._sources[source].num_tokens)
 
+    # ------------------------------------------------------------------ speculation in place
+    def lendable(self, tag: CacheTag, tokens: list[int], keep: int,
+                 salt: str | None = None) -> bool:
+        """Whether `lend` would give a speculation of ``tokens`` the entry tagged ``tag``."""
+        return self._lendable(tag, tokens, keep, chain_seed(salt)) is not None
+
+    def lend(self, tag: CacheTag, tokens: list[int], keep: int,
+             salt: str | None = None) -> PrefixHit:
+        """The slot of the entry tagged ``tag`` (the most recent one), for a speculative
+        prefill of ``tokens`` that continues it in place: the entry leaves the index's LRU
+        (nothing can evict or adopt it) and stays a source; tokens it holds past those it shares
+        with ``tokens`` are cut first (`KVArena.truncate`). Only when the shared prefix keeps at
+        least ``keep`` tokens and every token of its owner's own KV (none of those is ever cut:
+        only a speculative tail): check with `lendable`, else `KVMemoryError`.
+        `PoolExhaustedError` from the cut leaves everything unchanged. `release` gives the slot
+        back as the entry it was (its tag, class and priority then), the tokens past its
+        owner's marked as its speculative tail; `release` of 0 tokens (`drop`) gives it back
+        with that tail cut off."""
+        found = self._lendable(tag, tokens, keep, chain_seed(salt))
+        if found is None:
+            raise KVMemoryError(f"no entry tagged {tag!r} that {len(tokens)} tokens continue")
+        slot, n = found
+        held = self._sources[slot].num_tokens
+        self._await(slot)
+        if n < held:  # first: a pool too short for its copy-on-write raises, nothing changed
+            self.arena.truncate(slot, n)
+            self._shrink(slot, n)
+        entry = self._lru.pop(slot)
+        self._shadows.discard(slot)
+        if entry.own is None:
+            entry.own = held
+        self._lent[slot] = entry
+        return PrefixHit(slot, n, slot, tag, held, rank=entry.rank, priority=entry.priority)
+
+    def _lendable(self, tag: CacheTag, tokens: list[int], keep: int,
+                  seed: int) -> tuple[int, int] | None:
+        """``(slot, n)`` of the entry `lend` would give and the tokens it keeps; None if
+        there is none."""
+        if not self.enabled:
+            return None
+        slot = next((s for s, e in reversed(self._lru.items()) if e.tag == tag), None)
+        if slot is None or self._sources[slot].seed != seed:
+            return None
+        src, entry = self._sources[slot], self._lru[slot]
+        n = common_prefix_len(src.tokens, tokens, src.num_tokens)
+        own = src.num_tokens if entry.own is None else entry.own
+        return (slot, n) if n >= max(keep, own) else None
+
+    def _give_back(self, slot: int, tokens: list[int], num_tokens: int) -> None:
+        """A lent slot comes back as its entry, holding ``tokens[:num_tokens]`` (0: its owner's
+        KV only, the tail cut off if the pool allows the cut; else the tail stays, as the
+        owner's)."""
+        entry = self._lent.pop(slot)
+        src = self._sources[slot]
+        if num_tokens:
+            src.tokens = tokens[:num_tokens]  # a private copy, as `release` keeps
+            self._extend(slot, src, num_tokens)
+        else:
+            src.tokens = src.tokens[:src.num_tokens]
+        self._lru[slot] = entry
+        if not num_tokens:
+            self._cut_tail(slot)
+        if entry.own is not None and entry.own >= src.num_tokens:
+            entry.own = None  # nothing was speculated after the owner's KV
+        self._write_behind(slot)
+
+    def _cut_tail(self, slot: int) -> None:
+        """Cut entry ``slot`` back to its owner's KV (it has no speculative tail after);
+        when the pool cannot give the copy-on-write page of the cut, the tail stays, counted
+        as the owner's from now on (valid KV, evicted with the entry)."""
+        entry = self._lru[slot]
+        own, entry.own = entry.own, None
+        assert own is not None
+        if own >= self._sources[slot].num_tokens:
+            return
+        self._await(slot)
+        try:
+            self.arena.truncate(slot, own)
+        except PoolExhaustedError:
+            return
+        self._shrink(slot, own)
+        self._shadows.discard(slot)
+
+    def tail_pages(self) -> int:
+        """Pages that entries' speculative tails map past their owners' KV."""
+        arena = self.arena
+        return sum(len(arena.slot_pages(slot)) - arena.pages_for(e.own)
+                   for slot, e in self._lru.items() if e.own is not None)
+
     # ------------------------------------------------------------------ eviction
     def evict_one(self, max_rank: EntryRank = EntryRank.RETAINED,
                   protect: Collection[CacheTag] = (), pages: int | None = None,
@@ -413,13 +531,18 @@ class PrefixCache:
         has more. False if there is no such entry."""
         victim: int | None = None
         best: tuple[int, float] | None = None
+        tail = False  # the victim is an entry's speculative tail, not the entry
         for slot, entry in self._lru.items():
-            key = entry.eviction_key()
-            if (entry.rank <= max_rank and (best is None or key < best) and slot not in spare
-                    and (entry.tag is None or entry.tag not in protect)):
-                victim, best = slot, key
+            if slot in spare or (entry.tag is not None and entry.tag in protect):
+                continue
+            for key, is_tail in ((entry.tail_key(), True), (entry.eviction_key(), False)):
+                if key is not None and key[0] <= max_rank and (best is None or key < best):
+                    victim, best, tail = slot, key, is_tail
         if victim is None:
             return False
+        if tail:
+            self._cut_tail(victim)
+            return True
         if pages is not None and self.cache_policy.tail_first and self._trim(victim, pages):
             return True
         self._offload(victim)
@@ -507,8 +630,14 @@ class PrefixCache:
         actual = {h: set(slots) for h, slots in self._index.items()}
         if actual != expected:
             raise KVMemoryError("prefix index out of sync with its sources")
-        if not set(self._lru) <= set(self._sources):
+        if not set(self._lru) | set(self._lent) <= set(self._sources):
             raise KVMemoryError("an entry is not indexed")
+        if set(self._lru) & set(self._lent):
+            raise KVMemoryError("a lent entry is in the LRU")
+        for slot, entry in self._lru.items():
+            if entry.own is not None and not 0 < entry.own < self._sources[slot].num_tokens:
+                raise KVMemoryError(f"slot {slot}: speculative tail after {entry.own} of "
+                                    f"{self._sources[slot].num_tokens} tokens")
         if not self._shadows <= set(self._lru):
             raise KVMemoryError("a write-behind mark outlived its entry")
         store = self.offload
@@ -756,6 +885,8 @@ class PrefixCache:
         before = len(mapped)
         arena.truncate(slot, n)
         self._shrink(slot, n)
+        if entry.own is not None and entry.own >= n:
+            entry.own = None  # the trim took the speculative tail
         self.trimmed_pages += before - len(arena.slot_pages(slot))
         return True
 

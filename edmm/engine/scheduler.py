@@ -19,7 +19,10 @@ Each step spends at most ``max_num_batched_tokens`` tokens:
    speculation holds. So under sustained load, when decode steps leave speculation nothing,
    it still runs in the padding of the resumes' and prompts' prefill steps. They never
    sample; once every token has KV the sequence finishes and its slot becomes a tagged
-   `EntryRank.SPECULATIVE` cache entry.
+   `EntryRank.SPECULATIVE` cache entry. One that extends its session's KV in place
+   (`SlotHints.in_place`) runs in the session's own slot (`KVCacheManager.lend`) and gives it
+   back as the session's entry; under memory pressure it is dropped with its tokens cut off,
+   the session's KV kept.
 
 Admission stops at the first sequence whose tokens do not all fit (no sequence overtakes the
 head of the queue, so none starves), so a partially prefilled sequence is always the most
@@ -434,8 +437,7 @@ class Scheduler:
             budget -= n
         while self.spec_waiting and budget > 0 and seqs_left():
             seq = self.spec_waiting[0]
-            if seq.hints.min_cached and self.kv.cached_prefix(
-                    seq.token_ids, seq.num_tokens) < seq.hints.min_cached:
+            if not self._extends_cached(seq):
                 self.finish(seq, ABORTED)  # the KV it extends is gone (SlotHints.min_cached)
                 continue
             chunk = self._admit_speculation(seq, budget)
@@ -452,6 +454,16 @@ class Scheduler:
                 continue
             batch.seqs.append(self._entry(seq, chunk))
             budget -= chunk
+
+    def _extends_cached(self, seq: Sequence) -> bool:
+        """Whether the KV a speculative prefill extends is still there: its first
+        ``min_cached`` tokens in the pool, or (in place) in its session's entry."""
+        h = seq.hints
+        if h.in_place:
+            assert h.tag is not None
+            return self.kv.lendable(h.tag, seq.token_ids, h.min_cached, h.cache_salt)
+        return not h.min_cached or self.kv.cached_prefix(
+            seq.token_ids, seq.num_tokens) >= h.min_cached
 
     def _entry(self, seq: Sequence, n: int) -> ScheduledSeq:
         start = seq.num_computed_tokens
@@ -529,7 +541,8 @@ class Scheduler:
                 hit = self._assign_slot(seq)
                 break
             except (NoFreeSlotError, PoolExhaustedError) as e:
-                if not self._free_for_speculation(pages_short(e)):
+                if not self._free_for_speculation(pages_short(e)) or not self._extends_cached(
+                        seq):  # the room was made from the KV it extends
                     return None
         want = min(seq.num_uncomputed_tokens, budget)
         chunk = self._map_speculation(seq, want) if want else 0
@@ -545,7 +558,7 @@ class Scheduler:
         assert seq.slot is not None
         start = seq.num_computed_tokens
         while True:
-            n = min(want, self._speculation_room(seq.slot) - start)
+            n = min(want, self._speculation_room(seq) - start)
             if n < want and self._free_for_speculation():
                 continue
             if n <= 0:
@@ -557,25 +570,31 @@ class Scheduler:
                 if not self._free_for_speculation(e.shortfall):
                     return 0
 
-    def _speculation_room(self, slot: int) -> int:
-        """Most tokens speculative ``slot`` may hold under ``max_speculative_pages``."""
+    def _speculation_room(self, seq: Sequence) -> int:
+        """Most tokens speculative ``seq``'s slot may hold under ``max_speculative_pages``."""
         cap = self.config.max_speculative_pages
         if cap is None:
             return self.kv.max_tokens
-        mine = self.kv.private_pages(slot)
-        others = self.speculative_pages() - (mine if self._is_speculative_slot(slot) else 0)
-        return self.kv.tokens_in_pages(self.kv.mapped_pages(slot) + cap - others - mine)
+        assert seq.slot is not None
+        mine = self._speculation_pages(seq)
+        others = self.speculative_pages() - (mine if seq in self.spec_running else 0)
+        return self.kv.tokens_in_pages(self.kv.mapped_pages(seq.slot) + cap - others - mine)
 
     def speculative_pages(self) -> int:
-        """Pages held only by speculation (running prefills and speculation entries)."""
-        return sum(self.kv.private_pages(slot) for slot in self._speculative_slots())
+        """Pages held only by speculation (running prefills, speculation entries and the
+        speculative tails of entries extended in place)."""
+        running = sum(self._speculation_pages(s) for s in self.spec_running if s.slot is not None)
+        entries = sum(self.kv.private_pages(slot)
+                      for slot in self.kv.entry_slots(EntryRank.SPECULATIVE))
+        return running + entries + self.kv.tail_pages()
 
-    def _speculative_slots(self) -> list[int]:
-        slots = [s.slot for s in self.spec_running if s.slot is not None]
-        return slots + self.kv.entry_slots(EntryRank.SPECULATIVE)
-
-    def _is_speculative_slot(self, slot: int) -> bool:
-        return slot in self._speculative_slots()
+    def _speculation_pages(self, seq: Sequence) -> int:
+        """Pages speculative ``seq`` holds for itself: its slot's private pages, or in place
+        those past the session's KV it extends."""
+        assert seq.slot is not None
+        if seq.hints.in_place:
+            return max(0, self.kv.mapped_pages(seq.slot) - self.kv.pages_for(seq.hints.min_cached))
+        return self.kv.private_pages(seq.slot)
 
     def _free_for_speculation(self, pages: int | None = None) -> bool:
         """Reclaim retired slots, else evict one speculation or plain entry (never a retained
@@ -597,7 +616,8 @@ class Scheduler:
         return self.kv.make_room(protect=protect, pages=pages, spare=spare)
 
     def _drop(self, seq: Sequence) -> None:
-        """Finish a speculative prefill and free its slot outright (memory pressure)."""
+        """Finish a speculative prefill and free its slot outright (memory pressure); in
+        place, the slot goes back as its session's entry with the speculated tokens cut off."""
         assert seq.slot is not None
         self.kv.drop(seq.slot)
         seq.slot, seq.num_computed_tokens = None, 0
@@ -610,8 +630,13 @@ class Scheduler:
         # A request must compute its last token to get logits: reuse at most num_tokens - 1.
         limit = seq.num_tokens if seq.is_speculative else seq.num_tokens - 1
         t0 = time.perf_counter()
-        hit = self.kv.match(seq.token_ids, limit, seq.hints.claim, seq.hints.tag,
-                            seq.hints.cache_salt)
+        h = seq.hints
+        if h.in_place:
+            assert h.tag is not None
+            hit: PrefixHit | None = self.kv.lend(h.tag, seq.token_ids, h.min_cached,
+                                                 h.cache_salt)
+        else:
+            hit = self.kv.match(seq.token_ids, limit, h.claim, h.tag, h.cache_salt)
         if hit is None:
             seq.slot, seq.num_computed_tokens = self.kv.allocate(), 0
             return None
@@ -634,7 +659,7 @@ class Scheduler:
         """The sequence holds its slot: entries still tagged like it are stale (earlier KV it
         did not adopt) and go under its ``stale_tag``; the first admission's hit is kept."""
         hints = seq.hints
-        if hints.tag is not None:
+        if hints.tag is not None and not hints.in_place:  # in place: its slot is the entry
             stale = EntryRank.SPECULATIVE if seq.is_speculative else EntryRank.PLAIN
             self.kv.mark_stale(hints.tag, stale, hints.stale_tag)
         if seq.num_preemptions == 0:

@@ -47,6 +47,10 @@ class SlotHints:
     ``stale_tag``: the tag that entries still tagged ``tag`` take once the sequence holds its
     slot (earlier KV it did not adopt: still valid, evicted in turn); None: untagged. An agent
     session gives a tag it frees with the session, so closing it frees them too.
+    ``in_place``: a speculative prefill that extends the entry tagged ``tag`` (its session's
+    KV) in its own slot (`KVCacheManager.lend`) instead of a branch of it: dropped at
+    admission unless that entry holds its first ``min_cached`` tokens; its slot goes back as
+    that entry (class and priority its own, not ``rank``/``priority``).
     """
 
     tag: CacheTag | None = None
@@ -56,6 +60,7 @@ class SlotHints:
     min_cached: int = 0
     cache_salt: str | None = None
     stale_tag: CacheTag | None = None
+    in_place: bool = False
 
 
 ABORTED = "abort"  # finish reason of an aborted request (besides FinishReason's stop/length)

@@ -25,7 +25,15 @@ from hypothesis import strategies as st
 from kv_helpers import tiny_engine_config as engine_config
 from tiers import examples
 
-from edmm.agent import AgentEngine, SessionState, SessionTag, TokenLayout, ToolCall, ToolResult
+from edmm.agent import (
+    AgentConfig,
+    AgentEngine,
+    SessionState,
+    SessionTag,
+    TokenLayout,
+    ToolCall,
+    ToolResult,
+)
 from edmm.agent.render import TokenRenderer
 from edmm.engine import Engine
 
@@ -292,10 +300,11 @@ def device(request: pytest.FixtureRequest) -> str:
 def engines(tiny_dir: Path, device: str,
             ) -> Iterator[Callable[..., tuple[AgentEngine, FakeClock]]]:
     clock = FakeClock()
-    built: dict[tuple[int, int, str], AgentEngine] = {}
+    built: dict[tuple[int, int, str, bool], AgentEngine] = {}
 
-    def get(num_pages: int, budget: int, cache: str = "sessions") -> tuple[AgentEngine, FakeClock]:
-        key = (num_pages, budget, cache)
+    def get(num_pages: int, budget: int, cache: str = "sessions",
+            in_place: bool = True) -> tuple[AgentEngine, FakeClock]:
+        key = (num_pages, budget, cache, in_place)
         if key in built and not _clean(built[key]):  # a failed example left state behind
             built.pop(key).close()
         if key not in built:
@@ -304,7 +313,8 @@ def engines(tiny_dir: Path, device: str,
                                    device=device.removesuffix("-async"),
                                    kv_offload_bytes=OFFLOAD_BYTES, kv_cache_policy=cache,
                                    async_scheduling=True if device.endswith("-async") else None)
-            built[key] = AgentEngine(config, clock=clock)
+            built[key] = AgentEngine(config, AgentConfig(speculate_in_place=in_place),
+                                     clock=clock)
         return built[key], clock
 
     yield get
@@ -356,6 +366,23 @@ def test_greedy_outputs_identical_with_edmm_on_and_off(
     rng = random.Random(script.seed)
     plans = [plan(s, rng) for s in script.sessions]
     _compare(*engines(script.num_pages, script.budget), reference_engine(), script, plans)
+
+
+@settings(max_examples=examples(60), deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(script=script_st)
+@example(script=HEAVY)
+def test_greedy_outputs_identical_with_speculation_in_place_on_and_off(
+        engines: Callable[..., tuple[AgentEngine, FakeClock]],
+        reference_engine: Callable[[], Engine], script: Script) -> None:
+    """The same scripts with speculation in place (appended results extend the session's
+    own slot, truncated back on a miss) and with every speculation on a branch: both give the
+    plain engine's tokens."""
+    rng = random.Random(script.seed)
+    plans = [plan(s, rng) for s in script.sessions]
+    for in_place in (True, False):
+        _compare(*engines(script.num_pages, script.budget, in_place=in_place),
+                 reference_engine(), script, plans)
 
 
 SHARED = 20  # tokens of the system prompt every session of the baselines' test starts with

@@ -115,8 +115,10 @@ def test_cost_policy_does_not_favour_calls_past_their_expected_duration() -> Non
 
 
 # ---------------------------------------------------------------------- sources end to end
-def test_predicted_result_hit_prefills_only_the_last_token(make_agent: MakeAgent) -> None:
-    agent = make_agent(AgentConfig(speculation=("predicted",)))
+@pytest.mark.parametrize("in_place", [True, False])
+def test_predicted_result_hit_prefills_only_the_last_token(make_agent: MakeAgent,
+                                                           in_place: bool) -> None:
+    agent = make_agent(AgentConfig(speculation=("predicted",), speculate_in_place=in_place))
     context = first_turn(agent)
     agent.await_tools("s", [ToolCall("c1", "f")], layout=TokenLayout(suffix=SUFFIX),
                       predictions={"c1": RESULT})
@@ -130,7 +132,10 @@ def test_predicted_result_hit_prefills_only_the_last_token(make_agent: MakeAgent
     assert m.tokens_recomputed == 1 and m.tokens_reused == len(prompt) - 1
     assert m.tokens_speculated == len(RESULT) + len(SUFFIX) + 1  # + the context's last token
     assert len(m.commit_s) == 1 and len(m.resume_ttft_s) == 1
-    assert out.prefix_hit is not None and out.prefix_hit.committed  # the old slot retired
+    assert out.prefix_hit is not None
+    # A branch is committed (the session's old slot retired); in place the slot is the same.
+    assert bool(out.prefix_hit.committed) is not in_place
+    assert m.spec_in_place == in_place
     assert out.outputs[0].token_ids == reference_tokens(make_agent, prompt)
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
+import torch
 from kv_helpers import filled, host_arena, kv_values
 
 import edmm.engine.prefix_cache as prefix_cache_module
@@ -166,3 +167,83 @@ def test_common_prefix_len_of_equal_and_changed_lists() -> None:
         changed[i] += 1
         assert common_prefix_len(changed, base) == i
         assert common_prefix_len(packed, changed, 4099) == i
+
+
+def test_a_lent_entry_is_extended_in_place_and_its_tail_evicted_first(arena: KVArena) -> None:
+    """`lend`: the session's own slot for a speculation that continues its KV (no page mapped
+    but the new tokens'); it comes back as the same entry with a speculative tail, which an
+    eviction cuts off before any entry of a higher rank (the session's KV stays)."""
+    from edmm.engine import EntryRank
+    from edmm.memory import KVMemoryError
+
+    cache = PrefixCache(arena, block_size=BLOCK)
+    own = list(range(1, 11))  # the session's KV: 10 tokens, pages 0-1 (8 tokens a page)
+    slot = filled(arena, own)
+    cache.release(slot, own, 10, tag="s", rank=EntryRank.RETAINED, priority=5.0)
+    other = list(range(200, 220))
+    plain = filled(arena, other)
+    cache.release(plain, other, 20)
+    fork = [*own[:6], 77, 78]
+    assert not cache.lendable("s", fork, keep=6)  # forks before the session's KV ends
+    with pytest.raises(KVMemoryError):
+        cache.lend("s", fork, keep=6)
+    spec = [*own, *range(50, 60)]
+    maps = arena.driver.map_pages
+    hit = cache.lend("s", spec, keep=10)
+    assert (hit.slot, hit.num_tokens, hit.claimed, hit.rank) == (slot, 10, "s", EntryRank.RETAINED)
+    assert cache.tagged("s") == [] and "s" in cache.tags()
+    cache.set_retention("s", EntryRank.RETAINED, 9.0)  # while lent: kept for its return
+    with pytest.raises(KVMemoryError):
+        cache.discard(["s"])
+    arena.grow(slot, 20)
+    arena.kv[slot, 10:20] = torch.arange(50, 60, dtype=torch.float32).view(-1, 1, 1, 1, 1)
+    assert arena.driver.map_pages - maps == 1  # page 2 only: no page of the prefix again
+    cache.release(slot, spec, 20, tag="ignored", rank=EntryRank.SPECULATIVE)
+    assert cache.tagged("s") == [slot] and cache.tail_pages() == 1
+    assert cache._lru[slot].own == 10 and cache._lru[slot].priority == 9.0
+    cache.check_integrity()
+    # A second speculation of the same session continues the tail or cuts it back (never
+    # below the session's KV).
+    again = [*own, 50, 51, 99]
+    hit = cache.lend("s", again, keep=10)
+    assert hit.num_tokens == 12 and kv_values(arena, slot) == [*own, 50, 51]
+    cache.release(slot, [], 0)  # dropped: given back cut to the session's KV
+    assert kv_values(arena, slot) == own and cache._lru[slot].own is None
+    hit = cache.lend("s", spec, keep=10)
+    arena.grow(slot, 20)
+    cache.release(slot, spec, 20)
+    # The plain entry ranks below the retained one, but the tail ranks below both.
+    assert cache.evict_one(EntryRank.RETAINED)
+    assert kv_values(arena, slot) == own and cache.tagged("s") == [slot]
+    assert plain in cache.entry_slots()
+    cache.check_integrity()
+
+
+def test_a_tail_that_cannot_be_cut_stays_as_the_owners() -> None:
+    """The cut's copy-on-write needs a page: without one the tail stays (valid KV), counted
+    as the owner's, and the eviction goes on to other entries."""
+    with host_arena(num_pages=11) as arena:
+        _tail_that_cannot_be_cut(arena)
+
+
+def _tail_that_cannot_be_cut(arena: KVArena) -> None:
+    from edmm.engine import EntryRank
+
+    cache = PrefixCache(arena, block_size=BLOCK)
+    own = list(range(1, 13))  # 12 tokens: the frontier page (page 1) is partly the tail's
+    slot = filled(arena, own)
+    cache.release(slot, own, 12, tag="s", rank=EntryRank.RETAINED)
+    spec = [*own, *range(50, 54)]
+    cache.lend("s", spec, keep=12)
+    arena.grow(slot, 16)  # pages 0-1, the tail in page 1
+    cache.release(slot, spec, 16)
+    shared = arena.branch(slot, 16)  # maps pages 0-1: the cut at 12 must copy page 1
+    fillers = [arena.allocate(), arena.allocate()]
+    arena.grow(fillers[0], 64)  # 8 pages
+    arena.grow(fillers[1], 8)  # the last one
+    assert arena.pool.num_free == 0
+    assert cache.evict_one(EntryRank.SPECULATIVE)  # tried, could not cut
+    assert arena.num_tokens(slot) == 16 and cache._lru[slot].own is None
+    cache.check_integrity()
+    for s in (shared, *fillers):
+        arena.free(s)

@@ -145,16 +145,30 @@ class ArenaMachine(RuleBasedStateMachine):
     @rule(data=st.data())
     def truncate(self, data: st.DataObject) -> None:
         slot = self.pick(data, self.model)
+        self.truncate_at(slot, data.draw(st.integers(0, len(self.model[slot].tokens))))
+
+    @precondition(lambda self: self.model)
+    @rule(data=st.data(), extra=st.integers(1, 20))
+    def speculate_in_place(self, data: st.DataObject, extra: int) -> None:
+        """A paused session's slot extended by ``extra`` speculated tokens (append), then cut
+        back at resume to a point at or after its own tokens (a miss: truncate)."""
+        slot = self.pick(data, self.model)
+        own = len(self.model[slot].tokens)
+        self._grow(slot, min(MAX_TOKENS, own + extra))
+        self.truncate_at(slot, data.draw(st.integers(own, len(self.model[slot].tokens))))
+
+    def truncate_at(self, slot: int, n: int) -> None:
+        """Truncate ``slot`` to ``n`` tokens in the arena and the model: copy-on-write of the
+        shared pages from the new frontier on; all or nothing when the pool lacks the copies."""
         m = self.model[slot]
-        n = data.draw(st.integers(0, len(m.tokens)))
         keep = self.pages_for(n)
         pages = m.pages[:keep]
         counts = self.refcounts()
-        frontier = n * SPEC.token_bytes // PAGE  # pages from here on must end up private
-        cow = [i for i in range(frontier, keep) if counts[pages[i]] > 1]
-        freed = sum(counts[p] == 1 for p in m.pages[keep:])
-        if len(cow) > self.pool.num_free + freed:
-            return  # the copies would need pages the pool does not have: not under test here
+        cow = [i for i in range(n * SPEC.token_bytes // PAGE, keep) if counts[pages[i]] > 1]
+        if len(cow) > self.pool.num_free + sum(counts[p] == 1 for p in m.pages[keep:]):
+            with pytest.raises(PoolExhaustedError):
+                self.arena.truncate(slot, n)
+            return
         self.arena.truncate(slot, n)
         for i in cow:
             pages[i] = next(self.fresh)
