@@ -38,7 +38,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 import uuid
 from collections import Counter
@@ -47,6 +46,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from edmm.bench.peers import exit_on_sigterm
 from edmm.bench.results import (
     GROUPS_CAPTION,
     Progress,
@@ -670,7 +670,7 @@ def run_live_bench(cfg: LiveBenchConfig, out_dir: Path) -> dict[str, Path]:
     env = collect_environment(cfg.device)
     paths: dict[str, Path] = {}
     with contextlib.ExitStack() as stack:
-        _exit_on_sigterm(stack)
+        exit_on_sigterm(stack)
         stage_log = None
         if cfg.stages and cfg.url is None:
             stage_log = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "stages.jsonl"
@@ -687,19 +687,6 @@ def run_live_bench(cfg: LiveBenchConfig, out_dir: Path) -> dict[str, Path]:
     with contextlib.suppress(RuntimeError):
         paths["png"] = plot_live(summary, Path(out_dir) / f"{NAME}.png", cfg.device)
     return paths
-
-
-def _exit_on_sigterm(stack: contextlib.ExitStack) -> None:
-    """Until ``stack`` closes, SIGTERM raises `SystemExit` (143): the bench unwinds, stopping
-    its server, instead of dying with it still running (main thread only)."""
-    if threading.current_thread() is not threading.main_thread():
-        return
-
-    def stop(signum: int, frame: Any) -> None:
-        raise SystemExit(128 + signum)
-
-    previous = signal.signal(signal.SIGTERM, stop)
-    stack.callback(signal.signal, signal.SIGTERM, previous)
 
 
 def _public(row: dict[str, Any]) -> dict[str, Any]:

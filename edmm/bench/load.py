@@ -24,15 +24,22 @@ capture and allocator growth stay out of the numbers); errors are counted, never
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from edmm.bench.peers import ServerSpec, served, served_model
+from edmm.bench.peers import (
+    ServerSpec,
+    exit_on_sigterm,
+    partial_rows_log,
+    served,
+    served_model,
+)
 from edmm.bench.results import ResultWriter, collect_environment
 from edmm.bench.stats import percentile
 
@@ -229,9 +236,11 @@ def summarize_level(server: str, length: int, prefix: str, concurrency: int,
 
 
 def measure_server(spec: ServerSpec, cfg: LoadConfig, log_dir: Path | None,
-                   progress: Any = print) -> list[dict[str, Any]]:
+                   progress: Any = print,
+                   on_row: Callable[[dict[str, Any]], None] = lambda row: None,
+                   ) -> list[dict[str, Any]]:
     """Every workload and level of ``cfg`` against one server (started if ``spec`` says
-    how); its summary rows."""
+    how); its summary rows, each also given to ``on_row`` as it is measured."""
     rows: list[dict[str, Any]] = []
     with served(spec, log_dir) as url:
         model = served_model(url)
@@ -246,6 +255,7 @@ def measure_server(spec: ServerSpec, cfg: LoadConfig, log_dir: Path | None,
                         cfg.timeout_s))
                     row = summarize_level(spec.name, length, prefix, c, records, wall)
                     rows.append(row)
+                    on_row(row)
                     progress(f"{spec.name} {length} {prefix} c={c}: "
                              f"{row['output_tok_s']:.0f} tok/s, TTFT p50 "
                              f"{row['ttft_p50_ms']:.1f} ms, ITL p50 {row['itl_p50_ms'] or 0:.2f} ms"
@@ -274,12 +284,17 @@ def ratio_rows(rows: Sequence[dict[str, Any]], base: str) -> list[dict[str, Any]
 def run_load_bench(cfg: LoadConfig, specs: Sequence[ServerSpec], out_dir: Path,
                    name: str = "load") -> dict[str, Path]:
     """Measure every server in turn (one at a time on the device), write
-    ``<name>.{csv,json,md}`` and ``<name>.png``; return the paths."""
+    ``<name>.{csv,json,md}`` and ``<name>.png``; return the paths. Each row is also appended
+    to ``<name>-rows.jsonl`` as it is measured, so a run stopped early (SIGTERM unwinds it,
+    stopping the server it started) keeps what it measured."""
     if not specs:
         raise LoadBenchError("no server to measure")
     rows: list[dict[str, Any]] = []
-    for spec in specs:
-        rows += measure_server(spec, cfg, out_dir / "logs")
+    with contextlib.ExitStack() as stack:
+        exit_on_sigterm(stack)
+        on_row = partial_rows_log(out_dir / f"{name}-rows.jsonl")
+        for spec in specs:
+            rows += measure_server(spec, cfg, out_dir / "logs", on_row=on_row)
     writer = ResultWriter(out_dir, name, collect_environment(cfg.device))
     writer.add_rows(rows)
     ratios = ratio_rows(rows, specs[0].name)

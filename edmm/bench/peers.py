@@ -21,14 +21,16 @@ engines hold the same KV; the offloading peer gets the same host memory as EDMM'
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -229,3 +231,29 @@ def served_model(url: str) -> str:
 
 def _slug(name: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-") or "server"
+
+
+def exit_on_sigterm(stack: contextlib.ExitStack) -> None:
+    """Until ``stack`` closes, SIGTERM raises `SystemExit` (143): the bench unwinds, stopping
+    its server, instead of dying with it still running (main thread only)."""
+    if threading.current_thread() is not threading.main_thread():
+        return
+
+    def stop(signum: int, frame: Any) -> None:
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    stack.callback(signal.signal, signal.SIGTERM, previous)
+
+
+def partial_rows_log(path: Path) -> Callable[[dict[str, Any]], None]:
+    """A function that appends each row it is given to ``path`` as one JSON line (the file is
+    started empty): a bench's rows survive a run stopped before it writes its tables."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("")
+
+    def append(row: dict[str, Any]) -> None:
+        with path.open("a") as f:
+            f.write(json.dumps(row) + "\n")
+
+    return append

@@ -23,6 +23,7 @@ of the next messages, which no peer has: ``edmm bench live`` measures it.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
 import statistics
 from collections.abc import Callable, Sequence
@@ -31,7 +32,13 @@ from pathlib import Path
 from typing import Any
 
 from edmm.bench.load import RequestRecord, run_level
-from edmm.bench.peers import ServerSpec, served, served_model
+from edmm.bench.peers import (
+    ServerSpec,
+    exit_on_sigterm,
+    partial_rows_log,
+    served,
+    served_model,
+)
 from edmm.bench.results import ResultWriter, collect_environment
 
 FLOOR_TOKENS = 16
@@ -139,14 +146,23 @@ def _decode_row(server: str, batch: int, records: Sequence[RequestRecord]) -> di
 
 
 def measure_server(spec: ServerSpec, cfg: SingleConfig, log_dir: Path | None,
-                   progress: Callable[[str], Any] = print) -> list[dict[str, Any]]:
-    """Every measurement of ``cfg`` against one server; its summary rows."""
+                   progress: Callable[[str], Any] = print,
+                   on_row: Callable[[dict[str, Any]], None] = lambda row: None,
+                   ) -> list[dict[str, Any]]:
+    """Every measurement of ``cfg`` against one server; its summary rows, each also given to
+    ``on_row`` once measured."""
     rows: list[dict[str, Any]] = []
+
+    def add(*new: dict[str, Any]) -> None:
+        for row in new:
+            rows.append(row)
+            on_row(row)
+
     with served(spec, log_dir) as url:
         client = _Client(url, served_model(url), cfg, random.Random(cfg.seed))
         client.ttft_ms(client.ids(512))  # warm-up
         floor = [client.ttft_ms(client.ids(FLOOR_TOKENS)) for _ in range(cfg.repeats)]
-        rows.append(_summary(spec.name, "floor", FLOOR_TOKENS, floor))
+        add(_summary(spec.name, "floor", FLOOR_TOKENS, floor))
         for n in cfg.contexts:
             cut = int(n * cfg.insert_fraction)
             client.resume_ms(n, n)  # warm-up at this length
@@ -154,8 +170,8 @@ def measure_server(spec: ServerSpec, cfg: SingleConfig, log_dir: Path | None,
                     for _ in range(cfg.repeats)]
             a = [client.resume_ms(n, n) for _ in range(cfg.repeats)]
             b = [client.resume_ms(n, cut) for _ in range(cfg.repeats)]
-            rows += [_summary(spec.name, "full", n, full), _summary(spec.name, "A", n, a),
-                     _summary(spec.name, "B", n, b)]
+            add(_summary(spec.name, "full", n, full), _summary(spec.name, "A", n, a),
+                _summary(spec.name, "B", n, b))
             progress(f"{spec.name} {n}: A {rows[-2]['trimmed_mean_ms']:.1f} ms, "
                      f"B {rows[-1]['trimmed_mean_ms']:.1f} ms, "
                      f"full {rows[-3]['trimmed_mean_ms']:.1f} ms")
@@ -163,19 +179,24 @@ def measure_server(spec: ServerSpec, cfg: SingleConfig, log_dir: Path | None,
             prompts = [client.ids(DECODE_PROMPT_TOKENS) for _ in range(batch)]
             records, _ = asyncio.run(run_level(url, client.model, prompts, batch,
                                                cfg.decode_tokens, cfg.timeout_s))
-            rows.append(_decode_row(spec.name, batch, records))
+            add(_decode_row(spec.name, batch, records))
             progress(f"{spec.name} decode b={batch}: {rows[-1]['median_ms']:.2f} ms/token")
     return rows
 
 
 def run_single_bench(cfg: SingleConfig, specs: Sequence[ServerSpec], out_dir: Path,
                      name: str = "single") -> dict[str, Path]:
-    """Measure every server in turn, write ``<name>.{csv,json,md}``; return the paths."""
+    """Measure every server in turn, write ``<name>.{csv,json,md}``; return the paths. Each
+    row is also appended to ``<name>-rows.jsonl`` once measured, so a run stopped early
+    (SIGTERM unwinds it, stopping the server it started) keeps what it measured."""
     if not specs:
         raise SingleBenchError("no server to measure")
     rows: list[dict[str, Any]] = []
-    for spec in specs:
-        rows += measure_server(spec, cfg, out_dir / "logs")
+    with contextlib.ExitStack() as stack:
+        exit_on_sigterm(stack)
+        on_row = partial_rows_log(out_dir / f"{name}-rows.jsonl")
+        for spec in specs:
+            rows += measure_server(spec, cfg, out_dir / "logs", on_row=on_row)
     writer = ResultWriter(out_dir, name, collect_environment(cfg.device))
     writer.add_rows(rows)
     notes = [

@@ -133,3 +133,51 @@ def test_load_curve_against_a_stand_in(tmp_path: Path) -> None:
     if "png" in paths:
         assert Path(paths["png"]).stat().st_size > 10_000
     assert (tmp_path / "logs" / "slow.log").exists()
+
+
+@pytest.mark.slow  # a bench subprocess and its server
+def test_a_stopped_run_keeps_its_rows_and_stops_its_server(tmp_path: Path) -> None:
+    """SIGTERM in the middle of a run (a device call's time limit): the bench unwinds, the
+    server it started is stopped, and the rows measured so far are in ``load-rows.jsonl``."""
+    import os
+    import signal
+    import subprocess
+    import time
+
+    marker = f"edmm-standin-{os.getpid()}"
+    driver = (
+        "import sys; from pathlib import Path; "
+        "from edmm.bench.load import LoadConfig, run_load_bench; "
+        "from edmm.bench.peers import ServerSpec; "
+        f"spec = ServerSpec('slow', launch=(sys.executable, '-X', 'pycache_prefix=/tmp/{marker}', "
+        f"{str(STANDIN)!r}, '--port', '{{port}}', '--first-ms', '5', '--token-ms', '60'), "
+        "ready_timeout_s=60.0); "
+        "cfg = LoadConfig(prompt_tokens=(8,), output_tokens=4, concurrency=(1,) * 50, "
+        "min_requests=1, rounds=1.0, token_range=(10, 1000), device='cpu'); "
+        f"run_load_bench(cfg, [spec], Path({str(tmp_path)!r}))")
+    proc = subprocess.Popen([sys.executable, "-c", driver])
+    rows_log = tmp_path / "load-rows.jsonl"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.poll() is None and not (
+            rows_log.exists() and rows_log.read_text().count("\n") >= 2):
+        time.sleep(0.1)
+    assert proc.poll() is None, "the run ended before it could be stopped"
+    proc.send_signal(signal.SIGTERM)
+    assert proc.wait(30) == 128 + signal.SIGTERM
+    rows = [json.loads(line) for line in rows_log.read_text().splitlines()]
+    assert len(rows) >= 2 and all(r["server"] == "slow" and r["errors"] == 0 for r in rows)
+    assert not (tmp_path / "load.json").exists()
+
+    def alive() -> bool:
+        for cmd in Path("/proc").glob("[0-9]*/cmdline"):
+            try:
+                if marker.encode() in cmd.read_bytes():
+                    return True
+            except OSError:
+                continue
+        return False
+
+    stop = time.monotonic() + 10
+    while alive() and time.monotonic() < stop:
+        time.sleep(0.1)
+    assert not alive(), "the stand-in server outlived the stopped bench"

@@ -52,7 +52,11 @@ SCALE = HEAD_DIM**-0.5
 MAX_TOKENS = 16384
 LENS = {0: 16384, 1: 4096, 2: 1, 3: 3001}  # slot -> tokens
 KERNEL_ERR = 1e-2  # bf16 arithmetic: error norm / reference norm per row, vs float32
-FP8_ROW_ERROR = 0.15  # FP8 storage vs the BF16 values, per row (the CPU tests measure 4-12%)
+# FP8 storage vs the BF16 values, per attention output row. These arenas hold random values:
+# an output row averages random V rows, so its relative error stays e4m3's per-value rounding
+# error (~3.6% RMS) however many keys it averages, and rows whose average nearly cancels go
+# higher (H100, tree 57bbec7: mean 0.043-0.050, max 0.153-0.192 over the kernels' cases).
+FP8_ROW_ERROR = 0.25
 FP8_MEAN_ROW_ERROR = 0.06
 
 
@@ -280,7 +284,14 @@ def test_qwen_7b_logits_with_fp8_kv_against_bf16(attention: str,
     rel = (got - ref).norm(dim=-1) / ref.norm(dim=-1)
     agree = float((got.argmax(-1) == ref.argmax(-1)).float().mean())
     msg = f"rel max {float(rel.max()):.4f} mean {float(rel.mean()):.4f}, argmax {agree:.3f}"
-    assert float(rel.max()) <= 0.15 and float(rel.mean()) <= 0.05, msg
+    # Random weights make the residual stream mostly attention outputs that average random V
+    # rows, so FP8's rounding error (above) reaches the logits undiminished and grows with
+    # depth: on the CPU, the same shapes' FP8 logit error against FP32 KV is 6.3% after one
+    # layer and 10.3% after four (BF16 KV: 0.39%, 0.65%; benchmarks/scripts/fp8_kv_depth.py);
+    # the H100 measured 27.7% mean, 34.4% max after 28 (tree 57bbec7). A bound that finds a
+    # wrong scale or layout (errors of 100% and more), not one on FP8's accuracy, which needs
+    # trained weights (the embedded model's 2.4% on the CPU: docs/benchmarks.md).
+    assert float(rel.max()) <= 0.5 and float(rel.mean()) <= 0.4, msg
     assert float(rel.mean()) > 1e-4, f"no FP8 error at all: {msg}"
 
 
