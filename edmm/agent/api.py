@@ -1038,10 +1038,12 @@ class AgentEngine:
 
     def _expected_duration(self, calls: Iterable[ToolCall]) -> float | None:
         """The longest expected duration among the calls' tools: the median of its learned
-        durations once trusted (`ToolDurations`), else the declared one (`ToolSpec`)."""
+        durations once trusted (`ToolDurations`; unless `AgentConfig.learn_tool_durations` is
+        off), else the declared one (`ToolSpec`)."""
         known = []
         for name in {call.name for call in calls}:
-            learned = self._durations.median(name)
+            learned = (self._durations.median(name) if self.config.learn_tool_durations
+                       else None)
             spec = self._tools.get(name)
             declared = spec.expected_duration_s if spec is not None else None
             value = learned if learned is not None else declared

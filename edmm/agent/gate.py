@@ -78,10 +78,12 @@ class SpeculationGate:
     prior_hits: float = 1.0
     prior_resumes: float = 2.0
     session_weight: float = 2.0
+    pool_sessions: bool = True  # False: the session's own history alone (``others`` ignored)
 
     def p_used(self, plan: BranchPlan) -> float:
         """The estimated probability that the branch is adopted (module docstring)."""
-        others, own = plan.others, plan.own
+        others = plan.others if self.pool_sessions else Outcomes()
+        own = plan.own
         pooled = (others.used + self.prior_hits) / (others.total + self.prior_resumes)
         return (own.used + self.session_weight * pooled) / (own.total + self.session_weight)
 

@@ -237,6 +237,10 @@ class AgentConfig:
             evicted (and not offloaded) when other sessions' KV is retained. 0: not held.
         quota: what one owner (a client) may hold (`edmm.agent.owners.KeyQuota`), checked
             by `AgentEngine.admit`; the default bounds nothing.
+        learn_tool_durations: a tool window with no duration from the client is expected to
+            last its tool's learned median (`edmm.agent.learning.ToolDurations`, once
+            trusted), for retention and prefetch; False: only the declared duration
+            (`ToolSpec`), if any.
         admission_jump: under the ``program`` and ``resumes-first`` orders, how far a turn
             may jump the queue: it goes ahead of at most the ``admission_jump`` turns that
             arrived just before it, so every turn, first turns included, is overtaken by at
@@ -256,6 +260,7 @@ class AgentConfig:
     prefetch: bool = True
     speculation_gate: SpeculationGate | None = None
     speculate_in_place: bool = True
+    learn_tool_durations: bool = True
     admission: str = "program"
     admission_jump: int | None = 8
     report_window_s: float = 5.0

@@ -163,3 +163,12 @@ def test_a_sources_misses_on_other_sessions_gate_it_for_that_tool_only(
     assert _miss_one(agent, "s3", "ls", 250) == 0  # P(predicted, ls) = 1/2
     agent.close_session("s0")  # a closed session's outcomes stay in the pool
     assert _miss_one(agent, "s4", "grep", 300) == 1
+
+
+def test_without_pooling_only_the_sessions_own_branches_count() -> None:
+    """``pool_sessions=False`` (the ``edmm-no-pooled`` ablation): the other sessions' outcomes
+    are ignored, the estimate is the session's own history over a prior of one in two."""
+    gate, alone = SpeculationGate(), SpeculationGate(pool_sessions=False)
+    plan = _plan(others=Outcomes(misses=40), own=Outcomes(hits=1))
+    assert alone.p_used(plan) == pytest.approx(2 / 3)
+    assert gate.p_used(plan) < 0.5 < alone.p_used(plan)

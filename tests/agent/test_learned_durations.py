@@ -124,3 +124,15 @@ def test_the_prefetch_timer_is_set_from_the_learned_duration(make_agent: MakeAge
     due = agent._timers.pending("s", TimerKind.PREFETCH)
     assert due == pytest.approx(clock.now + MEDIANS[tool] - lead)
 
+
+
+def test_without_learning_a_window_has_only_the_declared_duration(
+        make_agent: MakeAgent) -> None:
+    """``learn_tool_durations=False`` (the ``edmm-no-learned`` ablation): after the same
+    windows, a new one of ``grep`` has no expected duration (none declared, no hint)."""
+    clock = FakeClock()
+    agent = make_agent(AgentConfig(speculation=(), learn_tool_durations=False), clock=clock)
+    for i, z in enumerate(Z):
+        _window(agent, clock, f"g{i}", ["grep"], MEDIANS["grep"] * math.exp(z), 100)
+        agent.close_session(f"g{i}")
+    assert _window(agent, clock, "new", ["grep"], 0.2, 100) is None

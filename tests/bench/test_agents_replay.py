@@ -166,6 +166,14 @@ def test_every_registered_policy_builds_an_agent_config() -> None:
     assert order("ttl") == "program"  # Continuum's program-level FCFS
     assert order("edmm-no-admission") == order("lru") == order("offload") == "arrival"
     assert order("edmm") != "arrival"
+    edmm = POLICIES.create("edmm").agent_config(10.0, 0.05)
+    assert edmm.speculate_in_place and edmm.learn_tool_durations
+    assert edmm.speculation_gate is not None and edmm.speculation_gate.pool_sessions
+    assert not POLICIES.create("edmm-no-inplace").agent_config(10.0, 0.05).speculate_in_place
+    no_learn = POLICIES.create("edmm-no-learned").agent_config(10.0, 0.05)
+    assert not no_learn.learn_tool_durations and no_learn.speculate_in_place
+    gate = POLICIES.create("edmm-no-pooled").agent_config(10.0, 0.05).speculation_gate
+    assert gate is not None and not gate.pool_sessions
 
 
 def test_open_loop_pool_is_sized_for_its_working_set_sessions(tiny_module_dir: Path) -> None:

@@ -29,7 +29,10 @@ what users run today:
 
 ``edmm-no-<mechanism>`` is ``edmm`` with one mechanism off (``retention``: LRU instead of the
 cost policy; ``offload``, ``prefetch``, ``template``, ``streamed``, ``predicted``; ``gate``:
-every branch a source offers; ``admission``: each turn admitted in its own arrival order).
+every branch a source offers; ``admission``: each turn admitted in its own arrival order;
+``inplace``: every speculation in a branch, none in the session's own slot; ``learned``: no
+tool durations learned, only declared ones; ``pooled``: the gate's P(used) from the session's
+own branches alone, not pooled across sessions per source and tool).
 """
 
 from __future__ import annotations
@@ -43,7 +46,7 @@ from edmm.agent.registry import Registry
 from edmm.agent.types import AgentConfig
 
 MECHANISMS = ("retention", "offload", "prefetch", "template", "streamed", "predicted", "gate",
-              "admission")
+              "admission", "inplace", "learned", "pooled")
 
 
 @dataclass(frozen=True)
@@ -62,6 +65,9 @@ class Policy:
     rewarm: bool = False  # the client re-sends the known history ahead of the resume
     gate: bool = False  # a branch only where its expected saving exceeds its cost
     admission: str = "arrival"  # order of waiting turns (`edmm.agent.types.ADMISSION_ORDERS`)
+    inplace: bool = True  # a speculation continuing the session's KV extends its own slot
+    learned: bool = True  # tool durations learned from the windows seen
+    pooled: bool = True  # the gate pools branch outcomes across sessions per source and tool
 
     @property
     def speculation(self) -> tuple[str, ...]:
@@ -83,8 +89,10 @@ class Policy:
         return AgentConfig(speculation=self.speculation, retention=self.retention,
                            tool_timeout_s=tool_timeout_s, prefetch_lead_s=prefetch_lead_s,
                            prefetch=self.prefetch,
-                           speculation_gate=SpeculationGate() if self.gate else None,
-                           admission=self.admission)
+                           speculation_gate=(SpeculationGate(pool_sessions=self.pooled)
+                                             if self.gate else None),
+                           speculate_in_place=self.inplace,
+                           learn_tool_durations=self.learned, admission=self.admission)
 
 
 POLICIES: Registry[Policy] = Registry("bench policy")
