@@ -304,6 +304,15 @@ def _agent_arguments(parser: argparse.ArgumentParser) -> None:
                              f"{off.admission} with --no-execution-aware)")
     parser.add_argument("--no-prefetch", action="store_true",
                         help="offloaded KV comes back at the resume only, not ahead of it")
+    parser.add_argument("--no-speculate-in-place", action="store_true",
+                        help="every speculation in a branch of its own, none extending the "
+                             "session's own slot")
+    parser.add_argument("--no-learned-durations", action="store_true",
+                        help="expect a tool window to last only its tool's declared duration "
+                             "or the client's, never one learned from earlier windows")
+    parser.add_argument("--no-pooled-gate", action="store_true",
+                        help="the speculation gate judges a branch on its session's own "
+                             "history alone, not pooled across sessions per source and tool")
     parser.add_argument("--prefetch-lead-s", type=float_at_least(0.0), default=None,
                         help="how long before a tool's expected return offloaded KV comes "
                              f"back (default: {default.prefetch_lead_s:g})")
@@ -469,9 +478,13 @@ def _agent_fields(args: argparse.Namespace, execution_aware: bool) -> dict[str, 
             agent[name] = getattr(args, name)
     if args.no_prefetch:
         agent["prefetch"] = False
+    if args.no_speculate_in_place:
+        agent["speculate_in_place"] = False
+    if args.no_learned_durations:
+        agent["learn_tool_durations"] = False
     gate = args.speculation_gate if args.speculation_gate is not None else execution_aware
     if gate:
-        agent["speculation_gate"] = SpeculationGate()
+        agent["speculation_gate"] = SpeculationGate(pool_sessions=not args.no_pooled_gate)
     return agent
 
 

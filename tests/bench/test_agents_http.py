@@ -26,7 +26,8 @@ def _bench(**kw: object) -> AgentsBenchConfig:
 
 
 @pytest.mark.parametrize("name", ["lru", "ttl", "offload", "edmm", "edmm-no-gate",
-                                  "edmm-no-prefetch"])
+                                  "edmm-no-prefetch", "edmm-no-inplace", "edmm-no-learned",
+                                  "edmm-no-pooled"])
 def test_serve_args_read_back_as_the_in_process_run(name: str) -> None:
     from edmm.bench.agents.http import TOOL_TIMEOUT_S, HttpReplayConfig, serve_args
     from edmm.server.cli import build_parser, config_from_args

@@ -183,6 +183,12 @@ def serve_args(policy: Policy, engine: EngineConfig, prefetch_lead_s: float,
         args.append("--no-prefetch")
     args.append("--speculation-gate" if agent.speculation_gate is not None
                 else "--no-speculation-gate")
+    if agent.speculation_gate is not None and not agent.speculation_gate.pool_sessions:
+        args.append("--no-pooled-gate")
+    if not agent.speculate_in_place:
+        args.append("--no-speculate-in-place")
+    if not agent.learn_tool_durations:
+        args.append("--no-learned-durations")
     assert engine.num_pages is not None and engine.max_model_len is not None
     args += ["--num-pages", str(engine.num_pages), "--num-slots", str(engine.num_slots),
              "--max-model-len", str(engine.max_model_len),

