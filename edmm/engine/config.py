@@ -77,7 +77,9 @@ class EngineConfig:
         cuda_graph_mixed_seq_buckets: smaller sequence bounds of those graphs: for each ``T``
             one graph per bound below its most sequences, and one for the most, so that a
             prefill with few sequences beside it replays a graph padded to the next bound, not
-            to hundreds of sequences (`edmm.engine.cuda_graph.mixed_buckets`).
+            to hundreds of sequences (`edmm.engine.cuda_graph.mixed_buckets`). Each bound
+            adds a graph per token count: its capture at start-up and its output rows
+            (~125 MB for the default token counts on a 7B model).
         speculative_tokens_when_busy: most tokens of speculative prefill (agent sessions' tool
             windows) added to a step that runs requests; None: `busy_speculation_tokens`.
         speculation_fills_padding: with CUDA graphs, speculative prefill may also fill the
