@@ -25,9 +25,6 @@ command) under ``--out``.
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
-import json
-import shlex
 import statistics
 import sys
 import time
@@ -36,7 +33,7 @@ from typing import Any
 
 import torch
 
-from edmm.bench.results import collect_environment
+from benchmarks.scripts.record import write_record
 from edmm.engine import Engine, EngineConfig, SamplingParams
 from edmm.memory import KVArena, KVSpec, PagePool, open_backend
 from edmm.memory.copies import StreamCopier, SyncCopier
@@ -188,20 +185,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with torch.inference_mode():
         result = measure(args)
-    date = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-    command = "python3 -m benchmarks.scripts.restore_overlap " + shlex.join(sys.argv[1:])
-    env = collect_environment("cuda")
-    device = {"gpu": env.gpu_name, "driver": env.driver_version, "cuda": env.cuda_runtime,
-              "torch": env.torch, "python": env.python, "git_commit": env.git_commit,
-              "git_dirty": env.git_dirty}
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "restore-overlap.json").write_text(json.dumps(
-        {"device": device, "date": date, "command": command, "args": vars(args) | {
-            "out": str(args.out)}, "result": result}, indent=2))
-    facts = ", ".join(f"{k} {v}" for k, v in device.items())
-    md = markdown(result, f"# Restore beside decode steps\n\n- device: {facts}\n"
-                          f"- date (UTC): {date}\n- command: `{command}`")
-    (args.out / "restore-overlap.md").write_text(md + "\n")
+    md = write_record(args, result, script="restore_overlap", argv=argv, device="cuda",
+                      stem="restore-overlap", title="Restore beside decode steps",
+                      markdown=markdown)
     print(md)
     return 0
 

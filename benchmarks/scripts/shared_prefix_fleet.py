@@ -28,16 +28,13 @@ Writes ``shared-prefix-fleet-POLICY.json`` and ``.md`` (device, date, command) u
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
-import json
-import shlex
 import sys
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from edmm.bench.results import collect_environment
+from benchmarks.scripts.record import write_record
 from edmm.engine import PrefixCache
 from edmm.engine.kv_policy import CACHE_POLICIES
 from edmm.engine.prefix_cache import EntryRank
@@ -211,22 +208,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     with torch.inference_mode():
         result = measure(args)
-    date = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
-    command = "python3 -m benchmarks.scripts.shared_prefix_fleet " + shlex.join(
-        sys.argv[1:] if argv is None else argv)
-    env = collect_environment("cuda" if args.device == "cuda" else "cpu")
-    device = {"gpu": env.gpu_name, "driver": env.driver_version, "cuda": env.cuda_runtime,
-              "torch": env.torch, "python": env.python, "git_commit": env.git_commit,
-              "git_dirty": env.git_dirty}
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = f"shared-prefix-fleet-{args.policy}"
-    (args.out / f"{stem}.json").write_text(json.dumps(
-        {"device": device, "date": date, "command": command, "args": vars(args) | {
-            "out": str(args.out)}, "result": result}, indent=2))
-    facts = ", ".join(f"{k} {v}" for k, v in device.items())
-    md = markdown(result, f"# A fleet on one shared prefix ({args.policy})\n\n- device: {facts}\n"
-                          f"- date (UTC): {date}\n- command: `{command}`")
-    (args.out / f"{stem}.md").write_text(md + "\n")
+    md = write_record(args, result, script="shared_prefix_fleet", argv=argv,
+                      device="cuda" if args.device == "cuda" else "cpu",
+                      stem=f"shared-prefix-fleet-{args.policy}",
+                      title=f"A fleet on one shared prefix ({args.policy})", markdown=markdown)
     print(md)
     return 0
 

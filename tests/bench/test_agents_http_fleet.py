@@ -17,7 +17,7 @@ from edmm.bench.agents.fleet import AgentProfile, FleetConfig, ToolProfile
 from edmm.bench.agents.matrix import AgentsBenchConfig, Matrix, page_size
 from edmm.bench.peers import ServerSpec, VLLMOptions, served
 
-STANDIN = Path(__file__).with_name("standin_chat_server.py")
+STANDIN = Path(__file__).with_name("standin_server.py")
 READ = ToolProfile("read", 1.0, 0.05, 0.5, 30, cacheable=True)
 AGENTS = (
     AgentProfile("a", 60, 120, 1.0, (READ, ToolProfile("run", 1.0, 0.2, 1.0, 40),
@@ -84,7 +84,7 @@ def test_vllm_peers_get_edmm_memory_and_are_measured(tmp_path: Path,
     from edmm.bench.agents.http import HttpReplayConfig, run_http_bench
     from edmm.bench.agents.http_peers import peer_options
     from edmm.bench.live import load_tokenizer
-    from tests.bench.standin_chat_server import write_fake_vllm
+    from tests.bench.standin_server import write_fake_vllm
 
     argv_file = tmp_path / "argv.jsonl"
     monkeypatch.setenv("FAKE_VLLM_ARGV", str(argv_file))
@@ -140,7 +140,7 @@ def test_a_url_peer_gets_nothing_edmm_specific(tmp_path: Path) -> None:
     from edmm.bench.agents.http_peers import replay_peer
 
     spec = ServerSpec("stand-in", launch=(sys.executable, str(STANDIN), "--port", "{port}",
-                                          "--first-ms", "20"), ready_timeout_s=60)
+                                          "--first-ms", "20", "--chat"), ready_timeout_s=60)
     with served(spec, tmp_path) as url:
         # Streamed results and predictions would be EDMM-only: edmm's client options.
         cfg = HttpReplayConfig(bench=bench(warmup=False), load=2, policies=("edmm",),

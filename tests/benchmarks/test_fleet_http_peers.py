@@ -59,7 +59,7 @@ def test_the_run_writes_one_folder(tmp_path: Path, tiny_dir: Path,
     pytest.importorskip("fastapi")
     pytest.importorskip("openai")
     pytest.importorskip("matplotlib")
-    from tests.bench.standin_chat_server import write_fake_vllm
+    from tests.bench.standin_server import write_fake_vllm
 
     monkeypatch.setenv("FAKE_VLLM_ARGV", str(tmp_path / "argv.jsonl"))
     monkeypatch.setenv("OMP_NUM_THREADS", "1")

@@ -28,6 +28,7 @@ from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from kv_helpers import kv_values
+from page_model import assert_sharing_matches, page_refcounts
 from tiers import examples
 
 from edmm.engine import PrefixCache
@@ -86,11 +87,7 @@ class SharingMachine(RuleBasedStateMachine):
 
     # ---------------------------------------------------------------- model helpers
     def counts(self) -> dict[int, int]:
-        out: dict[int, int] = {}
-        for m in self.slots.values():
-            for p in m.pages:
-                out[p] = out.get(p, 0) + 1
-        return out
+        return page_refcounts(m.pages for m in self.slots.values())
 
     def gpu_match(self, tokens: list[int]) -> int:
         """The longest prefix of ``tokens`` some slot holds, if at least a block."""
@@ -298,17 +295,8 @@ class SharingMachine(RuleBasedStateMachine):
 
     @invariant()
     def sharing_matches(self) -> None:
-        counts = self.counts()
-        assert self.pool.num_used == len(counts)
-        assert self.pool.num_shared == sum(c > 1 for c in counts.values())
-        real_of: dict[int, int] = {}
-        for slot, m in self.slots.items():
-            real = self.arena.slot_pages(slot)
-            assert len(real) == len(m.pages)
-            for abstract, page in zip(m.pages, real, strict=True):
-                assert real_of.setdefault(abstract, page) == page
-                assert self.pool.refcount(page) == counts[abstract]
-        assert len(set(real_of.values())) == len(real_of)
+        assert_sharing_matches(self.arena, ((slot, m.pages) for slot, m in self.slots.items()))
+        assert self.pool.num_shared == sum(c > 1 for c in self.counts().values())
 
     @invariant()
     def lru_order_matches(self) -> None:

@@ -16,6 +16,7 @@ from typing import Any
 
 import pytest
 import torch
+from rope_inputs import fused_qkv, rope_tables
 from tiers import grid
 
 import edmm.kernels
@@ -207,20 +208,6 @@ def test_prefill_varlen_reads_fp8(make_cache: MakeCache, check_close: CheckClose
     assert bool(ws_launches) == config.warp_specialize
 
 
-def _qkv(t: int, hq: int, hkv: int, d: int, dtype: torch.dtype
-         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    qkv = torch.randn(t, (hq + 2 * hkv) * d).to(dtype)
-    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-    return q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d)
-
-
-def _tables(positions: list[int], d: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    ang = torch.tensor(positions, dtype=torch.float64)[:, None] * inv[None, :]
-    emb = torch.cat((ang, ang), dim=-1)  # [T, D]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
-
-
 def _fp8_steps(x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     """How many e4m3 steps apart two FP8 tensors are, per element (NaN where both are)."""
     a, b = x.view(torch.uint8).to(torch.int32), ref.view(torch.uint8).to(torch.int32)
@@ -243,9 +230,9 @@ def test_rope_store_writes_fp8_as_write_kv(make_cache: MakeCache, dtype: torch.d
     ref = _fp8_cache(make_cache, lens, num_slots=3, max_tokens=16, kv_heads=hkv, head_dim=d)
     meta = AttentionMetadata.build([2, 0], [2, 3], [7, 13])  # tokens 5..6 and 10..12
     assert meta.slot_index is not None and meta.token_index is not None
-    q, k, v = _qkv(5, hq, hkv, d, dtype)
+    q, k, v = fused_qkv(5, hq, hkv, d, dtype)
     k, v = k * 30, v * 0.02  # far from the scales' 1: the division matters
-    cos, sin = _tables(meta.token_index.tolist(), d, dtype)
+    cos, sin = rope_tables(meta.token_index.tolist(), d, dtype)
     got_q = rope_store_kv(q, k, v, cos, sin, cache.fp8.kv, 1, meta.slot_index,
                           meta.token_index, cache.scale(1))
     q64, k64 = rotary_qk(q.double(), k.double(), cos.double(), sin.double())
@@ -264,10 +251,10 @@ def test_rope_store_clamps_to_the_fp8_range(make_cache: MakeCache) -> None:
     cache = _fp8_cache(make_cache, {}, num_slots=1, max_tokens=4, kv_heads=1, head_dim=16)
     meta = AttentionMetadata.build([0], [1], [1])
     assert meta.slot_index is not None and meta.token_index is not None
-    q, k, v = _qkv(1, 1, 1, 16, torch.float32)
+    q, k, v = fused_qkv(1, 1, 1, 16, torch.float32)
     v = torch.full_like(v, 1e6)
     k = -v
-    cos, sin = _tables([0], 16, torch.float32)  # position 0: no rotation
+    cos, sin = rope_tables([0], 16, torch.float32)  # position 0: no rotation
     rope_store_kv(q, k, v, cos, sin, cache.fp8.kv, 0, meta.slot_index, meta.token_index,
                   torch.ones(2, 1))
     stored = cache.fp8.kv[0, 0, 0].float()  # [2, 1, 16]

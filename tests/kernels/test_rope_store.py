@@ -7,6 +7,7 @@ from typing import Any
 
 import pytest
 import torch
+from rope_inputs import fused_qkv, rope_tables
 
 from edmm.kernels import KernelInputError, rope_store_kv
 from edmm.model.attention import AttentionMetadata, write_kv
@@ -15,21 +16,6 @@ from edmm.model.fusion import rotary_qk
 pytestmark = pytest.mark.usefixtures("interpreted")
 
 MakeCache = Callable[..., Any]
-
-
-def _qkv(t: int, hq: int, hkv: int, d: int, dtype: torch.dtype
-         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Strided q, k, v views of one fused projection output, as the model has them."""
-    qkv = torch.randn(t, (hq + 2 * hkv) * d).to(dtype)
-    q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-    return q.view(t, hq, d), k.view(t, hkv, d), v.view(t, hkv, d)
-
-
-def _tables(positions: list[int], d: int, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-    inv = 1.0 / (10000 ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-    ang = torch.tensor(positions, dtype=torch.float64)[:, None] * inv[None, :]
-    emb = torch.cat((ang, ang), dim=-1)  # [T, D]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -42,8 +28,8 @@ def test_matches_rotary_and_write_kv(make_cache: MakeCache, dtype: torch.dtype, 
                            head_dim=d)
     meta = AttentionMetadata.build([2, 0], [2, 3], [7, 13])  # tokens 5..6 and 10..12
     assert meta.slot_index is not None and meta.token_index is not None
-    q, k, v = _qkv(5, hq, hkv, d, dtype)
-    cos, sin = _tables(meta.token_index.tolist(), d, dtype)
+    q, k, v = fused_qkv(5, hq, hkv, d, dtype)
+    cos, sin = rope_tables(meta.token_index.tolist(), d, dtype)
     got_q = rope_store_kv(q, k, v, cos, sin, cache.kv, 1, meta.slot_index, meta.token_index)
     q64, k64 = rotary_qk(q.double(), k.double(), cos.double(), sin.double())
     atol = 1e-5 if dtype == torch.float32 else 2e-2
@@ -55,8 +41,8 @@ def test_matches_rotary_and_write_kv(make_cache: MakeCache, dtype: torch.dtype, 
 
 def test_rejects_bad_inputs(make_cache: MakeCache) -> None:
     cache = make_cache({}, dtype=torch.float32, num_slots=1, max_tokens=4)
-    q, k, v = _qkv(2, 4, 2, 32, torch.float32)
-    cos, sin = _tables([0, 1], 32, torch.float32)
+    q, k, v = fused_qkv(2, 4, 2, 32, torch.float32)
+    cos, sin = rope_tables([0, 1], 32, torch.float32)
     idx = torch.zeros(2, dtype=torch.int64)
     with pytest.raises(KernelInputError, match="cos/sin"):
         rope_store_kv(q, k, v, cos[:1], sin, cache.kv, 0, idx, idx)

@@ -18,6 +18,7 @@ import torch
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+from page_model import assert_sharing_matches, page_refcounts
 from tiers import examples
 
 from edmm.memory import KVArena, KVSpec, PagePool, PoolExhaustedError
@@ -57,12 +58,12 @@ class ArenaMachine(RuleBasedStateMachine):
         backed = min(-(-n // self.read_align) * self.read_align, MAX_TOKENS)
         return -(-backed * SPEC.token_bytes // PAGE)
 
+    def slots(self) -> list[tuple[int, ModelSlot]]:
+        """Every slot the arena holds: the live ones and the retired (committed) ones."""
+        return [*self.model.items(), *self.retired.items()]
+
     def refcounts(self) -> dict[int, int]:
-        counts: dict[int, int] = {}
-        for m in itertools.chain(self.model.values(), self.retired.values()):
-            for p in m.pages:
-                counts[p] = counts.get(p, 0) + 1
-        return counts
+        return page_refcounts(m.pages for _, m in self.slots())
 
     def write(self, slot: int, start: int, end: int) -> list[float]:
         vals = [float(next(self.values)) for _ in range(start, end)]
@@ -188,7 +189,7 @@ class ArenaMachine(RuleBasedStateMachine):
 
     @invariant()
     def contents_match(self) -> None:
-        for slot, m in itertools.chain(self.model.items(), self.retired.items()):
+        for slot, m in self.slots():
             n = len(m.tokens)
             assert self.arena.num_tokens(slot) == n
             got = self.arena.kv[slot, :n].reshape(n, SPEC.token_elems)
@@ -197,16 +198,7 @@ class ArenaMachine(RuleBasedStateMachine):
 
     @invariant()
     def sharing_matches(self) -> None:
-        counts = self.refcounts()
-        assert self.pool.num_used == len(counts)
-        real_of: dict[int, int] = {}
-        for slot, m in itertools.chain(self.model.items(), self.retired.items()):
-            real = self.arena.slot_pages(slot)
-            assert len(real) == len(m.pages)
-            for abstract, page in zip(m.pages, real, strict=True):
-                assert real_of.setdefault(abstract, page) == page
-                assert self.pool.refcount(page) == counts[abstract]
-        assert len(set(real_of.values())) == len(real_of)
+        assert_sharing_matches(self.arena, ((slot, m.pages) for slot, m in self.slots()))
 
     def teardown(self) -> None:
         self.arena.close()

@@ -6,7 +6,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import openai
@@ -119,3 +119,31 @@ CALCULATOR = {
 TOOLS: list[Any] = [WEATHER, CALCULATOR]
 QUESTION = [{"role": "system", "content": "You are a helpful assistant."},
             {"role": "user", "content": "What is the weather in Paris today?"}]
+
+
+def weather_agent(server: LiveServer, cities: list[str], model_class: Any,
+                  settings: dict[str, Any] | None = None, **agent: Any) -> Any:
+    """An OpenAI Agents SDK ``Agent`` (the SDK installed: callers skip without it, tracing off)
+    of ``server`` through ``model_class`` (``agents.OpenAIChatCompletionsModel`` or
+    ``agents.OpenAIResponsesModel``), with one tool ``get_weather(city)`` (Paris or London) that
+    appends ``city`` to ``cities``. Its model settings force one tool call at a time (the random
+    tiny model calls tools only when forced), greedy, at most 48 tokens, plus ``settings``;
+    ``agent`` goes to the ``Agent`` (e.g. ``tool_use_behavior``)."""
+    import agents
+    from openai import AsyncOpenAI
+
+    agents.set_tracing_disabled(True)
+
+    @agents.function_tool
+    def get_weather(city: Literal["Paris", "London"]) -> str:
+        """Current weather of a city."""
+        cities.append(city)
+        return f"Sunny in {city}, 24 C"
+
+    client = AsyncOpenAI(base_url=server.base_url, api_key=API_KEY, max_retries=0)
+    return agents.Agent(
+        name="assistant", instructions="You are a helpful assistant.", tools=[get_weather],
+        model=model_class(model=MODEL, openai_client=client),
+        model_settings=agents.ModelSettings(tool_choice="required", parallel_tool_calls=False,
+                                            temperature=0, max_tokens=48, **(settings or {})),
+        **agent)

@@ -10,12 +10,12 @@ import json
 import time
 from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import httpx
 import openai
 import pytest
-from server_helpers import MODEL, QUESTION, TOOLS, LiveServer, serve, server_config
+from server_helpers import MODEL, QUESTION, TOOLS, LiveServer, serve, server_config, weather_agent
 
 from edmm.server import ServerState
 
@@ -98,26 +98,12 @@ agents = pytest.importorskip("agents")
 
 def test_responses_through_the_agents_sdk_default_model(fresh_server: LiveServer) -> None:
     """The Agents SDK's default model class (`OpenAIResponsesModel`) runs a tool loop."""
-    from openai import AsyncOpenAI
-
-    agents.set_tracing_disabled(True)
     cities: list[str] = []
+    # The random tiny model rambles past any token limit once it may answer in text (and the SDK
+    # takes an incomplete response for a failure): the run ends at the tool result.
+    agent = weather_agent(fresh_server, cities, agents.OpenAIResponsesModel,
+                          settings={"store": False}, tool_use_behavior="stop_on_first_tool")
 
-    @agents.function_tool
-    def get_weather(city: Literal["Paris", "London"]) -> str:
-        """Current weather of a city."""
-        cities.append(city)
-        return f"Sunny in {city}, 24 C"
-
-    client = AsyncOpenAI(base_url=fresh_server.base_url, api_key="unused", max_retries=0)
-    agent = agents.Agent(
-        name="assistant", instructions="You are a helpful assistant.", tools=[get_weather],
-        model=agents.OpenAIResponsesModel(model=MODEL, openai_client=client),
-        # The random tiny model rambles past any token limit once it may answer in text (and
-        # the SDK takes an incomplete response for a failure): the run ends at the tool result.
-        tool_use_behavior="stop_on_first_tool",
-        model_settings=agents.ModelSettings(tool_choice="required", parallel_tool_calls=False,
-                                            temperature=0, max_tokens=48, store=False))
     async def runs() -> tuple[Any, list[Any], Any]:
         result = await agents.Runner.run(agent, "What is the weather in Paris?", max_turns=4)
         streamed = agents.Runner.run_streamed(agent, "Weather in London?", max_turns=4)
