@@ -43,7 +43,9 @@ GROUPS = ("A", "B", "C")
 GROUP_NAMES = {"A": "cached prefix, result appended",
                "B": "result inserted mid-prompt, recompute from it",
                "C": "B's prompt, speculative prefill + zero-copy commit"}
-SEED_RATIOS = {"B/A": (8.21, 4.18), "C/A": (1.17, 0.96)}  # vLLM on an H200, live / standalone
+# The seed document's ratios (Qwen2.5-7B, H100): vLLM 0.6.6's live engine / its standalone
+# transformers benchmark at 16K.
+SEED_RATIOS = {"B/A": (8.21, 4.18), "C/A": (1.17, 0.96)}
 _ONE_TOKEN = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 _BASE_TAG, _B_TAG = "bench:base", "bench:B"
 
@@ -352,10 +354,11 @@ def run_resume_bench(cfg: ResumeBenchConfig, out_dir: Path) -> dict[str, Path]:
 
 
 def ratio_notes(summary: list[dict[str, Any]]) -> list[str]:
-    """B/A and C/A per context, beside vLLM's on an H200 (live / standalone)."""
+    """B/A and C/A per context, beside the seed's (vLLM 0.6.6 live / standalone, H100)."""
     seed = "; ".join(f"{k} {' / '.join(f'{v:.2f}x' for v in vals)}"
                      for k, vals in SEED_RATIOS.items())
-    lines = [f"for comparison, vLLM on an H200 (live / standalone): {seed}"]
+    lines = [f"for comparison, the seed's H100 figures (vLLM 0.6.6 live engine / standalone "
+             f"transformers benchmark): {seed}"]
     for ctx in dict.fromkeys(r["context_tokens"] for r in summary):
         by = {r["group"]: r for r in summary if r["context_tokens"] == ctx}
         parts = [f"{g}/A {by[g]['ratio_to_A']:.2f}x" for g in ("B", "C") if g in by]

@@ -42,6 +42,9 @@ from edmm.bench.peers import (
 from edmm.bench.results import ResultWriter, collect_environment
 
 FLOOR_TOKENS = 16
+# The seed document's live table: vLLM 0.6.6's engine, Qwen2.5-7B, one H100, its own client
+# (context not stated), ms.
+SEED_VLLM_066 = {"A": 33.35, "B": 273.80}
 DECODE_PROMPT_TOKENS = 128
 
 
@@ -208,9 +211,23 @@ def run_single_bench(cfg: SingleConfig, specs: Sequence[ServerSpec], out_dir: Pa
         f"({cfg.decode_tokens} tokens, {DECODE_PROMPT_TOKENS}-token prompts) and the batch's "
         "tokens/s.",
         "Ratios to the first server:\n\n" + comparison_table(rows),
+        seed_note(rows),
     ]
     return writer.write(rows, f"Single requests: {', '.join(s.name for s in specs)}", notes,
                         meta={"config": asdict(cfg)})
+
+
+def seed_note(rows: Sequence[dict[str, Any]]) -> str:
+    """B/A of each server and context beside the seed's vLLM 0.6.6 live figures."""
+    seed = SEED_VLLM_066
+    parts = [f"the seed's vLLM 0.6.6 live engine (H100, quoted): A {seed['A']:.2f} ms, "
+             f"B {seed['B']:.2f} ms, B/A {seed['B'] / seed['A']:.2f}x"]
+    mean = {(r["server"], r["measure"], r["context"]): r["trimmed_mean_ms"] for r in rows}
+    for (server, measure, ctx), a in mean.items():
+        b = mean.get((server, "B", ctx))
+        if measure == "A" and b is not None:
+            parts.append(f"{server} at {ctx}: B/A {b / a:.2f}x")
+    return "B/A: " + "; ".join(parts) + "."
 
 
 def comparison_table(rows: Sequence[dict[str, Any]]) -> str:

@@ -17,6 +17,7 @@ from edmm.bench.single import (
     _decode_row,
     comparison_table,
     run_single_bench,
+    seed_note,
     trimmed_mean,
 )
 from edmm.cli import main as cli_main
@@ -58,6 +59,9 @@ def test_comparison_table_ratios() -> None:
     rows = [{"server": s, "measure": "A", "context": 10, "trimmed_mean_ms": v, "median_ms": 0}
             for s, v in (("E", 10.0), ("V", 20.0))]
     assert "| A | 10 | 10.00 | 20.00 | 2.00 |" in comparison_table(rows)
+    rows.append({"server": "V", "measure": "B", "context": 10, "trimmed_mean_ms": 90.0})
+    note = seed_note(rows)
+    assert "B/A 8.21x" in note and "V at 10: B/A 4.50x" in note and "E at 10" not in note
 
 
 @pytest.mark.slow  # two server subprocesses; the arithmetic: the tests above
