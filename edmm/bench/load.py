@@ -24,7 +24,6 @@ capture and allocator growth stay out of the numbers); errors are counted, never
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import json
 import random
 import time
@@ -35,8 +34,7 @@ from typing import Any
 
 from edmm.bench.peers import (
     ServerSpec,
-    exit_on_sigterm,
-    partial_rows_log,
+    measure_each,
     served,
     served_model,
 )
@@ -289,12 +287,8 @@ def run_load_bench(cfg: LoadConfig, specs: Sequence[ServerSpec], out_dir: Path,
     stopping the server it started) keeps what it measured."""
     if not specs:
         raise LoadBenchError("no server to measure")
-    rows: list[dict[str, Any]] = []
-    with contextlib.ExitStack() as stack:
-        exit_on_sigterm(stack)
-        on_row = partial_rows_log(out_dir / f"{name}-rows.jsonl")
-        for spec in specs:
-            rows += measure_server(spec, cfg, out_dir / "logs", on_row=on_row)
+    rows = measure_each(specs, out_dir, name, lambda spec, logs, on_row: measure_server(
+        spec, cfg, logs, on_row=on_row))
     writer = ResultWriter(out_dir, name, collect_environment(cfg.device))
     writer.add_rows(rows)
     ratios = ratio_rows(rows, specs[0].name)

@@ -246,6 +246,22 @@ def exit_on_sigterm(stack: contextlib.ExitStack) -> None:
     stack.callback(signal.signal, signal.SIGTERM, previous)
 
 
+def measure_each(specs: Sequence[ServerSpec], out_dir: Path, name: str,
+                 measure: Callable[[ServerSpec, Path, Callable[[dict[str, Any]], None]],
+                                   list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Every server's rows, one server at a time: ``measure(spec, log_dir, on_row)`` gives
+    each row it measures to ``on_row``, which appends it to ``out_dir/<name>-rows.jsonl``;
+    SIGTERM unwinds the run (stopping the server it started), so a run stopped early keeps
+    what it measured there."""
+    rows: list[dict[str, Any]] = []
+    with contextlib.ExitStack() as stack:
+        exit_on_sigterm(stack)
+        on_row = partial_rows_log(out_dir / f"{name}-rows.jsonl")
+        for spec in specs:
+            rows += measure(spec, out_dir / "logs", on_row)
+    return rows
+
+
 def partial_rows_log(path: Path) -> Callable[[dict[str, Any]], None]:
     """A function that appends each row it is given to ``path`` as one JSON line (the file is
     started empty): a bench's rows survive a run stopped before it writes its tables."""

@@ -23,7 +23,6 @@ of the next messages, which no peer has: ``edmm bench live`` measures it.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import random
 import statistics
 from collections.abc import Callable, Sequence
@@ -34,8 +33,7 @@ from typing import Any
 from edmm.bench.load import RequestRecord, run_level
 from edmm.bench.peers import (
     ServerSpec,
-    exit_on_sigterm,
-    partial_rows_log,
+    measure_each,
     served,
     served_model,
 )
@@ -194,12 +192,8 @@ def run_single_bench(cfg: SingleConfig, specs: Sequence[ServerSpec], out_dir: Pa
     (SIGTERM unwinds it, stopping the server it started) keeps what it measured."""
     if not specs:
         raise SingleBenchError("no server to measure")
-    rows: list[dict[str, Any]] = []
-    with contextlib.ExitStack() as stack:
-        exit_on_sigterm(stack)
-        on_row = partial_rows_log(out_dir / f"{name}-rows.jsonl")
-        for spec in specs:
-            rows += measure_server(spec, cfg, out_dir / "logs", on_row=on_row)
+    rows = measure_each(specs, out_dir, name, lambda spec, logs, on_row: measure_server(
+        spec, cfg, logs, on_row=on_row))
     writer = ResultWriter(out_dir, name, collect_environment(cfg.device))
     writer.add_rows(rows)
     notes = [

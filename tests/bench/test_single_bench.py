@@ -95,3 +95,10 @@ def test_cli_names_the_flag_on_bad_input(capsys: pytest.CaptureFixture[str]) -> 
     with pytest.raises(SystemExit):
         cli_main(["bench", "single", "--peer", "sglang"])
     assert "--peer: unknown peer 'sglang'" in capsys.readouterr().err
+
+
+def test_a_bad_token_range_names_its_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        cli_main(["bench", "single", "--token-range", "5", "--peer", "http://127.0.0.1:9"])
+    assert e.value.code == 2
+    assert "--token-range: two integers LOW,HIGH, not '5'" in capsys.readouterr().err

@@ -101,3 +101,24 @@ def server_specs(args: argparse.Namespace) -> list[ServerSpec]:
     if not specs:
         args.parser.error("nothing to measure: --no-edmm needs at least one --peer")
     return specs
+
+
+def add_client_arguments(parser: argparse.ArgumentParser) -> None:
+    """The options of a client-side bench's requests and report: ``--token-range``,
+    ``--device``, ``--out`` (read back by `token_range`)."""
+    parser.add_argument("--token-range", default="1000,100000",
+                        help="[low,high) of the random prompt token ids (default 1000,100000; "
+                             "the embedded model's vocabulary is 1024)")
+    parser.add_argument("--device", default="cuda",
+                        help="where the servers run, for the report (default cuda)")
+    parser.add_argument("--out", type=Path, default=None, help=OUT_HELP)
+
+
+def token_range(args: argparse.Namespace) -> tuple[int, int]:
+    """``--token-range`` as (low, high); `ValueError` when it is not two integers."""
+    try:
+        low, high = (int(x) for x in args.token_range.split(","))
+    except ValueError:
+        raise ValueError(
+            f"--token-range: two integers LOW,HIGH, not {args.token_range!r}") from None
+    return low, high

@@ -4,16 +4,16 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 from edmm.argparsing import float_at_least, int_at_least, int_list
 from edmm.bench.commands.common import (
-    OUT_HELP,
+    add_client_arguments,
     add_server_arguments,
     default_out_dir,
     device_tag,
     print_report,
     server_specs,
+    token_range,
 )
 
 NAME = "load"
@@ -44,12 +44,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=float_at_least(0.0), default=2.0,
                         help="a level completes max(--min-requests, rounds x concurrency) "
                              "requests (default %(default)g)")
-    parser.add_argument("--token-range", default="1000,100000",
-                        help="[low,high) of the random prompt token ids (default 1000,100000; "
-                             "the embedded model's vocabulary is 1024)")
-    parser.add_argument("--device", default="cuda",
-                        help="where the servers run, for the report (default cuda)")
-    parser.add_argument("--out", type=Path, default=None, help=OUT_HELP)
+    add_client_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -58,7 +53,7 @@ def run(args: argparse.Namespace) -> int:
     from edmm.bench.peers import PeerError
 
     try:
-        low, high = (int(x) for x in args.token_range.split(","))
+        low, high = token_range(args)
         cfg = LoadConfig(prompt_tokens=tuple(args.prompt_tokens),
                          output_tokens=args.output_tokens, concurrency=tuple(args.concurrency),
                          prefixes=tuple(x for x in args.prefixes.split(",") if x),
