@@ -27,6 +27,7 @@ LARGE_GPU_BYTES = 70 << 30
 # Steps of 32 tokens up to 512, of 64 up to 1024, then of 256: padding costs at most ~12%.
 DEFAULT_GRAPH_TOKEN_SIZES = (*range(32, 513, 32), *range(576, 1025, 64),
                              *range(1280, 2049, 256))
+DEFAULT_MIXED_SEQ_BUCKETS = (16, 64)  # sequence bounds of the mixed graphs below their largest
 
 
 @dataclass
@@ -130,7 +131,7 @@ class EngineConfig:
     enforce_eager: bool = False
     attention: str = "auto"
     cuda_graph_token_sizes: tuple[int, ...] = DEFAULT_GRAPH_TOKEN_SIZES
-    cuda_graph_mixed_seq_buckets: tuple[int, ...] = (16, 64)
+    cuda_graph_mixed_seq_buckets: tuple[int, ...] = DEFAULT_MIXED_SEQ_BUCKETS
     speculative_tokens_when_busy: int | None = None
     speculation_fills_padding: bool = True
     speculative_tokens_when_idle: int = 2048

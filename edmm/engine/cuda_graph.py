@@ -37,6 +37,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from edmm.engine.config import DEFAULT_MIXED_SEQ_BUCKETS
 from edmm.engine.runner import CausalModel, ModelInputs, ModelRunner, Picked
 from edmm.engine.sampling import Sampler
 from edmm.memory import KVArena
@@ -117,9 +118,6 @@ class _StaticInputs:
         self._dirty_tokens, self._dirty_seqs = t, b
 
 
-MIXED_SEQ_BUCKETS = (16, 64)  # sequence bounds of the mixed graphs below their largest
-
-
 def mixed_buckets(tokens: int, max_seqs: int, seq_buckets: tuple[int, ...]) -> tuple[int, ...]:
     """Sequence bounds of the mixed graphs of ``tokens`` tokens, ascending: each of
     ``seq_buckets`` below the most such a graph takes, ``min(max_seqs, tokens - 1)``, then
@@ -156,7 +154,7 @@ class CudaGraphRunner(ModelRunner):
                  sampler: Sampler | None = None,
                  sizes: tuple[int, ...] = DEFAULT_GRAPH_SIZES,
                  token_sizes: tuple[int, ...] = (), max_seqs: int | None = None,
-                 seq_buckets: tuple[int, ...] = MIXED_SEQ_BUCKETS) -> None:
+                 seq_buckets: tuple[int, ...] = DEFAULT_MIXED_SEQ_BUCKETS) -> None:
         super().__init__(model, arena, device, sampler)
         self.pad_slot = arena.allocate()
         arena.grow(self.pad_slot, 1)
