@@ -98,7 +98,10 @@ class EngineConfig:
             paused sessions' KV to the host and back by session), ``apc`` (tail-first,
             page-granular eviction: vLLM's automatic prefix caching), ``blocks`` (``apc``,
             and every block written through to the host as computed and loaded back by any
-            admission that lacks it: LMCache, vLLM's offloading connector).
+            admission that lacks it: LMCache, vLLM's offloading connector), ``tiered``
+            (paused sessions as ``sessions``; everything else as ``apc`` with what an eviction
+            takes copied to the host and loaded back by the admission that lacks it: a
+            session waiting for its user's next message, a preempted turn).
         kv_copy_stream: on CUDA, offload and restore copies run on a side stream beside the
             steps (ordered by CUDA events; paused sessions near eviction are written behind);
             False: synchronous copies. No effect on the CPU.

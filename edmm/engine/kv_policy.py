@@ -49,10 +49,14 @@ class CachePolicy:
     - ``write_through``: every full block of a sequence is copied to the host as soon as its
       KV is computed (once: a block held is not copied again).
     - ``offload_all``: the KV an eviction removes goes to the host whatever the entry (a
-      preempted turn's too), and an admission loads from the host the blocks of its prompt
-      that the GPU lacks (LMCache, vLLM's offloading connector). Off: only paused sessions'
-      KV (tagged ``RETAINED`` entries) goes to the host, and it comes back by its tag
-      (`PrefixCache.restore`).
+      preempted turn's too, a session waiting for its user's next message), and an admission
+      loads from the host the blocks of its prompt that the GPU lacks (LMCache, vLLM's
+      offloading connector). Off: only paused sessions' KV (tagged ``RETAINED`` entries) goes
+      to the host.
+    - ``session_records``: a paused session's KV goes to the host whole, recorded by its tag,
+      and comes back by it (`PrefixCache.restore`: a prefetch before the tool's expected
+      return, the resume's claim); its entry is never trimmed tail-first. Off (with
+      ``offload_all``): it is one more entry whose blocks come back when an admission asks.
 
     The host tier holds each block once (content-addressed) under every policy, and every
     restore maps the longest prefix the GPU still holds and loads only the rest.
@@ -61,6 +65,7 @@ class CachePolicy:
     tail_first: bool = False
     write_through: bool = False
     offload_all: bool = False
+    session_records: bool = True
 
 
 CACHE_POLICIES: dict[str, CachePolicy] = {
@@ -70,7 +75,11 @@ CACHE_POLICIES: dict[str, CachePolicy] = {
     "apc": CachePolicy(tail_first=True),
     # LMCache / vLLM's offloading connector: APC's eviction, every block written through
     # to the host as computed, any admission loads what the GPU lacks
-    "blocks": CachePolicy(tail_first=True, write_through=True, offload_all=True),
+    "blocks": CachePolicy(tail_first=True, write_through=True, offload_all=True,
+                          session_records=False),
+    # EDMM's: paused sessions by their tag (prefetched, restored whole), everything else as
+    # APC's eviction with its KV to the host and loaded back at admission (the same host tier)
+    "tiered": CachePolicy(tail_first=True, offload_all=True),
 }
 
 

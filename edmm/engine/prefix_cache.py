@@ -47,8 +47,8 @@ indexed. Pages another slot still maps are never freed by an eviction.
 blocks of ``block_size`` tokens keyed by their chain hash (below), each held once however
 many sequences share it, with its parent hash and tokens so a hash collision is detected on the
 way back. What goes (`CachePolicy`): the KV of a tagged ``RETAINED`` entry (a paused agent
-session) chosen for eviction, remembered by its tag, or, ``offload_all``, whatever an eviction
-removes; ``write_through`` copies every full block as soon as it is computed. What comes back:
+session) chosen for eviction, remembered by its tag (``session_records``), and, with
+``offload_all``, whatever else an eviction removes; ``write_through`` copies every full block as soon as it is computed. What comes back:
 `restore` of a tag branches from the longest prefix of the session's tokens the GPU still holds
 (another session's slot, a live one included) and loads from the host only the blocks after
 it, so a restored session maps the shared prefix's pages again instead of a private copy;
@@ -673,7 +673,7 @@ class PrefixCache:
         if store is None or not (retained or self.cache_policy.offload_all):
             return
         src = self._sources[slot]
-        record = retained and not self.cache_policy.offload_all
+        record = retained and self.cache_policy.session_records
         older = self._offloaded.pop(entry.tag, None) if record else None
         if older is not None:
             store.unpin(older.keys)  # superseded: its blocks count as room for these
@@ -861,9 +861,9 @@ class PrefixCache:
         are private and some private page stays (its KV to the host first under
         ``offload_all``); False (nothing done) when the entry should go whole instead: it has
         no more private pages than asked for, or it is a paused session's whose KV goes to the
-        host by its tag."""
+        host by its tag (``session_records``)."""
         entry = self._lru[slot]
-        if (self.offload is not None and not self.cache_policy.offload_all
+        if (self.offload is not None and self.cache_policy.session_records
                 and entry.tag is not None and entry.rank == EntryRank.RETAINED):
             return False
         arena = self.arena

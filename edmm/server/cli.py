@@ -278,7 +278,9 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--kv-cache-policy", choices=sorted(CACHE_POLICIES), default=None,
                         help="eviction of cached KV and what goes to the host: sessions, apc "
                              "(tail-first, as vLLM), blocks (apc + every block written "
-                             "through, as LMCache) (default: the engine's)")
+                             "through, as LMCache), tiered (paused sessions by session, the "
+                             "rest as apc with evicted blocks to the host) (default: the "
+                             "engine's)")
 
 
 def _agent_arguments(parser: argparse.ArgumentParser) -> None:

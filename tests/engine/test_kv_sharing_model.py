@@ -226,14 +226,14 @@ class SharingMachine(RuleBasedStateMachine):
         retained = m.tag is not None and m.rank == EntryRank.RETAINED
         if retained or self.policy.offload_all:
             self.to_host(m.tokens, 0)
-        if retained and not self.policy.offload_all:
+        if retained and self.policy.session_records:
             self.records[m.tag] = (m.tokens, m.priority)  # type: ignore[index]
         del self.slots[victim]
         self.lru.remove(victim)
 
     def trim(self, m: MSlot, pages: int, counts: dict[int, int]) -> bool:
         """The model of a tail-first eviction of ``pages`` pages; False: the entry goes whole."""
-        if not self.policy.offload_all and m.tag is not None and m.rank == EntryRank.RETAINED:
+        if self.policy.session_records and m.tag is not None and m.rank == EntryRank.RETAINED:
             return False
         tail = next((i for i, p in enumerate(reversed(m.pages)) if counts[p] != 1),
                     len(m.pages))
@@ -326,6 +326,10 @@ class BlocksMachine(SharingMachine):
     policy = CACHE_POLICIES["blocks"]
 
 
+class TieredMachine(SharingMachine):
+    policy = CACHE_POLICIES["tiered"]
+
+
 SETTINGS = settings(max_examples=examples(80), stateful_step_count=40, deadline=None,
                     suppress_health_check=[HealthCheck.too_slow])
 # Marked as @given tests are (hypothesis's plugin marks those): .ci/run's thorough stage
@@ -336,3 +340,5 @@ TestApcSharing = pytest.mark.hypothesis(ApcMachine.TestCase)
 TestApcSharing.settings = SETTINGS
 TestBlocksSharing = pytest.mark.hypothesis(BlocksMachine.TestCase)
 TestBlocksSharing.settings = SETTINGS
+TestTieredSharing = pytest.mark.hypothesis(TieredMachine.TestCase)
+TestTieredSharing.settings = SETTINGS

@@ -177,6 +177,36 @@ def test_evicted_session_is_offloaded_and_restored(arena: KVArena) -> None:
     cache.check_integrity()
 
 
+@pytest.mark.parametrize("policy", ["sessions", "tiered"])
+def test_a_session_waiting_for_its_user_comes_back_from_the_host_under_tiered(
+        arena: KVArena, policy: str) -> None:
+    """A session whose turn ended without a tool call (its KV a plain entry while the user
+    writes) and a paused session are both evicted. ``sessions`` takes only the paused one to
+    the host (by its tag); ``tiered`` takes both: the paused one by its tag, the other by its
+    blocks, which the user's next turn (a prompt sharing its first 32 tokens, the earlier
+    reasoning dropped after them) loads back instead of recomputing."""
+    store = HostKVStore(arena, capacity_bytes=1 << 20, block_tokens=4)
+    cache = PrefixCache(arena, block_size=4, offload=store, cache_policy=CACHE_POLICIES[policy])
+    ended = list(range(100, 140))
+    cache.release(filled(arena, ended), ended, 40)
+    _retain(cache, arena, TOKENS, "paused")
+    while cache.evict_one():
+        pass
+    assert arena.pool.num_used == 0 and cache.offloaded_tokens("paused") == 40
+    user_turn = [*ended[:32], 7, 8, 9]
+    hit = cache.acquire(user_turn, max_tokens=len(user_turn))
+    if policy == "sessions":
+        assert hit is None  # recomputed from its first token
+    else:
+        assert hit is not None and hit.num_tokens == 32
+        assert kv_values(arena, hit.slot)[:32] == ended[:32]
+        cache.release(hit.slot, user_turn[:32], 32)
+    assert cache.restore("paused")
+    (slot,) = cache.tagged("paused")
+    assert kv_values(arena, slot) == TOKENS
+    cache.check_integrity()
+
+
 def test_restore_without_room_changes_nothing(arena: KVArena) -> None:
     store = HostKVStore(arena, capacity_bytes=1 << 20, block_tokens=4)
     cache = PrefixCache(arena, block_size=4, offload=store)
@@ -378,14 +408,16 @@ def test_an_adopted_session_entry_given_back_unused_stays_retained(arena: KVAren
     assert slot not in cache.entry_slots(EntryRank.PLAIN)  # still a retained session's KV
 
 
-@pytest.mark.parametrize(("policy", "resumed_at"), [("sessions", 0), ("apc", 40), ("blocks", 48)])
+@pytest.mark.parametrize(("policy", "resumed_at"),
+                         [("sessions", 0), ("apc", 40), ("blocks", 48), ("tiered", 48)])
 def test_a_preempted_turn_comes_back_from_where_the_policy_kept_it(
         arena: KVArena, policy: str, resumed_at: int) -> None:
     """Two decoding sequences outgrow the 12 pages; the later one is preempted with 48 tokens
     computed. ``sessions`` evicts its entry whole (recomputed from 0); ``apc`` frees only the
     page the other sequence lacks, from its tail, and keeps the rest while it waits (40
     tokens reused); ``blocks`` wrote every block through to the host, so the readmission loads
-    all 48 and recomputes nothing."""
+    all 48 and recomputes nothing; ``tiered`` copies to the host what an eviction takes, as it
+    takes it, so the readmission loads all 48 too."""
     store = HostKVStore(arena, capacity_bytes=1 << 20, block_tokens=4)
     cache = PrefixCache(arena, block_size=4, offload=store, cache_policy=CACHE_POLICIES[policy])
     sched = Scheduler(KVCacheManager(arena, cache),
@@ -400,7 +432,8 @@ def test_a_preempted_turn_comes_back_from_where_the_policy_kept_it(
     sched.finish(a, "stop")
     (readmitted,) = _step(sched)
     assert readmitted == ("b", resumed_at, 49 - resumed_at)
-    assert store.counters.loaded_bytes == (48 if policy == "blocks" else 0) * SPEC.token_bytes
+    loaded = 48 if policy in ("blocks", "tiered") else 0
+    assert store.counters.loaded_bytes == loaded * SPEC.token_bytes
 
 
 def test_an_admission_never_trims_the_kv_it_loaded_even_with_nothing_running(

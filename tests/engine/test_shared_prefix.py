@@ -256,7 +256,7 @@ def test_an_unknown_cache_policy_is_refused_naming_the_known_ones() -> None:
     from edmm.engine.config import EngineConfig, EngineConfigError
     from edmm.engine.kv_policy import cache_policy
 
-    known = r"\['apc', 'blocks', 'sessions'\]"
+    known = r"\['apc', 'blocks', 'sessions', 'tiered'\]"
     with pytest.raises(EngineConfigError, match=f"kv_cache_policy must be one of {known}, "
                                                 "got 'lru'"):
         EngineConfig(kv_cache_policy="lru")

@@ -25,7 +25,11 @@ what users run today:
   an ordinary 1-token request (Dynamo's speculative prefill); nothing more.
 - ``edmm``: cost-based retention + offload + prefetch + template, streamed and predicted
   speculation, each branch gated on its expected saving (`edmm.agent.gate`), program-level
-  first come, first served admission (+ the zero-copy commit the engine always does).
+  first come, first served admission (+ the zero-copy commit the engine always does), over
+  ``offload``'s host tier: paused sessions go to the host and come back by session (prefetched
+  before the tool's expected return), everything else an eviction takes goes to the host by
+  block and comes back at admission (a session waiting for its user, a preempted turn; the
+  ``tiered`` cache policy).
 
 ``edmm-no-<mechanism>`` is ``edmm`` with one mechanism off (``retention``: LRU instead of the
 cost policy; ``offload``, ``prefetch``, ``template``, ``streamed``, ``predicted``; ``gate``:
@@ -109,7 +113,8 @@ _BASE = {
                      rewarm=True),
     "edmm": Policy("edmm", "cost retention + offload + prefetch + speculation; turns in "
                    "session order", retention="cost", offload=True, prefetch=True,
-                   template=True, streamed=True, predicted=True, gate=True, admission="program"),
+                   template=True, streamed=True, predicted=True, gate=True, admission="program",
+                   cache="tiered"),
 }
 
 
