@@ -48,9 +48,10 @@ blocks of ``block_size`` tokens keyed by their chain hash (below), each held onc
 many sequences share it, with its parent hash and tokens so a hash collision is detected on the
 way back. What goes (`CachePolicy`): the KV of a tagged ``RETAINED`` entry (a paused agent
 session) chosen for eviction, remembered by its tag (``session_records``), and, with
-``offload_all``, whatever else an eviction removes; ``write_through`` copies every full block as soon as it is computed. What comes back:
-`restore` of a tag branches from the longest prefix of the session's tokens the GPU still holds
-(another session's slot, a live one included) and loads from the host only the blocks after
+``offload_all``, whatever else an eviction removes; ``write_through`` copies every full
+block as soon as it is computed. What comes back: `restore` of a tag branches from the
+longest prefix of the session's tokens the GPU still holds (another session's slot, a live
+one included) and loads from the host only the blocks after
 it, so a restored session maps the shared prefix's pages again instead of a private copy;
 under ``offload_all`` an admission (`acquire`) does the same for its prompt. Blocks stay on the
 host after a restore (leaving it again copies nothing). The scheduler restores the tags a
