@@ -30,19 +30,21 @@ class MergeError(ValueError):
     """A run folder holds no load rows."""
 
 
-def load_run(folder: Path) -> tuple[list[dict[str, Any]], str]:
-    """A run's summary rows and a line saying where they come from (GPU, tree, command)."""
+def load_run(folder: Path) -> tuple[list[dict[str, Any]], str, str | None]:
+    """A run's summary rows, a line saying where they come from (GPU, tree, command) and its
+    GPU's name (None: not recorded)."""
     doc_path, rows_path = folder / "load.json", folder / "load-rows.jsonl"
     if doc_path.exists():
         doc = json.loads(doc_path.read_text(encoding="utf-8"))
         env = doc.get("environment", {})
-        line = (f"`{folder.name}`: {env.get('gpu_name', env.get('device', '?'))}, tree "
+        gpu = env.get("gpu_name")
+        line = (f"`{folder.name}`: {gpu or env.get('device', '?')}, tree "
                 f"`{str(env.get('git_commit', '?'))[:7]}`, {env.get('timestamp_utc', '?')}, "
                 f"`{env.get('command', '?')}`")
-        return list(doc["summary"]), line
+        return list(doc["summary"]), line, gpu
     if rows_path.exists():
         rows = [json.loads(x) for x in rows_path.read_text(encoding="utf-8").splitlines() if x]
-        return rows, f"`{folder.name}`: rows log only (the bench stopped before its JSON)"
+        return rows, f"`{folder.name}`: rows log only (the bench stopped before its JSON)", None
     raise MergeError(f"{folder}: neither load.json nor load-rows.jsonl")
 
 
@@ -65,11 +67,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = p.parse_args(argv)
     rows: list[dict[str, Any]] = []
     sources: list[str] = []
+    gpus: list[str] = []
     try:
         for folder in args.runs:
-            run_rows, line = load_run(folder)
+            run_rows, line, gpu = load_run(folder)
             rows += run_rows
             sources.append(line)
+            gpus += [gpu] if gpu else []
     except MergeError as exc:
         p.error(str(exc))
     if not rows:
@@ -78,7 +82,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "load-merged.md").write_text(merged_markdown(rows, sources, base),
                                              encoding="utf-8")
-    plot_load(rows, args.out / "load-merged.png", "cuda")
+    plot_load(rows, args.out / "load-merged.png", " / ".join(dict.fromkeys(gpus)) or "the GPU")
     print(args.out / "load-merged.md")
     return 0
 
