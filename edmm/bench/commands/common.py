@@ -59,11 +59,15 @@ def print_report(paths: Mapping[str, str | Path]) -> None:
 
 def add_server_arguments(parser: argparse.ArgumentParser, served_name: str) -> None:
     """The options naming the servers a client-side bench measures: ``edmm serve`` started
-    here (``--edmm-args``, ``--no-edmm``) and its peers (``--peer`` and how vLLM starts)."""
+    here (``--edmm-args``, ``--edmm-name``, ``--no-edmm``) and its peers (``--peer`` and how
+    vLLM starts)."""
     parser.add_argument("--edmm-args", default="", metavar="ARGS",
                         help="arguments of the EDMM server started here, one string (e.g. "
                              "\"--model DIR --device cuda\"); default: the embedded model on "
                              "the CPU")
+    parser.add_argument("--edmm-name", default="EDMM", metavar="NAME",
+                        help="the EDMM server's label in tables and plots (default EDMM; "
+                             "e.g. a variant's flags, so runs merged later stay apart)")
     parser.add_argument("--no-edmm", action="store_true",
                         help="measure the peers only (no EDMM server)")
     parser.add_argument("--peer", action="append", default=[], metavar="PEER",
@@ -94,7 +98,8 @@ def server_specs(args: argparse.Namespace) -> list[ServerSpec]:
                         args.peer_offload_gib, args.peer_max_model_len)
             if args.peer_model_dir else None)
     try:
-        specs = [] if args.no_edmm else [edmm_spec(shlex.split(args.edmm_args))]
+        specs = ([] if args.no_edmm
+                 else [edmm_spec(shlex.split(args.edmm_args), name=args.edmm_name)])
         specs += [parse_peer(p, vllm, args.served_model_name) for p in args.peer]
     except PeerError as e:
         args.parser.error(f"--peer: {e}")
