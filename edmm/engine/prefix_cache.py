@@ -51,9 +51,9 @@ session) chosen for eviction, remembered by its tag (``session_records``), and, 
 ``offload_all``, whatever else an eviction removes; ``write_through`` copies every full
 block as soon as it is computed. What comes back: `restore` of a tag branches from the
 longest prefix of the session's tokens the GPU still holds (another session's slot, a live
-one included) and loads from the host only the blocks after
-it, so a restored session maps the shared prefix's pages again instead of a private copy;
-under ``offload_all`` an admission (`acquire`) does the same for its prompt. Blocks stay on the
+one included) and loads from the host only the blocks after it, so a restored session maps
+the shared prefix's pages again instead of a private copy; under ``offload_all`` an
+admission (`acquire`) does the same for its prompt. Blocks stay on the
 host after a restore (leaving it again copies nothing). The scheduler restores the tags a
 request claims before admitting it, evicting any other entry for it (other paused sessions go
 to the host in turn: a copy each way costs far less than the recompute the request would

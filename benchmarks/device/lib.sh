@@ -1,0 +1,13 @@
+# Sourced by the device calls (from the repository root): their environment, the engines'
+# arguments and the load curve's levels, and `pack`.
+export PYTHONUNBUFFERED=1 PYTHONPATH=.:/tmp/site HF_HUB_OFFLINE=1 VLLM_NO_USAGE_STATS=1 \
+    VLLM_USE_FLASHINFER_SAMPLER=0
+E="--model /tmp/qwen25-7b-dummy --load-format dummy --device cuda --dtype bfloat16"
+L="--prompt-tokens 2048,8192 --output-tokens 256 --concurrency 1,8,32,64 --prefixes fresh,shared --rounds 1"
+# pack DIR NAME: stop whatever still holds the GPU (a vLLM engine core can outlive its API
+# server), then /tmp/DIR into $OUT/NAME.tgz (what a step finished comes back if a later one
+# runs out of time)
+pack() {
+    nvidia-smi --query-compute-apps=pid --format=csv,noheader | xargs -r kill -9
+    (cd /tmp && tar czf "$OUT/$2.tgz" "$1")
+}
