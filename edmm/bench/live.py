@@ -670,7 +670,7 @@ def run_live_bench(cfg: LiveBenchConfig, out_dir: Path) -> dict[str, Path]:
     env = collect_environment(cfg.device)
     paths: dict[str, Path] = {}
     with contextlib.ExitStack() as stack:
-        exit_on_sigterm(stack)
+        raise_if_stopped = exit_on_sigterm(stack)
         stage_log = None
         if cfg.stages and cfg.url is None:
             stage_log = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "stages.jsonl"
@@ -681,8 +681,10 @@ def run_live_bench(cfg: LiveBenchConfig, out_dir: Path) -> dict[str, Path]:
         def write(rows: list[dict[str, Any]]) -> None:
             paths.update(_write_results(cfg, rows, stage_log, env, out_dir, client.model,
                                         tokenizer))
+            raise_if_stopped()
 
         rows = measure(client, prompts, cfg, on_context=write)
+        raise_if_stopped()
     summary = summarize_live([_public(r) for r in rows])
     with contextlib.suppress(RuntimeError):
         paths["png"] = plot_live(summary, Path(out_dir) / f"{NAME}.png", cfg.device)

@@ -233,17 +233,29 @@ def _slug(name: str) -> str:
     return "".join(c if c.isalnum() else "-" for c in name.lower()).strip("-") or "server"
 
 
-def exit_on_sigterm(stack: contextlib.ExitStack) -> None:
+def exit_on_sigterm(stack: contextlib.ExitStack) -> Callable[[], None]:
     """Until ``stack`` closes, SIGTERM raises `SystemExit` (143): the bench unwinds, stopping
-    its server, instead of dying with it still running (main thread only)."""
+    its server, instead of dying with it still running (main thread only).
+
+    Returns ``raise_if_stopped``, which raises that `SystemExit` again once SIGTERM has come:
+    Python swallows an exception raised while a finalizer runs (an event loop collected by
+    the garbage collector, say), so callers check it between steps and before they return."""
+    received: list[int] = []
+
+    def raise_if_stopped() -> None:
+        if received:
+            raise SystemExit(128 + received[0])
+
     if threading.current_thread() is not threading.main_thread():
-        return
+        return raise_if_stopped
 
     def stop(signum: int, frame: Any) -> None:
+        received.append(signum)
         raise SystemExit(128 + signum)
 
     previous = signal.signal(signal.SIGTERM, stop)
     stack.callback(signal.signal, signal.SIGTERM, previous)
+    return raise_if_stopped
 
 
 def measure_each(specs: Sequence[ServerSpec], out_dir: Path, name: str,
@@ -255,10 +267,16 @@ def measure_each(specs: Sequence[ServerSpec], out_dir: Path, name: str,
     what it measured there."""
     rows: list[dict[str, Any]] = []
     with contextlib.ExitStack() as stack:
-        exit_on_sigterm(stack)
-        on_row = partial_rows_log(out_dir / f"{name}-rows.jsonl")
+        raise_if_stopped = exit_on_sigterm(stack)
+        append = partial_rows_log(out_dir / f"{name}-rows.jsonl")
+
+        def on_row(row: dict[str, Any]) -> None:
+            append(row)
+            raise_if_stopped()
+
         for spec in specs:
             rows += measure(spec, out_dir / "logs", on_row)
+        raise_if_stopped()
     return rows
 
 

@@ -3,9 +3,11 @@ peers, vLLM on a GPU, run on the device machine)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -22,6 +24,7 @@ from edmm.bench.peers import (
     ServerSpec,
     VLLMOptions,
     edmm_spec,
+    measure_each,
     parse_peer,
     served,
     vllm_spec,
@@ -197,3 +200,33 @@ def test_the_edmm_server_is_labelled_as_named() -> None:
     assert [s.name for s in specs] == ["EDMM 8K budget", "http://127.0.0.1:9"]
     assert specs[0].launch is not None and "--max-num-batched-tokens" in specs[0].launch
     assert server_specs(parser.parse_args(["bench", "load"]))[0].name == "EDMM"
+
+
+def test_sigterm_swallowed_by_a_finalizer_still_ends_the_run(tmp_path: Path) -> None:
+    """SIGTERM arriving while a finalizer runs (CI saw an event loop's ``__del__``) has its
+    `SystemExit` swallowed by Python; the run still ends with 143 at the next row, keeping
+    the rows measured, and restores the previous handler."""
+    import os
+    import signal
+
+    before = signal.getsignal(signal.SIGTERM)
+    measured: list[int] = []
+
+    def measure(spec: ServerSpec, logs: Path, on_row: Any) -> list[dict[str, Any]]:
+        rows = []
+        for i in range(3):
+            if i == 1:
+                with contextlib.suppress(SystemExit):  # what a finalizer does to it
+                    os.kill(os.getpid(), signal.SIGTERM)
+            measured.append(i)
+            rows.append({"server": spec.name, "i": i})
+            on_row(rows[-1])
+        return rows
+
+    with pytest.raises(SystemExit) as stopped:
+        measure_each([ServerSpec("a", launch=("true",))], tmp_path, "load", measure)
+    assert stopped.value.code == 128 + signal.SIGTERM
+    assert measured == [0, 1]
+    lines = (tmp_path / "load-rows.jsonl").read_text().splitlines()
+    assert [json.loads(line)["i"] for line in lines] == [0, 1]
+    assert signal.getsignal(signal.SIGTERM) is before
