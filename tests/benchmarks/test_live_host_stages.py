@@ -29,7 +29,7 @@ def test_body_transfer_parts(tiny_dir: Path) -> None:
     """`benchmarks.scripts.body_transfer`: every part of the body's way is timed, in order."""
     pytest.importorskip("uvicorn")
     from benchmarks.scripts.body_transfer import measure, resume_body
-    from edmm.bench.live import _free_port
+    from edmm.bench.peers import free_port as _free_port
 
     body = resume_body(load_tokenizer(str(tiny_dir)), 2048)
     parts = measure(body, 2, _free_port())

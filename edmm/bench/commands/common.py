@@ -59,8 +59,8 @@ def print_report(paths: Mapping[str, str | Path]) -> None:
 
 def add_server_arguments(parser: argparse.ArgumentParser, served_name: str) -> None:
     """The options naming the servers a client-side bench measures: ``edmm serve`` started
-    here (``--edmm-args``, ``--edmm-name``, ``--no-edmm``) and its peers (``--peer`` and how
-    vLLM starts)."""
+    here (``--edmm-args``, ``--edmm-name``, ``--no-edmm``) and its peers
+    (`add_peer_arguments`)."""
     parser.add_argument("--edmm-args", default="", metavar="ARGS",
                         help="arguments of the EDMM server started here, one string (e.g. "
                              "\"--model DIR --device cuda\"); default: the embedded model on "
@@ -70,6 +70,12 @@ def add_server_arguments(parser: argparse.ArgumentParser, served_name: str) -> N
                              "e.g. a variant's flags, so runs merged later stay apart)")
     parser.add_argument("--no-edmm", action="store_true",
                         help="measure the peers only (no EDMM server)")
+    add_peer_arguments(parser, served_name)
+
+
+def add_peer_arguments(parser: argparse.ArgumentParser, served_name: str) -> None:
+    """The options naming a client-side bench's peers: ``--peer`` and how vLLM starts (read
+    back by `peer_specs`)."""
     parser.add_argument("--peer", action="append", default=[], metavar="PEER",
                         help="also measure: vllm, vllm-offload, vllm-fp8 or an http(s) URL "
                              "(repeatable)")
@@ -89,20 +95,30 @@ def add_server_arguments(parser: argparse.ArgumentParser, served_name: str) -> N
                         help="model name the vLLM peers serve under (default %(default)s)")
 
 
-def server_specs(args: argparse.Namespace) -> list[ServerSpec]:
-    """The servers `add_server_arguments`'s options name, EDMM first; a usage error (exit 2,
-    naming the flag) when a peer is unknown or nothing is left to measure."""
-    from edmm.bench.peers import PeerError, VLLMOptions, edmm_spec, parse_peer
+def peer_specs(args: argparse.Namespace) -> list[ServerSpec]:
+    """The peers `add_peer_arguments`'s options name; a usage error (exit 2, naming the
+    flag) when one is unknown or a vLLM peer lacks its model folder."""
+    from edmm.bench.peers import PeerError, VLLMOptions, parse_peer
 
     vllm = (VLLMOptions(args.peer_model_dir, args.peer_python_path, args.peer_kv_bytes,
                         args.peer_offload_gib, args.peer_max_model_len)
             if args.peer_model_dir else None)
+    specs: list[ServerSpec] = []
     try:
-        specs = ([] if args.no_edmm
-                 else [edmm_spec(shlex.split(args.edmm_args), name=args.edmm_name)])
-        specs += [parse_peer(p, vllm, args.served_model_name) for p in args.peer]
+        specs = [parse_peer(p, vllm, args.served_model_name) for p in args.peer]
     except PeerError as e:
         args.parser.error(f"--peer: {e}")
+    return specs
+
+
+def server_specs(args: argparse.Namespace) -> list[ServerSpec]:
+    """The servers `add_server_arguments`'s options name, EDMM first; a usage error (exit 2,
+    naming the flag) when a peer is unknown or nothing is left to measure."""
+    from edmm.bench.peers import edmm_spec
+
+    specs = [] if args.no_edmm else [edmm_spec(shlex.split(args.edmm_args),
+                                               name=args.edmm_name)]
+    specs += peer_specs(args)
     if not specs:
         args.parser.error("nothing to measure: --no-edmm needs at least one --peer")
     return specs

@@ -3,21 +3,27 @@
 from __future__ import annotations
 
 import argparse
+import sys
 from pathlib import Path
 
 from edmm.argparsing import float_at_least, fraction, int_at_least, int_list, resolve_device
 from edmm.bench.commands.common import (
     OUT_HELP,
+    add_peer_arguments,
     cpu_note,
     default_out_dir,
     device_tag,
+    peer_specs,
 )
 
 NAME = "live"
 HELP = ("A/B/C resume groups at the client: the openai SDK over HTTP against edmm serve "
-        "(started on a free port, or --url)")
+        "(started on a free port, or --url), then each --peer")
 DESCRIPTION = ("The A/B/C resume groups as an agent sees them: the openai SDK over HTTP against "
-               "an edmm serve it starts on a free loopback port (or --url).")
+               "an edmm serve it starts on a free loopback port (or --url), then against each "
+               "--peer (vLLM with prefix caching, with its offloading connector or FP8 KV, or "
+               "any OpenAI-compatible URL; A and B only: C needs EDMM's prediction "
+               "extension) with the same conversations, in one table.")
 
 
 def live_modes(text: str) -> tuple[str, ...]:
@@ -65,6 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "(raw HTTP, streamed TTFT: the server and HTTP alone); stream is always run")
     add("--server-arg", action="append", default=[],
         help="extra edmm serve option, repeatable: --server-arg=--dtype=bfloat16")
+    add("--name", default="EDMM",
+        help="the EDMM server's label in tables and plots (default %(default)s)")
+    add_peer_arguments(parser, "edmm-live")
     add("--out", type=Path, default=None, help=OUT_HELP)
 
 
@@ -79,19 +88,24 @@ def _check(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Check the sizes, run the groups over HTTP, print the report (and the stages')."""
-    from edmm.bench.live import LiveBenchConfig, run_live_bench
+    from edmm.bench.live import LiveBenchConfig, LiveBenchError, run_live_bench
 
     _check(args.parser, args)
+    peers = peer_specs(args)
     cpu_note(args.device)
     cfg = LiveBenchConfig(model=args.model, tokenizer=args.tokenizer, device=args.device,
                           url=args.url, contexts=args.contexts, result_tokens=args.result_tokens,
                           insert_fraction=args.insert_fraction, iterations=args.iterations,
                           warmup=args.warmup, tool_duration_s=args.tool_duration,
                           resume_tokens=args.resume_tokens, stages=args.stages,
-                          server_args=tuple(args.server_arg),
+                          server_args=tuple(args.server_arg), name=args.name,
                           **({"modes": args.modes} if args.modes else {}))
-    paths = run_live_bench(cfg, args.out or default_out_dir(
-        device_tag(args.device.startswith("cuda"))))
+    try:
+        paths = run_live_bench(cfg, args.out or default_out_dir(
+            device_tag(args.device.startswith("cuda"))), peers)
+    except LiveBenchError as e:
+        print(f"edmm bench live: {e}", file=sys.stderr)
+        return 1
     print(Path(paths["md"]).read_text())
     if "stages_md" in paths:
         print(Path(paths["stages_md"]).read_text())
