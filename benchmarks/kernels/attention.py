@@ -12,7 +12,10 @@ plain tensor with the same strides.
   ``causal_lower_right``, FlashAttention-4 on the arena's slots (`edmm.kernels.fa4`; skipped,
   with a note, where it does not import), and cuDNN's fused attention on the same strided KV
   (two calls, merged: `edmm.kernels.fused_sdpa`), as candidates;
-- sweeps at 16K: decode splits and launch configs, prefill launch configs.
+- sweeps at 16K: decode splits and launch configs, prefill launch configs;
+- ``--fp8-prefill-sweep``: the prefill kernel's tile shapes reading a scaled e4m3 copy of the
+  same KV (the engine's FP8 cache), beside the engine's BF16 config and a route that
+  dequantises the context to a BF16 scratch and runs the BF16 kernel on it.
 
 Eager times are CUDA-event medians over ``reps`` calls after warmup. Each call reads the next
 layer, so the working set exceeds L2 as in a real step, and a GPU sleep before each timed call
@@ -51,7 +54,8 @@ from edmm.kernels.fused_sdpa import (
     end_aligned_by_parts,
 )
 from edmm.memory import KVArena, KVMemoryError, KVSpec, PagePool, open_backend
-from edmm.model.attention_triton import PREFILL
+from edmm.model.attention_triton import PREFILL, PREFILL_FP8
+from edmm.model.kv_quant import FP8_HEADROOM, FP8_MAX, quantize_fp8
 
 SPEC = KVSpec(num_layers=28, num_kv_heads=4, head_dim=128, dtype=torch.bfloat16)
 NUM_HEADS = 28
@@ -66,6 +70,9 @@ PREFILL_SWEEP = (  # (earlier sweeps: benchmarks/results/2026-11-30-h200-session
     P(128, 64, 8, 3), P(128, 64, 8, 3, reverse=True),
     P(128, 128, 4, 2, warp_specialize=True), P(128, 128, 4, 2, warp_specialize=True, reverse=True),
     P(128, 64, 4, 2, warp_specialize=True))
+PREFILL_FP8_SWEEP = (  # FP8 KV (PREFILL_FP8 is the engine's; 128-key tiles spill 32 bytes)
+    PREFILL_FP8, P(128, 128, 4, 2, warp_specialize=True, reverse=True),
+    P(128, 64, 8, 3, reverse=True), P(128, 128, 8, 3, reverse=True), P(64, 128, 4, 3, reverse=True))
 CHUNK = 2048  # the engine's default token budget: a full prefill runs in chunks of this
 
 T = TypeVar("T")
@@ -84,6 +91,7 @@ class AttentionBenchConfig:
     graph_reps: int = 20
     sweeps: bool = True
     prefill_only: bool = False  # the prefill sweep alone
+    fp8_prefill_only: bool = False  # the FP8 prefill sweep alone
 
 
 @dataclass
@@ -341,12 +349,14 @@ def _one_sequence(queries: int, context: int) -> tuple[torch.Tensor, torch.Tenso
 
 
 def _chunked_fn(kv: torch.Tensor, context: int, impl: str,
-                config: PrefillConfig | None = None) -> Fn:
-    """A full prefill of ``context`` tokens as the engine runs it, through ``impl`` (an
-    `_attention_fns` key): CHUNK queries at a time, each chunk attending to every token
-    before it."""
+                config: PrefillConfig | None = None,
+                make: Callable[[torch.Tensor, int], dict[str, Fn]] | None = None) -> Fn:
+    """A full prefill of ``context`` tokens as the engine runs it, through ``impl`` (a key of
+    ``make(q, end)``'s calls; default `_attention_fns`): CHUNK queries at a time, each chunk
+    attending to every token before it."""
     q = torch.randn(CHUNK, NUM_HEADS, SPEC.head_dim, dtype=SPEC.dtype, device=DEVICE)
-    steps = [_attention_fns(kv, q, end, config)[impl] for end in range(CHUNK, context + 1, CHUNK)]
+    make = make or (lambda q, end: _attention_fns(kv, q, end, config))
+    steps = [make(q, end)[impl] for end in range(CHUNK, context + 1, CHUNK)]
 
     def fn(i: int) -> torch.Tensor:
         for step in steps:
@@ -417,6 +427,88 @@ def sweep_prefill(kv: torch.Tensor, cfg: AttentionBenchConfig) -> list[Row]:
     return rows
 
 
+def fp8_copy(kv: torch.Tensor, context: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Slot 0's first ``context`` tokens of ``kv`` [S, M, L, 2, Hkv, D] as a scaled e4m3 cache
+    [1, context, L, 2, Hkv, D] and its float32 scales [L, 2, Hkv]: each head's largest
+    magnitude stored at 448 / `FP8_HEADROOM`, as the engine's calibration does."""
+    src = kv[0:1, :context]
+    amax = src.abs().amax(dim=(0, 1, 5)).float()  # [L, 2, Hkv]
+    scales = (amax * (FP8_HEADROOM / FP8_MAX)).clamp_min(1e-12)
+    kv8 = torch.empty(src.shape, dtype=torch.float8_e4m3fn, device=src.device)
+    for layer in range(src.shape[2]):  # a layer at a time: float32 temporaries stay small
+        for kind in range(2):
+            kv8[:, :, layer, kind] = quantize_fp8(src[:, :, layer, kind], scales[layer, kind])
+    return kv8, scales.contiguous()
+
+
+def _fp8_fns(kv8: torch.Tensor, scales: torch.Tensor, q: torch.Tensor, context: int,
+             config: PrefillConfig) -> dict[str, Fn]:
+    """The queries ``q`` [n, Hq, D] at the end of slot 0's ``context`` tokens of the FP8 cache
+    ``kv8``: the prefill kernel reading it (``triton-fp8``), the context dequantised to a
+    BF16 scratch and the engine's BF16 kernel on that (``dequant+bf16``), and SDPA over the
+    dequantised KV (``sdpa``, the reference)."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    cu, slot, ctx = _one_sequence(q.shape[0], context)
+    scratch = torch.empty(1, context, 1, 2, SPEC.num_kv_heads, SPEC.head_dim, dtype=SPEC.dtype,
+                          device=kv8.device)  # [1, n, 1, 2, Hkv, D]
+
+    def dequantised(layer: int) -> torch.Tensor:  # [1, n, 2, Hkv, D] in scratch
+        out = scratch[:, :, 0]
+        torch.mul(kv8[0:1, :context, layer].to(SPEC.dtype),
+                  scales[layer][:, :, None].to(SPEC.dtype), out=out)
+        return out
+
+    def fp8_fn(i: int) -> torch.Tensor:
+        layer = i % SPEC.num_layers
+        return prefill_attention_varlen(q, kv8, layer, cu, slot, ctx, SCALE, config=config,
+                                        kv_scale=scales[layer])
+
+    def route_fn(i: int) -> torch.Tensor:
+        dequantised(i % SPEC.num_layers)
+        return prefill_attention_varlen(q, scratch, 0, cu, slot, ctx, SCALE, config=PREFILL)
+
+    def sdpa_fn(i: int) -> torch.Tensor:
+        layer = dequantised(i % SPEC.num_layers)
+        k, v = layer[:, :, 0].transpose(1, 2), layer[:, :, 1].transpose(1, 2)
+        q4 = q.transpose(0, 1)[None]  # [1, Hq, n, D]
+        out = F.scaled_dot_product_attention(q4, k, v, scale=SCALE, enable_gqa=True,
+                                             attn_mask=causal_lower_right(q.shape[0], context))
+        return out[0].transpose(0, 1)  # [n, Hq, D]
+
+    return {"triton-fp8": fp8_fn, "dequant+bf16": route_fn, "sdpa": sdpa_fn}
+
+
+def sweep_prefill_fp8(kv: torch.Tensor, cfg: AttentionBenchConfig) -> list[Row]:
+    """`PREFILL_FP8_SWEEP` on an FP8 copy of slot 0 at 16K (``prefill_queries`` on a cached
+    prefix, and a full prefill in CHUNK-token chunks), the dequantising route once, and the
+    engine's BF16 config on the BF16 KV for the ratio."""
+    eager = functools.partial(time_eager, warmup=cfg.warmup, reps=cfg.reps)
+    chunked = functools.partial(time_eager, warmup=2, reps=max(5, cfg.reps // 10))
+    n, ctx = cfg.prefill_queries, SWEEP_CONTEXT
+    kv8, scales = fp8_copy(kv, ctx)
+    case = Case("prefill-fp8", 1, ctx, n, _prefill_flops(n, ctx), "TFLOP/s")
+    full = Case("full-prefill-fp8", 1, ctx, ctx, _prefill_flops(ctx, ctx), "TFLOP/s")
+    bf16 = {"triton-bf16": f"the engine's BF16 config on the BF16 KV, {PREFILL}"}
+    q = torch.randn(n, NUM_HEADS, SPEC.head_dim, dtype=SPEC.dtype, device=DEVICE)
+    rows = time_case(case, {"triton-bf16": _attention_fns(kv, q, ctx, PREFILL)["triton"]},
+                     eager, bf16)
+    rows += time_case(full, {"triton-bf16": _chunked_fn(kv, ctx, "triton", PREFILL)}, chunked,
+                      bf16)
+    for i, config in enumerate(PREFILL_FP8_SWEEP):
+        impls = ("triton-fp8", "dequant+bf16") if i == 0 else ("triton-fp8",)
+        notes = {"triton-fp8": f"{config}", "dequant+bf16": f"torch dequantise, then {PREFILL}"}
+        fns = _fp8_fns(kv8, scales, q, ctx, config)
+        rows += time_case(case, {k: fns[k] for k in impls}, eager, notes, reference=fns["sdpa"])
+
+        def make(q: torch.Tensor, end: int, config: PrefillConfig = config) -> dict[str, Fn]:
+            return _fp8_fns(kv8, scales, q, end, config)
+
+        rows += time_case(full, {k: _chunked_fn(kv8, ctx, k, make=make) for k in impls},
+                          chunked, {k: f"chunks of {CHUNK}, {v}" for k, v in notes.items()})
+    return rows
+
+
 def _guarded(run: Callable[[], T]) -> T | None:
     """``run()``, or None (with a message) when it cannot compile or launch."""
     try:
@@ -470,7 +562,9 @@ def run(cfg: AttentionBenchConfig, out_dir: Path) -> list[Row]:
     mem = make_kv(max(cfg.batches), max(cfg.contexts))
     try:
         with torch.inference_mode():
-            if cfg.prefill_only:
+            if cfg.fp8_prefill_only:
+                rows = sweep_prefill_fp8(mem.kv, cfg)
+            elif cfg.prefill_only:
                 rows = sweep_prefill(mem.kv, cfg)
             else:
                 rows = bench_decode(mem.kv, cfg) + bench_prefill(mem.kv, cfg)
@@ -497,12 +591,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--no-sweeps", action="store_true", help="skip the launch-config sweeps")
     parser.add_argument("--prefill-sweep", action="store_true", help="the prefill sweep only")
+    parser.add_argument("--fp8-prefill-sweep", action="store_true",
+                        help="the FP8-KV prefill sweep only (tile shapes, the dequantising "
+                             "route, BF16 beside them)")
     args = parser.parse_args(argv)
     if not torch.cuda.is_available() or not triton_usable("cuda"):
         print("benchmarks.kernels.attention needs a CUDA GPU and triton", file=sys.stderr)
         return 2
     run(AttentionBenchConfig(reps=args.reps, sweeps=not args.no_sweeps,
-                             prefill_only=args.prefill_sweep), args.out)
+                             prefill_only=args.prefill_sweep,
+                             fp8_prefill_only=args.fp8_prefill_sweep), args.out)
     return 0
 
 
