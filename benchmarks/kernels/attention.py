@@ -582,8 +582,8 @@ def run(cfg: AttentionBenchConfig, out_dir: Path) -> list[Row]:
     return rows
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """CLI entry: ``python -m benchmarks.kernels.attention --out DIR [--no-sweeps] [--reps N]``."""
+def build_parser() -> argparse.ArgumentParser:
+    """The command line of ``python -m benchmarks.kernels.attention``."""
     parser = argparse.ArgumentParser(prog="python -m benchmarks.kernels.attention",
                                      description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -594,7 +594,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--fp8-prefill-sweep", action="store_true",
                         help="the FP8-KV prefill sweep only (tile shapes, the dequantising "
                              "route, BF16 beside them)")
-    args = parser.parse_args(argv)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """CLI entry: ``python -m benchmarks.kernels.attention --out DIR [--no-sweeps] [--reps N]``."""
+    args = build_parser().parse_args(argv)
     if not torch.cuda.is_available() or not triton_usable("cuda"):
         print("benchmarks.kernels.attention needs a CUDA GPU and triton", file=sys.stderr)
         return 2
