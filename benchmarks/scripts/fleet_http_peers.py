@@ -5,7 +5,8 @@ one device call: ``--budget-s`` bounds when a load point may still start.
         [--loads 3,6] [--budget-s 420] [--dry-run]
 
 Each load point (lowest first) is one ``edmm bench agents --http`` run into ``DIR/load-N``:
-``edmm serve`` under the ``edmm`` policy, then ``--peer vllm`` and ``--peer vllm-offload``,
+``edmm serve`` under the ``edmm`` policy (``--policies``: also the rebuilt ``lru`` and
+``offload``), then ``--peer vllm`` and ``--peer vllm-offload``,
 every engine on the same generated fleet (v2; ``--jobs``, ``--turns``, scales below), seed,
 KV memory and host memory. The next load point starts only while the time spent so far plus
 the previous load point's duration stays within ``--budget-s`` (servers start once per load
@@ -57,6 +58,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--peer-model-dir", default="/tmp/qwen25-7b-dummy")
     p.add_argument("--peer-python-path", default="/tmp/site")
     p.add_argument("--peers", default=",".join(PEERS), help="comma-separated --peer values")
+    p.add_argument("--policies", default="edmm",
+                   help="edmm serve's policies, comma-separated (default edmm; lru,offload,edmm "
+                        "also runs the rebuilt baselines beside their real counterparts)")
     p.add_argument("--trace-arg", action="append", default=[],
                    help="extra edmm bench agents option (after the fleet's), repeatable")
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
@@ -77,7 +81,7 @@ def bench_argv(args: argparse.Namespace, load: int, out: Path) -> list[str]:
     peers = [x for peer in args.peers.split(",") if peer for x in ("--peer", peer)]
     return [sys.executable, "-m", "edmm", "bench", "agents", "--http", *model,
             "--tokenizer", tokenizer, "--device", args.device, "--dtype", args.dtype,
-            *FLEET, *args.trace_arg, "--policies", "edmm", "--loads", str(load), *peers,
+            *FLEET, *args.trace_arg, "--policies", args.policies, "--loads", str(load), *peers,
             "--peer-model-dir", args.peer_model_dir,
             "--peer-python-path", args.peer_python_path, "--out", str(out)]
 

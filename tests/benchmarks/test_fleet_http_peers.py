@@ -25,6 +25,9 @@ def test_the_gpu_commands_parse_and_generate_their_trace(tmp_path: Path, capsys)
     assert "--peer-model-dir" in argv and "/tmp/qwen25-7b-dummy" in argv
     assert argv[argv.index("--tokenizer") + 1] == "/tmp/qwen25-7b-dummy"
     assert [argv[i + 1] for i, a in enumerate(argv) if a == "--peer"] == ["vllm", "vllm-offload"]
+    assert argv[argv.index("--policies") + 1] == "edmm"
+    rebuilt = bench_argv(parse_args(["--out", "r", "--policies", "lru,offload,edmm"]), 3, Path("x"))
+    assert rebuilt[rebuilt.index("--policies") + 1] == "lru,offload,edmm"
     trace = tmp_path / "trace.jsonl"
     assert edmm_main([*argv[3:], "--write-trace", str(trace)]) == 0
     out = capsys.readouterr().out
