@@ -198,14 +198,21 @@ def edmm_server(cfg: LiveBenchConfig, stage_log: Path | None = None) -> ServerSp
                       ready_timeout_s=cfg.start_timeout_s, kind="edmm")
 
 
-@contextlib.contextmanager
-def launched_server(cfg: LiveBenchConfig, stage_log: Path | None = None) -> Iterator[str]:
+def launched_server(cfg: LiveBenchConfig, stage_log: Path | None = None
+                    ) -> contextlib.AbstractContextManager[str]:
     """Start ``edmm serve`` on a free loopback port (`edmm.bench.peers.served`), yield its URL
     once it answers; the process is always stopped (SIGINT, then killed), whatever happens
     meanwhile. `LiveBenchError` when it exits or does not answer in ``cfg.start_timeout_s``."""
+    return _started(edmm_server(replace(cfg, url=None), stage_log))
+
+
+@contextlib.contextmanager
+def _started(spec: ServerSpec, log_dir: Path | None = None) -> Iterator[str]:
+    """`edmm.bench.peers.served`, its `PeerError` (a server that exits or never answers) a
+    `LiveBenchError`."""
     with contextlib.ExitStack() as stack:
         try:
-            url = stack.enter_context(served(edmm_server(replace(cfg, url=None), stage_log)))
+            url = stack.enter_context(served(spec, log_dir))
         except PeerError as e:
             raise LiveBenchError(str(e)) from e
         yield url
@@ -682,10 +689,7 @@ def _client(spec: ServerSpec, cfg: LiveBenchConfig, log_dir: Path) -> Iterator[L
     """A `LiveClient` of ``spec``'s server, started (`LiveBenchError` when it cannot be) and
     stopped around the block."""
     with contextlib.ExitStack() as stack:
-        try:
-            url = stack.enter_context(served(spec, log_dir if spec.url is None else None))
-        except PeerError as e:
-            raise LiveBenchError(str(e)) from e
+        url = stack.enter_context(_started(spec, log_dir))
         client = LiveClient(url, cfg, edmm=spec.kind == "edmm")
         stack.callback(client.close)
         yield client
