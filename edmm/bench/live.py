@@ -744,6 +744,7 @@ def _write_results(cfg: LiveBenchConfig, rows: list[dict[str, Any]], stage_log: 
         notes.append("Servers side by side (client_ms, trimmed mean; the seed's column: its "
                      "vLLM 0.6.6 live table, H100, context not stated):\n\n"
                      + servers_table(summary))
+        notes += speculation_verdicts(summary, cfg.name)
     done = sorted({r["context_tokens"] for r in rows if r.get("server") == cfg.name})
     if done != sorted(cfg.contexts) or len(models) < 1 + len(peers):
         notes.append(f"measured so far: {', '.join(models)} of "
@@ -773,6 +774,24 @@ def _ratio_lines(summary: list[dict[str, Any]]) -> list[str]:
         got = ratio_notes(mine)
         lines = lines or got[:1]
         lines += [f"{server}, {line}" if len(servers) > 1 else line for line in got[1:]]
+    return lines
+
+
+C_OVER_PEER_A = 0.5  # the vLLM-peer issue's target: EDMM's speculation hit vs a peer's resume
+
+
+def speculation_verdicts(summary: list[dict[str, Any]], edmm: str) -> list[str]:
+    """Per context and peer: EDMM's C over the peer's A against `C_OVER_PEER_A`."""
+    ms = {(r["server"], r["context_tokens"], r["group"]): r["client_ms"] for r in summary}
+    lines = []
+    for (server, ctx, group), peer_a in ms.items():
+        c = ms.get((edmm, ctx, "C"))
+        if server == edmm or group != "A" or c is None:
+            continue
+        x = ratio(c, peer_a)
+        lines.append(f"{ctx} tokens: {edmm}'s C {c:.1f} ms over {server}'s A {peer_a:.1f} ms = "
+                     f"{x:.2f}x (target <= {C_OVER_PEER_A:g}x: "
+                     f"{'met' if x <= C_OVER_PEER_A else 'missed'})")
     return lines
 
 

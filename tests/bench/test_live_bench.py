@@ -25,6 +25,7 @@ from edmm.bench.live import (
     summarize_live,
 )
 from edmm.bench.live import servers_table as live_servers_table
+from edmm.bench.live import speculation_verdicts as live_verdicts
 from edmm.bench.peers import ServerSpec
 
 SMALL = dict(contexts=(640,), result_tokens=64, iterations=2, warmup=0, tool_duration_s=0.05,
@@ -242,6 +243,7 @@ def test_a_peer_runs_a_and_b_beside_edmm(tmp_path: Path) -> None:
     md = paths["md"].read_text()
     assert "Servers side by side" in md and "(of Plain peer's A)" in md
     assert "| 33.35 |" in md  # the seed's vLLM 0.6.6 A beside them
+    assert "EDMM's C" in md and "over Plain peer's A" in md and "(target <= 0.5x: " in md
     assert "peer Plain peer: `" in md and "EDMM, A/B/C" not in md
     assert (tmp_path / "logs" / "plain-peer.log").exists()
 
@@ -255,6 +257,10 @@ def test_servers_table_sets_c_beside_the_peers_a() -> None:
     assert table[2] == "| 1024 | A | 50.0 | 40.0 | 33.35 | 1.25 |"
     assert table[3] == "| 1024 | B | 200.0 | 250.0 | 273.80 | 0.80 |"
     assert table[4] == "| 1024 | C | 10.0 | - | - | 0.25 (of vLLM APC's A) |"
+    assert live_verdicts(summary, "EDMM") == [
+        "1024 tokens: EDMM's C 10.0 ms over vLLM APC's A 40.0 ms = 0.25x (target <= 0.5x: met)"]
+    slow_c = [dict(r, client_ms=30.0) if r["group"] == "C" else r for r in summary]
+    assert live_verdicts(slow_c, "EDMM")[0].endswith("= 0.75x (target <= 0.5x: missed)")
 
 
 def test_live_cli_names_the_peer_flag(capsys: pytest.CaptureFixture[str]) -> None:
