@@ -13,7 +13,9 @@ earlier prompt, and ``cached_tokens`` is that prefix (otherwise half the prompt)
 counts the requests it served.
 
 The chat server (`build_chat`, ``--chat``) streams ``/v1/chat/completions`` (a named
-``tool_choice`` answers with one tool call; otherwise ``max_tokens`` content chunks), keeps a
+``tool_choice`` answers with one tool call; otherwise ``max_tokens`` content chunks; a request
+that is not streamed gets the same reply in one message after the same waits; a body with
+EDMM's ``edmm`` extension is refused with a 400, which vLLM would ignore), keeps a
 prefix cache over whitespace-separated words (``usage`` reports the words of the rendered
 messages as prompt tokens and the longest prefix shared with an earlier prompt as cached), and
 serves vLLM-style ``/metrics``. It waits ``--first-ms`` before the first chunk and ``--token-ms``
@@ -32,7 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import uvicorn
-from fastapi import FastAPI, Request
+from fastapi import FastAPI, Request, Response
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
 
@@ -123,8 +125,11 @@ def build_chat(first_ms: float, token_ms: float) -> FastAPI:
             f"vllm:num_requests_running{lab} {float(served['running'])}"]) + "\n")
 
     @app.post("/v1/chat/completions")
-    async def chat(request: Request) -> StreamingResponse:
+    async def chat(request: Request) -> Response:
         body = await request.json()
+        if "edmm" in body:  # vLLM would ignore it; refused, so that a test sees it reach a peer
+            served["other"] += 1
+            return JSONResponse({"error": {"message": "unknown field: edmm"}}, status_code=400)
         served["chat"] += 1
         words = words_of(body)
         cached = max((common_prefix(words, p) for p in prompts), default=0)
@@ -168,6 +173,22 @@ def build_chat(first_ms: float, token_ms: float) -> FastAPI:
             finally:
                 served["running"] -= 1
 
+        async def whole() -> JSONResponse:  # not streamed: the same reply in one message
+            chunks = [json.loads(e[6:]) async for e in events() if e != "data: [DONE]\n\n"]
+            deltas = [c["choices"][0]["delta"] for c in chunks[:-1]]  # the last: the usage
+            text = "".join(d.get("content") or "" for d in deltas)
+            calls = [{k: v for k, v in call.items() if k != "index"}
+                     for d in deltas for call in d.get("tool_calls") or ()]
+            message: dict[str, Any] = {"role": "assistant", "content": text or None,
+                                       **({"tool_calls": calls} if calls else {})}
+            finish = chunks[-2]["choices"][0]["finish_reason"]
+            return JSONResponse({"id": "c", "object": "chat.completion", "created": 0,
+                                 "model": "standin", "usage": chunks[-1]["usage"],
+                                 "choices": [{"index": 0, "message": message,
+                                              "finish_reason": finish}]})
+
+        if not body.get("stream"):
+            return await whole()
         return StreamingResponse(events(), media_type="text/event-stream")
 
     @app.api_route("/{path:path}", methods=["GET", "POST", "DELETE"])

@@ -272,3 +272,28 @@ def test_live_cli_names_the_peer_flag(capsys: pytest.CaptureFixture[str]) -> Non
     with pytest.raises(SystemExit):
         cli_main(["bench", "live", "--peer", "vllm"])
     assert "--peer vllm needs --peer-model-dir" in capsys.readouterr().err
+
+
+@pytest.mark.slow  # edmm serve and the fake vLLM's stand-in server
+def test_vllm_peer_through_the_fake_vllm_cli(tmp_path: Path, tiny_dir: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--peer vllm``: the bench starts ``vllm serve`` (here a fake package whose CLI refuses
+    options vLLM lacks and serves the stand-in chat server, which refuses EDMM's ``edmm``
+    field) and runs A and B through it beside EDMM's A/B/C."""
+    from edmm.bench.peers import VLLMOptions, vllm_spec
+    from tests.bench.standin_server import write_fake_vllm
+
+    argv_log = tmp_path / "argv.jsonl"
+    monkeypatch.setenv("FAKE_VLLM_ARGV", str(argv_log))
+    site = write_fake_vllm(tmp_path / "site")
+    peer = vllm_spec("vllm", VLLMOptions(str(tiny_dir), python_path=str(site)), "edmm-live")
+    cfg = LiveBenchConfig(**{**SMALL, "iterations": 1})  # type: ignore[arg-type]
+    paths = run_live_bench(cfg, tmp_path / "out", peers=[peer])
+    rows = json.loads(paths["json"].read_text())["rows"]
+    assert {r["group"] for r in rows if r["server"] == "vLLM APC"} == {"A", "B"}
+    mine = {r["group"]: r for r in rows if r["server"] == "vLLM APC"}
+    assert mine["A"]["ttft_ms"] > 0 and mine["A"]["total_ms"] > 0 and mine["A"]["raw_ttft_ms"] > 0
+    assert mine["B"]["cached_tokens"] < mine["A"]["cached_tokens"]  # its word prefix cache
+    (started,) = [json.loads(line) for line in argv_log.read_text().splitlines()]
+    assert started[:2] == ["serve", str(tiny_dir)] and "--enable-prefix-caching" in started
+    assert "over vLLM APC's A" in paths["md"].read_text()
