@@ -253,9 +253,10 @@ class Prompts:
                                             add_generation_prompt=True)
         return len(self.tok.encode(text, add_special_tokens=False))
 
-    def text(self, tokens: int) -> str:
-        """Random words of about ``tokens`` tokens."""
-        words = [self.rng.choice(_WORDS) for _ in range(max(1, round(tokens / self._per_word)))]
+    def text(self, tokens: int, rng: random.Random | None = None) -> str:
+        """Random words of about ``tokens`` tokens (drawn from ``rng``, default the prompts')."""
+        rng = rng or self.rng
+        words = [rng.choice(_WORDS) for _ in range(max(1, round(tokens / self._per_word)))]
         return " ".join(words)
 
     def conversation(self, context: int) -> list[dict[str, Any]]:
@@ -508,9 +509,11 @@ def measure(client: LiveClient, prompts: Prompts, cfg: LiveBenchConfig,
         conversation = prompts.conversation(ctx)
         for i in range(cfg.warmup + cfg.iterations):
             for group in groups:
-                # A result of its own per session: no mode reuses another's encoded text.
+                # A result of its own per session (no mode reuses another's encoded text), the
+                # same on every server whatever groups it runs: drawn from the session's key.
                 timed = {mode: _session(client, prompts, group, conversation,
-                                        prompts.text(cfg.result_tokens), mode)
+                                        prompts.text(cfg.result_tokens, random.Random(
+                                            f"{cfg.seed}/{ctx}/{i}/{group}/{mode}")), mode)
                          for mode in cfg.modes}
                 progress.step(f"context {ctx} group {group} iteration {i + 1}")
                 if i >= cfg.warmup:

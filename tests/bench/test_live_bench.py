@@ -19,6 +19,7 @@ from edmm.bench.live import (
     LiveBenchConfig,
     LiveBenchError,
     launched_server,
+    load_tokenizer,
     resolve_tokenizer,
     run_live_bench,
     server_command,
@@ -297,3 +298,32 @@ def test_vllm_peer_through_the_fake_vllm_cli(tmp_path: Path, tiny_dir: Path,
     (started,) = [json.loads(line) for line in argv_log.read_text().splitlines()]
     assert started[:2] == ["serve", str(tiny_dir)] and "--enable-prefix-caching" in started
     assert "over vLLM APC's A" in paths["md"].read_text()
+
+
+def test_every_server_gets_the_same_conversations_and_results(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A peer runs A and B only, EDMM A, B and C: the sessions they share still get the same
+    conversation and tool result (drawn per session, not from one stream both advance)."""
+    import random
+
+    from edmm.bench import live
+
+    cfg = LiveBenchConfig(**{**SMALL, "contexts": (640, 700), "iterations": 2})  # type: ignore[arg-type]
+    sent: dict[tuple[bool, int, str, str], tuple[str, str]] = {}
+    fake = live._Resume(5.0, 6.0, 600, 500, "none", "id", 0, 1, 0)
+
+    def session(client: types.SimpleNamespace, prompts: object, group: str,
+                conversation: list[dict[str, str]], result: str, mode: str) -> live._Resume:
+        key = (client.edmm, len(sent), group, mode)
+        sent[key] = (conversation[1]["content"], result)
+        return fake
+
+    monkeypatch.setattr(live, "_session", session)
+    tokenizer = load_tokenizer(None)
+    for edmm in (True, False):
+        client = types.SimpleNamespace(edmm=edmm)
+        live.measure(client, live.Prompts(tokenizer, cfg, random.Random(cfg.seed)), cfg)
+    edmm_ab = [v for (e, _, g, _), v in sent.items() if e and g != "C"]
+    peer_ab = [v for (e, _, g, _), v in sent.items() if not e]
+    assert len(peer_ab) == 2 * 2 * 2 * len(cfg.modes) and edmm_ab == peer_ab
+    assert len({result for _, result in peer_ab}) == len(peer_ab)  # a result per session
