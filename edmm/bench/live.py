@@ -715,9 +715,7 @@ def _write_results(cfg: LiveBenchConfig, rows: list[dict[str, Any]], stage_log: 
     summary = summarize_live(public)
     writer = ResultWriter(out_dir, NAME, env)
     writer.add_rows(public)
-    server = (f"the running server at {cfg.url}" if cfg.url else
-              "`" + " ".join(server_command(cfg)[1:]).replace("{port}", "<free>")
-              + "` (started by the bench)")
+    server = _reached(cfg.url, server_command(cfg)[1:])
     served_as = ", ".join(f"{name}: {model}" for name, model in models.items())
     notes = [f"client: openai {_version('openai')} over HTTP against {cfg.name}, "
              f"{server}; model {cfg.model or 'tiny, embedded'} (served as {served_as}), "
@@ -761,11 +759,14 @@ def _write_results(cfg: LiveBenchConfig, rows: list[dict[str, Any]], stage_log: 
     return paths
 
 
+def _reached(url: str | None, launch: Sequence[str]) -> str:
+    """How a server was reached: its URL, or the command line that started it."""
+    return (f"the running server at {url}" if url is not None else
+            "`" + " ".join(launch).replace("{port}", "<free>") + "` (started by the bench)")
+
+
 def _peer_line(spec: ServerSpec) -> str:
-    """How a peer was reached: its URL, or the command line that started it."""
-    how = (f"the running server at {spec.url}" if spec.url is not None else
-           "`" + " ".join(spec.launch).replace("{port}", "<free>") + "` (started by the bench)")
-    return f"peer {spec.name}: {how}; groups A and B"
+    return f"peer {spec.name}: {_reached(spec.url, spec.launch)}; groups A and B"
 
 
 def _ratio_lines(summary: list[dict[str, Any]]) -> list[str]:
@@ -783,9 +784,14 @@ def _ratio_lines(summary: list[dict[str, Any]]) -> list[str]:
 C_OVER_PEER_A = 0.5  # the vLLM-peer issue's target: EDMM's speculation hit vs a peer's resume
 
 
+def _client_ms(summary: list[dict[str, Any]]) -> dict[tuple[str, int, str], float]:
+    """``client_ms`` by (server, context, group)."""
+    return {(r["server"], r["context_tokens"], r["group"]): r["client_ms"] for r in summary}
+
+
 def speculation_verdicts(summary: list[dict[str, Any]], edmm: str) -> list[str]:
     """Per context and peer: EDMM's C over the peer's A against `C_OVER_PEER_A`."""
-    ms = {(r["server"], r["context_tokens"], r["group"]): r["client_ms"] for r in summary}
+    ms = _client_ms(summary)
     lines = []
     for (server, ctx, group), peer_a in ms.items():
         c = ms.get((edmm, ctx, "C"))
@@ -804,7 +810,7 @@ def servers_table(summary: list[dict[str, Any]]) -> str:
     the first server's C over each peer's A (a peer's resume of the same turn)."""
     servers = list(dict.fromkeys(r["server"] for r in summary))
     first, others = servers[0], servers[1:]
-    ms = {(r["server"], r["context_tokens"], r["group"]): r["client_ms"] for r in summary}
+    ms = _client_ms(summary)
     head = ["context", "group", *servers, "seed: vLLM 0.6.6",
             *(f"{first} / {o}" for o in others)]
     lines = ["| " + " | ".join(head) + " |", "|---|---|" + "---:|" * (len(head) - 2)]

@@ -71,8 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
              "(raw HTTP, streamed TTFT: the server and HTTP alone); stream is always run")
     add("--server-arg", action="append", default=[],
         help="extra edmm serve option, repeatable: --server-arg=--dtype=bfloat16")
-    add("--name", default="EDMM",
-        help="the EDMM server's label in tables and plots (default %(default)s)")
+    add("--edmm-name", default="EDMM", metavar="NAME",
+        help="the EDMM server's label in tables and plots (default %(default)s), as in "
+             "bench load and single")
     add_peer_arguments(parser, "edmm-live")
     add("--out", type=Path, default=None, help=OUT_HELP)
 
@@ -98,7 +99,7 @@ def run(args: argparse.Namespace) -> int:
                           insert_fraction=args.insert_fraction, iterations=args.iterations,
                           warmup=args.warmup, tool_duration_s=args.tool_duration,
                           resume_tokens=args.resume_tokens, stages=args.stages,
-                          server_args=tuple(args.server_arg), name=args.name,
+                          server_args=tuple(args.server_arg), name=args.edmm_name,
                           **({"modes": args.modes} if args.modes else {}))
     try:
         paths = run_live_bench(cfg, args.out or default_out_dir(
