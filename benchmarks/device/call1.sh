@@ -14,9 +14,9 @@ for w in .carry/wheels/web/*.whl; do m=$(basename $w | cut -d- -f1)  # the web s
 python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "${missing[@]}"
 echo "installed: ${missing[*]##*/}" | tee $R/installed.txt
 python3 .carry/wheels/smoke.py --only-model-dir 2>&1 | tail -1  # /tmp/qwen25-7b-dummy: config + tokenizer
-timeout 240 python3 -m edmm bench load $L --edmm-args "$E" --out $R/load-edmm 2>&1 | grep "tok/s\|rror"
+timeout $T_EDMM python3 -m edmm bench load $L --edmm-args "$E" --out $R/load-edmm 2>&1 | grep "tok/s\|rror"
 pack res call1
 # the variant to measure next: vLLM's step budget on this card (its log: 8,192 tokens)
-timeout 240 python3 -m edmm bench load $L --edmm-args "$E --max-num-batched-tokens 8192" \
+timeout $T_EDMM python3 -m edmm bench load $L --edmm-args "$E --max-num-batched-tokens 8192" \
     --edmm-name "EDMM, 8192-token steps" --out $R/load-edmm-8192 2>&1 | grep "tok/s\|rror"
 wait; pack res call1

@@ -5,10 +5,10 @@
 R=/tmp/res3; mkdir -p $R
 bash .vllm/install-vllm.sh .vllm 2>&1 | tail -1
 source benchmarks/device/lib.sh
-timeout 300 python3 -m edmm bench load $L --no-edmm --peer-model-dir /tmp/qwen25-7b-dummy \
+timeout $T_VLLM python3 -m edmm bench load $L --no-edmm --peer-model-dir /tmp/qwen25-7b-dummy \
     --peer vllm --out $R/load-vllm 2>&1 | grep "tok/s\|rror"
 pack res3 call3
-timeout 200 python3 -m pytest -m gpu tests --ignore=tests/server --ignore=tests/proxy \
+[ $GPU_TESTS = 1 ] && timeout 200 python3 -m pytest -m gpu tests --ignore=tests/server --ignore=tests/proxy \
     --ignore=tests/integrations --ignore=tests/bench --ignore=tests/engine/test_tensor_parallel.py \
     --ignore=tests/model/test_tool_model.py -q -rs -p no:cacheprovider 2>&1 | tee $R/gpu-tests.txt | tail -5
 pack res3 call3
