@@ -27,11 +27,15 @@ beside); the abusive clients run in a spawned process of their own (`AbusiveClie
 their own Python (httpx, building deep JSON, sockets) does not hold the server's GIL: as
 threads of the test's process they did, and the test measured them more than the server.
 
-The abusive clients keep their connections alive, and the test's server (`loopback.serve_app`,
-whose socket asyncio does not take for TCP) lacks the ``TCP_NODELAY`` that ``edmm serve``'s
-connections have: each response after a connection's first waits some 40 ms for the client's
-delayed ACK, which paces each abusive client. With ``TCP_NODELAY`` the tenants send 2-15 times
-as many requests (deep JSON the most) and their ratio is 2-3 (the other tests' stay near 1).
+Each abusive client is paced to `ABUSIVE_RATE` requests per second: together more than twice
+the normal clients' rate. The test claims that abusive requests at such a rate cost only
+themselves, not that the server survives a flood: unpaced, sending as fast as they are answered
+(keep-alive connections with ``TCP_NODELAY``, as ``edmm serve``'s and the test server's have),
+the tenants send 2-15 times as many requests and the normal clients' ratio is 2-3 on this CPU:
+the server's HTTP layer and engine share one process and its GIL, and a refusal (a 429 of a
+rate limit included: ~0.7-1.0 ms) costs about what the cheap requests it refuses cost
+(`docs/limits.md`). Until 2026-12-07 the test server lacked ``TCP_NODELAY``, and a client's
+delayed ACK (~40 ms per kept-alive response) did this pacing unannounced.
 """
 
 from __future__ import annotations
@@ -88,6 +92,10 @@ MAX_AWAITING = 8  # sessions awaiting tools a key may hold
 READ_TIMEOUT_S = 0.5  # header and body read timeouts
 SLACK_S = 3.0  # a loaded machine's lateness in closing a timed-out connection
 BURST = 10  # requests of a kind one abusive client sends in a row
+# requests per second one abusive client sends over HTTP at most (each paced): with
+# `ABUSIVE_CLIENTS` of them more than twice the normal clients' rate alone (~35 per second on the
+# 2-core CPU). Unpaced, a client sends as fast as it is answered: see the module docstring.
+ABUSIVE_RATE = 20.0
 CONNECTIONS = 30  # idle and half-sent connections one abusive client opens at once
 DEEP = 100_000  # levels of the deep JSON bodies
 CHILD_TIMEOUT_S = 60.0  # the abusive clients' process starts, and ends its bursts, within this
@@ -303,12 +311,29 @@ def _abusive_client(target: Target, offset: int, next_serial: Callable[[], int],
     sends = [(kind, _sender(kind, target)) for kind in target.kinds]
     sent: Counter[str] = Counter()
     i = offset
-    with httpx.Client(base_url=target.url, timeout=60) as http:
+    pace = _Pacer(ABUSIVE_RATE, done)
+    with httpx.Client(base_url=target.url, timeout=60,
+                      event_hooks={"request": [lambda request: pace()]}) as http:
         while not done.is_set():
             kind, send = sends[i % len(sends)]
             sent[kind] += send(http, next_serial())
             i += 1
     return sent
+
+
+class _Pacer:
+    """Called before each request of a client: waits until ``1 / rate`` seconds after the
+    previous request's slot (no wait once ``done`` is set)."""
+
+    def __init__(self, rate: float, done: threading.Event) -> None:
+        self._gap = 1.0 / rate
+        self._done = done
+        self._next = time.monotonic()
+
+    def __call__(self) -> None:
+        now = time.monotonic()
+        self._done.wait(max(0.0, self._next - now))
+        self._next = max(now, self._next) + self._gap
 
 
 class _Serial:
