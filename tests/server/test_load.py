@@ -307,7 +307,8 @@ def _tenant_target(server: LiveServer) -> Target:
 def _abusive_client(target: Target, offset: int, next_serial: Callable[[], int],
                     done: threading.Event) -> Counter[str]:
     """One abusive client: bursts of ``target``'s kinds in turn (from the ``offset``-th),
-    each numbered by ``next_serial``, until ``done``; how many requests of each kind it sent."""
+    each numbered by ``next_serial`` and each HTTP request paced to `ABUSIVE_RATE`, until
+    ``done``; how many requests of each kind it sent."""
     sends = [(kind, _sender(kind, target)) for kind in target.kinds]
     sent: Counter[str] = Counter()
     i = offset
@@ -451,15 +452,9 @@ def _normal_client(url: str) -> list[float]:
 
 
 def _run(server: LiveServer, beside: contextlib.AbstractContextManager[None]) -> list[float]:
-    """The `NORMAL_CLIENTS` normal clients' latencies, inside ``beside`` (`AbusiveClients.
-    abusing`, or a null context for a run alone)."""
-    with beside:
-        return _normal_clients(server)
-
-
-def _normal_clients(server: LiveServer) -> list[float]:
-    """The latencies of `NORMAL_CLIENTS` normal clients at once."""
-    with ThreadPoolExecutor(NORMAL_CLIENTS) as pool:
+    """The latencies of `NORMAL_CLIENTS` normal clients at once, inside ``beside``
+    (`AbusiveClients.abusing`, or a null context for a run alone)."""
+    with beside, ThreadPoolExecutor(NORMAL_CLIENTS) as pool:
         runs = [pool.submit(_normal_client, server.url) for _ in range(NORMAL_CLIENTS)]
         return [seconds for run in runs for seconds in run.result()]
 
