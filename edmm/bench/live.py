@@ -654,7 +654,9 @@ def run_live_bench(cfg: LiveBenchConfig, out_dir: Path,
     write ``agent-ttft-live.{csv,json,md,png}`` into ``out_dir`` (png: when matplotlib is
     there). Every server gets the same conversations and results (the prompts' generator is
     reseeded for each); a peer runs A and B (C needs EDMM's prediction extension), and the
-    report sets EDMM's C beside each peer's A.
+    report sets EDMM's C beside each peer's A. A peer that fails (it does not start, answers
+    an error, or its forced tool call does not come) is reported with why, and the next one
+    runs; EDMM failing stops the bench (`LiveBenchError`).
 
     The files are written again after each context, so a run cut short (``timeout`` sends
     SIGTERM, which stops the started server like Ctrl-C) keeps every context it finished."""
@@ -669,17 +671,24 @@ def run_live_bench(cfg: LiveBenchConfig, out_dir: Path,
         if cfg.stages and cfg.url is None:
             stage_log = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "stages.jsonl"
         models: dict[str, str] = {}  # server -> the model it serves
+        failed: dict[str, str] = {}  # peer -> why it stopped
 
         def write(more: list[dict[str, Any]]) -> None:
             paths.update(_write_results(cfg, [*rows, *more], stage_log, env, out_dir, models,
-                                        tokenizer, peers))
+                                        tokenizer, peers, failed))
             raise_if_stopped()
 
         for spec in (edmm_server(cfg, stage_log), *peers):
-            with _client(spec, cfg, Path(out_dir) / "logs") as client:
-                models[spec.name] = client.model
-                prompts = Prompts(tokenizer, cfg, random.Random(cfg.seed))
-                rows += measure(client, prompts, cfg, on_context=write, server=spec.name)
+            try:
+                with _client(spec, cfg, Path(out_dir) / "logs") as client:
+                    models[spec.name] = client.model
+                    prompts = Prompts(tokenizer, cfg, random.Random(cfg.seed))
+                    rows += measure(client, prompts, cfg, on_context=write, server=spec.name)
+            except (LiveBenchError, _api_errors()) as e:
+                if spec.kind == "edmm":
+                    raise
+                failed[spec.name] = f"{type(e).__name__}: {e}"[:400]
+                write([])  # the peers after it still run; the report says why this one stopped
             raise_if_stopped()
     summary = summarize_live([_public(r) for r in rows])
     with contextlib.suppress(RuntimeError):
@@ -704,9 +713,10 @@ def _public(row: dict[str, Any]) -> dict[str, Any]:
 
 def _write_results(cfg: LiveBenchConfig, rows: list[dict[str, Any]], stage_log: Path | None,
                    env: Any, out_dir: Path, models: dict[str, str], tokenizer: Any,
-                   peers: Sequence[ServerSpec] = ()) -> dict[str, Path]:
+                   peers: Sequence[ServerSpec] = (),
+                   failed: dict[str, str] | None = None) -> dict[str, Path]:
     """``agent-ttft-live.{csv,json,md}`` (and the stage breakdown) of ``rows``; ``models``:
-    the model each server serves."""
+    the model each server serves; ``failed``: the peers that stopped, and why."""
     from edmm.server.stages import read_log
 
     stages = (stage_rows(rows, read_log(str(stage_log)))
@@ -729,7 +739,8 @@ def _write_results(cfg: LiveBenchConfig, rows: list[dict[str, Any]], stage_log: 
              "C: B's resume messages but the reply sent in advance as the edmm extension "
              "predicted_next_messages; the server renders them with the reply and prefills "
              "them from the session's KV while the tool runs (EDMM only: no peer has the "
-             "extension)",
+             "extension); when that prefill (about B's recompute) outlasts the tool window, "
+             "C includes waiting for the rest of it",
              f"tool window: the client sleeps {cfg.tool_duration_s} s "
              "(expected_tool_duration_s); resume: "
              f"{cfg.resume_tokens} tokens, temperature 0, ignore_eos; TTFT: streamed, to the "
@@ -746,6 +757,8 @@ def _write_results(cfg: LiveBenchConfig, rows: list[dict[str, Any]], stage_log: 
                      "vLLM 0.6.6 live table, H100, context not stated):\n\n"
                      + servers_table(summary))
         notes += speculation_verdicts(summary, cfg.name)
+    notes += [f"{name} failed, its rows are missing: {why}"
+              for name, why in (failed or {}).items()]
     done = sorted({r["context_tokens"] for r in rows if r.get("server") == cfg.name})
     if done != sorted(cfg.contexts) or len(models) < 1 + len(peers):
         notes.append(f"measured so far: {', '.join(models)} of "
@@ -782,6 +795,14 @@ def _ratio_lines(summary: list[dict[str, Any]]) -> list[str]:
 
 
 C_OVER_PEER_A = 0.5  # the vLLM-peer issue's target: EDMM's speculation hit vs a peer's resume
+
+
+def _api_errors() -> type[Exception]:
+    """The openai SDK's error for a request the server refused or failed (HTTP 4xx/5xx, a
+    broken connection)."""
+    import openai
+
+    return openai.APIError
 
 
 def _client_ms(summary: list[dict[str, Any]]) -> dict[tuple[str, int, str], float]:

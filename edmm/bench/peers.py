@@ -16,6 +16,14 @@ vLLM is started as ``python3 -m vllm.entrypoints.cli.main serve MODEL_DIR`` from
 Python path holds it (``VLLMOptions.python_path``): the GPU machine's recipe installs it into
 a folder of its own. Its KV memory is set in bytes (``--kv-cache-memory-bytes``) so that both
 engines hold the same KV; the offloading peer gets the same host memory as EDMM's offload.
+
+The benches force tool calls (``tool_choice`` naming the tool) so that random weights emit
+one. vLLM 0.26 constrains a forced call by default with xgrammar's hermes structural tag, whose
+JSON lets whitespace run unbounded: a random-weight model pads the arguments with whitespace
+until ``max_tokens`` and no call is parsed. The vLLM peers therefore constrain forced calls with
+the arguments' JSON schema and no free whitespace (``VLLM_ENFORCE_STRICT_TOOL_CALLING=0``,
+``disable_any_whitespace``), as EDMM's guided decoding prints the arguments compactly; calls the
+model chooses itself (``tool_choice`` auto) are unaffected.
 """
 
 from __future__ import annotations
@@ -41,7 +49,10 @@ VLLM_LABELS = {"vllm": "vLLM APC", "vllm-offload": "vLLM APC + OffloadingConnect
 # Variables every vLLM of the GPU machine's recipe needs (flashinfer is not installed there;
 # nothing may be fetched).
 VLLM_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "HF_HUB_OFFLINE": "1",
-            "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1"}
+            "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
+            "VLLM_ENFORCE_STRICT_TOOL_CALLING": "0"}  # forced calls: see the module's docstring
+# Forced calls' arguments printed compactly (vLLM's JSON-schema route; see the docstring).
+VLLM_COMPACT_JSON = ("--structured-outputs-config", '{"disable_any_whitespace": true}')
 
 
 class PeerError(RuntimeError):
@@ -101,15 +112,16 @@ class VLLMOptions:
 
 def vllm_spec(peer: str, opts: VLLMOptions, served_name: str) -> ServerSpec:
     """The `ServerSpec` of one of `VLLM_PEERS`: APC always on, hermes tool calls (the agent
-    replay sends tools), cached prompt tokens in each response's usage (as EDMM reports
-    them), the model served under ``served_name``."""
+    replay sends tools; forced ones compact, see the module's docstring), cached prompt tokens
+    in each response's usage (as EDMM reports them), the model served under ``served_name``."""
     if peer not in VLLM_PEERS:
         raise PeerError(f"unknown vLLM peer {peer!r} (known: {', '.join(VLLM_PEERS)})")
     cmd = [sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", opts.model_dir,
            "--host", "127.0.0.1", "--port", "{port}", "--served-model-name", served_name,
            "--load-format", opts.load_format, "--enable-prefix-caching",
            "--enable-auto-tool-choice", "--tool-call-parser", "hermes",
-           "--enable-prompt-tokens-details", "--disable-uvicorn-access-log"]
+           "--enable-prompt-tokens-details", "--disable-uvicorn-access-log",
+           *VLLM_COMPACT_JSON]
     if opts.kv_cache_bytes is not None:
         cmd += ["--kv-cache-memory-bytes", str(opts.kv_cache_bytes)]
     if opts.max_model_len is not None:

@@ -206,7 +206,7 @@ VLLM_FLAGS = frozenset({
     "--enable-auto-tool-choice", "--tool-call-parser", "--enable-prompt-tokens-details",
     "--disable-uvicorn-access-log", "--kv-cache-memory-bytes", "--max-model-len",
     "--kv-offloading-size", "--kv-cache-dtype", "--max-num-seqs", "--max-num-batched-tokens",
-    "--enforce-eager"})
+    "--enforce-eager", "--structured-outputs-config"})
 
 
 def write_fake_vllm(root: Path) -> Path:

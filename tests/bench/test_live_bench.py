@@ -280,16 +280,19 @@ def test_vllm_peer_through_the_fake_vllm_cli(tmp_path: Path, tiny_dir: Path,
                                              monkeypatch: pytest.MonkeyPatch) -> None:
     """``--peer vllm``: the bench starts ``vllm serve`` (here a fake package whose CLI refuses
     options vLLM lacks and serves the stand-in chat server, which refuses EDMM's ``edmm``
-    field) and runs A and B through it beside EDMM's A/B/C."""
-    from edmm.bench.peers import VLLMOptions, vllm_spec
+    field) and runs A and B through it beside EDMM's A/B/C. A peer before it that fails
+    (nothing answers at its URL) is reported, and the next peer still runs."""
+    from edmm.bench.peers import ServerSpec, VLLMOptions, free_port, vllm_spec
     from tests.bench.standin_server import write_fake_vllm
 
     argv_log = tmp_path / "argv.jsonl"
     monkeypatch.setenv("FAKE_VLLM_ARGV", str(argv_log))
     site = write_fake_vllm(tmp_path / "site")
     peer = vllm_spec("vllm", VLLMOptions(str(tiny_dir), python_path=str(site)), "edmm-live")
+    dead = ServerSpec("gone", url=f"http://127.0.0.1:{free_port()}")
     cfg = LiveBenchConfig(**{**SMALL, "iterations": 1})  # type: ignore[arg-type]
-    paths = run_live_bench(cfg, tmp_path / "out", peers=[peer])
+    paths = run_live_bench(cfg, tmp_path / "out", peers=[dead, peer])
+    assert "gone failed, its rows are missing: APIConnectionError" in paths["md"].read_text()
     rows = json.loads(paths["json"].read_text())["rows"]
     assert {r["group"] for r in rows if r["server"] == "vLLM APC"} == {"A", "B"}
     mine = {r["group"]: r for r in rows if r["server"] == "vLLM APC"}

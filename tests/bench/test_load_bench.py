@@ -88,6 +88,11 @@ def test_vllm_peers_command_lines() -> None:
                  "--served-model-name served", "--port {port}"):
         assert flag in cmd
     assert "--kv-offloading-size" not in cmd and "fp8" not in cmd
+    # forced tool calls: the arguments' schema without free whitespace (random weights would
+    # pad hermes' structural tag with whitespace until max_tokens)
+    so = apc.launch[apc.launch.index("--structured-outputs-config") + 1]
+    assert json.loads(so) == {"disable_any_whitespace": True}
+    assert apc.env["VLLM_ENFORCE_STRICT_TOOL_CALLING"] == "0"
     assert apc.env["PYTHONPATH"].split(":")[0] == "/site"
     assert apc.env["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
     assert "--kv-offloading-size 8" in " ".join(vllm_spec("vllm-offload", opts, "s").launch)
