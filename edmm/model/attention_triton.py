@@ -38,11 +38,15 @@ from edmm.model.kv_quant import is_fp8
 # Elsewhere (or fp32) the default kernel runs with its default launch parameters.
 PREFILL = PrefillConfig(block_m=128, block_n=128, num_warps=4, num_stages=2,
                         warp_specialize=True, reverse=True)
-# FP8 KV: the same kernel with 64-key tiles. Its consumers convert each e4m3 tile to bf16 in
-# registers before the MMA; with 128-key tiles that needs a 32-byte stack in the compiled
-# sm_90 kernel (tests/kernels/test_compile_sm90.py), with 64 none.
-PREFILL_FP8 = PrefillConfig(block_m=128, block_n=64, num_warps=4, num_stages=2,
-                            warp_specialize=True, reverse=True)
+# FP8 KV: the pipelined (not warp-specialized) kernel with 128x128 tiles and 8 warps. Each e4m3
+# tile is converted to bf16 in registers before the MMA. Of the five configs of
+# `benchmarks.kernels.attention --fp8-prefill-sweep` (H100, 2026-12-07) it was fastest: 453.7
+# us for 512 queries on a 16K prefix and 7.28 ms for a 16K prefill in 2048-token chunks, one
+# layer, against 634.8 us and 9.95 ms for the warp-specialized 128x64 one used before (BF16:
+# 249.5 us, 3.95 ms). It keeps 80 bytes on the stack (tests/kernels/test_compile_sm90.py
+# bounds it); 128x64 with 8 warps has none but took 520.7 us and 8.46 ms.
+PREFILL_FP8 = PrefillConfig(block_m=128, block_n=128, num_warps=8, num_stages=3,
+                            warp_specialize=False, reverse=True)
 # Single-query rows of a mixed batch: the split kernel merges its own splits. At the default
 # split count (~17 at 16K) the fused merge costs about what the reduce launch does (batch 1,
 # 16K, 16 splits, 64x4x3 with PDL: 20.3 vs 19.9 us per layer on an H200; without: 21.2 vs

@@ -69,7 +69,9 @@ SCRIPT = textwrap.dedent("""
                 "warps": k.metadata.num_warps}
 
     d, p, ws, sk = DecodeConfig(), PrefillConfig(), PREFILL, SkinnyConfig()
-    ws8 = PREFILL_FP8
+    fp8c = PREFILL_FP8  # the backend's FP8 prefill: the pipelined kernel
+    ws8 = PrefillConfig(block_m=128, block_n=64, num_warps=4, num_stages=2, warp_specialize=True,
+                        reverse=True)  # the warp-specialized kernel on FP8 (128-key tiles spill)
     split = dict(GROUP=7, GROUP_PAD=16, HEAD_DIM=128, SINGLE_SPLIT=False, DOT_PRECISION="tf32",
                  VARLEN=False, MERGE_G=8, LSE_S=64, BALANCED=False, TMA=False, FP8=False)
     out = {
@@ -146,14 +148,20 @@ SCRIPT = textwrap.dedent("""
                  SKIP_SINGLE=True, DOT_PRECISION="tf32", REVERSE=p.reverse, FP8=fp8),
             types=FP8 if fp8 else None, num_warps=p.num_warps, num_stages=p.num_stages)
            for name, fp8 in (("prefill", False), ("prefill_fp8", True))},
+        "prefill_fp8_engine": compile_sm90(  # the backend's FP8 config (not warp-specialized)
+            tp.prefill_kernel,
+            dict(GROUP=7, HEAD_DIM=128, BLOCK_M=fp8c.block_m, BLOCK_N=fp8c.block_n,
+                 VARLEN=True, SKIP_SINGLE=True, DOT_PRECISION="tf32", REVERSE=fp8c.reverse,
+                 FP8=True),
+            types=FP8, num_warps=fp8c.num_warps, num_stages=fp8c.num_stages),
         **{name: compile_sm90(  # Qwen2.5-7B's head dim, a small Llama's without GQA, FP8 KV
             tp.prefill_ws_kernel,
             dict(GROUP=group, HEAD_DIM=head_dim, BLOCK_M=c.block_m, BLOCK_N=c.block_n,
-                 SKIP_SINGLE=True, REVERSE=c.reverse, DOT_PRECISION="tf32", FP8=c is ws8),
-            types=FP8 if c is ws8 else None, num_warps=c.num_warps, num_stages=c.num_stages)
-           for name, group, head_dim, c in (("prefill_ws", 7, 128, ws),
-                                            ("prefill_ws_d64", 1, 64, ws),
-                                            ("prefill_ws_fp8", 7, 128, ws8))},
+                 SKIP_SINGLE=True, REVERSE=c.reverse, DOT_PRECISION="tf32", FP8=fp8),
+            types=FP8 if fp8 else None, num_warps=c.num_warps, num_stages=c.num_stages)
+           for name, group, head_dim, c, fp8 in (("prefill_ws", 7, 128, ws, False),
+                                                 ("prefill_ws_d64", 1, 64, ws, False),
+                                                 ("prefill_ws_fp8", 7, 128, ws8, True))},
     }
     print(json.dumps(out))
 """)
@@ -192,10 +200,15 @@ def test_default_configs_compile_for_sm90_without_spills() -> None:
             pass  # no loop: nothing to pipeline
         elif not name.startswith("prefill_ws"):  # its loads are the copy engine's (TMA)
             assert r["cp_async"], f"{name}: loads are not pipelined (no cp.async)"
-        assert "STACK:0 " in r["usage"] and "LOCAL:0 " in r["usage"], f"{name}: {r['usage']}"
+        stack = int(r["usage"].split("STACK:")[1].split()[0])
+        # the FP8 prefill config keeps 80 bytes on the stack and was still the fastest measured
+        # (edmm/model/attention_triton.py, PREFILL_FP8); every other kernel keeps none
+        assert stack <= (80 if name == "prefill_fp8_engine" else 0), f"{name}: {r['usage']}"
+        assert "LOCAL:0 " in r["usage"], f"{name}: {r['usage']}"
         assert r["shared"] <= 227 * 1024, f"{name}: {r['shared']} B of shared memory"
     assert report["prefill"]["wgmma"], "prefill: no Hopper matrix instructions (wgmma)"
     assert report["prefill_fp8"]["wgmma"], "prefill_fp8: no wgmma"
+    assert report["prefill_fp8_engine"]["wgmma"], "prefill_fp8_engine: no wgmma"
     for name in ("prefill_ws", "prefill_ws_d64", "prefill_ws_fp8"):
         ws = report[name]
         # Triton drops warp specialization silently when its pass cannot split the loop: then
