@@ -23,7 +23,7 @@ from edmm.bench.load import plot_load, ratio_rows
 from edmm.bench.results import markdown_table
 
 COLUMNS = ("server", "prompt_tokens", "prefix", "concurrency", "errors", "output_tok_s",
-           "ttft_p50_ms", "ttft_p90_ms", "itl_p50_ms", "itl_p90_ms", "cached_frac")
+           "ttft_min_ms", "ttft_p50_ms", "ttft_p90_ms", "itl_p50_ms", "itl_p90_ms", "cached_frac")
 
 
 class MergeError(ValueError):

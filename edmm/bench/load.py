@@ -226,6 +226,9 @@ def summarize_level(server: str, length: int, prefix: str, concurrency: int,
         "server": server, "prompt_tokens": length, "prefix": prefix,
         "concurrency": concurrency, "requests": len(records), "errors": len(records) - len(ok),
         "output_tok_s": tokens / wall_s, "wall_s": wall_s,
+        # the shortest TTFT too: when it is near the p50, every request of the level waited
+        # alike (one stall as the level began), not a queue growing behind the first
+        "ttft_min_ms": min(ttft) if ttft else None,
         "ttft_p50_ms": pct(ttft, 50), "ttft_p90_ms": pct(ttft, 90), "ttft_p99_ms": pct(ttft, 99),
         "itl_p50_ms": pct(itl, 50), "itl_p90_ms": pct(itl, 90), "itl_p99_ms": pct(itl, 99),
         "tpot_p50_ms": pct(tpot, 50),

@@ -68,6 +68,7 @@ def test_level_summary_and_ratios() -> None:
     row = summarize_level("A", 10, "fresh", 2, recs, wall_s=2.0)
     assert (row["requests"], row["errors"], row["output_tok_s"]) == (3, 1, 4.0)
     assert row["ttft_p50_ms"] == pytest.approx(200.0)
+    assert row["ttft_min_ms"] == pytest.approx(100.0)
     assert row["itl_p50_ms"] == pytest.approx(15.0)
     assert row["tpot_p50_ms"] == pytest.approx((400 / 3 + 600 / 3) / 2)
     assert row["cached_frac"] == pytest.approx(0.5)
