@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from edmm.bench.peers import (
+    PeerError,
     ServerSpec,
     measure_each,
     served,
@@ -290,8 +291,9 @@ def run_load_bench(cfg: LoadConfig, specs: Sequence[ServerSpec], out_dir: Path,
     stopping the server it started) keeps what it measured."""
     if not specs:
         raise LoadBenchError("no server to measure")
-    rows = measure_each(specs, out_dir, name, lambda spec, logs, on_row: measure_server(
-        spec, cfg, logs, on_row=on_row))
+    measured = measure_each(specs, out_dir, name, lambda spec, logs, on_row: measure_server(
+        spec, cfg, logs, on_row=on_row), errors=(PeerError, LoadBenchError))
+    rows = measured.rows
     writer = ResultWriter(out_dir, name, collect_environment(cfg.device))
     writer.add_rows(rows)
     ratios = ratio_rows(rows, specs[0].name)
@@ -307,6 +309,7 @@ def run_load_bench(cfg: LoadConfig, specs: Sequence[ServerSpec], out_dir: Path,
     if ratios:
         notes.append("Ratios (each server over " + specs[0].name + "):\n\n"
                      + _ratio_table(ratios))
+    notes += measured.failure_notes()
     paths = writer.write(rows, f"Load curve: {', '.join(s.name for s in specs)}", notes,
                          meta={"config": asdict(cfg)})
     png = plot_load(rows, out_dir / f"{name}.png", cfg.device)

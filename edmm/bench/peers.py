@@ -270,26 +270,53 @@ def exit_on_sigterm(stack: contextlib.ExitStack) -> Callable[[], None]:
     return raise_if_stopped
 
 
+@dataclass
+class Measured:
+    """What `measure_each` got: every row measured (also those of a server that failed
+    later), and each failed server's reason."""
+
+    rows: list[dict[str, Any]]
+    failed: dict[str, str]
+
+    def failure_notes(self) -> list[str]:
+        """One line per failed server, for a results file's notes."""
+        return [f"{name} failed, its rows after the failure are missing: {why}"
+                for name, why in self.failed.items()]
+
+
 def measure_each(specs: Sequence[ServerSpec], out_dir: Path, name: str,
                  measure: Callable[[ServerSpec, Path, Callable[[dict[str, Any]], None]],
-                                   list[dict[str, Any]]]) -> list[dict[str, Any]]:
+                                   object],
+                 errors: tuple[type[Exception], ...] = (PeerError,)) -> Measured:
     """Every server's rows, one server at a time: ``measure(spec, log_dir, on_row)`` gives
-    each row it measures to ``on_row``, which appends it to ``out_dir/<name>-rows.jsonl``;
-    SIGTERM unwinds the run (stopping the server it started), so a run stopped early keeps
-    what it measured there."""
+    each row it measures to ``on_row``, which keeps it and appends it to
+    ``out_dir/<name>-rows.jsonl``. A server whose measurement raises one of ``errors`` (it
+    did not start, or the bench found its answers unusable) is reported in
+    `Measured.failed` and the next one runs; `PeerError` when every server failed. SIGTERM
+    unwinds the run (stopping the server it started), so a run stopped early keeps what it
+    measured there."""
     rows: list[dict[str, Any]] = []
+    failed: dict[str, str] = {}
     with contextlib.ExitStack() as stack:
         raise_if_stopped = exit_on_sigterm(stack)
         append = partial_rows_log(out_dir / f"{name}-rows.jsonl")
 
         def on_row(row: dict[str, Any]) -> None:
+            rows.append(row)
             append(row)
             raise_if_stopped()
 
         for spec in specs:
-            rows += measure(spec, out_dir / "logs", on_row)
-        raise_if_stopped()
-    return rows
+            try:
+                measure(spec, out_dir / "logs", on_row)
+            except errors as e:
+                failed[spec.name] = f"{type(e).__name__}: {e}"[:600]
+                print(f"{spec.name} failed: {failed[spec.name]}", file=sys.stderr)
+            raise_if_stopped()
+    if failed and not rows:
+        raise PeerError("every server failed: " + "; ".join(
+            f"{name}: {why}" for name, why in failed.items()))
+    return Measured(rows, failed)
 
 
 def partial_rows_log(path: Path) -> Callable[[dict[str, Any]], None]:

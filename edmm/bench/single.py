@@ -32,6 +32,7 @@ from typing import Any
 
 from edmm.bench.load import RequestRecord, run_level
 from edmm.bench.peers import (
+    PeerError,
     ServerSpec,
     measure_each,
     served,
@@ -190,8 +191,9 @@ def run_single_bench(cfg: SingleConfig, specs: Sequence[ServerSpec], out_dir: Pa
     (SIGTERM unwinds it, stopping the server it started) keeps what it measured."""
     if not specs:
         raise SingleBenchError("no server to measure")
-    rows = measure_each(specs, out_dir, name, lambda spec, logs, on_row: measure_server(
-        spec, cfg, logs, on_row=on_row))
+    measured = measure_each(specs, out_dir, name, lambda spec, logs, on_row: measure_server(
+        spec, cfg, logs, on_row=on_row), errors=(PeerError, SingleBenchError))
+    rows = measured.rows
     writer = ResultWriter(out_dir, name, collect_environment(cfg.device))
     writer.add_rows(rows)
     notes = [
@@ -204,6 +206,7 @@ def run_single_bench(cfg: SingleConfig, specs: Sequence[ServerSpec], out_dir: Pa
         "tokens/s.",
         "Ratios to the first server:\n\n" + comparison_table(rows),
         seed_note(rows),
+        *measured.failure_notes(),
     ]
     return writer.write(rows, f"Single requests: {', '.join(s.name for s in specs)}", notes,
                         meta={"config": asdict(cfg)})

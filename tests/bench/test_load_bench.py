@@ -236,3 +236,32 @@ def test_sigterm_swallowed_by_a_finalizer_still_ends_the_run(tmp_path: Path) -> 
     lines = (tmp_path / "load-rows.jsonl").read_text().splitlines()
     assert [json.loads(line)["i"] for line in lines] == [0, 1]
     assert signal.getsignal(signal.SIGTERM) is before
+
+
+def test_a_failing_server_is_reported_and_the_next_one_runs(tmp_path: Path) -> None:
+    """A server whose measurement raises one of the listed errors keeps the rows it gave
+    before failing; the next server still runs; the failure is named in the notes. Every
+    server failing is a `PeerError`; an error not listed propagates."""
+    from edmm.bench.load import LoadBenchError
+
+    def measure(spec: ServerSpec, logs: Path, on_row: Any) -> None:
+        on_row({"server": spec.name, "i": 0})
+        if spec.name != "ok":
+            raise LoadBenchError(f"{spec.name}: every request failed")
+        on_row({"server": spec.name, "i": 1})
+
+    specs = [ServerSpec(n, url="http://127.0.0.1:1") for n in ("bad", "ok")]
+    got = measure_each(specs, tmp_path, "load", measure, errors=(PeerError, LoadBenchError))
+    assert [(r["server"], r["i"]) for r in got.rows] == [("bad", 0), ("ok", 0), ("ok", 1)]
+    assert got.failed == {"bad": "LoadBenchError: bad: every request failed"}
+    (note,) = got.failure_notes()
+    assert note.startswith("bad failed, its rows after the failure are missing")
+    assert len((tmp_path / "load-rows.jsonl").read_text().splitlines()) == 3
+
+    def fails(spec: ServerSpec, logs: Path, on_row: Any) -> None:
+        raise PeerError(f"{spec.name} exited with 1")
+
+    with pytest.raises(PeerError, match="every server failed: bad: PeerError: bad exited"):
+        measure_each(specs[:1], tmp_path, "load", fails)
+    with pytest.raises(LoadBenchError):
+        measure_each(specs[:1], tmp_path, "load", measure)  # not listed: it propagates
