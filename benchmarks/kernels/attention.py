@@ -15,7 +15,8 @@ plain tensor with the same strides.
 - sweeps at 16K: decode splits and launch configs, prefill launch configs;
 - ``--fp8-prefill-sweep``: the prefill kernel's tile shapes reading a scaled e4m3 copy of the
   same KV (the engine's FP8 cache), beside the engine's BF16 config and a route that
-  dequantises the context to a BF16 scratch and runs the BF16 kernel on it.
+  dequantises the context to a BF16 scratch and runs the BF16 kernel on it (torch's two
+  passes, and `edmm.kernels.kv_dequant`'s one).
 
 Eager times are CUDA-event medians over ``reps`` calls after warmup. Each call reads the next
 layer, so the working set exceeds L2 as in a real step, and a GPU sleep before each timed call
@@ -53,6 +54,7 @@ from edmm.kernels.fused_sdpa import (
     cudnn_expanded_attend,
     end_aligned_by_parts,
 )
+from edmm.kernels.kv_dequant import dequantize_kv_varlen
 from edmm.memory import KVArena, KVMemoryError, KVSpec, PagePool, open_backend
 from edmm.model.attention_triton import PREFILL, PREFILL_FP8
 from edmm.model.kv_quant import FP8_HEADROOM, FP8_MAX, quantize_fp8
@@ -469,6 +471,14 @@ def _fp8_fns(kv8: torch.Tensor, scales: torch.Tensor, q: torch.Tensor, context: 
         dequantised(i % SPEC.num_layers)
         return prefill_attention_varlen(q, scratch, 0, cu, slot, ctx, SCALE, config=PREFILL)
 
+    cu_ctx = torch.tensor([0, context], dtype=torch.int32, device=kv8.device)
+
+    def fused_fn(i: int) -> torch.Tensor:
+        layer = i % SPEC.num_layers
+        dequantize_kv_varlen(kv8, layer, slot, ctx, cu_ctx, scales[layer], scratch[0, :, 0],
+                             max_ctx=context)
+        return prefill_attention_varlen(q, scratch, 0, cu, slot, ctx, SCALE, config=PREFILL)
+
     def sdpa_fn(i: int) -> torch.Tensor:
         layer = dequantised(i % SPEC.num_layers)
         k, v = layer[:, :, 0].transpose(1, 2), layer[:, :, 1].transpose(1, 2)
@@ -477,7 +487,8 @@ def _fp8_fns(kv8: torch.Tensor, scales: torch.Tensor, q: torch.Tensor, context: 
                                              attn_mask=causal_lower_right(q.shape[0], context))
         return out[0].transpose(0, 1)  # [n, Hq, D]
 
-    return {"triton-fp8": fp8_fn, "dequant+bf16": route_fn, "sdpa": sdpa_fn}
+    return {"triton-fp8": fp8_fn, "dequant+bf16": route_fn, "dequant-fused+bf16": fused_fn,
+            "sdpa": sdpa_fn}
 
 
 def sweep_prefill_fp8(kv: torch.Tensor, cfg: AttentionBenchConfig) -> list[Row]:
@@ -497,8 +508,10 @@ def sweep_prefill_fp8(kv: torch.Tensor, cfg: AttentionBenchConfig) -> list[Row]:
     rows += time_case(full, {"triton-bf16": _chunked_fn(kv, ctx, "triton", PREFILL)}, chunked,
                       bf16)
     for i, config in enumerate(PREFILL_FP8_SWEEP):
-        impls = ("triton-fp8", "dequant+bf16") if i == 0 else ("triton-fp8",)
-        notes = {"triton-fp8": f"{config}", "dequant+bf16": f"torch dequantise, then {PREFILL}"}
+        impls = (("triton-fp8", "dequant+bf16", "dequant-fused+bf16") if i == 0
+                 else ("triton-fp8",))
+        notes = {"triton-fp8": f"{config}", "dequant+bf16": f"torch dequantise, then {PREFILL}",
+                 "dequant-fused+bf16": f"dequantize_kv_varlen (one pass), then {PREFILL}"}
         fns = _fp8_fns(kv8, scales, q, ctx, config)
         rows += time_case(case, {k: fns[k] for k in impls}, eager, notes, reference=fns["sdpa"])
 

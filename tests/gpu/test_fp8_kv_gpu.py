@@ -1,7 +1,8 @@
 """An FP8 KV cache on CUDA: the compiled kernels (decode in each launch form, prefill plain
-and warp-specialized, the fused RoPE + FP8 store) over a VMM-backed arena at Qwen2.5-7B KV
-shapes, the FA4 backend's route for FP8, the 7B model's logits with FP8 KV against BF16 KV,
-and the engine (CUDA graphs) with FP8 KV against its own KV dtype.
+and warp-specialized, the fused RoPE + FP8 store, the dequantising route's kernel) over a
+VMM-backed arena at Qwen2.5-7B KV shapes, the FA4 backend's route for FP8, the 7B model's
+logits with FP8 KV against BF16 KV, and the engine (CUDA graphs) with FP8 KV against its own
+KV dtype.
 
 Kernel outputs are checked twice: against a float32 reference of the dequantised FP8 cache
 (the kernel's arithmetic, bf16 tolerance) and against the same attention over the BF16 values
@@ -166,12 +167,13 @@ def test_decode_varlen_over_fp8(arenas: Arenas) -> None:
 
 
 @pytest.mark.parametrize("config", [PrefillConfig(), PREFILL_FP8, PREFILL],
-                         ids=["plain", "ws-fp8", "ws-128"])
+                         ids=["plain", "engine-fp8", "ws-128"])
 @pytest.mark.parametrize(("slot", "query_len"), [(1, 512), (3, 3001), (0, 2048)])
 def test_prefill_over_fp8(arenas: Arenas, config: PrefillConfig, slot: int,
                           query_len: int) -> None:
-    """The plain kernel, the warp-specialized one as the engine runs it over FP8 (64-key
-    tiles, TMA descriptors over e4m3) and with BF16's 128-key tiles."""
+    """The plain kernel with its defaults, with the engine's FP8 config (128x128 tiles, 8
+    warps, 3 stages), and the warp-specialized one with BF16's 128-key tiles (TMA
+    descriptors over e4m3)."""
     n, layer = LENS[slot], 13
     q = torch.randn(query_len, HEADS, HEAD_DIM, device="cuda").to(torch.bfloat16)
     kv_scale = arenas.scales[layer]
@@ -201,6 +203,35 @@ def test_prefill_varlen_over_fp8(arenas: Arenas) -> None:
         exact = prefill_attention_reference(q[lo:lo + n_q], arenas.bf16.kv, 7, slot,
                                             LENS[slot], SCALE, dtype=torch.float32)
         _check(rows, deq, exact)
+
+
+def test_dequantising_route_over_the_arena(arenas: Arenas) -> None:
+    """`dequantize_kv_varlen` over the VMM arena (slots of 16K, 4K and 3,001 tokens) equals
+    the float32 dequantisation rounded once to bf16, and the BF16 prefill kernel on that
+    scratch is within the kernels' bound of the reference over the FP8 cache."""
+    from edmm.kernels.kv_dequant import dequantize_kv_varlen
+    from edmm.model.kv_quant import dequantize_fp8
+
+    slots, layer = [0, 1, 3], 11
+    lens = [LENS[s] for s in slots]
+    cu = [0, lens[0], lens[0] + lens[1], sum(lens)]
+    out = torch.empty(sum(lens), 2, KV_HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    dequantize_kv_varlen(arenas.fp8.kv, layer, torch.tensor(slots, device="cuda"),
+                         torch.tensor(lens, device="cuda"), torch.tensor(cu, device="cuda"),
+                         arenas.scales[layer].contiguous(), out, max_ctx=max(lens))
+    for slot, n, at in zip(slots, lens, cu, strict=False):
+        for kind in range(2):
+            want = dequantize_fp8(arenas.fp8.kv[slot, :n, layer, kind],
+                                  arenas.scales[layer, kind], torch.bfloat16)
+            assert torch.equal(out[at:at + n, kind], want), (slot, kind)
+    q = torch.randn(512, HEADS, HEAD_DIM, device="cuda").to(torch.bfloat16)
+    scratch = out[:LENS[0]].unsqueeze(0).unsqueeze(2)  # [1, n, 1, 2, Hkv, D]: slot 0's tokens
+    got = prefill_attention(q, scratch, 0, 0, LENS[0], 512, SCALE, config=PREFILL)
+    deq = prefill_attention_reference(q, arenas.fp8.kv, layer, 0, LENS[0], SCALE,
+                                      dtype=torch.float32, kv_scale=arenas.scales[layer])
+    exact = prefill_attention_reference(q, arenas.bf16.kv, layer, 0, LENS[0], SCALE,
+                                        dtype=torch.float32)
+    _check(got, deq, exact)
 
 
 def test_rope_store_writes_fp8_on_cuda() -> None:

@@ -30,7 +30,7 @@ SCRIPT = textwrap.dedent("""
     from triton.compiler import ASTSource
     from edmm.kernels import DecodeConfig, PrefillConfig
     from edmm.kernels import _triton_decode as td, _triton_prefill as tp, _triton_rope as tr
-    from edmm.kernels import _triton_skinny as tsk, _triton_silu as tsi
+    from edmm.kernels import _triton_skinny as tsk, _triton_silu as tsi, _triton_dequant as tdq
     from edmm.kernels._common import SkinnyConfig
     from edmm.model.attention_triton import PREFILL, PREFILL_FP8
 
@@ -40,7 +40,7 @@ SCRIPT = textwrap.dedent("""
             "k_ptr": "*bf16", "v_ptr": "*bf16", "cos_ptr": "*bf16", "sin_ptr": "*bf16",
             "q_out_ptr": "*bf16", "slot_index_ptr": "*i64", "token_index_ptr": "*i64",
             "x_ptr": "*bf16", "w_ptr": "*bf16", "bias_ptr": "*bf16", "part_ptr": "*fp32",
-            "kv_scale_ptr": "*fp32"}
+            "kv_scale_ptr": "*fp32", "scale_ptr": "*fp32", "cu_ptr": "*i32"}
     FP8 = {"kv_ptr": "*fp8e4nv"}  # an FP8 KV cache (with its scales)
     CUOBJDUMP = os.path.join(os.path.dirname(nv.__file__), "bin", "cuobjdump")
 
@@ -148,6 +148,9 @@ SCRIPT = textwrap.dedent("""
                  SKIP_SINGLE=True, DOT_PRECISION="tf32", REVERSE=p.reverse, FP8=fp8),
             types=FP8 if fp8 else None, num_warps=p.num_warps, num_stages=p.num_stages)
            for name, fp8 in (("prefill", False), ("prefill_fp8", True))},
+        "dequant_kv": compile_sm90(  # the dequantising route's kernel, Qwen2.5-7B's layer row
+            tdq.dequant_kv_kernel, dict(ROW=1024, ROW_PAD=1024, HEAD_DIM=128, BLOCK_T=16),
+            types=FP8, num_warps=4),
         "prefill_fp8_engine": compile_sm90(  # the backend's FP8 config (not warp-specialized)
             tp.prefill_kernel,
             dict(GROUP=7, HEAD_DIM=128, BLOCK_M=fp8c.block_m, BLOCK_N=fp8c.block_n,
@@ -196,7 +199,7 @@ def test_default_configs_compile_for_sm90_without_spills() -> None:
     assert report["silu_trigger"]["trigger"]
     for name, r in report.items():
         if name in ("decode_reduce_pdl", "decode_reduce_sliced", "rope_trigger", "rope_fp8",
-                    "silu_trigger"):
+                    "silu_trigger", "dequant_kv"):
             pass  # no loop: nothing to pipeline
         elif not name.startswith("prefill_ws"):  # its loads are the copy engine's (TMA)
             assert r["cp_async"], f"{name}: loads are not pipelined (no cp.async)"
