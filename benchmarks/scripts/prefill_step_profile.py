@@ -25,6 +25,7 @@ import json
 import random
 import statistics
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -39,12 +40,22 @@ def _device_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
+@dataclass(frozen=True)
+class BatchRun:
+    """One timed batch: its wall seconds, the prompt tokens it found cached, and the arena's
+    page maps meanwhile (branches from a cached prefix map its full pages)."""
+
+    wall_s: float
+    cached: int
+    map_pages: int
+    map_s: float
+
+
 def run_batch(engine: Engine, prompt: int, batch: int, rng: random.Random, tag: str,
-              shared: int = 0) -> tuple[float, int]:
+              shared: int = 0) -> BatchRun:
     """Queue ``batch`` requests of ``prompt`` random tokens (one output token each) and step to
-    the end; the wall seconds and the prompt tokens the batch found cached. ``shared`` > 0:
-    their first ``shared`` tokens are a new prefix that an untimed request computed (and
-    finished) first."""
+    the end. ``shared`` > 0: their first ``shared`` tokens are a new prefix that an untimed
+    request computed (and finished) first."""
     vocab = engine.model_config.vocab_size
     params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
 
@@ -56,13 +67,17 @@ def run_batch(engine: Engine, prompt: int, batch: int, rng: random.Random, tag: 
         engine.add_request(f"{tag}-prefix", prefix + tokens(prompt - shared), params)
         while engine.has_unfinished():
             engine.step()
+    before = engine.kv.driver_time()
     t0 = time.perf_counter()
     for i in range(batch):
         engine.add_request(f"{tag}-{i}", prefix + tokens(prompt - shared), params)
     cached = 0
     while engine.has_unfinished():
         cached += sum(out.num_cached_tokens for out in engine.step() if out.finished)
-    return time.perf_counter() - t0, cached
+    wall = time.perf_counter() - t0
+    after = engine.kv.driver_time()
+    return BatchRun(wall, cached, after.map_pages - before.map_pages,
+                    after.map_s - before.map_s)
 
 
 def kernel_table(prof: Any, top: int) -> tuple[list[dict[str, Any]], float]:
@@ -81,16 +96,17 @@ def profile_point(engine: Engine, prompt: int, batch: int, repeats: int, top: in
     shared = int(prompt * shared_fraction)
     runs = [run_batch(engine, prompt, batch, rng, f"p{prompt}b{batch}r{r}", shared)
             for r in range(repeats)]
-    walls = [wall for wall, _ in runs]
+    walls = [run.wall_s for run in runs]
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU,
                                             torch.profiler.ProfilerActivity.CUDA]) as prof:
-        wall, _ = run_batch(engine, prompt, batch, rng, f"p{prompt}b{batch}prof", shared)
+        wall = run_batch(engine, prompt, batch, rng, f"p{prompt}b{batch}prof", shared).wall_s
         if torch.cuda.is_available():
             torch.cuda.synchronize()
     kernels, device_ms = kernel_table(prof, top)
     med = statistics.median(walls)
     return {"prompt": prompt, "batch": batch, "shared": shared,
-            "cached_per_request": runs[-1][1] / batch,
+            "cached_per_request": runs[-1].cached / batch,
+            "map_pages": runs[-1].map_pages, "map_ms": runs[-1].map_s * 1e3,
             "wall_ms": [w * 1e3 for w in walls],
             "wall_ms_p50": med * 1e3, "prefill_tok_s": prompt * batch / med,
             "profiled_wall_ms": wall * 1e3, "device_ms": device_ms, "kernels": kernels}
@@ -102,10 +118,14 @@ def write_md(path: Path, cfg: EngineConfig, points: list[dict[str, Any]], cmd: s
              f"{cfg.num_slots}, max_num_batched_tokens {cfg.max_num_batched_tokens}.", "",
              f"    {cmd}", "",
              "| prompt | of which another request's | found cached | batch "
-             "| time to all first tokens p50 (ms) | prompt tok/s |",
-             "|---:|---:|---:|---:|---:|---:|"]
+             "| time to all first tokens p50 (ms) | prompt tok/s | pages mapped | their host ms |",
+             "|---:|---:|---:|---:|---:|---:|---:|---:|"]
     lines += [f"| {p['prompt']} | {p['shared']} | {p['cached_per_request']:.0f} | {p['batch']} "
-              f"| {p['wall_ms_p50']:.1f} | {p['prefill_tok_s']:,.0f} |" for p in points]
+              f"| {p['wall_ms_p50']:.1f} | {p['prefill_tok_s']:,.0f} | {p['map_pages']} "
+              f"| {p['map_ms']:.2f} |" for p in points]
+    lines += ["", "Pages mapped and their host ms: the arena's page maps (map + set access) "
+              "during the last timed batch (a branch from a cached prefix maps its full pages; "
+              "a new slot maps the pages its prompt needs)."]
     for p in points:
         lines += ["", f"## {p['prompt']} tokens x {p['batch']}: kernels of one profiled run "
                   f"(device {p['device_ms']:.1f} ms of {p['profiled_wall_ms']:.1f} ms wall, "
@@ -157,6 +177,7 @@ def main() -> None:
     write_md(a.out / "prefill-profile.md", engine.config, points, cmd)
     for pt in points:
         print(f"prompt {pt['prompt']} ({pt['shared']} shared) x{pt['batch']}: "
+              f"{pt['map_pages']} pages mapped in {pt['map_ms']:.1f} ms; "
               f"{pt['wall_ms_p50']:.1f} ms "
               f"({pt['prefill_tok_s']:,.0f} tok/s); device {pt['device_ms']:.1f} of "
               f"{pt['profiled_wall_ms']:.1f} ms profiled")

@@ -23,11 +23,12 @@ arena or the index: they are private to this object.
 from __future__ import annotations
 
 from collections.abc import Collection, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from edmm.engine.kv_policy import CachePolicy
 from edmm.engine.prefix_cache import CacheTag, EntryRank, PrefixCache, PrefixHit
 from edmm.memory import KVArena, KVMemoryError
+from edmm.memory.arena import DriverTime
 from edmm.memory.offload import CopyCounters
 
 
@@ -228,6 +229,11 @@ class KVCacheManager:
         """The page size, the bytes of a token's KV and the most tokens of a slot."""
         arena = self._arena
         return KVLayout(arena.page_size, arena.spec.token_bytes, arena.max_tokens)
+
+    def driver_time(self) -> DriverTime:
+        """A copy of the arena's driver counters so far (pages mapped and unmapped, their host
+        seconds)."""
+        return replace(self._arena.driver)
 
     def page_seconds(self) -> tuple[float, float] | None:
         """Mean host seconds to map and to unmap one page, as measured on this arena so far;

@@ -16,9 +16,11 @@ def test_a_shared_batch_finds_the_prefix_another_request_computed() -> None:
     engine = Engine(EngineConfig(model=None, device="cpu", host_page_size=4096))
     try:
         rng = random.Random(0)
-        _, cached = run_batch(engine, 96, 2, rng, "fresh")
-        assert cached == 0
-        wall, cached = run_batch(engine, 96, 2, rng, "shared", shared=64)
-        assert wall > 0 and cached == 2 * 64
+        fresh = run_batch(engine, 96, 2, rng, "fresh")
+        assert fresh.cached == 0
+        shared = run_batch(engine, 96, 2, rng, "shared", shared=64)
+        assert shared.wall_s > 0 and shared.cached == 2 * 64
+        # each request's slot maps pages: its own, or the prefix's (a branch) and its own
+        assert fresh.map_pages > 0 and shared.map_pages > 0 and shared.map_s > 0
     finally:
         engine.close()
