@@ -16,6 +16,7 @@ from edmm.kernels._common import (
     KernelInputError,
     cdiv,
     check_index,
+    kv_scale_arg,
     require_triton,
 )
 
@@ -63,10 +64,7 @@ def _check(kv: torch.Tensor, layer: int, kv_scale: torch.Tensor, out: torch.Tens
         raise KernelInputError(f"kv_cache's layer rows must be contiguous, got {kv.stride()}")
     if not 0 <= layer < kv.shape[2]:
         raise KernelInputError(f"layer {layer} out of range [0, {kv.shape[2]})")
-    if (kv_scale.dtype != torch.float32 or tuple(kv_scale.shape) != (2, heads)
-            or not kv_scale.is_contiguous() or kv_scale.device != kv.device):
-        raise KernelInputError(f"kv_scale must be contiguous float32 [2, {heads}] on "
-                               f"{kv.device}, got {kv_scale.dtype} {tuple(kv_scale.shape)}")
+    kv_scale_arg(kv[:, :, layer], kv_scale)  # the attention kernels' check of the scales
     if (out.dim() != 4 or tuple(out.shape[1:]) != (2, heads, dim)
             or out.stride()[1:] != (heads * dim, dim, 1)
             or out.dtype not in (torch.float16, torch.bfloat16, torch.float32)
