@@ -8,7 +8,5 @@ source benchmarks/device/lib.sh
 timeout $T_VLLM python3 -m edmm bench load $L --no-edmm --peer-model-dir /tmp/qwen25-7b-dummy \
     --peer vllm --out $R/load-vllm 2>&1 | grep "tok/s\|rror"
 pack res3 call3
-[ $GPU_TESTS = 1 ] && timeout 200 python3 -m pytest -m gpu tests --ignore=tests/server --ignore=tests/proxy \
-    --ignore=tests/integrations --ignore=tests/bench --ignore=tests/engine/test_tensor_parallel.py \
-    --ignore=tests/model/test_tool_model.py -q -rs -p no:cacheprovider 2>&1 | tee $R/gpu-tests.txt | tail -5
+[ $GPU_TESTS = 1 ] && gpu_tests $R/gpu-tests.txt
 pack res3 call3
