@@ -11,7 +11,8 @@ every engine on the same generated fleet (v2; ``--jobs``, ``--turns``, scales be
 KV memory and host memory. The next load point starts only while the time spent so far plus
 the previous load point's duration stays within ``--budget-s`` (servers start once per load
 point and engine, so a load point costs about as much as the one before it); a skipped point
-is printed and noted in ``DIR/fleet-http-peers.md``. Then ``edmm bench agents-merge`` of the
+is printed and noted in ``DIR/fleet-http-peers.md``. Then, with the load points of an earlier
+run named by ``--merge-also`` (another device call's), ``edmm bench agents-merge`` of the
 load points writes into ``DIR`` itself: ``agents.{json,md,csv}``, the timeline, the knee plot
 and the pages plot (``.png``), with the all-turn knees and the peer targets; last,
 ``DIR.tgz`` holds the whole folder (the per-load reports and the servers' logs too).
@@ -63,6 +64,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "also runs the rebuilt baselines beside their real counterparts)")
     p.add_argument("--trace-arg", action="append", default=[],
                    help="extra edmm bench agents option (after the fleet's), repeatable")
+    p.add_argument("--merge-also", action="append", default=[], type=Path,
+                   help="a load point's folder from an earlier run merged with these "
+                        "(skipped with a line if absent), repeatable")
     p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
     args = p.parse_args(argv)
     try:
@@ -123,6 +127,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         command = shlex.join(bench_argv(args, load, folder))
         lines.append(f"- load {load}: {last_s:.0f} s (`{command}`)")
         done.append(folder)
+    for folder in args.merge_also:
+        if any((folder / name).is_file() for name in ("agents-http.json", "agents.json")):
+            done.append(folder)
+        else:
+            lines.append(f"- {folder}: not merged (no agents-http.json there)")
+            print(lines[-1], flush=True)
     _run(merge_argv(done, out))
     lines.append(f"- merged: `{shlex.join(merge_argv(done, out))}`; "
                  f"{time.monotonic() - t0:.0f} s in all")

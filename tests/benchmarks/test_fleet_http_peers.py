@@ -99,3 +99,11 @@ def test_the_budget_skips_a_load_point(tmp_path: Path, tiny_dir: Path,
     assert "- load 2: skipped" in (out / "fleet-http-peers.md").read_text()
     rows = json.loads((out / "agents.json").read_text())["summary"]
     assert [(r["policy"], r["load"]) for r in rows] == [("edmm", 1.0)]
+    # another run's load point merged with this one's; an absent folder is a line, not a stop
+    again = _cpu(tmp_path, tiny_dir, tmp_path, "--peers", "", "--loads", "2")
+    again[1] = str(tmp_path / "fleet2")
+    assert main([*again, "--merge-also", str(out / "load-1"),
+                 "--merge-also", str(tmp_path / "absent")]) == 0
+    rows = json.loads((tmp_path / "fleet2" / "agents.json").read_text())["summary"]
+    assert sorted((r["policy"], r["load"]) for r in rows) == [("edmm", 1.0), ("edmm", 2.0)]
+    assert "absent: not merged" in (tmp_path / "fleet2" / "fleet-http-peers.md").read_text()
