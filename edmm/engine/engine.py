@@ -340,7 +340,22 @@ class Engine:
         seq = Seq.new(request.request_id, request.prompt_token_ids, request.params,
                       hints=hints, priority=request.priority)
         seq.max_num_tokens = min(seq.num_tokens + request.params.max_tokens, self.max_model_len)
+        self._force_outputs(seq, self._states[request.request_id])
         self._scheduler.add(seq)
+
+    def _force_outputs(self, seq: Seq, state: _RequestState) -> None:
+        """Append the tokens its output is known to start with (`SamplingParams.forced_prefix`)
+        as generated tokens without KV: the first step computes them with the prompt and
+        samples after them."""
+        forced = seq.params.forced_prefix(self.eos_token_ids)
+        if not forced:
+            return
+        assert seq.max_num_tokens is not None
+        room = max(seq.max_num_tokens - seq.num_tokens - 1, 0)  # one token is always sampled
+        forced = self.validator.token_ids(forced)[:room]
+        seq.token_ids.extend(forced)
+        for token in forced:
+            state.push(token, check_stop_strings=False)
 
     def add_request(self, request_id: str, prompt: PromptInput,
                     params: SamplingParams | None = None,

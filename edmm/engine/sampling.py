@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Callable, Collection, Sequence
+from collections.abc import Callable, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -81,6 +81,14 @@ class SamplingParams:
     top log probabilities to return with each sampled token (0: the sampled token's only;
     None: none), taken from the model's raw logits (before penalties, biases, processors
     and temperature: vLLM's ``raw_logprobs``).
+
+    ``forced_output_ids``: tokens the output is known to start with (a grammar's forced
+    prefix: the ``<tool_call>`` wrapper and name of a forced call, `edmm.server.guided`).
+    `Engine.submit` computes them with the prompt's prefill instead of one decode step each and
+    reports them as the first generated tokens, up to the first stop or EOS token and at most
+    ``max_tokens - 1`` of them, only where no per-token work needs them (no logprobs, stop
+    strings, penalties or logit bias); otherwise they are decoded one by one as usual (the
+    grammar's processor forces the same tokens either way).
     """
 
     n: int = 1
@@ -98,9 +106,11 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     logit_bias: dict[int, float] = field(default_factory=dict)
     logprobs: int | None = None
+    forced_output_ids: list[int] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.stop_token_ids = list(self.stop_token_ids)
+        self.forced_output_ids = list(self.forced_output_ids)
         self.stop = [self.stop] if isinstance(self.stop, str) else list(self.stop)
         self.logits_processors = list(self.logits_processors)
         self.logit_bias = dict(self.logit_bias)
@@ -114,6 +124,22 @@ class SamplingParams:
         """True when a presence or frequency penalty applies (the request counts its output
         tokens on the device: `OutputCounts`)."""
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+
+    def forced_prefix(self, eos_token_ids: Iterable[int]) -> list[int]:
+        """The ``forced_output_ids`` computed with the prompt (see the class docstring): none
+        where logprobs, stop strings, penalties or a logit bias need each token sampled; up
+        to the first stop token (EOS too, unless ``ignore_eos``); at most ``max_tokens - 1``
+        (one token is always sampled)."""
+        if (not self.forced_output_ids or self.logprobs is not None or self.stop
+                or self.penalized or self.logit_bias):
+            return []
+        stops = {*self.stop_token_ids, *(() if self.ignore_eos else eos_token_ids)}
+        out: list[int] = []
+        for tok in self.forced_output_ids[: self.max_tokens - 1]:
+            if tok in stops:
+                break
+            out.append(tok)
+        return out
 
     @property
     def greedy(self) -> bool:
@@ -158,11 +184,10 @@ class SamplingParams:
             )
 
     def _check_stops(self) -> None:
-        for tok in self.stop_token_ids:
-            if _not_int(tok) or tok < 0:
-                raise InvalidSamplingParams(
-                    "stop_token_ids", f"must hold integers >= 0, got {tok!r}"
-                )
+        for name in ("stop_token_ids", "forced_output_ids"):
+            for tok in getattr(self, name):
+                if _not_int(tok) or tok < 0:
+                    raise InvalidSamplingParams(name, f"must hold integers >= 0, got {tok!r}")
         for s in self.stop:
             if not isinstance(s, str) or not s:
                 raise InvalidSamplingParams("stop", f"must hold non-empty strings, got {s!r}")

@@ -194,6 +194,10 @@ def _server_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tool-call-parser", choices=TOOL_CALL_PARSERS, default="hermes",
                         help="the tool-call format parsed from replies (<tool_call> JSON "
                              "blocks)")
+    parser.add_argument("--no-grammar-fast-forward", action="store_true",
+                        help="decode every token a grammar forces (a forced tool call's "
+                             "wrapper and name) one step each, instead of computing the "
+                             "forced start with the prompt (an ablation)")
     parser.add_argument("--trust-request-chat-template", action="store_true",
                         help="as --allow-client-chat-template (vLLM's name)")
     parser.add_argument("--enable-force-include-usage", action="store_true",
@@ -414,6 +418,7 @@ def config_from_args(args: argparse.Namespace) -> ServerConfig:
         allow_client_chat_template=(args.allow_client_chat_template
                                     or args.trust_request_chat_template),
         chat_template=args.chat_template,
+        grammar_fast_forward=not args.no_grammar_fast_forward,
         max_body_bytes=int(args.max_body_mib * 2**20),
         max_tool_output_bytes=int(args.max_tool_output_mib * 2**20),
         max_sessions_per_key=args.max_sessions_per_key or None,

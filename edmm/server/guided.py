@@ -187,6 +187,9 @@ class GrammarLogitsProcessor:
         self.failure: str | None = None  # why the processor stopped (its masks cost too much)
         self.param = param  # the request parameter the grammar comes from
         self.batch = batch if batch is not None else GrammarMasks(vocab_size)
+        # The tokens every output of the grammar starts with (set by `prepare`): the engine
+        # computes them with the prompt (`SamplingParams.forced_output_ids`).
+        self.forced: tuple[int, ...] = ()
 
     def __call__(self, output_token_ids: Sequence[int], logits: torch.Tensor) -> torch.Tensor:
         """``logits`` ``[V]`` with the forbidden tokens set to ``-inf`` (once the processor has
@@ -217,10 +220,15 @@ class GrammarLogitsProcessor:
         row[:] = 0
         row.view(np.uint32)[self._eos // 32] = np.uint32(1 << (self._eos % 32))
 
-    def prepare(self) -> None:
+    def prepare(self, fast_forward: bool = True) -> None:
         """Compute the mask of the grammar's start (its lexer states are built here, not on
-        the engine thread); 400 if it goes over the parser's limits."""
+        the engine thread) and, with ``fast_forward``, the tokens every output starts with
+        (`forced`: llguidance's fast-forward tokens, canonically tokenized; the matcher stays
+        at the start and consumes them with the outputs); 400 if it goes over the parser's
+        limits."""
         fill_next_token_bitmask(self._matcher, self._bitmask)
+        if fast_forward and not self._matcher.is_error():
+            self.forced = tuple(self._matcher.compute_ff_tokens())
         if self._matcher.is_error():
             raise BadRequestError(
                 f"the grammar is too costly to enforce: "
@@ -252,13 +260,18 @@ class GuidedDecoding:
     whose schema sets no bound of its own (no ``maxLength``, ``enum``, ``const``, ``pattern``
     or ``format``): without one a model can write a string argument until the context is
     full; None: unbounded.
+    ``fast_forward``: each processor's `GrammarLogitsProcessor.forced` holds the tokens every
+    output of its grammar starts with (the server computes them with the prompt); False: none
+    (each is decoded, one step a token).
     """
 
     def __init__(self, tokenizer: Any, vocab_size: int, eos_token_id: int,
                  budget: GrammarBudget | None = None, limits: GrammarLimits | None = None,
                  isolated: bool = False,
-                 forced_string_chars: int | None = FORCED_STRING_CHARS) -> None:
+                 forced_string_chars: int | None = FORCED_STRING_CHARS,
+                 fast_forward: bool = True) -> None:
         self.forced_string_chars = forced_string_chars
+        self.fast_forward = fast_forward
         self.spec = TokenizerSpec(_tokenizer_json(tokenizer), vocab_size, eos_token_id)
         self._llt = self.spec.build()
         self.budget = budget or GrammarBudget()
@@ -396,7 +409,7 @@ class GuidedDecoding:
         processor = GrammarLogitsProcessor(matcher, self._vocab_size, self._eos, self.budget,
                                            grammar.param, self._mask_batch)
         try:
-            processor.prepare()
+            processor.prepare(self.fast_forward)
         except BadRequestError:
             self._remember(grammar.key,
                            Verdict("costly", "its first token mask went over the parser's limits"))

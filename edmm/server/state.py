@@ -63,6 +63,9 @@ class ServerConfig:
         grammar_budget: what one request's grammar may cost the engine thread per token.
         max_forced_string_chars: the most characters of a string argument of a forced tool
             call whose schema does not bound it (`GuidedDecoding`); None: unbounded.
+        grammar_fast_forward: the tokens a request's grammar forces at its start (a forced
+            call's ``<tool_call>`` wrapper and name) are computed with its prompt, not decoded
+            one step each (`GuidedDecoding`); False: decoded.
         max_body_bytes: the largest request body (413 past it).
         max_tool_output_bytes: the largest chunk of one ``tool_output`` call (UTF-8 bytes of
             its content; 413 past it).
@@ -104,6 +107,7 @@ class ServerConfig:
     template_limits: TemplateLimits = field(default_factory=TemplateLimits)
     grammar_budget: GrammarBudget = field(default_factory=GrammarBudget)
     max_forced_string_chars: int | None = FORCED_STRING_CHARS
+    grammar_fast_forward: bool = True
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_tool_output_bytes: int = DEFAULT_MAX_TOOL_OUTPUT_BYTES
     header_timeout_s: float = HEADER_TIMEOUT_S
@@ -176,7 +180,7 @@ class ServerState:
                                                            on_idle=collect_young)
         self.metrics = ServerMetrics(config.model_name, vllm_names=config.vllm_metrics)
         self.guided = _guided(self.engine, tokenizer, config.grammar_budget,
-                              config.max_forced_string_chars)
+                              config.max_forced_string_chars, config.grammar_fast_forward)
         self.draining = threading.Event()  # set when shutdown starts (`edmm.server.shutdown`)
         self.serving = OpenAIServing(
             self.loop, self.engine, tokenizer, config.model_name, self.metrics, self.guided,
@@ -246,7 +250,7 @@ class ServerState:
 
 
 def _guided(engine: Engine, tokenizer: Any, budget: GrammarBudget,
-            forced_string_chars: int | None) -> GuidedDecoding | None:
+            forced_string_chars: int | None, fast_forward: bool) -> GuidedDecoding | None:
     """Constrained decoding for models with a tokenizer (presets have none)."""
     if tokenizer is None:
         return None
@@ -254,4 +258,5 @@ def _guided(engine: Engine, tokenizer: Any, budget: GrammarBudget,
     if eos is None:
         eos = min(engine.eos_token_ids, default=0)
     return GuidedDecoding(tokenizer, engine.model_config.vocab_size, int(eos), budget,
-                          isolated=True, forced_string_chars=forced_string_chars)
+                          isolated=True, forced_string_chars=forced_string_chars,
+                          fast_forward=fast_forward)

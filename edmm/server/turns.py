@@ -196,9 +196,13 @@ class ChatTurns:
     def _send(self, submission: Submission[ServerSessions, str], turn: Turn,
               chat: ChatCompletionRequest, processors: list[LogitsProcessor]) -> None:
         """Send ``turn`` to the engine thread from the event loop, with the ``processors``
-        of its grammars."""
+        of its grammars and the tokens its grammar forces at the start (computed with the
+        prompt: a forced call's wrapper and name cost no decode steps)."""
         if processors:
             params = self.params(chat, len(turn.request.prompt_token_ids), processors)
+            grammars = [p for p in processors if isinstance(p, GrammarLogitsProcessor)]
+            if len(grammars) == 1 and grammars[0].forced:
+                params = dataclasses.replace(params, forced_output_ids=list(grammars[0].forced))
             turn.request = dataclasses.replace(turn.request, params=params)
         turn.trace.mark("request_made")
         submission.send(lambda b: _begin(b, turn))
