@@ -593,7 +593,8 @@ def write_http_results(runs: Sequence[HttpRun], cfg: HttpReplayConfig, env: Envi
         f"at x{b.oversubscription:g} (edmm serve flags from `serve_args`)",
         "resume TTFT: streamed, request sent to the first content or tool-call delta (a "
         "forced call's first delta comes once its name and the start of its arguments are "
-        "decoded); content_resume_ttft: the resumes that stream content (first delta = first "
+        "known: decoded one step a token, or on edmm serve, where its grammar forces them, "
+        "computed with the prompt); content_resume_ttft: the resumes that stream content (first delta = first "
         "token); engine-wait = JCT minus tool time; recomputed_tokens = prompt less cached "
         "tokens of resumes, prefix_hit_rate = cached / prompt tokens of resumes (usage, as in "
         "process); lost_context_tokens: /metrics edmm_recomputed_tokens (a session's earlier "
