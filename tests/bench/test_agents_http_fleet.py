@@ -189,3 +189,20 @@ def test_the_server_context_holds_the_rendered_prefixes() -> None:
     assert base.max_model_len is not None
     engine = server_engine(base, small.cfg, jobs, tok)
     assert engine.max_model_len is not None and engine.max_model_len >= base.max_model_len + excess
+
+
+def test_a_compaction_below_the_shared_prefix_keeps_it_counted() -> None:
+    """A compaction that keeps fewer tokens than the system message still keeps that message
+    (the shared prefix every engine finds cached), and counts its tokens as kept: the next
+    turn's new tokens are what follows it (2026-12-07: the whole prompt was counted new, so
+    prefill amplification came out below 1 on EDMM and vLLM alike)."""
+    from edmm.bench.agents.chat import Conversation
+
+    chat = Conversation([{"role": "system", "content": "s"}, {"role": "user", "content": "u"}],
+                        shared_tokens=5248)
+    chat.replied(6000, 12, {"role": "assistant", "content": "a"})
+    assert chat.kept == 6012
+    chat.keep(3000)  # a summary shorter than the shared prefix
+    assert chat.kept == 5248 and len(chat.messages) == 1
+    chat.keep(6100)
+    assert chat.kept == 5248

@@ -139,8 +139,9 @@ class Conversation:
         self.kept = prompt_tokens + completion_tokens
 
     def keep(self, tokens: int) -> None:
-        """Keep the messages through the last boundary at or before ``tokens``."""
-        at, n = max((b for b in self.boundaries if b[0] <= tokens), default=(0, 1))
+        """Keep the messages through the last boundary at or before ``tokens``; the system
+        message (the shared prefix, the first boundary) is always kept, and counted kept."""
+        at, n = max((b for b in self.boundaries if b[0] <= tokens), default=self.boundaries[0])
         del self.messages[n:]
         self.boundaries = [b for b in self.boundaries if b[1] <= n]
         self.kept = at

@@ -591,14 +591,14 @@ def write_http_results(runs: Sequence[HttpRun], cfg: HttpReplayConfig, env: Envi
         f"{b.trace or f'generated, {b.jobs} jobs, seed {b.seed}'}; tokens x{b.token_scale:g}, "
         f"tool times x{b.time_scale:g}; KV pool and agent policy as the in-process matrix "
         f"at x{b.oversubscription:g} (edmm serve flags from `serve_args`)",
-        "resume TTFT: streamed, request sent to the first content or tool-call delta (a "
-        "forced call's first delta comes once its name and the start of its arguments are "
-        "known: decoded one step a token, or on edmm serve, where its grammar forces them, "
-        "computed with the prompt); content_resume_ttft: the resumes that stream content (first delta = first "
-        "token); engine-wait = JCT minus tool time; recomputed_tokens = prompt less cached "
-        "tokens of resumes, prefix_hit_rate = cached / prompt tokens of resumes (usage, as in "
-        "process); lost_context_tokens: /metrics edmm_recomputed_tokens (a session's earlier "
-        "context computed again)",
+        "resume TTFT: streamed, request sent to the first content or tool-call delta (a forced"
+        " call's first delta comes once its name and the start of its arguments are known: "
+        "decoded one step a token, or on edmm serve, where its grammar forces them, computed "
+        "with the prompt); content_resume_ttft: the resumes that stream content (first delta ="
+        " first token); engine-wait = JCT minus tool time; recomputed_tokens = prompt less "
+        "cached tokens of resumes, prefix_hit_rate = cached / prompt tokens of resumes (usage,"
+        " as in process); lost_context_tokens: /metrics edmm_recomputed_tokens (a session's "
+        "earlier context computed again)",
         "tool-call turns are forced (call_tokens: the grammar's length); their results are "
         "padded by the trace's output tokens beyond it so contexts reach the trace's; the last "
         "turn generates the trace's output length; results appended (mid_prompt and "
