@@ -1,4 +1,5 @@
-"""Fixtures of the server tests: one live server on a free loopback port per test session."""
+"""Fixtures of the server tests: one live server on a free loopback port per test session; an
+engine of the tiny model and its constrained decoding for the grammar tests."""
 
 from __future__ import annotations
 
@@ -9,7 +10,9 @@ import openai
 import pytest
 from server_helpers import LiveServer, serve, server_config
 
+from edmm.engine import Engine, EngineConfig
 from edmm.server import ServerState
+from edmm.server.guided import GuidedDecoding
 
 
 @pytest.fixture(scope="session")
@@ -29,3 +32,18 @@ def fresh_server(request: pytest.FixtureRequest, tiny_dir: Path) -> Iterator[Liv
 def client(server: LiveServer) -> openai.OpenAI:
     """An OpenAI SDK client of the live server."""
     return server.client()
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_dir: Path) -> Iterator[Engine]:
+    """An engine of the tiny model for grammar tests that step it directly (no server)."""
+    with Engine(EngineConfig(model=str(tiny_dir), max_model_len=1024, num_slots=4,
+                             max_num_seqs=4)) as e:
+        yield e
+
+
+@pytest.fixture(scope="module")
+def guided(engine: Engine) -> GuidedDecoding:
+    """The engine's constrained decoding, grammars checked in the calling thread."""
+    tok = engine.tokenizer
+    return GuidedDecoding(tok, engine.model_config.vocab_size, tok.eos_token_id)

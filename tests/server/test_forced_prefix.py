@@ -4,12 +4,11 @@ per-token work needs the tokens (`SamplingParams.forced_prefix`)."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
 
-from edmm.engine import Engine, EngineConfig, SamplingParams
+from edmm.engine import Engine, SamplingParams
 from edmm.server.guided import GuidedDecoding
 from edmm.server.protocol import FunctionDefinition
 from edmm.server.tool_parser import parse_reply
@@ -21,18 +20,6 @@ OPEN = FunctionDefinition(name="open_file", parameters={  # a free string: force
     "type": "object", "properties": {"path": {"type": "string", "maxLength": 12}},
     "required": ["path"], "additionalProperties": False})
 
-
-@pytest.fixture(scope="module")
-def engine(tiny_dir: Path) -> Any:
-    with Engine(EngineConfig(model=str(tiny_dir), max_model_len=1024, num_slots=4,
-                             max_num_seqs=4)) as e:
-        yield e
-
-
-@pytest.fixture(scope="module")
-def guided(engine: Engine) -> GuidedDecoding:
-    tok = engine.tokenizer
-    return GuidedDecoding(tok, engine.model_config.vocab_size, tok.eos_token_id)
 
 
 def _run(engine: Engine, params: SamplingParams, rid: str) -> tuple[list[int], str, int]:

@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import torch
 
-from edmm.engine import Engine, EngineConfig, SamplingParams
+from edmm.engine import Engine, SamplingParams
 from edmm.server.errors import BadRequestError
 from edmm.server.grammar_probe import PROBE_NICENESS, GrammarProbe, check_grammar
 from edmm.server.guided import (
@@ -34,18 +34,6 @@ FUNCTIONS = [
     FunctionDefinition(name="noop"),  # no parameters: any object
 ]
 
-
-@pytest.fixture(scope="module")
-def engine(tiny_dir: Path) -> Any:
-    with Engine(EngineConfig(model=str(tiny_dir), max_model_len=1024, num_slots=4,
-                             max_num_seqs=4)) as e:
-        yield e
-
-
-@pytest.fixture(scope="module")
-def guided(engine: Engine) -> GuidedDecoding:
-    tok = engine.tokenizer
-    return GuidedDecoding(tok, engine.model_config.vocab_size, tok.eos_token_id)
 
 
 def _run(engine: Engine, processor: Any, seed: int, max_tokens: int = 200) -> str:
