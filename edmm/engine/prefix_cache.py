@@ -764,13 +764,18 @@ class PrefixCache:
     def _host_run(self, tokens: list[int], seed: int, keys: Sequence[int], start: int,
                   limit: int) -> _HostRun | None:
         """The host blocks holding ``tokens[start:end]`` for the largest ``end <= limit``
-        (``keys``: the chain hashes of the first blocks where known, at least those before
-        ``start``'s block); None if the host holds nothing past ``start``."""
+        (``keys``: the chain hashes of the first blocks where known; those of the full blocks
+        before ``start``'s that ``keys`` lacks are chained here, as when another source holds
+        more of the prefix on the GPU than a record's host blocks cover); None if the host
+        holds nothing past ``start``."""
         store = self.offload
         assert store is not None
         bs = self.block_size
         i = start // bs
-        prev = keys[i - 1] if i else seed
+        known = min(i, len(keys))
+        prev = keys[known - 1] if known else seed
+        for j in range(known, i):  # the chain up to start's block past the keys given
+            prev = _chain(prev, tokens[j * bs:(j + 1) * bs])
         blocks: list[tuple[int, int]] = []
         end = start
         while i * bs < limit:

@@ -263,3 +263,26 @@ def test_an_unknown_cache_policy_is_refused_naming_the_known_ones() -> None:
     with pytest.raises(ValueError, match=f"unknown KV cache policy 'lru'; known: {known}"):
         cache_policy("lru")
     assert cache_policy("apc") == CACHE_POLICIES["apc"]
+
+
+def test_a_record_whose_host_keys_end_before_the_gpu_s_match_is_restorable(
+        arena: KVArena) -> None:
+    """A host record whose known block keys end before the prefix another slot holds on the
+    GPU (on 2026-12-07's fleet replay: 17 keys for a 700-token record, 522 tokens matched on
+    the GPU) has the missing chain hashes computed: before, ``offloaded_tokens`` raised
+    IndexError on the engine thread and the server failed every request."""
+    cache = _cache(arena)
+    kv = KVCacheManager(arena, cache)
+    a = _prompt(0, 30)
+    cache.release(_admit(cache, a), a, len(a), tag="s0", rank=EntryRank.RETAINED)
+    while kv.make_room():
+        pass
+    off = cache._offloaded["s0"]
+    off.keys = off.keys[:3]  # keys known for the first 3 blocks only
+    b = _prompt(1, 5)
+    _admit(cache, b)  # a slot holding the 250-token prefix on the GPU
+    assert kv.offloaded_tokens("s0") == len(a)  # the host blocks past the GPU's match
+    assert kv.restore("s0")
+    (restored,) = cache.tagged("s0")
+    assert kv_values(arena, restored) == a
+    kv.check_integrity()
