@@ -7,7 +7,10 @@ token-identical across them: the tools are the type's tool names in the trace, e
 description sized so the schemas take `tool_schema_share` of the type's ``prefix_tokens``,
 and parameters every engine's grammar closes in a few tokens (one enumerated string); the
 system text takes the rest. A job without a type keeps the single `TOOL` and a system prompt
-of its own.
+of its own. The parameters are an enumerated string and a string of `CALL_DIGITS` digits: the
+first a grammar fixes (an engine may compute it with the prompt, as edmm serve's grammar
+fast-forward does), the second every engine decodes one token a digit (Qwen2's tokenizer
+splits numbers into single digits), as a real call's free arguments are decoded.
 
 `Conversation` keeps the messages and, for each turn, where the messages sent so far end in
 tokens (from the server's ``usage``: a reply's prompt tokens are the tokens before it). A turn
@@ -28,9 +31,11 @@ from edmm.bench.agents.trace import Job
 from edmm.bench.live import TOOL, TOOL_NAME
 
 DEFAULT_TOOL_SHARE = 0.7  # of a shared prefix, in tool schemas, for types not in `AGENTS`
+CALL_DIGITS = 32  # free characters of every forced call's arguments (decoded, never forced)
 _PARAMETERS = {"type": "object",
-               "properties": {"key": {"type": "string", "enum": ["record"]}},
-               "required": ["key"], "additionalProperties": False}
+               "properties": {"key": {"type": "string", "enum": ["record"]},
+                              "n": {"type": "string", "pattern": f"^[0-9]{{{CALL_DIGITS}}}$"}},
+               "required": ["key", "n"], "additionalProperties": False}
 
 
 def tool_schema_share(agent: str) -> float:
