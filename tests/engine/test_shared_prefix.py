@@ -268,9 +268,10 @@ def test_an_unknown_cache_policy_is_refused_naming_the_known_ones() -> None:
 def test_a_record_whose_host_keys_end_before_the_gpu_s_match_is_restorable(
         arena: KVArena) -> None:
     """A host record whose known block keys end before the prefix another slot holds on the
-    GPU (on 2026-12-07's fleet replay: 17 keys for a 700-token record, 522 tokens matched on
-    the GPU) has the missing chain hashes computed: before, ``offloaded_tokens`` raised
-    IndexError on the engine thread and the server failed every request."""
+    GPU has the missing chain hashes computed. Such a record is a copy cut short by a full
+    host store (`PrefixCache._save` keeps the blocks that fit; on 2026-12-07's fleet replay
+    17 keys for a 700-token record, 522 tokens matched on the GPU): before, ``offloaded_tokens``
+    raised IndexError on the engine thread and the server failed every request."""
     cache = _cache(arena)
     kv = KVCacheManager(arena, cache)
     a = _prompt(0, 30)
