@@ -36,6 +36,8 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from edmm.bench.agents.merge import result_doc
+
 # A small fleet: six top-level jobs of 6-8 model calls (seed 1: a subagent, two compactions,
 # user messages), a 32K context limit, prefixes and contexts at a quarter of their size, tool
 # and user times x0.02.
@@ -128,7 +130,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         lines.append(f"- load {load}: {last_s:.0f} s (`{command}`)")
         done.append(folder)
     for folder in args.merge_also:
-        if any((folder / name).is_file() for name in ("agents-http.json", "agents.json")):
+        if result_doc(folder) is not None:
             done.append(folder)
         else:
             lines.append(f"- {folder}: not merged (no agents-http.json there)")

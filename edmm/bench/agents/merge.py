@@ -73,12 +73,19 @@ class Part:
         return env.get("git_commit"), env.get("git_dirty")
 
 
+def result_doc(folder: Path) -> Path | None:
+    """The results file of an `edmm bench agents` folder: ``agents.json`` (in process), else
+    ``agents-http.json`` (over HTTP); None when it has neither."""
+    for name in (f"{NAME}.json", f"{NAME}-http.json"):
+        if (folder / name).is_file():
+            return folder / name
+    return None
+
+
 def read_part(folder: Path) -> Part:
-    """A folder written by `edmm bench agents` (in process, or over HTTP: ``agents-http.json``
-    where there is no ``agents.json``), or holding the restore micro-bench only."""
-    doc_path = folder / f"{NAME}.json"
-    if not doc_path.exists() and (folder / f"{NAME}-http.json").exists():
-        doc_path = folder / f"{NAME}-http.json"
+    """A folder written by `edmm bench agents` (`result_doc`), or holding the restore
+    micro-bench only."""
+    doc_path = result_doc(folder) or folder / f"{NAME}.json"
     restore_path = folder / "restore-overlap.json"
     restore = json.loads(restore_path.read_text())["result"] if restore_path.exists() else None
     if not doc_path.exists():
