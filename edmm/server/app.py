@@ -254,12 +254,14 @@ def _add_openai_routes(app: FastAPI, state: ServerState) -> None:
 
     @app.post("/v1/completions", response_model=None)
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        queued = await serving.start_completion(body, owner_of(request.headers))
+        trace = serving.stages.tracer(getattr(request.state, BODY_READ_NS, None))
+        queued = await serving.start_completion(body, owner_of(request.headers), trace)
         if body.stream:
             streams = [stream for _, stream in queued]
-            return EventStreamResponse(serving.completion_stream(body, queued),
+            return EventStreamResponse(serving.completion_stream(body, queued, trace),
                                        lambda: abort_all(streams))
-        return _json(await _until_disconnected(request, serving.completion(body, queued)))
+        return _json(await _until_disconnected(request,
+                                               serving.completion(body, queued, trace)))
 
 
 def _add_edmm_routes(app: FastAPI, state: ServerState) -> None:

@@ -283,14 +283,16 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ completions
     async def start_completion(self, req: CompletionRequest, owner: str = ANONYMOUS,
-                               ) -> list[tuple[Request, OutputStream]]:
-        """Validate and queue every prompt of a text-completion request."""
+                               trace: Tracer = NO_TRACE) -> list[tuple[Request, OutputStream]]:
+        """Validate and queue every prompt of a text-completion request (``trace``: the stage
+        marks of its first prompt)."""
         self.check_model(req.model)
         check_text(req.model_dump(exclude_defaults=True))
         check_known_fields(req)
         if req.logprobs is not None and req.logprobs > MAX_LOGPROBS:
             raise BadRequestError(f"logprobs must be at most {MAX_LOGPROBS}", param="logprobs")
         requests = _copies(await self.pipeline.completion_requests(req, owner), req.n)
+        trace.mark("request_made")
         queued: list[tuple[Request, OutputStream]] = []
         try:
             for request in requests:
@@ -298,16 +300,20 @@ class OpenAIServing:
         except BaseException:
             abort_all([stream for _, stream in queued])
             raise
+        trace.mark("submitted")
         return queued
 
     async def completion(self, req: CompletionRequest,
-                         queued: list[tuple[Request, OutputStream]]) -> Completion:
-        """Run queued prompts to the end: one choice per prompt."""
+                         queued: list[tuple[Request, OutputStream]],
+                         trace: Tracer = NO_TRACE) -> Completion:
+        """Run queued prompts to the end: one choice per prompt (``trace``: the first's)."""
         choices, usage = [], Usage.of(0, 0, 0)
         try:
             for index, (request, stream) in enumerate(queued):
                 last = None
                 async for out in self.pipeline.outputs(stream):
+                    if index == 0:
+                        trace.first_output(stream.engine_ns, out.timing)
                     last = out
                 assert last is not None
                 reason = _reason(last.outputs[0].finish_reason)
@@ -318,22 +324,29 @@ class OpenAIServing:
                 usage = _add_usage(usage, _usage(request, last))
         finally:  # an error or a client that left: the other prompts stop too
             abort_all([stream for _, stream in queued])
-        return Completion(id=random_id("cmpl"), model=self.model_name, choices=choices,
-                          usage=usage)
+        response = Completion(id=random_id("cmpl"), model=self.model_name, choices=choices,
+                              usage=usage)
+        trace.mark("first_event")
+        trace.finish(response.id, False, len(queued[0][0].prompt_token_ids))
+        return response
 
     async def completion_stream(self, req: CompletionRequest,
                                 queued: list[tuple[Request, OutputStream]],
-                                ) -> AsyncIterator[str]:
-        """Server-sent events of queued prompts, one after the other."""
+                                trace: Tracer = NO_TRACE) -> AsyncIterator[str]:
+        """Server-sent events of queued prompts, one after the other (``trace``: the
+        first's stage marks)."""
         cid, usage = random_id("cmpl"), Usage.of(0, 0, 0)
         opts = req.stream_options or StreamOptions()
         try:
             for index, (request, stream) in enumerate(queued):
+                first = trace if index == 0 else NO_TRACE
                 async for event, out in self._completion_events(cid, index, request, stream,
-                                                                opts, usage):
+                                                                opts, usage, first):
                     yield event
                     if out.finished:
                         usage = _add_usage(usage, _usage(request, out))
+                if index == 0:
+                    trace.finish(cid, True, len(request.prompt_token_ids))
         except APIError as e:
             yield sse(e.body())
         else:
@@ -345,11 +358,13 @@ class OpenAIServing:
 
     async def _completion_events(self, cid: str, index: int, request: Request,
                                  stream: OutputStream, opts: StreamOptions, before: Usage,
-                                 ) -> AsyncIterator[tuple[str, RequestOutput]]:
+                                 trace: Tracer) -> AsyncIterator[tuple[str, RequestOutput]]:
         """One prompt's chunks and the output each was made of (``before``: the usage of
-        the prompts streamed earlier, for ``continuous_usage_stats``)."""
+        the prompts streamed earlier, for ``continuous_usage_stats``; ``trace``: its stage
+        marks)."""
         sent = lp_sent = 0
         async for out in self.pipeline.outputs(stream):
+            trace.first_output(stream.engine_ns, out.timing)
             text = _stable_text(out, request.params.stop)
             reason = _reason(out.outputs[0].finish_reason) if out.finished else None
             if reason is not None:
@@ -364,7 +379,9 @@ class OpenAIServing:
                     chunk.usage = _add_usage(before, _usage(request, out))
                 if opts.include_obfuscation:
                     chunk.obfuscation = obfuscation()
-                yield sse(chunk), out
+                event = sse(chunk)
+                trace.mark("first_event")
+                yield event, out
                 sent, lp_sent = len(text), len(lps or ())
 
     # ------------------------------------------------------------------ shared
