@@ -28,7 +28,7 @@ import json
 import random
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -39,8 +39,10 @@ from edmm.bench.peers import (
     served,
     served_model,
 )
-from edmm.bench.results import ResultWriter, collect_environment
+from edmm.bench.results import Environment, ResultWriter, collect_environment
+from edmm.bench.stages import StageLogReader, stage_summary
 from edmm.bench.stats import percentile
+from edmm.server.stages import ENV as STAGE_ENV
 
 PREFIX_MODES = ("fresh", "shared")
 
@@ -240,10 +242,13 @@ def summarize_level(server: str, length: int, prefix: str, concurrency: int,
 def measure_server(spec: ServerSpec, cfg: LoadConfig, log_dir: Path | None,
                    progress: Any = print,
                    on_row: Callable[[dict[str, Any]], None] = lambda row: None,
-                   ) -> list[dict[str, Any]]:
+                   stages: StageRows | None = None) -> list[dict[str, Any]]:
     """Every workload and level of ``cfg`` against one server (started if ``spec`` says
-    how); its summary rows, each also given to ``on_row`` as it is measured."""
+    how); its summary rows, each also given to ``on_row`` as it is measured. ``stages``: the
+    server writes a stage log there, summarised per level."""
     rows: list[dict[str, Any]] = []
+    if stages is not None:
+        spec = replace(spec, env={**spec.env, STAGE_ENV: str(stages.reader.path)})
     with served(spec, log_dir) as url:
         model = served_model(url)
         for length in cfg.prompt_tokens:
@@ -251,10 +256,14 @@ def measure_server(spec: ServerSpec, cfg: LoadConfig, log_dir: Path | None,
                 prompts = Prompts(cfg, length, prefix)
                 asyncio.run(run_level(url, model, prompts.take(1), 1, cfg.output_tokens,
                                       cfg.timeout_s))  # warm-up
+                if stages is not None:
+                    stages.reader.take()  # the warm-up's records
                 for c in cfg.concurrency:
                     records, wall = asyncio.run(run_level(
                         url, model, prompts.take(cfg.requests(c)), c, cfg.output_tokens,
                         cfg.timeout_s))
+                    if stages is not None:
+                        stages.level(spec.name, length, prefix, c)
                     row = summarize_level(spec.name, length, prefix, c, records, wall)
                     rows.append(row)
                     on_row(row)
@@ -283,18 +292,46 @@ def ratio_rows(rows: Sequence[dict[str, Any]], base: str) -> list[dict[str, Any]
     return out
 
 
+@dataclass
+class StageRows:
+    """The stage spans of an EDMM server's requests, level by level: the server appends to
+    ``reader``'s log, `level` summarises what a level added."""
+
+    reader: StageLogReader
+    rows: list[dict[str, Any]] = field(default_factory=list)
+
+    def level(self, server: str, length: int, prefix: str, concurrency: int) -> None:
+        """Summarise the records the level just measured added."""
+        self.rows += stage_summary(self.reader.take(), {
+            "server": server, "prompt_tokens": length, "prefix": prefix,
+            "concurrency": concurrency})
+
+
 def run_load_bench(cfg: LoadConfig, specs: Sequence[ServerSpec], out_dir: Path,
-                   name: str = "load") -> dict[str, Path]:
+                   name: str = "load", stages: bool = False) -> dict[str, Path]:
     """Measure every server in turn (one at a time on the device), write
     ``<name>.{csv,json,md}`` and ``<name>.png``; return the paths. Each row is also appended
     to ``<name>-rows.jsonl`` as it is measured, so a run stopped early (SIGTERM unwinds it,
-    stopping the server it started) keeps what it measured."""
+    stopping the server it started) keeps what it measured. ``stages``: every EDMM server
+    this run starts logs its requests' stages (`edmm.server.stages`), summarised per level
+    in ``<name>-stages.{csv,json,md}``."""
     if not specs:
         raise LoadBenchError("no server to measure")
-    measured = measure_each(specs, out_dir, name, lambda spec, logs, on_row: measure_server(
-        spec, cfg, logs, on_row=on_row), errors=(PeerError, LoadBenchError))
+    staged: list[StageRows] = []
+
+    def measure(spec: ServerSpec, logs: Path, on_row: Callable[[dict[str, Any]], None]
+                ) -> list[dict[str, Any]]:
+        rows = None
+        if stages and spec.kind == "edmm" and spec.launch:
+            log = out_dir / f"{name}-stages-{len(staged)}.jsonl"
+            log.unlink(missing_ok=True)
+            staged.append(rows := StageRows(StageLogReader(log)))
+        return measure_server(spec, cfg, logs, on_row=on_row, stages=rows)
+
+    measured = measure_each(specs, out_dir, name, measure, errors=(PeerError, LoadBenchError))
     rows = measured.rows
-    writer = ResultWriter(out_dir, name, collect_environment(cfg.device))
+    env = collect_environment(cfg.device)
+    writer = ResultWriter(out_dir, name, env)
     writer.add_rows(rows)
     ratios = ratio_rows(rows, specs[0].name)
     notes = [
@@ -315,7 +352,26 @@ def run_load_bench(cfg: LoadConfig, specs: Sequence[ServerSpec], out_dir: Path,
     png = plot_load(rows, out_dir / f"{name}.png", cfg.device)
     if png is not None:
         paths["png"] = png
+    if staged:
+        paths.update({f"stages_{k}": v for k, v in _write_stages(
+            [r for s in staged for r in s.rows], env, out_dir, name).items()})
     return paths
+
+
+def _write_stages(rows: list[dict[str, Any]], env: Environment, out_dir: Path,
+                  name: str) -> dict[str, Path]:
+    """``<name>-stages.{csv,json,md}``: the EDMM servers' stage spans per level."""
+    notes = ["every measured request's record in the server's stage log "
+             "(`EDMM_STAGE_LOG`, edmm.server.stages: a completion's stages are received, "
+             "arrive, request_made, submitted, then the engine's step_start, scheduled, "
+             "output_put, and first_output, first_event on the event loop); p50 / p90 / max "
+             "in milliseconds from one stage to the next",
+             "received -> arrive: the body parsed and validated by the framework; "
+             "step_start -> output_put: from the engine's first step after the request was "
+             "queued to its first output, split at the scheduler's admission "
+             "((step_start->scheduled): waiting for memory, the token budget or a place)"]
+    return ResultWriter(out_dir, f"{name}-stages", env).write(
+        rows, "Load curve: where each EDMM request's time to first token goes", notes)
 
 
 def _ratio_table(ratios: Sequence[dict[str, Any]]) -> str:

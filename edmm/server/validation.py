@@ -24,6 +24,9 @@ from edmm.server.protocol import AssistantMessage, ChatMessage, ChatTool, ToolMe
 MAX_TOOLS = 128  # OpenAI's documented limit of functions per request
 
 
+_NO_TEXT = frozenset({int, float, bool, type(None)})  # items that hold no string
+
+
 def lone_surrogate(value: Any, path: str = "") -> str | None:
     """The dotted path of the first string or key in ``value`` that holds a lone surrogate
     (``""`` for ``value`` itself), or None."""
@@ -40,8 +43,11 @@ def lone_surrogate(value: Any, path: str = "") -> str | None:
                     return where or here
                 stack.append((sub, here))
         elif isinstance(item, list | tuple):
+            if set(map(type, item)) <= _NO_TEXT:  # token ids: skipped at C speed
+                continue
             stack.extend((sub, f"{where}.{i}" if where else str(i))
-                         for i, sub in reversed(list(enumerate(item))))
+                         for i, sub in reversed(list(enumerate(item)))
+                         if type(sub) not in _NO_TEXT)
     return None
 
 

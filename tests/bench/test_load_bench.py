@@ -144,6 +144,29 @@ def test_load_curve_against_a_stand_in(tmp_path: Path) -> None:
     assert (tmp_path / "logs" / "slow.log").exists()
 
 
+@pytest.mark.slow  # an edmm serve subprocess (the embedded model)
+def test_stages_split_each_level_of_the_edmm_server(tmp_path: Path) -> None:
+    """``stages``: the EDMM server (not the stand-in beside it) logs its requests' stages;
+    each level's rows count that level's requests only (not the warm-up's), and the engine's
+    span lies inside the client's TTFT."""
+    cfg = LoadConfig(prompt_tokens=(64,), output_tokens=3, concurrency=(1, 2),
+                     prefixes=("shared",), min_requests=3, rounds=1.0, token_range=(10, 1000),
+                     device="cpu")
+    spec = edmm_spec(["--max-model-len", "256"])
+    paths = run_load_bench(cfg, [spec, standin(20, 4, "fast")], tmp_path, stages=True)
+    doc = json.loads(Path(paths["stages_json"]).read_text())
+    spans = {(r["concurrency"], r["span"]): r for r in doc["summary"]}
+    assert {r["server"] for r in doc["summary"]} == {"EDMM"}
+    load = {r["concurrency"]: r for r in json.loads(Path(paths["json"]).read_text())["summary"]
+            if r["server"] == "EDMM"}
+    for c in (1, 2):
+        engine = spans[(c, "step_start->output_put")]
+        assert engine["n"] == 3  # cfg.requests(c): the warm-up's record is not there
+        assert spans[(c, "first_output->first_event")]["n"] == 3
+        assert engine["p50"] < load[c]["ttft_p50_ms"]
+    assert len((tmp_path / "load-stages-0.jsonl").read_text().splitlines()) == 1 + 3 + 3
+
+
 @pytest.mark.slow  # a bench subprocess and its server
 def test_a_stopped_run_keeps_its_rows_and_stops_its_server(tmp_path: Path) -> None:
     """SIGTERM in the middle of a run (a device call's time limit): the bench unwinds, the

@@ -20,6 +20,7 @@ from tiers import examples
 from edmm.server.app import _add_error_handlers
 from edmm.server.body import is_json, parse_body
 from edmm.server.protocol import ChatCompletionRequest
+from edmm.server.validation import lone_surrogate
 
 USER = [{"role": "user", "content": "hi"}]
 
@@ -81,6 +82,20 @@ def test_lone_surrogate_is_still_named(server: LiveServer) -> None:
     assert r.status_code == 400
     assert r.json()["error"]["code"] == "invalid_text"
     assert r.json()["error"]["param"] == "messages.0.content"
+
+
+@pytest.mark.parametrize(("value", "where"), [
+    ({"prompt": [5, 6, 7]}, None),  # token ids: skipped whole
+    ({"prompt": [5, 6, "a\ud800"]}, "prompt.2"),
+    ({"prompt": [[1, 2], [3, 4, "\udc00"]]}, "prompt.1.2"),
+    ({"stop": ["ok", None, "x\udfff"], "n": 1}, "stop.2"),
+    ([1.5, True, None, {"k\ud800": 1}], "3"),
+    ({"a": [1, {"b": ["fine"]}], "c": "\ud800"}, "c"),
+])
+def test_lone_surrogate_paths_through_lists(value: object, where: str | None) -> None:
+    """`lone_surrogate` skips lists that hold no text (a prompt's token ids) and still names
+    the first string holding one among numbers."""
+    assert lone_surrogate(value) == where
 
 
 @pytest.mark.parametrize("escape", ["\\ud800", "\\udc00", "a\\udc00b", "\\ud800\\ud800",

@@ -98,10 +98,11 @@ from edmm.bench.agents.trace import Job, first_jobs, subagents_of, top_level
 from edmm.bench.live import LiveBenchConfig, launched_server, load_tokenizer, resolve_tokenizer
 from edmm.bench.peers import VLLMOptions
 from edmm.bench.results import Environment, Progress, ResultWriter, collect_environment
+from edmm.bench.stages import stage_summary
 from edmm.bench.stats import mean, percentile
 from edmm.engine import EngineConfig
 from edmm.model.tiny import default_model
-from edmm.server.stages import engine_split_ms, read_log, spans_ms
+from edmm.server.stages import read_log
 
 NAME = "agents-http"
 TOOL_TIMEOUT_S = 1e6  # the in-process replay's (`ReplayConfig.tool_timeout_s`)
@@ -660,29 +661,13 @@ def _write_timeline(runs: Sequence[HttpRun], path: Path) -> Path:
     return path
 
 
-def stage_summary(policy: str, records: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """One row per stage span of ``records`` (one run's stage log): its count, median, p90
-    and largest milliseconds; then the engine span split at the scheduler's admission
-    (`engine_split_ms`) and the requests' steps waiting for memory."""
-    spans: dict[str, list[float]] = {}
-    for rec in records:
-        marks = rec["marks"]
-        for name, ms in {**spans_ms(marks), **engine_split_ms(marks)}.items():
-            spans.setdefault(name, []).append(ms)
-        waits = (rec.get("counts") or {}).get("memory_wait_steps")
-        if waits is not None:
-            spans.setdefault("memory_wait_steps (count)", []).append(float(waits))
-    return [{"policy": policy, "span": name, "n": len(xs), "p50": percentile(xs, 50),
-             "p90": percentile(xs, 90), "max": max(xs)} for name, xs in spans.items()]
-
-
 def _write_stages(runs: Sequence[HttpRun], env: Environment, out_dir: Path) -> dict[str, Path]:
     """``agents-http-stages.{csv,json,md}``: each policy's stage spans (`stage_summary`)."""
     writer = ResultWriter(out_dir, f"{NAME}-stages", env)
     summary: list[dict[str, Any]] = []
     for r in runs:
         writer.add_rows([{"policy": r.policy.name, **rec} for rec in r.stage_records])
-        summary += stage_summary(r.policy.name, r.stage_records)
+        summary += stage_summary(r.stage_records, {"policy": r.policy.name})
     notes = ["every chat request of the measured run (not the warm-up), as the server logged "
              "it (`EDMM_STAGE_LOG`, edmm.server.stages); p50 / p90 / max in milliseconds "
              "from one stage to the next",

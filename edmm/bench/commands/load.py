@@ -44,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rounds", type=float_at_least(0.0), default=2.0,
                         help="a level completes max(--min-requests, rounds x concurrency) "
                              "requests (default %(default)g)")
+    parser.add_argument("--stages", action="store_true",
+                        help="the EDMM server logs each request's stages (EDMM_STAGE_LOG); "
+                             "their spans per level go to load-stages.*")
     add_client_arguments(parser)
 
 
@@ -64,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
     specs = server_specs(args)
     out = args.out or default_out_dir(device_tag(args.device.startswith("cuda")))
     try:
-        paths = run_load_bench(cfg, specs, out)
+        paths = run_load_bench(cfg, specs, out, stages=args.stages)
     except (PeerError, LoadBenchError) as e:  # a server failed to start, or every request
         print(f"edmm bench load: {e}", file=sys.stderr)
         return 1
