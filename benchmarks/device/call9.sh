@@ -2,7 +2,8 @@
 # wheel stored (call 2 joins it, call 10 installs vLLM), edmm serve's web stack and the model
 # folder (as call 1), the GPU tests on this tree, then where EDMM's time goes for an 8K prompt
 # on another request's 6K prefix (TTFT 96.7 ms against vLLM's 69.4 on 2026-12-07) beside a
-# fresh 8K prompt (call 6's profiles, without its decode half). Packed after each step.
+# fresh 8K prompt (call 6's profiles, without its decode half), and both over HTTP with the
+# server's stage log (edmm bench load --stages). Packed after each step.
 source benchmarks/device/lib.sh
 R=/tmp/res9; mkdir -p $R /tmp/vp; cp .carry/half00 /tmp/vp/ &
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $R/device.txt
@@ -16,3 +17,8 @@ timeout 120 python3 -m benchmarks.scripts.prefill_step_profile --prompts 8192 --
 timeout 100 python3 -m benchmarks.scripts.prefill_step_profile --prompts 8192 --batches 1 \
     --repeats 3 --out $R/prefill-8k-fresh 2>&1 | grep -v "^ \|USDT"
 wait; pack res9 call9
+# the same two prompts over HTTP, one at a time, each request's stages in the server's log
+timeout 150 python3 -m edmm bench load --edmm-args "$E" --prompt-tokens 8192 --output-tokens 8 \
+    --concurrency 1 --prefixes fresh,shared --min-requests 8 --stages --out $R/load-stages \
+    2>&1 | tail -3
+pack res9 call9
