@@ -1,9 +1,9 @@
 # Device call 9 (carry: .carry/half00 .carry/wheels; a fresh machine): the first half of vLLM's
 # wheel stored (call 2 joins it, call 10 installs vLLM), edmm serve's web stack and the model
-# folder (as call 1), the GPU tests on this tree, then where EDMM's time goes for an 8K prompt
-# on another request's 6K prefix (TTFT 96.7 ms against vLLM's 69.4 on 2026-12-07) beside a
-# fresh 8K prompt (call 6's profiles, without its decode half), and both over HTTP with the
-# server's stage log (edmm bench load --stages). Packed after each step.
+# folder (as call 1), the GPU tests on this tree, an 8K prompt on another request's 6K prefix
+# and a fresh 8K prompt over HTTP with the server's stage log (edmm bench load --stages; TTFT
+# 96.7 ms against vLLM's 69.4 on 2026-12-07), then both in process (call 6's profiles, without
+# its decode half). Packed after each step: a call cut short keeps the steps before.
 source benchmarks/device/lib.sh
 R=/tmp/res9; mkdir -p $R /tmp/vp; cp .carry/half00 /tmp/vp/ &
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $R/device.txt
@@ -11,14 +11,13 @@ echo "${EDMM_GIT_COMMIT:-unknown, EDMM_GIT_COMMIT not given}" | tee $R/tree.txt
 install_web $R/installed.txt
 python3 .carry/wheels/smoke.py --only-model-dir 2>&1 | tail -1  # /tmp/qwen25-7b-dummy
 gpu_tests $R/gpu-tests.txt
+wait; pack res9 call9
+timeout 150 python3 -m edmm bench load --edmm-args "$E" --prompt-tokens 8192 --output-tokens 8 \
+    --concurrency 1 --prefixes fresh,shared --min-requests 8 --stages --out $R/load-stages \
+    2>&1 | tail -3
 pack res9 call9
 timeout 120 python3 -m benchmarks.scripts.prefill_step_profile --prompts 8192 --batches 1,8 \
     --repeats 3 --shared-fraction 0.75 --out $R/prefill-8k-shared 2>&1 | grep -v "^ \|USDT"
 timeout 100 python3 -m benchmarks.scripts.prefill_step_profile --prompts 8192 --batches 1 \
     --repeats 3 --out $R/prefill-8k-fresh 2>&1 | grep -v "^ \|USDT"
-wait; pack res9 call9
-# the same two prompts over HTTP, one at a time, each request's stages in the server's log
-timeout 150 python3 -m edmm bench load --edmm-args "$E" --prompt-tokens 8192 --output-tokens 8 \
-    --concurrency 1 --prefixes fresh,shared --min-requests 8 --stages --out $R/load-stages \
-    2>&1 | tail -3
 pack res9 call9
