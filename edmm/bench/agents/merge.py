@@ -32,6 +32,7 @@ from edmm.bench.agents.plots import (
     plot_pages,
     plot_ttft_cdf,
     plot_wait_vs_oversub,
+    set_title,
 )
 from edmm.bench.agents.targets import (
     ALL_TURN_P90,
@@ -279,8 +280,8 @@ def _plot_knees(figure: Any, rows: Sequence[dict[str, Any]], oversub: float, pat
     ax.set_yscale("log")
     ax.set_xlabel(load_axis_label(mode))
     ax.set_ylabel("p90 resume TTFT (ms, log scale)")
-    ax.set_title(f"Where each policy stops sustaining 1 s\n({device}, "
-                 f"{oversub:g}x KV oversubscription)")
+    set_title(ax, f"Where each policy stops sustaining 1 s\n({device}, "
+                  f"{oversub:g}x KV oversubscription)")
     ax.legend(loc="upper left")
     fig.savefig(path, format="png", dpi=120)
     return path

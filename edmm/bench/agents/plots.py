@@ -6,11 +6,20 @@ matplotlib) and writes one PNG.
 
 from __future__ import annotations
 
+import textwrap
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from edmm.bench.agents.targets import SUSTAIN_TTFT_MS
+
+TITLE_WIDTH = 64  # characters a title line holds in a 7-inch figure at the default font
+
+
+def set_title(ax: Any, title: str) -> None:
+    """``title`` on ``ax``, wrapped to lines that fit the figure (a long one was clipped at
+    both sides)."""
+    ax.set_title("\n".join(textwrap.fill(line, TITLE_WIDTH) for line in title.split("\n")))
 
 
 def load_unit(mode: str) -> str:
@@ -44,7 +53,7 @@ def plot_ttft_cdf(figure: Any, series: Mapping[str, Sequence[float]], path: Path
     ax.set_xscale("log")
     ax.set_xlabel("resume TTFT (ms, log scale)")
     ax.set_ylabel("fraction of resumes")
-    ax.set_title(title)
+    set_title(ax, title)
     ax.legend(loc="lower right")
     fig.savefig(path, format="png", dpi=120)
     return path
@@ -78,8 +87,8 @@ def plot_wait_vs_oversub(figure: Any, rows: Sequence[dict[str, Any]], path: Path
     plot_by_policy(ax, pts)
     ax.set_xlabel("KV memory oversubscription (working set / pool)")
     ax.set_ylabel("mean engine-wait per job (s)")
-    ax.set_title(f"Engine-wait per job vs memory oversubscription ({device}, "
-                 f"{load_label(load, mode)})")
+    set_title(ax, f"Engine-wait per job vs memory oversubscription ({device}, "
+                  f"{load_label(load, mode)})")
     ax.legend(loc="upper left")
     fig.savefig(path, format="png", dpi=120)
     return path
@@ -96,7 +105,7 @@ def plot_pages(figure: Any, series: Mapping[str, tuple[Sequence[float], Sequence
     ax.axhline(pool_pages, color="grey", linestyle=":", label="pool")
     ax.set_xlabel("time since the run started (s)")
     ax.set_ylabel("KV pages in use (pages)")
-    ax.set_title(title)
+    set_title(ax, title)
     ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0))
     fig.savefig(path, format="png", dpi=120)
     return path
