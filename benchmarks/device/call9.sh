@@ -10,7 +10,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 echo "${EDMM_GIT_COMMIT:-unknown, EDMM_GIT_COMMIT not given}" | tee $R/tree.txt
 install_web $R/installed.txt
 python3 .carry/wheels/smoke.py --only-model-dir 2>&1 | tail -1  # /tmp/qwen25-7b-dummy
-gpu_tests $R/gpu-tests.txt
+[ $GPU_TESTS = 1 ] && gpu_tests $R/gpu-tests.txt
 wait; pack res9 call9
 timeout 150 python3 -m edmm bench load --edmm-args "$E" --prompt-tokens 8192 --output-tokens 8 \
     --concurrency 1 --prefixes fresh,shared --min-requests 8 --stages --out $R/load-stages \

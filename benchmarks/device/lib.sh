@@ -4,7 +4,7 @@ export PYTHONUNBUFFERED=1 PYTHONPATH=.:/tmp/site HF_HUB_OFFLINE=1 VLLM_NO_USAGE_
     VLLM_USE_FLASHINFER_SAMPLER=0
 E="--model /tmp/qwen25-7b-dummy --load-format dummy --device cuda --dtype bfloat16"
 # a session short of device time shortens the load curves' limits (rows kept at a timeout) and
-# skips call 3's GPU tests: T_EDMM=200 T_VLLM=270 GPU_TESTS=0 bash benchmarks/device/callN.sh
+# skips the GPU tests of calls 3 and 9: T_EDMM=200 T_VLLM=270 GPU_TESTS=0 bash benchmarks/device/callN.sh
 T_EDMM=${T_EDMM:-240} T_VLLM=${T_VLLM:-300} GPU_TESTS=${GPU_TESTS:-1}
 PEERS=${PEERS:-}  # call 8: the peers its single request also measures (vLLM installed by call 3)
 L="--prompt-tokens 2048,8192 --output-tokens 256 --concurrency 1,8,32,64 --prefixes fresh,shared --rounds 1"
