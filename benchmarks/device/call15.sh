@@ -1,0 +1,18 @@
+# Device call 15 (carry nothing; any machine with call 9's web stack and model folder, vLLM
+# installed by call 10 for a vLLM peer): one point of the fleet of calls 10-13, chosen by the
+# environment: LOAD sessions (default 8), JOBS top-level jobs (default 24: raise it with the
+# load, ~3 a session), EDMM's POLICIES (default edmm; none: EDMM not run; lru,offload: the
+# rebuilt baselines, to hold against vLLM APC and + offload of calls 10 and 13 on one trace)
+# and PEERS (default none; vllm or vllm-offload: one vLLM start each, ~110 s). Results under
+# /tmp/res15/fleet-$LOAD-$POLICIES-$PEERS, merged later with `edmm bench agents-merge` (only
+# points of one JOBS share a trace: a knee's load points need the same JOBS).
+# E.g. POLICIES=lru,offload bash ...call15.sh; LOAD=32 JOBS=96 bash ...; LOAD=32 JOBS=96
+# POLICIES=none PEERS=vllm bash ...
+source benchmarks/device/lib.sh
+R=/tmp/res15; mkdir -p $R
+timeout 560 python3 -m benchmarks.scripts.fleet_http_peers --budget-s 0 \
+    --out $R/fleet-${LOAD:-8}-${POLICIES:-edmm}-${PEERS:-none} --loads ${LOAD:-8} \
+    --policies ${POLICIES:-edmm} --peers "${PEERS:-}" --trace-arg=--jobs=${JOBS:-24} \
+    --trace-arg=--time-scale=0.05 2>&1 | grep -v "^\[\|^INFO\|^(APIServer\|^(EngineCore" \
+    | tail -8
+pack res15 call15
