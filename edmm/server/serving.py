@@ -283,11 +283,14 @@ class OpenAIServing:
 
     # ------------------------------------------------------------------ completions
     async def start_completion(self, req: CompletionRequest, owner: str = ANONYMOUS,
-                               trace: Tracer = NO_TRACE) -> list[tuple[Request, OutputStream]]:
+                               trace: Tracer = NO_TRACE, surrogate_free: bool = False,
+                               ) -> list[tuple[Request, OutputStream]]:
         """Validate and queue every prompt of a text-completion request (``trace``: the stage
-        marks of its first prompt)."""
+        marks of its first prompt; ``surrogate_free``: no string of ``req`` can hold a lone
+        surrogate, `ParsedBody.surrogate_free`, so `check_text` is skipped)."""
         self.check_model(req.model)
-        check_text(req.model_dump(exclude_defaults=True))
+        if not surrogate_free:
+            check_text(req.model_dump(exclude_defaults=True))
         check_known_fields(req)
         if req.logprobs is not None and req.logprobs > MAX_LOGPROBS:
             raise BadRequestError(f"logprobs must be at most {MAX_LOGPROBS}", param="logprobs")

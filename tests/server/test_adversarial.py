@@ -481,15 +481,20 @@ def _refs(node: object) -> list[str]:
     return []
 
 
-def test_api_docs_show_the_chat_body(hardened: LiveServer) -> None:
-    """With --api-docs the chat route's body schema is documented, though the route parses
-    the body itself, and every reference in the document resolves."""
+@pytest.mark.parametrize(("path", "fields"), [
+    ("/v1/chat/completions", {"messages", "model", "tools", "stream"}),
+    ("/v1/completions", {"prompt", "model", "max_tokens", "stream"}),
+    ("/v1/responses", {"input", "model", "tools", "stream"}),
+])
+def test_api_docs_show_the_bodies(hardened: LiveServer, path: str, fields: set[str]) -> None:
+    """With --api-docs the body schemas of the routes that parse their own bodies are
+    documented, and every reference in the document resolves."""
     doc = httpx.get(f"{hardened.url}/openapi.json", timeout=10).json()
     assert httpx.get(f"{hardened.url}/docs", timeout=10).status_code == 200
-    body = doc["paths"]["/v1/chat/completions"]["post"]["requestBody"]
+    body = doc["paths"][path]["post"]["requestBody"]
     ref = body["content"]["application/json"]["schema"]["$ref"]
-    chat = doc["components"]["schemas"][ref.rsplit("/", 1)[1]]
-    assert {"messages", "model", "tools", "stream"} <= set(chat["properties"])
-    assert "messages" in chat["required"]
+    model = doc["components"]["schemas"][ref.rsplit("/", 1)[1]]
+    assert fields <= set(model["properties"])
+    assert fields & {"messages", "prompt", "input"} <= set(model["required"])
     names = set(doc["components"]["schemas"])
     assert all(r.rsplit("/", 1)[1] in names for r in _refs(doc))

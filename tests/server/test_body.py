@@ -19,20 +19,24 @@ from tiers import examples
 
 from edmm.server.app import _add_error_handlers
 from edmm.server.body import is_json, parse_body
-from edmm.server.protocol import ChatCompletionRequest
+from edmm.server.protocol import ChatCompletionRequest, CompletionRequest
 from edmm.server.validation import lone_surrogate
 
 USER = [{"role": "user", "content": "hi"}]
 
 
 def _reference() -> TestClient:
-    """FastAPI's own parsing of the chat body (the route as it was), with the server's error
-    handlers: what `parse_body`'s errors must equal."""
+    """FastAPI's own parsing of the chat and completion bodies (the routes as they were), with
+    the server's error handlers: what `parse_body`'s errors must equal."""
     app = FastAPI()
     _add_error_handlers(app)
 
     @app.post("/v1/chat/completions")
     async def chat(body: ChatCompletionRequest) -> JSONResponse:
+        return JSONResponse({"parsed": True})
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest) -> JSONResponse:
         return JSONResponse({"parsed": True})
 
     return TestClient(app)
@@ -71,6 +75,49 @@ def test_bad_body_gets_fastapi_s_error(server: LiveServer, body: bytes,
                      timeout=30)
     assert want.status_code in (400, 422) and "parsed" not in want.text
     assert (got.status_code, got.json()) == (want.status_code, want.json())
+
+
+COMPLETION_BAD_BODIES = [
+    pytest.param(b"{not json", "application/json", id="not-json"),
+    pytest.param(b'{"model": "m"}', "application/json", id="no-prompt"),
+    pytest.param(b'{"model": "m", "prompt": [1, "x", 3]}', "application/json", id="mixed-ids"),
+    pytest.param(b'{"model": "m", "prompt": [1, 2], "max_tokens": -1}', "application/json",
+                 id="negative-max-tokens"),
+    pytest.param(b'{"model": "m", "prompt": [1, 2]}', "text/plain", id="text-plain"),
+    pytest.param(b"", "application/json", id="empty"),
+]
+
+
+@pytest.mark.parametrize(("body", "content_type"), COMPLETION_BAD_BODIES)
+def test_bad_completion_body_gets_fastapi_s_error(server: LiveServer, body: bytes,
+                                                  content_type: str | None) -> None:
+    """The completion route parses its own body too: FastAPI's status and error JSON."""
+    headers = dict(AUTH, **({"Content-Type": content_type} if content_type else {}))
+    want = _reference().post("/v1/completions", content=body, headers=headers)
+    got = httpx.post(f"{server.url}/v1/completions", content=body, headers=headers, timeout=30)
+    assert want.status_code in (400, 422) and "parsed" not in want.text
+    assert (got.status_code, got.json()) == (want.status_code, want.json())
+
+
+def test_completion_lone_surrogate_is_named(server: LiveServer) -> None:
+    """A completion's lone surrogate escape takes FastAPI's way and `check_text` names it."""
+    body = json.dumps({"model": MODEL, "prompt": ["ok", "a\ud800"], "max_tokens": 1})
+    r = httpx.post(f"{server.url}/v1/completions", content=body, timeout=30,
+                   headers=dict(AUTH, **{"Content-Type": "application/json"}))
+    assert r.status_code == 400
+    assert r.json()["error"]["code"] == "invalid_text"
+    assert r.json()["error"]["param"] == "prompt.1"
+
+
+@pytest.mark.parametrize(("prompt", "parsed"), [
+    ("x", "x"), ([5, 6], [5, 6]), (["1", "2"], ["1", "2"]), ([True], [1]), ([1.0], [1]),
+    ([[1], [2, 3]], [[1], [2, 3]]), (["1", 2], [1, 2]),
+])
+def test_prompt_union_keeps_its_choice(prompt: object, parsed: object) -> None:
+    """Token ids first in `Prompt` (for speed) keeps pydantic's smart-mode choice: text stays
+    text, even text of digits."""
+    body = json.dumps({"model": "m", "prompt": prompt}).encode()
+    assert parse_body(CompletionRequest, body, "application/json").value.prompt == parsed
 
 
 def test_lone_surrogate_is_still_named(server: LiveServer) -> None:
