@@ -102,3 +102,19 @@ def test_a_bad_token_range_names_its_flag(capsys: pytest.CaptureFixture[str]) ->
         cli_main(["bench", "single", "--token-range", "5", "--peer", "http://127.0.0.1:9"])
     assert e.value.code == 2
     assert "--token-range: two integers LOW,HIGH, not '5'" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(("argv", "expected"), [
+    ([], (3, 1024)),  # the embedded model: its vocabulary, past the special ids
+    (["--edmm-args", "--model /m --device cuda"], (1000, 100_000)),
+    (["--no-edmm", "--peer", "http://127.0.0.1:9"], (1000, 100_000)),
+    (["--token-range", "5,9"], (5, 9)),
+])
+def test_token_range_default_fits_the_served_model(argv: list[str],
+                                                   expected: tuple[int, int]) -> None:
+    from edmm.bench.commands.common import token_range
+    from edmm.cli import build_parser
+
+    for command in ("load", "single"):
+        args = build_parser().parse_args(["bench", command, *argv])
+        assert token_range(args) == expected

@@ -124,22 +124,32 @@ def server_specs(args: argparse.Namespace) -> list[ServerSpec]:
     return specs
 
 
+GPU_TOKEN_RANGE = "1000,100000"  # ordinary ids of Qwen2.5's vocabulary (151,665 tokens)
+EMBEDDED_TOKEN_RANGE = "3,1024"  # the embedded model's vocabulary past its special ids (0, 2)
+
+
 def add_client_arguments(parser: argparse.ArgumentParser) -> None:
     """The options of a client-side bench's requests and report: ``--token-range``,
     ``--device``, ``--out`` (read back by `token_range`)."""
-    parser.add_argument("--token-range", default="1000,100000",
-                        help="[low,high) of the random prompt token ids (default 1000,100000; "
-                             "the embedded model's vocabulary is 1024)")
+    parser.add_argument("--token-range", default=None,
+                        help="[low,high) of the random prompt token ids (default "
+                             f"{GPU_TOKEN_RANGE}; {EMBEDDED_TOKEN_RANGE} when EDMM runs the "
+                             "embedded model, no --edmm-args: its vocabulary is 1024)")
     parser.add_argument("--device", default="cuda",
                         help="where the servers run, for the report (default cuda)")
     parser.add_argument("--out", type=Path, default=None, help=OUT_HELP)
 
 
 def token_range(args: argparse.Namespace) -> tuple[int, int]:
-    """``--token-range`` as (low, high); `ValueError` when it is not two integers."""
+    """``--token-range`` as (low, high), by default `EMBEDDED_TOKEN_RANGE` when the EDMM server
+    runs the embedded model (no ``--edmm-args``) and `GPU_TOKEN_RANGE` otherwise; `ValueError`
+    when it is not two integers."""
+    text = args.token_range
+    if text is None:
+        embedded = not args.no_edmm and not args.edmm_args.strip()
+        text = EMBEDDED_TOKEN_RANGE if embedded else GPU_TOKEN_RANGE
     try:
-        low, high = (int(x) for x in args.token_range.split(","))
+        low, high = (int(x) for x in text.split(","))
     except ValueError:
-        raise ValueError(
-            f"--token-range: two integers LOW,HIGH, not {args.token_range!r}") from None
+        raise ValueError(f"--token-range: two integers LOW,HIGH, not {text!r}") from None
     return low, high
