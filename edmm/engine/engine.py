@@ -315,6 +315,8 @@ class Engine:
         self._states: dict[str, _RequestState] = {}
         self._closed = False
         self._async = config.uses_async_scheduling
+        # spares mapped beside the device's work (one process: the ranks' arenas move in step)
+        self._spares = config.prefix_spares and config.enable_prefix_caching and parallel is None
         # The launched step whose outputs the next `step` returns (async scheduling).
         self._in_flight: tuple[Launch, list[Seq | None]] | None = None
 
@@ -469,6 +471,8 @@ class Engine:
             return []
         launch = self._runner.launch(batch, self._in_flight[0] if self._in_flight else None)
         launched = launch, self._scheduler.advance(batch)
+        if self._spares:  # while the device computes: the host would wait for it
+            self.kv.make_spare()
         clock.launched()
         if self._async:
             previous, self._in_flight = self._in_flight, launched

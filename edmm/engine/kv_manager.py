@@ -56,6 +56,8 @@ class KVStats:
     pages_private: int = 0  # of pages_in_use, those mapped by one slot only
     host_blocks: int = 0  # KV blocks held in host memory (each once, however many share it)
     trimmed_pages: int = 0  # pages freed by tail-first evictions, since start
+    spares_made: int = 0  # spare branches of hot prefixes mapped ahead, since start
+    spares_used: int = 0  # admissions that adopted one (no page mapped for the prefix)
 
 
 @dataclass(frozen=True)
@@ -113,6 +115,13 @@ class KVCacheManager:
         ``max_tokens``), or None; see `PrefixCache.acquire`. Raises `NoFreeSlotError` /
         `PoolExhaustedError` (nothing changed): `make_room` and retry."""
         return self._index.acquire(tokens, max_tokens, claim, own_tag, salt)
+
+    def make_spare(self) -> bool:
+        """Map one spare branch of a prefix that admissions keep branching from, ahead of the
+        next (`PrefixCache.make_spare`), while two slots and a tenth of the pages stay free;
+        True when one was made."""
+        return self._index.make_spare(min_free_slots=2,
+                                      min_free_pages=self._arena.pool.capacity // 10)
 
     def cached_prefix(self, tokens: list[int], max_tokens: int) -> int:
         """Tokens of the longest prefix of ``tokens`` (at most ``max_tokens``) with KV in the
@@ -361,7 +370,8 @@ class KVCacheManager:
             write_behind=index.shadowed_total, write_behind_hits=index.shadow_hits,
             pages_shared=pool.num_shared, pages_private=pool.num_used - pool.num_shared,
             host_blocks=store.num_held if store is not None else 0,
-            trimmed_pages=index.trimmed_pages)
+            trimmed_pages=index.trimmed_pages, spares_made=index.spares_made,
+            spares_used=index.spares_used)
 
     def check_integrity(self) -> None:
         """Raise if the arena, the pool, the prefix index or the host tier breaks an

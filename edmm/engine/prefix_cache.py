@@ -92,6 +92,8 @@ from edmm.memory.errors import pages_short
 from edmm.memory.offload import BlockSave, HostKVStore
 
 _CHAIN_SEED = 0x45444D4D  # "EDMM": the hash chain's value before the first block
+HOT_BRANCHES = 2  # branches of one prefix after which `make_spare` maps it ahead
+MAX_BRANCH_POINTS = 16  # branch points remembered (the most recent)
 
 # A cache entry's tag: any hashable value, compared by equality only (the index never looks
 # inside one). The agent layer's are `edmm.agent.SessionTag`s.
@@ -145,6 +147,7 @@ class _Entry:
     rank: EntryRank = EntryRank.PLAIN
     priority: float = 0.0  # within a rank: lower is evicted first
     own: int | None = None  # tokens of its owner's KV; those after were speculated in place
+    spare: bool = False  # mapped ahead by `make_spare`, no sequence's yet
 
     def eviction_key(self) -> tuple[int, float]:
         return int(self.rank), self.priority
@@ -171,6 +174,15 @@ class _Source:
     num_tokens: int
     hashes: list[int] = field(default_factory=list)  # chained hash of each full block
     seed: int = _CHAIN_SEED  # the chain's first value: `chain_seed` of the cache salt
+
+
+@dataclass
+class _BranchPoint:
+    """A prefix that admissions branched from: its tokens, the chain seed, and how often."""
+
+    tokens: list[int]
+    seed: int
+    branches: int = 0
 
 
 @dataclass(frozen=True)
@@ -219,6 +231,11 @@ class PrefixCache:
         self._shadows: set[int] = set()  # entry slots written behind to the host
         self.shadowed_total = 0  # write-behind copies made
         self.shadow_hits = 0  # evictions that found their copy already made
+        # branch points seen at admission, most recent last: (seed, n, hash of the block
+        # before n) -> the prefix's tokens and how many branches it had (`make_spare`)
+        self._branch_points: OrderedDict[tuple[int, int, int], _BranchPoint] = OrderedDict()
+        self.spares_made = 0  # spare entries mapped ahead of an admission (`make_spare`)
+        self.spares_used = 0  # admissions that adopted one
 
     @property
     def num_entries(self) -> int:
@@ -366,8 +383,8 @@ class PrefixCache:
             if self._sources[slot].seed != seed:
                 continue  # another salt's (or a hash collision)
             n = self._extend_match(self._sources[slot], tokens, matched * bs, limit)
-            if best is None or n > best[1]:
-                best = (slot, n)
+            if best is None or n > best[1] or (n == best[1] and self._adoptable(slot, n)):
+                best = (slot, n)  # at a tie, an entry adopted whole maps no page
         if best is None or self._sources[best[0]].tokens[: matched * bs] != tokens[: matched * bs]:
             return None  # no block matched, or a hash collision
         return best
@@ -409,28 +426,78 @@ class PrefixCache:
             hit = None
         elif best is claimed:
             hit = self._adopt(best[0], best[1], own_tag)
-        else:
-            hit = self._branch_or_adopt(*best)
+        else:  # a plain request's branch points are remembered for spares (`make_spare`)
+            hit = self._branch_or_adopt(*best, note=not tags)
         if run is None:
             return hit
         if hit is None:
             hit = PrefixHit(self.arena.allocate(), 0, -1)
         return self._load_run(hit, run)
 
-    def _branch_or_adopt(self, source: int, n: int) -> PrefixHit:
+    def _adoptable(self, slot: int, n: int) -> bool:
+        """Whether ``slot`` is an untagged entry holding exactly ``n`` tokens (adopted whole)."""
+        entry = self._lru.get(slot)
+        return entry is not None and entry.tag is None and self._sources[slot].num_tokens == n
+
+    def _branch_or_adopt(self, source: int, n: int, note: bool = False) -> PrefixHit:
         """The untagged entry ``source`` adopted when it holds exactly ``n`` tokens, else a
-        branch of ``source`` at ``n``."""
+        branch of ``source`` at ``n`` (``note``: a branch point `make_spare` may map ahead
+        next time)."""
         entry = self._lru.get(source)
         self._await(source)
-        if entry is not None and entry.tag is None and n == self._sources[source].num_tokens:
+        if self._adoptable(source, n):
+            assert entry is not None
             del self._lru[source]
             self._shadows.discard(source)
+            self.spares_used += entry.spare
             return PrefixHit(source, n, source, source_tokens=n, rank=entry.rank,
                              priority=entry.priority)
         slot = self.arena.branch(source, n)
         if entry is not None:
             self._lru.move_to_end(source)
+        if note:
+            self._note_branch(self._sources[source], n)
         return PrefixHit(slot, n, source, source_tokens=self._sources[source].num_tokens)
+
+    # ------------------------------------------------------------------ spares
+    def _note_branch(self, src: _Source, n: int) -> None:
+        """Count a branch of ``src``'s first ``n`` tokens (the last `MAX_BRANCH_POINTS`
+        points kept)."""
+        full = n // self.block_size
+        if not full:
+            return
+        key = (src.seed, n, src.hashes[full - 1])
+        point = self._branch_points.pop(key, None) or _BranchPoint(src.tokens[:n], src.seed)
+        point.branches += 1
+        self._branch_points[key] = point
+        while len(self._branch_points) > MAX_BRANCH_POINTS:
+            self._branch_points.popitem(last=False)
+
+    def make_spare(self, min_free_slots: int = 2, min_free_pages: int = 0) -> bool:
+        """Map one spare ahead of an admission: for the most recent prefix that plain
+        admissions (no tag claimed or owned: not an agent session's turn, whose entries its
+        session owns) branched from at least `HOT_BRANCHES` times and that no untagged entry
+        holds exactly,
+        a branch of it kept as a plain entry, which the next admission on that prefix adopts
+        whole (no page mapped then). Done only with more than ``min_free_slots`` slots and
+        ``min_free_pages`` pages free; a spare is an ordinary entry (evicted first, as the
+        least recently used). True when one was made."""
+        if (not self._branch_points or self.arena.free_slots() <= min_free_slots
+                or self.arena.pool.num_free < max(min_free_pages, 1)):
+            return False
+        for (seed, n, _), point in reversed(self._branch_points.items()):
+            if point.branches < HOT_BRANCHES:
+                continue
+            found = self._lookup(point.tokens, n, seed)
+            if found is None or found[1] < n or self._adoptable(found[0], n):
+                continue  # gone from the GPU, or a spare (or an exact entry) is there
+            slot = self.arena.branch(found[0], n)
+            src = self._sources[slot] = _Source(list(point.tokens), 0, seed=seed)
+            self._extend(slot, src, n)
+            self._lru[slot] = _Entry(None, EntryRank.PLAIN, spare=True)
+            self.spares_made += 1
+            return True
+        return False
 
     # ------------------------------------------------------------------ speculation in place
     def lendable(self, tag: CacheTag, tokens: list[int], keep: int,

@@ -242,6 +242,10 @@ def _engine_arguments(parser: argparse.ArgumentParser) -> None:
                         default=None,
                         help="launch each step while the device computes the previous one "
                              "(default: on where steps replay CUDA graphs)")
+    parser.add_argument("--prefix-spares", action=argparse.BooleanOptionalAction, default=None,
+                        help="map a spare branch of a prefix that requests keep branching from "
+                             "(a shared system prompt) during a step, so the next one maps no "
+                             "page at admission (default: on)")
     parser.add_argument("--tensor-parallel-size", "-tp", type=int_at_least(1), default=1,
                         help="GPUs (or CPU processes) to split the model over, one process "
                              "each")
@@ -457,6 +461,7 @@ def _engine_fields(args: argparse.Namespace) -> dict[str, Any]:
                        ("busy_spec_tokens", "speculative_tokens_when_busy"),
                        ("block_size", "prefix_block_size"),
                        ("async_scheduling", "async_scheduling"),
+                       ("prefix_spares", "prefix_spares"),
                        ("kv_cache_policy", "kv_cache_policy")):
         if getattr(args, flag) is not None:
             engine[name] = getattr(args, flag)

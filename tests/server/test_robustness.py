@@ -175,15 +175,15 @@ def test_a_predicted_next_request_is_rendered_and_ended_by_the_tokenizing_thread
     if not server.state.execution_aware:
         pytest.skip("needs the agent layer")
     threads: list[str] = []
-    ended: list[int] = []
+    ended: list[tuple[str, int]] = []  # (session, predicted prompt tokens) of each end
     original, end = ChatTurns._predicted_and_sent, ServerSessions.end
 
     def spy(self: Any, *args: Any) -> Any:
         threads.append(threading.current_thread().name)
         return original(self, *args)
 
-    def spy_end(self: Any, turn: Any) -> None:
-        ended.append(len(turn.predicted_prompt))
+    def spy_end(self: Any, turn: Any) -> None:  # an earlier test's turn may end meanwhile
+        ended.append((turn.session_id, len(turn.predicted_prompt)))
         end(self, turn)
 
     monkeypatch.setattr(ChatTurns, "_predicted_and_sent", spy)
@@ -197,7 +197,8 @@ def test_a_predicted_next_request_is_rendered_and_ended_by_the_tokenizing_thread
     assert reply.status_code == 200, reply.text
     assert reply.json()["choices"][0]["finish_reason"] == "tool_calls"
     assert len(threads) == 1 and threads[0].startswith("edmm-tokenize")
-    assert len(ended) == 1 and ended[0] > 0
     sid = reply.headers["x-session-id"]
+    mine = [n for session, n in ended if session == sid]
+    assert len(mine) == 1 and mine[0] > 0
     state = httpx.get(f"{server.url}/v1/edmm/sessions/{sid}", headers=AUTH, timeout=10)
     assert state.json()["state"] == "awaiting_tool"
