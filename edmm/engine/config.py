@@ -109,11 +109,12 @@ class EngineConfig:
             previous one, whose sampled tokens are processed meanwhile (the host's work per
             step hides behind the device's, as in vLLM's async scheduling; outputs come one
             step later). None: on where steps replay CUDA graphs (one process), off elsewhere.
-        prefix_spares: when admissions keep branching from one cached prefix (an agent type's
+        prefix_spares: when plain requests keep branching from one cached prefix (a shared
             system prompt), map a spare branch of it during a step, beside the device's work,
-            which the next such admission adopts whole: its page maps (~31 us each on an H100,
+            which the next such request adopts whole: its page maps (~31 us each on an H100,
             ~5 ms for a 6K-token prefix of a 7B model) leave the admission's critical path
-            (`PrefixCache.make_spare`). Needs prefix caching; a spare is an ordinary entry.
+            (`PrefixCache.make_spare`). Needs prefix caching and async scheduling (in step the
+            host's time would only move); a spare is an ordinary entry.
         tensor_parallel_size: ranks (one process per GPU, or per CPU process with gloo) the
             model's heads, KV heads and vocabulary are split over; build such an engine with
             `edmm.engine.tp.build_engine`. Each rank's arena holds its KV heads only.

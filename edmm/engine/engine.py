@@ -315,8 +315,11 @@ class Engine:
         self._states: dict[str, _RequestState] = {}
         self._closed = False
         self._async = config.uses_async_scheduling
-        # spares mapped beside the device's work (one process: the ranks' arenas move in step)
-        self._spares = config.prefix_spares and config.enable_prefix_caching and parallel is None
+        # spares mapped beside the device's work: only while a launched step computes (async;
+        # in step, the host's time would only move from one admission to the step before it),
+        # and in one process (the ranks' arenas move in step)
+        self._spares = (config.prefix_spares and config.enable_prefix_caching and self._async
+                        and parallel is None)
         # The launched step whose outputs the next `step` returns (async scheduling).
         self._in_flight: tuple[Launch, list[Seq | None]] | None = None
 

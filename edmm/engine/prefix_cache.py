@@ -178,11 +178,14 @@ class _Source:
 
 @dataclass
 class _BranchPoint:
-    """A prefix that admissions branched from: its tokens, the chain seed, and how often."""
+    """A prefix that admissions branched from: its tokens, their blocks' chain hashes, the
+    chain seed, how often, and the slot of its spare (-1: none made, or used since)."""
 
     tokens: list[int]
+    hashes: list[int]
     seed: int
     branches: int = 0
+    spare: int = -1
 
 
 @dataclass(frozen=True)
@@ -467,7 +470,8 @@ class PrefixCache:
         if not full:
             return
         key = (src.seed, n, src.hashes[full - 1])
-        point = self._branch_points.pop(key, None) or _BranchPoint(src.tokens[:n], src.seed)
+        point = self._branch_points.pop(key, None) or _BranchPoint(
+            src.tokens[:n], src.hashes[:full], src.seed)
         point.branches += 1
         self._branch_points[key] = point
         while len(self._branch_points) > MAX_BRANCH_POINTS:
@@ -482,22 +486,32 @@ class PrefixCache:
         whole (no page mapped then). Done only with more than ``min_free_slots`` slots and
         ``min_free_pages`` pages free; a spare is an ordinary entry (evicted first, as the
         least recently used). True when one was made."""
-        if (not self._branch_points or self.arena.free_slots() <= min_free_slots
+        hot = [(key, p) for key, p in self._branch_points.items()
+               if p.branches >= HOT_BRANCHES and not self._spare_ready(p, key[1])]
+        if (not hot or self.arena.free_slots() <= min_free_slots
                 or self.arena.pool.num_free < max(min_free_pages, 1)):
             return False
-        for (seed, n, _), point in reversed(self._branch_points.items()):
-            if point.branches < HOT_BRANCHES:
+        for (seed, n, _), point in reversed(hot):
+            found = self._lookup(point.tokens, n, seed, point.hashes)
+            if found is None or found[1] < n:
+                continue  # gone from the GPU
+            if self._adoptable(found[0], n):  # an entry of exactly this prefix is there
+                point.spare = found[0]
                 continue
-            found = self._lookup(point.tokens, n, seed)
-            if found is None or found[1] < n or self._adoptable(found[0], n):
-                continue  # gone from the GPU, or a spare (or an exact entry) is there
             slot = self.arena.branch(found[0], n)
             src = self._sources[slot] = _Source(list(point.tokens), 0, seed=seed)
             self._extend(slot, src, n)
             self._lru[slot] = _Entry(None, EntryRank.PLAIN, spare=True)
+            point.spare = slot
             self.spares_made += 1
             return True
         return False
+
+    def _spare_ready(self, point: _BranchPoint, n: int) -> bool:
+        """Whether ``point``'s spare is still an entry of exactly its prefix (no lookup)."""
+        slot = point.spare
+        return (slot >= 0 and self._adoptable(slot, n)
+                and self._sources[slot].hashes[-1:] == point.hashes[-1:])
 
     # ------------------------------------------------------------------ speculation in place
     def lendable(self, tag: CacheTag, tokens: list[int], keep: int,

@@ -107,6 +107,8 @@ def test_a_bad_token_range_names_its_flag(capsys: pytest.CaptureFixture[str]) ->
 @pytest.mark.parametrize(("argv", "expected"), [
     ([], (3, 1024)),  # the embedded model: its vocabulary, past the special ids
     (["--edmm-args", "--model /m --device cuda"], (1000, 100_000)),
+    (["--edmm-args=--model=/m"], (1000, 100_000)),
+    (["--edmm-args=--no-prefix-spares"], (3, 1024)),  # still the embedded model
     (["--no-edmm", "--peer", "http://127.0.0.1:9"], (1000, 100_000)),
     (["--token-range", "5,9"], (5, 9)),
 ])

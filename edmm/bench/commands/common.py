@@ -134,7 +134,8 @@ def add_client_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--token-range", default=None,
                         help="[low,high) of the random prompt token ids (default "
                              f"{GPU_TOKEN_RANGE}; {EMBEDDED_TOKEN_RANGE} when EDMM runs the "
-                             "embedded model, no --edmm-args: its vocabulary is 1024)")
+                             "embedded model, no --model in --edmm-args: its vocabulary is "
+                             "1024)")
     parser.add_argument("--device", default="cuda",
                         help="where the servers run, for the report (default cuda)")
     parser.add_argument("--out", type=Path, default=None, help=OUT_HELP)
@@ -142,11 +143,13 @@ def add_client_arguments(parser: argparse.ArgumentParser) -> None:
 
 def token_range(args: argparse.Namespace) -> tuple[int, int]:
     """``--token-range`` as (low, high), by default `EMBEDDED_TOKEN_RANGE` when the EDMM server
-    runs the embedded model (no ``--edmm-args``) and `GPU_TOKEN_RANGE` otherwise; `ValueError`
-    when it is not two integers."""
+    runs the embedded model (``--edmm-args`` name no ``--model``) and `GPU_TOKEN_RANGE`
+    otherwise; `ValueError` when it is not two integers."""
     text = args.token_range
     if text is None:
-        embedded = not args.no_edmm and not args.edmm_args.strip()
+        named = any(a == "--model" or a.startswith("--model=")
+                    for a in shlex.split(args.edmm_args))
+        embedded = not args.no_edmm and not named
         text = EMBEDDED_TOKEN_RANGE if embedded else GPU_TOKEN_RANGE
     try:
         low, high = (int(x) for x in text.split(","))
