@@ -2,8 +2,9 @@
 # wheel stored (call 2 joins it, call 10 installs vLLM), edmm serve's web stack and the model
 # folder (as call 1), the GPU tests on this tree, an 8K prompt on another request's 6K prefix
 # and a fresh 8K prompt over HTTP with the server's stage log (edmm bench load --stages; TTFT
-# 96.7 ms against vLLM's 69.4 on 2026-12-07), then both in process (call 6's profiles, without
-# its decode half). Packed after each step: a call cut short keeps the steps before.
+# 96.7 ms against vLLM's 69.4 on 2026-12-07), the shared prompts with prefix spares on and off,
+# then both in process (call 6's profiles, without its decode half). Packed after each step:
+# a call cut short keeps the steps before.
 source benchmarks/device/lib.sh
 R=/tmp/res9; mkdir -p $R /tmp/vp; cp .carry/half00 /tmp/vp/ &
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $R/device.txt
@@ -15,6 +16,13 @@ wait; pack res9 call9
 timeout 150 python3 -m edmm bench load --edmm-args "$E" --prompt-tokens 8192 --output-tokens 8 \
     --concurrency 1 --prefixes fresh,shared --min-requests 8 --stages --out $R/load-stages \
     2>&1 | tail -3
+pack res9 call9
+# spares of the shared prefix (prefix_spares, d8f8ff1) on and off, 8K prompts 75% shared
+for S in prefix-spares no-prefix-spares; do
+  timeout 120 python3 -m edmm bench load --edmm-args "$E --$S" --edmm-name "EDMM --$S" \
+      --prompt-tokens 8192 --output-tokens 8 --concurrency 1,8,32 --prefixes shared \
+      --min-requests 16 --rounds 1 --stages --out $R/$S 2>&1 | tail -1
+done
 pack res9 call9
 timeout 120 python3 -m benchmarks.scripts.prefill_step_profile --prompts 8192 --batches 1,8 \
     --repeats 3 --shared-fraction 0.75 --out $R/prefill-8k-shared 2>&1 | grep -v "^ \|USDT"

@@ -14,11 +14,11 @@ from edmm.engine.cuda_graph import CudaGraphRunner
 pytestmark = pytest.mark.gpu
 
 
-def _folder(tmp_path: Path) -> Path:
+def _folder(tmp_path: Path, kv_heads: int = 2) -> Path:
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     cfg = Qwen2Config(vocab_size=2048, hidden_size=256, intermediate_size=768,
-                      num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=2,
+                      num_hidden_layers=3, num_attention_heads=8, num_key_value_heads=kv_heads,
                       max_position_embeddings=4096, tie_word_embeddings=False)
     torch.manual_seed(1)
     Qwen2ForCausalLM(cfg).save_pretrained(tmp_path)
@@ -109,3 +109,32 @@ def test_mixed_graphs_match_eager_with_staggered_requests(tmp_path: Path, small:
     want = _staggered(eager, prompts)
     eager.close()
     assert got == want
+
+
+def test_prefix_spares_on_cuda_change_no_output(tmp_path: Path) -> None:
+    """Requests on one shared 1,200-token prefix (3.5 2 MiB pages of this model's KV: 6 KiB a
+    token), two at a time with CUDA graphs and async scheduling: spares are made while steps
+    compute and adopted by later requests, and the greedy tokens equal a run without spares."""
+    folder = _folder(tmp_path, kv_heads=8)
+    g = torch.Generator().manual_seed(5)
+    prefix = torch.randint(0, 2048, (1200,), generator=g).tolist()
+    prompts = [prefix + torch.randint(0, 2048, (40,), generator=g).tolist() for _ in range(10)]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    runs = {}
+    for spares in (True, False):
+        engine = Engine(EngineConfig(model=str(folder), device="cuda", dtype="float32",
+                                     num_pages=256, num_slots=16, prefix_spares=spares))
+        done: dict[str, list[int]] = {}
+        for i in range(0, len(prompts), 2):
+            for j in (i, i + 1):
+                engine.add_request(f"r{j}", prompts[j], params)
+            while engine.has_unfinished():
+                done.update({o.request_id: o.outputs[0].token_ids
+                             for o in engine.step() if o.finished})
+        engine.check_integrity()
+        stats = engine.kv.stats()
+        if spares:
+            assert stats.spares_made >= 2 and stats.spares_used >= 2
+        runs[spares] = done
+        engine.close()
+    assert runs[True] == runs[False]
