@@ -481,20 +481,22 @@ class PrefixCache:
         """Map one spare ahead of an admission: for the most recent prefix that plain
         admissions (no tag claimed or owned: not an agent session's turn, whose entries its
         session owns) branched from at least `HOT_BRANCHES` times and that no untagged entry
-        holds exactly,
-        a branch of it kept as a plain entry, which the next admission on that prefix adopts
-        whole (no page mapped then). Done only with more than ``min_free_slots`` slots and
-        ``min_free_pages`` pages free; a spare is an ordinary entry (evicted first, as the
-        least recently used). True when one was made."""
+        holds exactly, a branch of it kept as a plain untagged entry, which the next admission
+        on that prefix adopts whole (no page mapped then). Done only with more than
+        ``min_free_slots`` slots and ``min_free_pages`` pages free; a spare is an ordinary
+        entry, evicted in its LRU turn. A prefix no slot holds any more is forgotten. True
+        when one was made."""
         hot = [(key, p) for key, p in self._branch_points.items()
                if p.branches >= HOT_BRANCHES and not self._spare_ready(p, key[1])]
         if (not hot or self.arena.free_slots() <= min_free_slots
                 or self.arena.pool.num_free < max(min_free_pages, 1)):
             return False
-        for (seed, n, _), point in reversed(hot):
+        for key, point in reversed(hot):
+            seed, n, _ = key
             found = self._lookup(point.tokens, n, seed, point.hashes)
-            if found is None or found[1] < n:
-                continue  # gone from the GPU
+            if found is None or found[1] < n:  # gone from the GPU: noted again if branched
+                del self._branch_points[key]
+                continue
             if self._adoptable(found[0], n):  # an entry of exactly this prefix is there
                 point.spare = found[0]
                 continue

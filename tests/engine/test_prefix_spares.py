@@ -83,6 +83,24 @@ def test_no_spare_when_slots_are_short(arena: KVArena) -> None:
     assert cache.make_spare()
 
 
+def test_a_prefix_gone_from_the_pool_is_forgotten(arena: KVArena) -> None:
+    """Once no slot holds a hot prefix, it is forgotten: it is hot again only after two more
+    branches, not the first."""
+    from edmm.engine.prefix_cache import EntryRank
+
+    cache = PrefixCache(arena, BLOCK)
+    for i in range(3):
+        _admit(cache, _prompt(i))
+    while cache.evict_one(EntryRank.RETAINED):
+        pass
+    assert cache.num_entries == 0 and not cache.make_spare()
+    _admit(cache, _prompt(5))  # computed again
+    _admit(cache, _prompt(6))  # one branch since
+    assert not cache.make_spare()
+    _admit(cache, _prompt(7))
+    assert cache.make_spare()
+
+
 @pytest.mark.parametrize("async_scheduling", [False, True], ids=["sync", "async"])
 def test_engine_outputs_equal_with_spares_on_and_off(async_scheduling: bool) -> None:
     """Eight requests on a shared 96-token prefix, one after the other: with spares (async
