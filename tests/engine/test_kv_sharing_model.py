@@ -21,6 +21,11 @@ store's own eviction (least recently used unpinned blocks) is not modelled, so t
 host blocks are an upper bound: a hit reaches at least the GPU's prefix and at most the model's
 host reach, a record restores what remains of it, the store never holds more than the model
 saved or than fits, and the KV of every slot must still spell its tokens.
+
+A spare of a hot prefix (`PrefixCache.make_spare`) is taken as the index makes it (which
+prefix, when): the model adds an untagged entry sharing the full pages of the slot it
+branched from, and every invariant above must hold after it (admissions adopting it, its
+eviction, restores branching from it).
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import HealthCheck, settings
+from hypothesis import HealthCheck, event, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 from kv_helpers import kv_values
@@ -302,6 +307,26 @@ class SharingMachine(RuleBasedStateMachine):
             EntryRank.RETAINED, priority, tag)
         self.lru.append(slot)
         del self.records[tag]
+
+    @rule()
+    def spare(self) -> None:
+        """A spare of a hot prefix (`PrefixCache.make_spare`): when the index makes one, it
+        is a new untagged entry whose KV spells a prefix another slot holds, sharing that
+        slot's full pages below it (the model takes the index's choice of prefix, then checks
+        everything after it)."""
+        if not self.cache.make_spare(min_free_slots=0):
+            return
+        event("a spare made")
+        (slot,) = set(self.cache.entry_slots()) - set(self.slots)
+        tokens = kv_values(self.arena, slot)
+        real = self.arena.slot_pages(slot)
+        shared = full_pages(len(tokens))
+        src = next(m for m in self.slots.values()
+                   if m.tokens[:len(tokens)] == tokens
+                   and [self.real_of(p) for p in m.pages[:shared]] == real[:shared])
+        self.slots[slot] = MSlot(list(tokens), src.pages[:shared] + [
+            next(self.fresh) for _ in range(pages_for(len(tokens)) - shared)], True)
+        self.lru.append(slot)
 
     def real_of(self, abstract: int) -> int:
         for slot, m in self.slots.items():
