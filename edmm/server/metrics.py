@@ -145,6 +145,11 @@ class ServerMetrics(Collector):
                             kv.restores)
         yield self._gauge("edmm_kv_host_bytes", "Host memory held by offloaded KV.",
                           kv.offload_bytes)
+        yield self._counter("edmm_prefix_spares_made", "Spare branches of a prefix that "
+                            "requests kept branching from, mapped during a step.",
+                            kv.spares_made)
+        yield self._counter("edmm_prefix_spares_used", "Admissions that adopted a spare (no "
+                            "page mapped for the prefix then).", kv.spares_used)
         yield self._counter("edmm_engine_steps", "Engine steps run.", snap.num_steps)
         yield self._counter("edmm_preemptions", "Sequences preempted for memory.",
                             snap.engine.num_preemptions)

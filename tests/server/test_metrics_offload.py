@@ -1,5 +1,5 @@
 """KV offload in /metrics: copies to host memory, restores, host bytes held; shared and private
-pages."""
+pages; spares of a hot prefix."""
 
 from __future__ import annotations
 
@@ -90,4 +90,30 @@ def test_shared_and_private_pages_of_two_sessions_on_one_prefix(tiny_dir: Path) 
     engine.kv.drop(hit.slot)
     engine.reset_prefix_cache()
     assert engine.stats().kv.pages_shared == engine.stats().kv.pages_in_use == 0
+    engine.close()
+
+
+def test_prefix_spare_counters(tiny_dir: Path) -> None:
+    """Plain requests on one shared prefix, one after the other, async scheduling: spares are
+    made and adopted, and /metrics counts both as the engine's KV stats do."""
+    from edmm.engine import SamplingParams
+
+    engine = Engine(EngineConfig(model=str(tiny_dir), dtype="float32", max_model_len=256,
+                                 num_slots=8, max_num_seqs=4, num_pages=64,
+                                 host_page_size=16384, async_scheduling=True))
+    sessions = ServerSessions(AgentEngine(engine))
+    metrics = ServerMetrics("tiny")
+    text = metrics.render(EngineSnapshot.take(sessions, 0, 0)).decode()
+    assert _value(text, "edmm_prefix_spares_made_total") == 0
+    prefix = list(range(10, 90))
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    for i in range(6):
+        engine.add_request(f"r{i}", prefix + [100 + 10 * i + k for k in range(8)], params)
+        while engine.has_unfinished():
+            engine.step()
+    kv = engine.stats().kv
+    assert kv.spares_made >= 2 and kv.spares_used >= 2
+    text = metrics.render(EngineSnapshot.take(sessions, 0, 0)).decode()
+    assert _value(text, "edmm_prefix_spares_made_total") == kv.spares_made
+    assert _value(text, "edmm_prefix_spares_used_total") == kv.spares_used
     engine.close()
