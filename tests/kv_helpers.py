@@ -24,11 +24,13 @@ TINY_MAX_LEN = 256
 
 
 @contextmanager
-def host_arena(num_pages: int, num_slots: int = 4, max_tokens: int = 64) -> Iterator[KVArena]:
-    """An arena of `SPEC` on the host twin (4 KiB pages); integrity-checked and closed after."""
+def host_arena(num_pages: int, num_slots: int = 4, max_tokens: int = 64,
+               spec: KVSpec = SPEC) -> Iterator[KVArena]:
+    """An arena of ``spec`` on the host twin (4 KiB pages); integrity-checked and closed
+    after."""
     backend = open_backend("host", host_page_size=PAGE)
     pool = PagePool(backend, num_pages)
-    arena = KVArena(pool, SPEC, num_slots=num_slots, max_tokens=max_tokens)
+    arena = KVArena(pool, spec, num_slots=num_slots, max_tokens=max_tokens)
     try:
         yield arena
         arena.check_integrity()

@@ -363,10 +363,10 @@ def _write_stages(rows: list[dict[str, Any]], env: Environment, out_dir: Path,
     """``<name>-stages.{csv,json,md}``: the EDMM servers' stage spans per level."""
     notes = ["every measured request's record in the server's stage log "
              "(`EDMM_STAGE_LOG`, edmm.server.stages: a completion's stages are received, "
-             "arrive, request_made, submitted, then the engine's step_start, scheduled, "
+             "arrive, parsed, request_made, then the engine's step_start, scheduled, "
              "output_put, and first_output, first_event on the event loop); p50 / p90 / max "
              "in milliseconds from one stage to the next",
-             "received -> arrive: the body parsed and validated by the framework; "
+             "arrive -> parsed: the body parsed and validated in one pass (`parse_body`); "
              "step_start -> output_put: from the engine's first step after the request was "
              "queued to its first output, split at the scheduler's admission "
              "((step_start->scheduled): waiting for memory, the token budget or a place)"]

@@ -35,12 +35,15 @@ class StageLogReader:
 
     def __init__(self, path: Path) -> None:
         self.path = path
-        self._seen = 0
+        self._offset = 0  # bytes read so far (whole lines: a record is written at once)
 
     def take(self) -> list[dict[str, Any]]:
         """The records appended since the last call (or since this reader was made)."""
         if not self.path.exists():
             return []
-        lines = self.path.read_text(encoding="utf-8").splitlines()
-        new, self._seen = lines[self._seen:], len(lines)
-        return [json.loads(line) for line in new if line.strip()]
+        with self.path.open("rb") as f:
+            f.seek(self._offset)
+            new = f.read()
+        new = new[: new.rfind(b"\n") + 1]  # a line still being written waits for next time
+        self._offset += len(new)
+        return [json.loads(line) for line in new.splitlines() if line.strip()]

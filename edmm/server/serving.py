@@ -288,6 +288,7 @@ class OpenAIServing:
         """Validate and queue every prompt of a text-completion request (``trace``: the stage
         marks of its first prompt; ``surrogate_free``: no string of ``req`` can hold a lone
         surrogate, `ParsedBody.surrogate_free`, so `check_text` is skipped)."""
+        trace.mark("parsed")
         self.check_model(req.model)
         if not surrogate_free:
             check_text(req.model_dump(exclude_defaults=True))

@@ -4,9 +4,9 @@ load profiles (off by default).
 Set ``EDMM_STAGE_LOG=/path/stages.jsonl`` in ``edmm serve``'s environment and each chat
 request appends one JSON line ``{"id": <chatcmpl id>, "stream": bool, "prompt_tokens": n,
 "marks": {stage: unix time in ns}}`` when it ends; a text completion (``cmpl`` id) the record
-of its first prompt, with the stages it has: ``received``, ``arrive`` (its body parsed by the
-framework before the handler runs), ``request_made`` (the prompt checked, sampling params),
-the engine's and the event loop's from ``step_start`` on. Stages, in order (`STAGES`):
+of its first prompt, with the stages it has: ``received``, ``arrive``, ``parsed``,
+``request_made`` (the prompt checked, sampling params), the engine's and the event loop's
+from ``step_start`` on. Stages, in order (`STAGES`):
 
 - ``received``: the request's body was read (`RequestGuard`), before it is parsed;
 - ``arrive``: the route's handler runs (through the framework's routing and middleware);

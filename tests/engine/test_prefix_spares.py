@@ -8,28 +8,22 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from kv_helpers import kv_values
+from kv_helpers import host_arena, kv_values
 
 from edmm.engine import EngineConfig, PrefixCache, SamplingParams
 from edmm.engine.engine import Engine
-from edmm.memory import KVArena, KVSpec, PagePool, open_backend
+from edmm.memory import KVArena, KVSpec
 
 SPEC = KVSpec(num_layers=1, num_kv_heads=1, head_dim=80, dtype=torch.float32)  # 640 B/token
-PAGE = 4096  # 6.4 tokens a page
+# 6.4 tokens a 4 KiB page of `host_arena`: page boundaries fall inside tokens
 BLOCK = 4
 PREFIX = [1000 + i for i in range(100)]  # 15 full pages, the boundary inside page 16
 
 
 @pytest.fixture
 def arena() -> Iterator[KVArena]:
-    backend = open_backend("host", host_page_size=PAGE)
-    pool = PagePool(backend, 200)
-    a = KVArena(pool, SPEC, num_slots=8, max_tokens=256)
-    yield a
-    a.check_integrity()
-    a.close()
-    pool.close()
-    backend.close()
+    with host_arena(200, num_slots=8, max_tokens=256, spec=SPEC) as a:
+        yield a
 
 
 def _admit(cache: PrefixCache, tokens: list[int]) -> tuple[int, int]:
