@@ -10,7 +10,7 @@
 # POLICIES=none PEERS=vllm bash ...
 source benchmarks/device/lib.sh
 R=/tmp/res15; mkdir -p $R
-timeout 560 python3 -m benchmarks.scripts.fleet_http_peers --budget-s 0 \
+timeout ${T_FLEET:-560} python3 -m benchmarks.scripts.fleet_http_peers --budget-s 0 \
     --out $R/fleet-${LOAD:-8}-${POLICIES:-edmm}-${PEERS:-none} --loads ${LOAD:-8} \
     --policies ${POLICIES:-edmm} --peers "${PEERS:-}" --trace-arg=--jobs=${JOBS:-24} \
     --trace-arg=--time-scale=0.05 2>&1 | grep -v "^\[\|^INFO\|^(APIServer\|^(EngineCore" \

@@ -4,7 +4,7 @@
 # and a fresh 8K prompt over HTTP with the server's stage log (edmm bench load --stages; TTFT
 # 96.7 ms against vLLM's 69.4 on 2026-12-07), the shared prompts with prefix spares on and off,
 # then both in process (call 6's profiles, without its decode half). Packed after each step:
-# a call cut short keeps the steps before.
+# a call cut short keeps the steps before. PROFILES=0 skips the profiles (~3 minutes).
 source benchmarks/device/lib.sh
 R=/tmp/res9; mkdir -p $R /tmp/vp; cp .carry/half00 /tmp/vp/ &
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee $R/device.txt
@@ -24,6 +24,7 @@ for S in prefix-spares no-prefix-spares; do
       --min-requests 16 --rounds 1 --stages --out $R/$S 2>&1 | tail -1
 done
 pack res9 call9
+[ ${PROFILES:-1} = 1 ] || exit 0  # PROFILES=0: the in-process profiles skipped
 timeout 120 python3 -m benchmarks.scripts.prefill_step_profile --prompts 8192 --batches 1,8 \
     --repeats 3 --shared-fraction 0.75 --out $R/prefill-8k-shared 2>&1 | grep -v "^ \|USDT"
 timeout 100 python3 -m benchmarks.scripts.prefill_step_profile --prompts 8192 --batches 1 \
