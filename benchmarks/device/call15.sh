@@ -6,11 +6,14 @@
 # and PEERS (default none; vllm or vllm-offload: one vLLM start each, ~110 s). Results under
 # /tmp/res15/fleet-$LOAD-$POLICIES-$PEERS, merged later with `edmm bench agents-merge` (only
 # points of one JOBS share a trace: a knee's load points need the same JOBS).
+# LOAD may list several points (LOAD=16,32: lowest first; the next starts only when the last
+# one's time says it ends within T_FLEET, default 560 s, the call's limit).
 # E.g. POLICIES=lru,offload bash ...call15.sh; LOAD=32 JOBS=96 bash ...; LOAD=32 JOBS=96
 # POLICIES=none PEERS=vllm bash ...
 source benchmarks/device/lib.sh
 R=/tmp/res15; mkdir -p $R
-timeout ${T_FLEET:-560} python3 -m benchmarks.scripts.fleet_http_peers --budget-s 0 \
+T_FLEET=${T_FLEET:-560}
+timeout $T_FLEET python3 -m benchmarks.scripts.fleet_http_peers --budget-s $((T_FLEET - 30)) \
     --out $R/fleet-${LOAD:-8}-${POLICIES:-edmm}-${PEERS:-none} --loads ${LOAD:-8} \
     --policies ${POLICIES:-edmm} --peers "${PEERS:-}" --trace-arg=--jobs=${JOBS:-24} \
     --trace-arg=--time-scale=0.05 2>&1 | grep -v "^\[\|^INFO\|^(APIServer\|^(EngineCore" \
