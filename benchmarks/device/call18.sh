@@ -1,0 +1,12 @@
+# Device call 18 (carry nothing; after call 16 or 9 on the same held machine): the fleet of
+# call 15 in process (`edmm bench agents` without --http: the same generated trace, seed,
+# oversubscription and policies, wall clock), to hold each policy's HTTP result against
+# (issue 45: within 10%). LOAD, JOBS, POLICIES as in call 15 (default 8, 24, edmm).
+source benchmarks/device/lib.sh
+R=/tmp/res18; mkdir -p $R
+FLEET=$(python3 -c "from benchmarks.scripts.fleet_http_peers import FLEET; print(' '.join(FLEET))")
+timeout ${T_FLEET:-540} python3 -m edmm bench agents --model qwen2.5-7b \
+    --tokenizer /tmp/qwen25-7b-dummy --device cuda --dtype bfloat16 $FLEET \
+    --jobs=${JOBS:-24} --time-scale=0.05 --policies ${POLICIES:-edmm} --loads ${LOAD:-8} \
+    --no-checks --clock wall --out $R/in-process-${LOAD:-8} 2>&1 | tail -12
+pack res18 call18
