@@ -16,6 +16,6 @@ T_FLEET=${T_FLEET:-560}
 timeout $T_FLEET python3 -m benchmarks.scripts.fleet_http_peers --budget-s $((T_FLEET - 30)) \
     --out $R/fleet-${LOAD:-8}-${POLICIES:-edmm}-${PEERS:-none} --loads ${LOAD:-8} \
     --policies ${POLICIES:-edmm} --peers "${PEERS:-}" --trace-arg=--jobs=${JOBS:-24} \
-    --trace-arg=--time-scale=0.05 2>&1 | grep -v "^\[\|^INFO\|^(APIServer\|^(EngineCore" \
-    | tail -8
+    --trace-arg=--time-scale=0.05 > $R/fleet-${LOAD:-8}-${POLICIES:-edmm}.log 2>&1
+grep -v "^\[\|^INFO\|^(APIServer\|^(EngineCore" $R/fleet-${LOAD:-8}-${POLICIES:-edmm}.log | tail -25
 pack res15 call15
