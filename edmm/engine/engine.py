@@ -454,13 +454,11 @@ class Engine:
 
         With async scheduling (`EngineConfig.async_scheduling`) the step is launched and the
         one launched by the previous call is finished meanwhile: the outputs returned are the
-        previous step's (a step that needs every sampled token on the host first, one with
-        logits processors, waits for them instead). `last_step_timing` says where the call's
-        host time went."""
+        previous step's (a logits processor that reads the outputs, constrained decoding,
+        gets the previous step's token once this step's forward is queued: the runner's
+        `with_resolved_outputs`). `last_step_timing` says where the call's host time went."""
         self.last_step = None
         clock = _StepClock()
-        if self._in_flight is not None and (not self._async or self._needs_host_tokens()):
-            return self._finish(self._take_in_flight(), clock)
         restored = self.kv.restored_tokens()
         batch = self._scheduler.schedule()
         clock.scheduled()
@@ -485,11 +483,6 @@ class Engine:
         self._record_step(batch, restored, clock.step_seconds())
         self.last_step_timing = clock.timing()
         return outputs
-
-    def _needs_host_tokens(self) -> bool:
-        """True when a running request's next sample needs its last token on the host (its
-        logits processors read the output so far)."""
-        return any(s.params.logits_processors for s in self._scheduler.running)
 
     def _take_in_flight(self) -> tuple[Launch, list[Seq | None]]:
         launched, self._in_flight = self._in_flight, None

@@ -15,16 +15,18 @@ Three stages, each replaceable on its own:
 and returns at once (`Launch.tokens` waits): with async scheduling the engine schedules and
 launches the next step meanwhile. Such a step may decode a token whose value is still on the
 device (`ScheduledSeq.pending_input`): `prepare` takes it from the previous launch's sampled
-tokens, on the device. On CUDA every host-to-device copy of a step goes through one pinned
-staging buffer (a copy from pageable memory would wait for the device) and the sampled
-tokens come back into pinned memory.
+tokens, on the device; a logits processor that reads the outputs (constrained decoding) gets
+that token's value after the forward is queued, so the host computes its masks while the
+device computes (`with_resolved_outputs`). On CUDA every host-to-device copy of a step goes
+through one pinned staging buffer (a copy from pageable memory would wait for the device)
+and the sampled tokens come back into pinned memory.
 
 The runner sees only the batch; it never reads scheduler state.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import numpy as np
@@ -45,6 +47,7 @@ from edmm.engine.sampling import (
     sampled_logprobs,
 )
 from edmm.engine.scheduler import ScheduledBatch
+from edmm.engine.sequence import PENDING_TOKEN
 from edmm.memory import KVArena
 from edmm.model.attention import AttentionMetadata
 
@@ -132,6 +135,13 @@ class Launch:
             out[seq.request_id] = TokenLogprobs(token, chosen[row], top)
         return out
 
+    def token_of(self, request_id: str) -> int:
+        """The token ``request_id`` sampled in this step (waits for the device, as `tokens`);
+        KeyError when it did not sample here."""
+        token = self.tokens()[self.sample_seqs[self.rows[request_id]]]
+        assert token is not None
+        return token
+
     def tokens(self) -> list[int | None]:
         """The sampled token of each entry of the batch (None: it did not sample); waits for
         the device (the GIL is free meanwhile)."""
@@ -210,6 +220,9 @@ class ModelRunner:
         inputs = self.prepare(batch, previous)
         with torch.inference_mode():
             hidden = self.forward(inputs)  # [T, hidden]
+            # queued: while the device computes the forward, the host waits for the previous
+            # step's tokens where a logits processor reads them, then computes its masks
+            inputs = with_resolved_outputs(inputs, batch, previous)
             picked = self.sample_picked(hidden, inputs)
         tokens = picked.tokens  # [N]
         if self._outputs is None or not inputs.sample_seqs:
@@ -302,6 +315,28 @@ class ModelRunner:
             count_outputs(tokens, inputs.counts)
         return Picked(tokens, sampled_logprobs(raw, tokens, params) if raw is not None
                       else None)
+
+
+def with_resolved_outputs(inputs: ModelInputs, batch: ScheduledBatch,
+                          previous: Launch | None) -> ModelInputs:
+    """``inputs`` whose logits processors' outputs end in the value of a token still pending
+    (async scheduling: sampled by ``previous``, not yet on the host) get that value: waits for
+    ``previous``'s tokens only then. ValueError when such a token has no launch to come from,
+    or a placeholder sits anywhere but last (one step in flight at most)."""
+    outputs = inputs.output_token_ids
+    if not any(out and out[-1] == PENDING_TOKEN for out in outputs):
+        return inputs
+    resolved = []
+    for out, i in zip(outputs, inputs.sample_seqs, strict=True):
+        if PENDING_TOKEN in out[:-1]:
+            raise ValueError(f"{batch.seqs[i].request_id!r}: a pending token before its last")
+        if out and out[-1] == PENDING_TOKEN:
+            request_id = batch.seqs[i].request_id
+            if previous is None or request_id not in previous.rows:
+                raise ValueError(f"{request_id!r}: a pending output without its launch")
+            out = [*out[:-1], previous.token_of(request_id)]
+        resolved.append(out)
+    return replace(inputs, output_token_ids=resolved)
 
 
 def _to_pinned(lp: SampledLogprobs | None) -> SampledLogprobs | None:

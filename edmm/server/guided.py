@@ -110,42 +110,58 @@ class GrammarMasks:
     masks the ``[k, V]`` logits. Per row the cost is then the matcher's own mask fill; unpacking
     and masking row by row on the host took ~0.5 ms more per row at Qwen2.5's 151,669 tokens.
 
-    One per `GuidedDecoding`, shared by its processors; it keeps the host bitmask buffer
-    (pinned for a GPU's logits), grown to the largest batch seen.
+    One per `GuidedDecoding`, shared by its processors. It keeps two host bitmask buffers
+    (pinned for a GPU's logits, grown to the largest batch seen), used in turn: the copy to
+    the device does not wait for the device's queue (the forward it follows may still run,
+    async scheduling), and a buffer is written again only once its last copy is done.
     """
 
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
         self._words = (vocab_size + 31) // 32
-        self._buffer: torch.Tensor | None = None  # [rows, words] int32, host
+        self._buffers: list[torch.Tensor | None] = [None, None]  # [rows, words] int32, host
+        self._copied: list[torch.cuda.Event | None] = [None, None]  # each buffer's last copy
+        self._next = 0
 
     def apply(self, procs: Sequence[GrammarLogitsProcessor],
               outputs: Sequence[Sequence[int]], logits: torch.Tensor) -> torch.Tensor:
         """``logits`` ``[k, V]`` of ``procs``' rows (``outputs``: each row's tokens so far)
         with every token their grammars forbid set to ``-inf``."""
-        bits = self._rows(len(procs), logits.device)  # [k, words]
-        for i, (proc, out) in enumerate(zip(procs, outputs, strict=True)):
-            proc.fill_row(out, bits[i].numpy())
-        return apply_bitmask(logits, bits)
+        i, self._next = self._next, 1 - self._next
+        bits = self._rows(i, len(procs), logits.device)  # [k, words]
+        for row, (proc, out) in enumerate(zip(procs, outputs, strict=True)):
+            proc.fill_row(out, bits[row].numpy())
+        masked = apply_bitmask(logits, bits)
+        if logits.device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record()
+            self._copied[i] = event
+        return masked
 
-    def _rows(self, k: int, device: torch.device) -> torch.Tensor:
+    def _rows(self, i: int, k: int, device: torch.device) -> torch.Tensor:
+        """Buffer ``i``'s first ``k`` rows, once its last copy to the device is done."""
+        event, self._copied[i] = self._copied[i], None
+        if event is not None:
+            event.synchronize()
         pin = device.type == "cuda"
-        buf = self._buffer
+        buf = self._buffers[i]
         if buf is None or buf.shape[0] < k or buf.is_pinned() != pin:
             buf = torch.empty((max(k, 8), self._words), dtype=torch.int32, pin_memory=pin)
-            self._buffer = buf
+            self._buffers[i] = buf
         return buf[:k]
 
 
 def apply_bitmask(logits: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     """``logits`` ``[k, V]`` (in place) with ``-inf`` wherever ``bits`` ``[k, ceil(V / 32)]``
     (int32, host; bit ``j`` of word ``w`` is token ``32 w + j``) is 0. On a GPU the words are
-    copied once and unpacked there; on the CPU numpy unpacks them."""
+    copied once, without waiting for the device's queue when ``bits`` is pinned (the caller
+    keeps it unchanged until the copy is done), and unpacked there; on the CPU numpy unpacks
+    them."""
     vocab = logits.shape[1]
     if logits.device.type == "cpu":
         allowed = unpack_bitmask_host(bits, vocab)
     else:
-        allowed = unpack_bitmask(bits.to(logits.device), vocab)
+        allowed = unpack_bitmask(bits.to(logits.device, non_blocking=True), vocab)
     return logits.masked_fill_(~allowed, float("-inf"))
 
 

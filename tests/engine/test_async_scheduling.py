@@ -159,8 +159,8 @@ def test_seeded_sampling_matches(qwen2_case: HFCase, make_engine: MakeEngine) ->
 
 def test_logits_processors_run_on_host_tokens(qwen2_case: HFCase,
                                               make_engine: MakeEngine) -> None:
-    """A processor reads the output so far: steps wait for the tokens before sampling it,
-    and it sees every token it would see without async scheduling."""
+    """A processor reads the output so far: it gets the previous step's token once the next
+    forward is queued, and sees every token it would see without async scheduling."""
     ref = qwen2_case.reference
     seen: dict[bool, list[list[int]]] = {False: [], True: []}
 
@@ -214,6 +214,23 @@ def test_step_timing_accounts_for_the_step(qwen2_case: HFCase, make_engine: Make
         assert total <= wall
         phases.append(timing.launch_s > 0)
     assert phases == [True, True, True, False]  # 3 tokens: prefill, 2 decodes, the last flush
+
+
+def test_a_request_with_a_logits_processor_is_pipelined(qwen2_case: HFCase,
+                                                        make_engine: MakeEngine) -> None:
+    """A logits processor does not make steps wait (its masks are computed once the next
+    forward is queued): three tokens take the same calls as without one, the last a flush
+    with no launch (waiting for the tokens first would flush after every step)."""
+    engine = make_engine(qwen2_case.folder, async_scheduling=True)
+    engine.add_request("a", qwen2_case.prompts[2], SamplingParams(
+        temperature=0.0, max_tokens=3, ignore_eos=True,
+        logits_processors=[lambda output, logits: logits]))
+    phases = []
+    while engine.has_unfinished():
+        engine.step()
+        assert engine.last_step_timing is not None
+        phases.append(engine.last_step_timing.launch_s > 0)
+    assert phases == [True, True, True, False]
 
 
 def test_abort_of_the_last_request_leaves_nothing_unfinished(qwen2_case: HFCase,

@@ -251,3 +251,36 @@ def test_bounded_strings_bound_only_unbounded_strings() -> None:
     assert props["literal"] == {"const": {"type": "string"}} and props["n"] == {"type": "integer"}
     assert "maxLength" not in schema["properties"]["free"]  # a copy
     assert bounded_strings(schema, None) is schema
+
+
+def test_forced_calls_under_async_scheduling_equal_the_calls_in_step(tiny_dir: Path) -> None:
+    """Async scheduling with constrained decoding: each step's forward is queued before the
+    previous step's tokens reach the host and the masks are computed after (the runner's
+    `with_resolved_outputs`). Four forced calls at once, sampled, give the same tokens and
+    finish reasons as in step; the processors' matchers took every token (EOS too, fed
+    before the step that the engine drops once it sees the stop) without an error."""
+    from edmm.engine import EngineConfig
+
+    outputs = {}
+    for mode in (False, True):
+        with Engine(EngineConfig(model=str(tiny_dir), max_model_len=512, num_slots=8,
+                                 max_num_seqs=8, async_scheduling=mode)) as engine:
+            tok = engine.tokenizer
+            guided = GuidedDecoding(tok, engine.model_config.vocab_size, tok.eos_token_id)
+            prompt = tok.encode("<|im_start|>user\nWeather?<|im_end|>\n<|im_start|>assistant\n")
+            procs = [guided.tool_calls(FUNCTIONS[:1], seed % 2 == 1) for seed in range(4)]
+            for seed, proc in enumerate(procs):
+                engine.add_request(f"r{seed}", prompt, SamplingParams(
+                    temperature=1.0, seed=seed, max_tokens=200, logits_processors=[proc]))
+            final = {}
+            while engine.has_unfinished():
+                for out in engine.step():
+                    final[out.request_id] = (tuple(out.outputs[0].token_ids),
+                                             out.outputs[0].finish_reason)
+            assert all(p.failure is None for p in procs)
+            outputs[mode] = final
+    assert outputs[True] == outputs[False]
+    assert all(reason == "stop" for _, reason in outputs[True].values())
+    for tokens, _ in outputs[True].values():
+        reply = parse_reply(tok.decode(list(tokens), skip_special_tokens=True))
+        assert reply.tool_calls and all(c.name == "get_weather" for c in reply.tool_calls)
