@@ -1,5 +1,5 @@
-# Device call 15 (carry nothing; any machine with call 9's web stack and model folder, vLLM
-# installed by call 10 for a vLLM peer): one point of the fleet of calls 10-13, chosen by the
+# Device call 15 (carry nothing; any machine with call 9's web stack and model folder and
+# vLLM installed by call 10 or 17: its bundle also brings the openai SDK the clients need): one point of the fleet of calls 10-13, chosen by the
 # environment: LOAD sessions (default 8), JOBS top-level jobs (default 24: raise it with the
 # load, ~3 a session), EDMM's POLICIES (default edmm; none: EDMM not run; lru,offload: the
 # rebuilt baselines, to hold against vLLM APC and + offload of calls 10 and 13 on one trace)

@@ -1,4 +1,5 @@
-# Device call 18 (carry nothing; after call 16 or 9 on the same held machine): the fleet of
+# Device call 18 (carry nothing; after call 16 or 9 on the same held machine: in process,
+# no HTTP client): the fleet of
 # call 15 in process (`edmm bench agents` without --http: the same generated trace, seed,
 # oversubscription and policies, wall clock), to hold each policy's HTTP result against
 # (issue 45: within 10%). LOAD, JOBS, POLICIES as in call 15 (default 8, 24, edmm).

@@ -27,7 +27,7 @@ def commands(script: Path) -> list[list[str]]:
     text = re.sub(r"\\\n\s*", " ", script.read_text())  # continuation lines joined
     found = []
     for line in text.splitlines():
-        m = re.search(r"python3 (-m \S+.*?)(?:\s+2>&1|\s+\||$)", line)
+        m = re.search(r"python3 (-m \S+.*?)(?:\s+2>&1|\s+\||\s+>|$)", line)
         if m and not line.lstrip().startswith("#"):
             found.append(m.group(1))
     out = []
