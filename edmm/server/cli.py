@@ -700,10 +700,10 @@ def serve(config: ServerConfig, log_level: str = "info",
     freeze_startup_objects()
     raise_threshold()
     scheme = "https" if options.ssl_certfile else "http"
-    logger.info("serving %s at %s://%s:%d/v1 (Ctrl-C or SIGTERM stops)", config.model_name,
-                scheme, config.host, config.port)
+    ready = (f"serving {config.model_name} at {scheme}://{config.host}:{config.port}/v1 "
+             "(Ctrl-C or SIGTERM stops)")
     try:
-        DrainingServer.run_app(app, state, host=config.host, port=config.port,
+        DrainingServer.run_app(app, state, ready_message=ready, host=config.host, port=config.port,
                                log_level=options.log_level, access_log=options.access_log,
                                ssl_keyfile=options.ssl_keyfile,
                                ssl_certfile=options.ssl_certfile,

@@ -58,18 +58,27 @@ class DrainGuard:
 class DrainingServer(uvicorn.Server):
     """A uvicorn server that drains ``state`` on shutdown (see the module docstring)."""
 
-    def __init__(self, config: Any, state: ServerState) -> None:
+    def __init__(self, config: Any, state: ServerState, ready_message: str = "") -> None:
         super().__init__(config)
         self.state = state
+        self.ready_message = ready_message
 
     @classmethod
-    def run_app(cls, app: Any, state: ServerState, **uvicorn_options: Any) -> None:
+    def run_app(cls, app: Any, state: ServerState, ready_message: str = "",
+                **uvicorn_options: Any) -> None:
         """Serve ``app`` until SIGTERM or SIGINT, then drain (`ServerConfig.shutdown_timeout_s`)
-        and return."""
+        and return; ``ready_message`` is logged once the socket listens and the signal
+        handlers are in place (a stop sent after it is never lost)."""
         grace = state.config.shutdown_timeout_s
         config = uvicorn.Config(app, timeout_graceful_shutdown=int(grace + UVICORN_MARGIN_S),
                                 **uvicorn_options)
-        cls(config, state).run()
+        cls(config, state, ready_message).run()
+
+    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
+        """uvicorn's start, then the ready message (inside `capture_signals`)."""
+        await super().startup(sockets)
+        if self.started and self.ready_message:
+            logger.info(self.ready_message)
 
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         """Refuse new requests, give the running ones the grace period, then end them."""
