@@ -21,13 +21,10 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from edmm.bench.stats import percentile
+
 COLUMNS = ("server", "turn ends in", "turns", "TTFT mean (ms)", "generation mean (s)",
            "completion tokens mean", "ms / token p50", "ms / token p90")
-
-
-def _quantile(xs: list[float], q: float) -> float:
-    xs = sorted(xs)
-    return xs[int(q * (len(xs) - 1))]
 
 
 def turn_rows(path: Path) -> list[dict[str, object]]:
@@ -47,8 +44,8 @@ def turn_rows(path: Path) -> list[dict[str, object]]:
             server, kind, len(turns),
             round(statistics.fmean(float(t["ttft_s"]) for t in turns) * 1e3, 1),
             round(statistics.fmean(gen), 3), round(statistics.fmean(tokens), 1),
-            round(_quantile(per_token, 0.5), 2) if per_token else None,
-            round(_quantile(per_token, 0.9), 2) if per_token else None), strict=True)))
+            round(percentile(per_token, 50), 2) if per_token else None,
+            round(percentile(per_token, 90), 2) if per_token else None), strict=True)))
     return out
 
 
