@@ -76,6 +76,10 @@ def _parse(argv: list[str]) -> None:
         from benchmarks.scripts.prefill_step_profile import build_parser as profile_parser
 
         profile_parser().parse_args(rest)
+    elif module == "benchmarks.scripts.grammar_masks":
+        from benchmarks.scripts.grammar_masks import build_parser as masks_parser
+
+        masks_parser().parse_args(rest)
     elif module == "benchmarks.kernels.attention":
         from benchmarks.kernels.attention import build_parser
 
