@@ -41,16 +41,13 @@ def step_times(guided: GuidedDecoding, rows: int, steps: int,
     procs = [guided.tool_calls([TOOL], False) for _ in range(rows)]
     outs = [list(p.forced) for p in procs]
     vocab = guided.spec.vocab_size
+    masks = GrammarMasks(vocab, executor)
     bits = torch.zeros((rows, -(-vocab // 32)), dtype=torch.int32)  # [rows, words]
     rng = np.random.default_rng(seed)
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        if executor is None:
-            for row, (proc, out) in enumerate(zip(procs, outs, strict=True)):
-                proc.fill_row(out, bits[row].numpy())
-        else:
-            GrammarMasks._fill_parallel(executor, procs, outs, bits)
+        masks.fill(procs, outs, bits)
         times.append(time.perf_counter() - t0)
         allowed = unpack_bitmask_host(bits, vocab)  # [rows, vocab]
         for row, out in enumerate(outs):

@@ -138,11 +138,7 @@ class GrammarMasks:
         with every token their grammars forbid set to ``-inf``."""
         i, self._next = self._next, 1 - self._next
         bits = self._rows(i, len(procs), logits.device)  # [k, words]
-        if self._executor is None:
-            for row, (proc, out) in enumerate(zip(procs, outputs, strict=True)):
-                proc.fill_row(out, bits[row].numpy())
-        else:
-            self._fill_parallel(self._executor, procs, outputs, bits)
+        self.fill(procs, outputs, bits)
         masked = apply_bitmask(logits, bits)
         if logits.device.type == "cuda":
             event = torch.cuda.Event()
@@ -150,11 +146,15 @@ class GrammarMasks:
             self._copied[i] = event
         return masked
 
-    @staticmethod
-    def _fill_parallel(executor: llguidance.LLExecutor, procs: Sequence[GrammarLogitsProcessor],
-                       outputs: Sequence[Sequence[int]], bits: torch.Tensor) -> None:
-        """`GrammarLogitsProcessor.fill_row` of every row, the masks computed by ``executor``
-        together (``bits`` ``[k, words]``, contiguous)."""
+    def fill(self, procs: Sequence[GrammarLogitsProcessor], outputs: Sequence[Sequence[int]],
+             bits: torch.Tensor) -> None:
+        """`GrammarLogitsProcessor.fill_row` of every row into ``bits`` (``[k, words]`` int32,
+        host, contiguous): row by row, or the masks computed together by the executor."""
+        executor = self._executor
+        if executor is None:
+            for row, (proc, out) in enumerate(zip(procs, outputs, strict=True)):
+                proc.fill_row(out, bits[row].numpy())
+            return
         live = [row for row, (proc, out) in enumerate(zip(procs, outputs, strict=True))
                 if proc.feed(out, bits[row].numpy())]
         if not live:
