@@ -28,7 +28,7 @@ install_web() {
 }
 # gpu_tests FILE: the GPU tests (those a single GPU without vLLM's server runs), summary to FILE
 gpu_tests() {
-    timeout 220 python3 -m pytest -m gpu tests --ignore=tests/server --ignore=tests/proxy \
+    timeout 420 python3 -m pytest -m gpu tests --ignore=tests/server --ignore=tests/proxy \
         --ignore=tests/integrations --ignore=tests/bench --ignore=tests/engine/test_tensor_parallel.py \
         --ignore=tests/model/test_tool_model.py -q -rs -p no:cacheprovider 2>&1 | tee "$1" | tail -5
 }
