@@ -1,5 +1,5 @@
 """Host time of one step's grammar masks: rows of forced tool calls (a free string argument,
-as the agent fleet forces) masked row by row and through llguidance's thread pool
+unbounded or ``--string-bound`` characters) masked row by row and through llguidance's thread pool
 (`GrammarMasks` with an executor), at several batch sizes, on a tokenizer folder.
 
     python -m benchmarks.scripts.grammar_masks --tokenizer /tmp/qwen25-7b-dummy [--out FILE.md]
@@ -41,7 +41,7 @@ def step_times(guided: GuidedDecoding, rows: int, steps: int,
     procs = [guided.tool_calls([TOOL], False) for _ in range(rows)]
     outs = [list(p.forced) for p in procs]
     vocab = guided.spec.vocab_size
-    masks = GrammarMasks(vocab, executor)
+    masks = GrammarMasks(vocab, executor, parallel_rows=1)
     bits = torch.zeros((rows, -(-vocab // 32)), dtype=torch.int32)  # [rows, words]
     rng = np.random.default_rng(seed)
     times = []
@@ -83,6 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=30, help="steps per measurement")
     p.add_argument("--threads", type=int, default=None,
                    help="the pool's threads (default: llguidance's)")
+    p.add_argument("--string-bound", type=int, default=None,
+                   help="bound the free string to this many characters (edmm serve's "
+                        "max_forced_string_chars; default: unbounded, its default)")
     p.add_argument("--out", type=Path, help="also write the table here (markdown)")
     return p
 
@@ -97,7 +100,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     except ValueError:
         p.error(f"--rows: not comma-separated integers: {args.rows!r}")
     tok = AutoTokenizer.from_pretrained(args.tokenizer)
-    guided = GuidedDecoding(tok, len(tok), tok.eos_token_id or 0)
+    if args.string_bound is not None and args.string_bound < 1:
+        p.error(f"--string-bound: at least 1, not {args.string_bound}")
+    guided = GuidedDecoding(tok, len(tok), tok.eos_token_id or 0,
+                            forced_string_chars=args.string_bound)
     text = to_markdown(table(guided, sizes, args.steps, args.threads))
     sys.stdout.write(text)
     if args.out:

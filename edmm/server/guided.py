@@ -71,9 +71,14 @@ _JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flex
                  "lenient": True}
 _ANY_OBJECT: dict[str, Any] = {"type": "object"}
 _VERDICTS = 1024  # grammars whose verdict is remembered
-# The default bound of a forced call's string arguments (`GuidedDecoding`): a file of a few
-# hundred lines; a schema's own maxLength overrides it.
-FORCED_STRING_CHARS = 8192
+# The default bound of a forced call's string arguments (`GuidedDecoding`): none, as vLLM and
+# SGLang (a request's max_tokens ends a runaway string). A bound makes llguidance's mask of a
+# string's every token 6-8x costlier (its slicer does not apply to a counted repetition:
+# `python -m benchmarks.scripts.grammar_masks --string-bound 8192`), paid on the engine's
+# host side at every step of every such call.
+FORCED_STRING_CHARS: int | None = None
+# The fewest rows of a step whose masks `GrammarMasks` computes in parallel.
+PARALLEL_MASK_ROWS = 32
 _STRING_BOUNDS = ("maxLength", "enum", "const", "pattern", "format")
 _LITERAL_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
 # Bounds that no value meets when the first is over the second (llguidance drops such an
@@ -113,7 +118,9 @@ class GrammarMasks:
     and masking row by row on the host took ~0.5 ms more per row at Qwen2.5's 151,669 tokens.
 
     One per `GuidedDecoding`, shared by its processors. With an ``executor`` (llguidance's
-    thread pool) the rows' masks are computed in parallel, outside the GIL; each processor's
+    thread pool) the masks of a step of at least ``parallel_rows`` rows are computed in
+    parallel, outside the GIL (below it the pool's overhead outweighed its gain on the
+    device's CPUs: `benchmarks.scripts.grammar_masks`); each processor's
     mask budget is then charged the batch's wall time (at least its own mask's), or, where that
     is over its budget, its own mask's time computed again alone (so one costly grammar stops
     itself, not its neighbours). Without one, row by row.
@@ -124,9 +131,11 @@ class GrammarMasks:
     once its last copy is done.
     """
 
-    def __init__(self, vocab_size: int, executor: llguidance.LLExecutor | None = None) -> None:
+    def __init__(self, vocab_size: int, executor: llguidance.LLExecutor | None = None,
+                 parallel_rows: int = PARALLEL_MASK_ROWS) -> None:
         self.vocab_size = vocab_size
         self._executor = executor
+        self._parallel_rows = parallel_rows
         self._words = (vocab_size + 31) // 32
         self._buffers: list[torch.Tensor | None] = [None, None]  # [rows, words] int32, host
         self._copied: list[torch.cuda.Event | None] = [None, None]  # each buffer's last copy
@@ -151,7 +160,7 @@ class GrammarMasks:
         """`GrammarLogitsProcessor.fill_row` of every row into ``bits`` (``[k, words]`` int32,
         host, contiguous): row by row, or the masks computed together by the executor."""
         executor = self._executor
-        if executor is None:
+        if executor is None or len(procs) < self._parallel_rows:
             for row, (proc, out) in enumerate(zip(procs, outputs, strict=True)):
                 proc.fill_row(out, bits[row].numpy())
             return
@@ -328,8 +337,8 @@ class GuidedDecoding:
     uses; without, grammars are checked in the calling thread (`check`).
     ``forced_string_chars``: the most characters of a string in a forced call's arguments
     whose schema sets no bound of its own (no ``maxLength``, ``enum``, ``const``, ``pattern``
-    or ``format``): without one a model can write a string argument until the context is
-    full; None: unbounded.
+    or ``format``); None (the default, `FORCED_STRING_CHARS`): unbounded, a model may write a
+    string argument until the request's max_tokens. A bound costs mask time (above).
     ``fast_forward``: each processor's `GrammarLogitsProcessor.forced` holds the tokens every
     output of its grammar starts with (the server computes them with the prompt); False: none
     (each is decoded, one step a token).

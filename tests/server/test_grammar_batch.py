@@ -76,7 +76,8 @@ def test_masks_of_a_batch_equal_one_row_at_a_time(guided: GuidedDecoding,
     """Either way of filling a step's masks (row by row, llguidance's thread pool) gives
     every row the mask it gets alone."""
     vocab = guided.spec.vocab_size
-    masks = GrammarMasks(vocab, None if threads is None else llguidance.LLExecutor(threads))
+    masks = GrammarMasks(vocab, None if threads is None else llguidance.LLExecutor(threads),
+                         parallel_rows=1)
     make = [lambda: guided.tool_calls([WEATHER], False), lambda: guided.json_schema(None)] * 3
     gen = torch.Generator().manual_seed(5)
     alone, together = [m() for m in make], [m() for m in make]
@@ -101,7 +102,7 @@ def test_a_costly_grammar_in_a_parallel_batch_stops_only_itself(tiny_dir: Path,
     costly = GuidedDecoding(tok, vocab, guided.spec.eos_token_id,
                             GrammarBudget(first_mask_s=60.0, mask_s=0.0, grace_masks=0))
     procs = [costly.json_schema(None), guided.json_schema(None)]
-    masks = GrammarMasks(vocab, llguidance.LLExecutor(2))
+    masks = GrammarMasks(vocab, llguidance.LLExecutor(2), parallel_rows=1)
     masks.apply(procs, [[], []], torch.zeros(2, vocab))
     assert procs[0].failure is not None and "too costly" in procs[0].failure
     assert procs[1].failure is None
