@@ -45,8 +45,14 @@ from typing import Any
 import llguidance
 import numpy as np
 import torch
-from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
-from llguidance.torch import fill_next_token_bitmask_par
+
+# llguidance.numpy, not llguidance.torch: the latter imports triton (tests that run triton's
+# interpreter must set it up before triton is first imported)
+from llguidance.numpy import (
+    allocate_token_bitmask,
+    fill_next_token_bitmask,
+    fill_next_token_bitmask_par,
+)
 
 from edmm.server.errors import BadRequestError
 from edmm.server.grammar_probe import (
@@ -169,7 +175,8 @@ class GrammarMasks:
         if not live:
             return
         t0 = time.perf_counter()
-        fill_next_token_bitmask_par(executor, [(procs[row].matcher, row) for row in live], bits)
+        fill_next_token_bitmask_par(executor, [(procs[row].matcher, row) for row in live],
+                                    bits.numpy())
         wall = time.perf_counter() - t0
         for row in live:
             proc, words = procs[row], bits[row].numpy()

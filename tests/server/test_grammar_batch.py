@@ -4,6 +4,8 @@ batched processors (`apply_logits_processors`)."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -184,3 +186,10 @@ def test_grammar_masks_on_the_gpu_equal_the_host_ones(guided: GuidedDecoding) ->
     on_gpu = procs[0].batch.apply(procs, [[], []], logits.clone().cuda())
     on_host = twins[0].batch.apply(twins, [[], []], logits.clone())
     assert torch.equal(on_gpu.cpu(), on_host)
+
+
+def test_guided_decoding_does_not_import_triton() -> None:
+    """The kernel tests run triton's interpreter, which must be set up before triton is first
+    imported; a server module importing triton (llguidance.torch does) made them skip."""
+    code = "import sys, edmm.server.guided; sys.exit('triton' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code], check=False).returncode == 0
