@@ -1,6 +1,7 @@
 """Host time of one step's grammar masks: rows of forced tool calls (a free string argument,
-unbounded or ``--string-bound`` characters) masked row by row and through llguidance's thread pool
-(`GrammarMasks` with an executor), at several batch sizes, on a tokenizer folder.
+unbounded or ``--string-bound`` characters) masked row by row (edmm serve's `GrammarMasks`) and
+through llguidance's thread pool (``fill_next_token_bitmask_par``: the alternative, measured
+slower on the device's CPUs), at several batch sizes, on a tokenizer folder.
 
     python -m benchmarks.scripts.grammar_masks --tokenizer /tmp/qwen25-7b-dummy [--out FILE.md]
 
@@ -23,6 +24,7 @@ from pathlib import Path
 import llguidance
 import numpy as np
 import torch
+from llguidance.numpy import fill_next_token_bitmask_par
 from transformers import AutoTokenizer
 
 from edmm.bench.stats import percentile
@@ -41,13 +43,19 @@ def step_times(guided: GuidedDecoding, rows: int, steps: int,
     procs = [guided.tool_calls([TOOL], False) for _ in range(rows)]
     outs = [list(p.forced) for p in procs]
     vocab = guided.spec.vocab_size
-    masks = GrammarMasks(vocab, executor, parallel_rows=1)
+    masks = GrammarMasks(vocab)
     bits = torch.zeros((rows, -(-vocab // 32)), dtype=torch.int32)  # [rows, words]
     rng = np.random.default_rng(seed)
     times = []
     for _ in range(steps):
         t0 = time.perf_counter()
-        masks.fill(procs, outs, bits)
+        if executor is None:
+            masks.fill(procs, outs, bits)
+        else:
+            for row, (proc, out) in enumerate(zip(procs, outs, strict=True)):
+                proc.feed(out, bits[row].numpy())
+            fill_next_token_bitmask_par(executor, [(p.matcher, row) for row, p in enumerate(procs)],
+                                        bits.numpy())
         times.append(time.perf_counter() - t0)
         allowed = unpack_bitmask_host(bits, vocab)  # [rows, vocab]
         for row, out in enumerate(outs):

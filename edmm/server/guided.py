@@ -33,7 +33,6 @@ from __future__ import annotations
 import asyncio
 import copy
 import json
-import os
 import threading
 import time
 from collections import OrderedDict
@@ -48,11 +47,7 @@ import torch
 
 # llguidance.numpy, not llguidance.torch: the latter imports triton (tests that run triton's
 # interpreter must set it up before triton is first imported)
-from llguidance.numpy import (
-    allocate_token_bitmask,
-    fill_next_token_bitmask,
-    fill_next_token_bitmask_par,
-)
+from llguidance.numpy import allocate_token_bitmask, fill_next_token_bitmask
 
 from edmm.server.errors import BadRequestError
 from edmm.server.grammar_probe import (
@@ -83,8 +78,6 @@ _VERDICTS = 1024  # grammars whose verdict is remembered
 # `python -m benchmarks.scripts.grammar_masks --string-bound 8192`), paid on the engine's
 # host side at every step of every such call.
 FORCED_STRING_CHARS: int | None = None
-# The fewest rows of a step whose masks `GrammarMasks` computes in parallel.
-PARALLEL_MASK_ROWS = 32
 _STRING_BOUNDS = ("maxLength", "enum", "const", "pattern", "format")
 _LITERAL_KEYWORDS = frozenset({"const", "enum", "default", "examples"})
 # Bounds that no value meets when the first is over the second (llguidance drops such an
@@ -123,13 +116,9 @@ class GrammarMasks:
     masks the ``[k, V]`` logits. Per row the cost is then the matcher's own mask fill; unpacking
     and masking row by row on the host took ~0.5 ms more per row at Qwen2.5's 151,669 tokens.
 
-    One per `GuidedDecoding`, shared by its processors. With an ``executor`` (llguidance's
-    thread pool) the masks of a step of at least ``parallel_rows`` rows are computed in
-    parallel, outside the GIL (below it the pool's overhead outweighed its gain on the
-    device's CPUs: `benchmarks.scripts.grammar_masks`); each processor's
-    mask budget is then charged the batch's wall time (at least its own mask's), or, where that
-    is over its budget, its own mask's time computed again alone (so one costly grammar stops
-    itself, not its neighbours). Without one, row by row.
+    One per `GuidedDecoding`, shared by its processors, which fill their rows one by one
+    (llguidance's thread pool was slower for a step's masks on the device's CPUs:
+    `benchmarks.scripts.grammar_masks`).
 
     It keeps two host bitmask buffers (pinned for a GPU's logits, grown to the largest batch
     seen), used in turn: the copy to the device does not wait for the device's queue (the
@@ -137,11 +126,8 @@ class GrammarMasks:
     once its last copy is done.
     """
 
-    def __init__(self, vocab_size: int, executor: llguidance.LLExecutor | None = None,
-                 parallel_rows: int = PARALLEL_MASK_ROWS) -> None:
+    def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
-        self._executor = executor
-        self._parallel_rows = parallel_rows
         self._words = (vocab_size + 31) // 32
         self._buffers: list[torch.Tensor | None] = [None, None]  # [rows, words] int32, host
         self._copied: list[torch.cuda.Event | None] = [None, None]  # each buffer's last copy
@@ -164,24 +150,9 @@ class GrammarMasks:
     def fill(self, procs: Sequence[GrammarLogitsProcessor], outputs: Sequence[Sequence[int]],
              bits: torch.Tensor) -> None:
         """`GrammarLogitsProcessor.fill_row` of every row into ``bits`` (``[k, words]`` int32,
-        host, contiguous): row by row, or the masks computed together by the executor."""
-        executor = self._executor
-        if executor is None or len(procs) < self._parallel_rows:
-            for row, (proc, out) in enumerate(zip(procs, outputs, strict=True)):
-                proc.fill_row(out, bits[row].numpy())
-            return
-        live = [row for row, (proc, out) in enumerate(zip(procs, outputs, strict=True))
-                if proc.feed(out, bits[row].numpy())]
-        if not live:
-            return
-        t0 = time.perf_counter()
-        fill_next_token_bitmask_par(executor, [(procs[row].matcher, row) for row in live],
-                                    bits.numpy())
-        wall = time.perf_counter() - t0
-        for row in live:
-            proc, words = procs[row], bits[row].numpy()
-            within = len(live) == 1 or wall <= proc.mask_budget_s
-            proc.check_row(words, wall if within else proc.time_mask(words))
+        host)."""
+        for row, (proc, out) in enumerate(zip(procs, outputs, strict=True)):
+            proc.fill_row(out, bits[row].numpy())
 
     def _rows(self, i: int, k: int, device: torch.device) -> torch.Tensor:
         """Buffer ``i``'s first ``k`` rows, once its last copy to the device is done."""
@@ -268,11 +239,6 @@ class GrammarLogitsProcessor:
     def matcher(self) -> llguidance.LLMatcher:
         """The request's matcher (its state: the outputs fed so far)."""
         return self._matcher
-
-    @property
-    def mask_budget_s(self) -> float:
-        """The mean time a mask may take (`GrammarBudget.mask_s`)."""
-        return self._budget.mask_s
 
     def feed(self, output_token_ids: Sequence[int], row: np.ndarray) -> bool:
         """Feed the matcher the tokens it has not seen; False (``row`` then allows only EOS)
@@ -368,7 +334,7 @@ class GuidedDecoding:
         self._vocab_size = vocab_size
         self._eos = eos_token_id
         # shared by this decoding's processors
-        self._mask_batch = GrammarMasks(vocab_size, _mask_executor())
+        self._mask_batch = GrammarMasks(vocab_size)
         self._start_id = _single_token(tokenizer, TOOL_CALL_START)
         self._end_id = _single_token(tokenizer, TOOL_CALL_END)
 
@@ -549,14 +515,6 @@ class GuidedDecoding:
     def _close(self) -> str:
         return f"<[{self._end_id}]>" if self._end_id is not None else _lark_string(
             TOOL_CALL_END)
-
-
-def _mask_executor() -> llguidance.LLExecutor | None:
-    """llguidance's thread pool for a step's masks (its default size: 80% of the CPUs, at most
-    32), or None where that is one thread: the pool then only adds its overhead (measured ~15%
-    at 32 rows on two cores)."""
-    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
-    return llguidance.LLExecutor() if (cpus or 1) >= 4 else None
 
 
 def _raise_for(grammar: Grammar, verdict: Verdict) -> None:

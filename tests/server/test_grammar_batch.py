@@ -10,18 +10,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-import llguidance
 import numpy as np
 import pytest
 import torch
-from transformers import AutoTokenizer
 
 from edmm.engine import Engine, EngineConfig, SamplingParams
 from edmm.engine.sampling import apply_logits_processors
-from edmm.server.grammar_probe import GrammarBudget
 from edmm.server.guided import (
     GrammarLogitsProcessor,
-    GrammarMasks,
     GuidedDecoding,
     apply_bitmask,
     unpack_bitmask,
@@ -70,44 +66,6 @@ def test_batched_masks_equal_one_row_at_a_time(guided: GuidedDecoding) -> None:
     for a, b in zip(one, together, strict=True):
         assert torch.equal(a, b)
     assert all(bool(torch.isinf(s).any()) for s in together)  # masks did act
-
-
-@pytest.mark.parametrize("threads", [None, 2], ids=["row-by-row", "parallel"])
-def test_masks_of_a_batch_equal_one_row_at_a_time(guided: GuidedDecoding,
-                                                  threads: int | None) -> None:
-    """Either way of filling a step's masks (row by row, llguidance's thread pool) gives
-    every row the mask it gets alone."""
-    vocab = guided.spec.vocab_size
-    masks = GrammarMasks(vocab, None if threads is None else llguidance.LLExecutor(threads),
-                         parallel_rows=1)
-    make = [lambda: guided.tool_calls([WEATHER], False), lambda: guided.json_schema(None)] * 3
-    gen = torch.Generator().manual_seed(5)
-    alone, together = [m() for m in make], [m() for m in make]
-    outs: list[list[int]] = [[] for _ in make]
-    for _ in range(16):
-        logits = torch.randn(len(make), vocab, generator=gen)
-        want = torch.stack([p(o, row.clone()) for p, o, row in zip(alone, outs, logits,
-                                                                     strict=True)])
-        got = masks.apply(together, outs, logits)
-        assert torch.equal(got, want)
-        for o, t in zip(outs, want.argmax(-1).tolist(), strict=True):
-            o.append(t)
-    assert all(p.failure is None for p in together)
-
-
-def test_a_costly_grammar_in_a_parallel_batch_stops_only_itself(tiny_dir: Path,
-                                                                guided: GuidedDecoding) -> None:
-    """The batch's wall time is over the costly row's budget: that row is timed alone and
-    stops; its neighbour, within its own budget, goes on."""
-    tok = AutoTokenizer.from_pretrained(tiny_dir)
-    vocab = guided.spec.vocab_size
-    costly = GuidedDecoding(tok, vocab, guided.spec.eos_token_id,
-                            GrammarBudget(first_mask_s=60.0, mask_s=0.0, grace_masks=0))
-    procs = [costly.json_schema(None), guided.json_schema(None)]
-    masks = GrammarMasks(vocab, llguidance.LLExecutor(2), parallel_rows=1)
-    masks.apply(procs, [[], []], torch.zeros(2, vocab))
-    assert procs[0].failure is not None and "too costly" in procs[0].failure
-    assert procs[1].failure is None
 
 
 def test_a_stopped_row_allows_only_eos_and_leaves_the_others(guided: GuidedDecoding) -> None:
