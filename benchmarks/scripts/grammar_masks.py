@@ -27,6 +27,7 @@ import torch
 from llguidance.numpy import fill_next_token_bitmask_par
 from transformers import AutoTokenizer
 
+from edmm.bench.results import markdown_table
 from edmm.bench.stats import percentile
 from edmm.server.guided import GrammarMasks, GuidedDecoding, unpack_bitmask_host
 from edmm.server.protocol import FunctionDefinition
@@ -78,12 +79,6 @@ def table(guided: GuidedDecoding, batch_sizes: Sequence[int], steps: int,
     return out
 
 
-def to_markdown(rows: list[dict[str, object]]) -> str:
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
-    lines += ["| " + " | ".join(str(r[c]) for c in COLUMNS) + " |" for r in rows]
-    return "\n".join(lines) + "\n"
-
-
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokenizer", type=Path, required=True, help="a tokenizer folder")
@@ -112,7 +107,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         p.error(f"--string-bound: at least 1, not {args.string_bound}")
     guided = GuidedDecoding(tok, len(tok), tok.eos_token_id or 0,
                             forced_string_chars=args.string_bound)
-    text = to_markdown(table(guided, sizes, args.steps, args.threads))
+    text = markdown_table(table(guided, sizes, args.steps, args.threads)) + "\n"
     sys.stdout.write(text)
     if args.out:
         args.out.write_text(text, encoding="utf-8")
