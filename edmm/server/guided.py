@@ -232,8 +232,17 @@ class GrammarLogitsProcessor:
         """Feed the matcher the tokens it has not seen, then write the allowed next tokens
         into ``row`` (``[ceil(V / 32)]`` int32): only EOS once the processor has stopped, or
         when the grammar allows nothing else."""
-        if self.feed(output_token_ids, row):
-            self.check_row(row, self.time_mask(row))
+        if not self.feed(output_token_ids, row):
+            return
+        t0 = time.perf_counter()
+        fill_next_token_bitmask(self._matcher, row.reshape(1, -1))
+        self._spend(time.perf_counter() - t0)  # a mask over the budget still applies
+        if self._matcher.is_error():  # masks never allow a wrong token: over the limits
+            self.failure = (f"the grammar is too costly to enforce: "
+                            f"{clean_message(self._matcher.get_error())}")
+            self._only_eos(row)
+        elif not row.any():
+            self._only_eos(row)
 
     @property
     def matcher(self) -> llguidance.LLMatcher:
@@ -250,23 +259,6 @@ class GrammarLogitsProcessor:
             self._matcher.consume_token(token)
         self._consumed = len(output_token_ids)
         return True
-
-    def time_mask(self, row: np.ndarray) -> float:
-        """Seconds to compute the matcher's next mask into ``row`` (the matcher is unchanged)."""
-        t0 = time.perf_counter()
-        fill_next_token_bitmask(self._matcher, row.reshape(1, -1))
-        return time.perf_counter() - t0
-
-    def check_row(self, row: np.ndarray, seconds: float) -> None:
-        """Charge the mask in ``row`` (``seconds`` to compute) to the budget; only EOS where the
-        matcher went over its limits or the grammar allows nothing else."""
-        self._spend(seconds)  # a mask over the budget still applies
-        if self._matcher.is_error():  # masks never allow a wrong token: over the limits
-            self.failure = (f"the grammar is too costly to enforce: "
-                            f"{clean_message(self._matcher.get_error())}")
-            self._only_eos(row)
-        elif not row.any():
-            self._only_eos(row)
 
     def _only_eos(self, row: np.ndarray) -> None:
         row[:] = 0
@@ -333,8 +325,7 @@ class GuidedDecoding:
         self._lock = threading.Lock()  # verdicts are read and written from several threads
         self._vocab_size = vocab_size
         self._eos = eos_token_id
-        # shared by this decoding's processors
-        self._mask_batch = GrammarMasks(vocab_size)
+        self._mask_batch = GrammarMasks(vocab_size)  # shared by this decoding's processors
         self._start_id = _single_token(tokenizer, TOOL_CALL_START)
         self._end_id = _single_token(tokenizer, TOOL_CALL_END)
 
