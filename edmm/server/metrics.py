@@ -118,6 +118,10 @@ class ServerMetrics(Collector):
         for outcome in SPECULATION_OUTCOMES:
             spec.add_metric([self.model_name, outcome], counts[outcome])
         yield spec
+        yield self._counter("edmm_speculation_gated", "Speculations not started: a branch "
+                            "the gate found not paying for its mapping.", s.spec_gated)
+        yield self._counter("edmm_speculation_in_place", "Speculations prefilled in the "
+                            "session's own slot (no branch).", s.spec_in_place)
         yield self._counter("edmm_session_resumes", "Turns that resumed a session awaiting "
                             "tool results.", s.resumes)
         states = GaugeMetricFamily("edmm_sessions", "Sessions known to the server, by state.",

@@ -30,6 +30,7 @@ COUNTERS = {"edmm_recomputed_tokens": "lost_context_tokens", "edmm_kv_restores":
             "edmm_speculated_tokens": "spec_tokens", "edmm_speculation_outcomes:hit": "spec_hit",
             "edmm_speculation_outcomes:partial": "spec_partial",
             "edmm_speculation_outcomes:miss": "spec_miss",
+            "edmm_speculation_gated": "spec_gated", "edmm_speculation_in_place": "spec_in_place",
             "edmm_session_resumes": "server_resumes", "edmm_engine_steps": "engine_steps",
             "edmm_admission_memory_waits": "memory_wait_steps"}
 VLLM_COUNTERS = {"prefix_cache_queries": "server_prefix_queries",

@@ -1,0 +1,58 @@
+"""Speculation in /metrics: outcomes, tokens, and what never became a branch (in place, or
+gated), the counters the HTTP fleet reads to tell "no speculation offered" from "offered and
+refused"."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+from edmm.agent import AgentConfig, AgentEngine, TokenLayout, ToolCall
+from edmm.engine import Engine, EngineConfig, SamplingParams
+from edmm.server.metrics import EngineSnapshot, ServerMetrics
+from edmm.server.sessions import ServerSessions
+
+
+def _value(text: str, name: str) -> float:
+    line = next(li for li in text.splitlines() if li.startswith(name + "{"))
+    return float(line.rsplit(" ", 1)[1])
+
+
+def _drain(agent: AgentEngine) -> None:
+    while agent.has_unfinished() or agent.has_speculation():
+        agent.step()
+
+
+def test_in_place_and_gated_speculations_are_counted(tiny_dir: Path) -> None:
+    engine = Engine(EngineConfig(model=str(tiny_dir), dtype="float32", max_model_len=256,
+                                 num_slots=8, max_num_seqs=4, num_pages=64))
+    agent = AgentEngine(engine, AgentConfig(speculation=("predicted",)))
+    sessions = ServerSessions(agent)
+    metrics = ServerMetrics("tiny")
+    text = metrics.render(EngineSnapshot.take(sessions, 0, 0)).decode()
+    assert _value(text, "edmm_speculation_in_place_total") == 0
+    assert _value(text, "edmm_speculation_gated_total") == 0
+    agent.add_request("t0", list(range(100, 160)), SamplingParams(max_tokens=6, temperature=0),
+                      session_id="s")
+    _drain(agent)
+    # The predicted result continues the session's own KV: prefilled in its slot.
+    agent.await_tools("s", [ToolCall("c1", "f")], layout=TokenLayout(suffix=(2, 10)),
+                      predictions={"c1": list(range(600, 620))})
+    _drain(agent)
+    snap = EngineSnapshot.take(sessions, 0, 0)
+    text = metrics.render(snap).decode()
+    assert _value(text, "edmm_speculation_in_place_total") == 1
+    assert _value(text, "edmm_speculated_tokens_total") > 0
+    assert _value(text, "edmm_speculation_gated_total") == 0
+    gated = dataclasses.replace(snap, sessions=dataclasses.replace(snap.sessions, spec_gated=3))
+    assert _value(metrics.render(gated).decode(), "edmm_speculation_gated_total") == 3
+    engine.close()
+
+
+def test_the_fleet_reads_them() -> None:
+    from edmm.bench.agents.http_metrics import COUNTERS, parse_metrics
+
+    text = "\n".join(['edmm_speculation_gated_total{model_name="m"} 4.0',
+                      'edmm_speculation_in_place_total{model_name="m"} 7.0'])
+    got = parse_metrics(text)
+    assert {COUNTERS[k]: v for k, v in got.items()} == {"spec_gated": 4.0, "spec_in_place": 7.0}
