@@ -118,8 +118,9 @@ class ServerMetrics(Collector):
         for outcome in SPECULATION_OUTCOMES:
             spec.add_metric([self.model_name, outcome], counts[outcome])
         yield spec
-        yield self._counter("edmm_speculation_gated", "Speculations not started: a branch "
-                            "the gate found not paying for its mapping.", s.spec_gated)
+        yield self._counter("edmm_speculation_gated", "Speculations not started: the gate "
+                            "expected them not to pay for their prefill and mapping.",
+                            s.spec_gated)
         yield self._counter("edmm_speculation_in_place", "Speculations prefilled in the "
                             "session's own slot (no branch).", s.spec_in_place)
         yield self._counter("edmm_session_resumes", "Turns that resumed a session awaiting "
