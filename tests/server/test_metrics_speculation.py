@@ -8,14 +8,10 @@ import dataclasses
 from pathlib import Path
 
 from edmm.agent import AgentConfig, AgentEngine, TokenLayout, ToolCall
+from edmm.bench.agents.http_metrics import COUNTERS, parse_metrics
 from edmm.engine import Engine, EngineConfig, SamplingParams
 from edmm.server.metrics import EngineSnapshot, ServerMetrics
 from edmm.server.sessions import ServerSessions
-
-
-def _value(text: str, name: str) -> float:
-    line = next(li for li in text.splitlines() if li.startswith(name + "{"))
-    return float(line.rsplit(" ", 1)[1])
 
 
 def _drain(agent: AgentEngine) -> None:
@@ -29,9 +25,9 @@ def test_in_place_and_gated_speculations_are_counted(tiny_dir: Path) -> None:
     agent = AgentEngine(engine, AgentConfig(speculation=("predicted",)))
     sessions = ServerSessions(agent)
     metrics = ServerMetrics("tiny")
-    text = metrics.render(EngineSnapshot.take(sessions, 0, 0)).decode()
-    assert _value(text, "edmm_speculation_in_place_total") == 0
-    assert _value(text, "edmm_speculation_gated_total") == 0
+    got = parse_metrics(metrics.render(EngineSnapshot.take(sessions, 0, 0)).decode())
+    assert got["edmm_speculation_in_place"] == 0
+    assert got["edmm_speculation_gated"] == 0
     agent.add_request("t0", list(range(100, 160)), SamplingParams(max_tokens=6, temperature=0),
                       session_id="s")
     _drain(agent)
@@ -40,18 +36,16 @@ def test_in_place_and_gated_speculations_are_counted(tiny_dir: Path) -> None:
                       predictions={"c1": list(range(600, 620))})
     _drain(agent)
     snap = EngineSnapshot.take(sessions, 0, 0)
-    text = metrics.render(snap).decode()
-    assert _value(text, "edmm_speculation_in_place_total") == 1
-    assert _value(text, "edmm_speculated_tokens_total") > 0
-    assert _value(text, "edmm_speculation_gated_total") == 0
+    got = parse_metrics(metrics.render(snap).decode())
+    assert got["edmm_speculation_in_place"] == 1
+    assert got["edmm_speculated_tokens"] > 0
+    assert got["edmm_speculation_gated"] == 0
     gated = dataclasses.replace(snap, sessions=dataclasses.replace(snap.sessions, spec_gated=3))
-    assert _value(metrics.render(gated).decode(), "edmm_speculation_gated_total") == 3
+    assert parse_metrics(metrics.render(gated).decode())["edmm_speculation_gated"] == 3
     engine.close()
 
 
 def test_the_fleet_reads_them() -> None:
-    from edmm.bench.agents.http_metrics import COUNTERS, parse_metrics
-
     text = "\n".join(['edmm_speculation_gated_total{model_name="m"} 4.0',
                       'edmm_speculation_in_place_total{model_name="m"} 7.0'])
     got = parse_metrics(text)
