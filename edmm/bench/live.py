@@ -198,12 +198,14 @@ def edmm_server(cfg: LiveBenchConfig, stage_log: Path | None = None) -> ServerSp
                       ready_timeout_s=cfg.start_timeout_s, kind="edmm")
 
 
-def launched_server(cfg: LiveBenchConfig, stage_log: Path | None = None
-                    ) -> contextlib.AbstractContextManager[str]:
+def launched_server(cfg: LiveBenchConfig, stage_log: Path | None = None,
+                    log_dir: Path | None = None) -> contextlib.AbstractContextManager[str]:
     """Start ``edmm serve`` on a free loopback port (`edmm.bench.peers.served`), yield its URL
     once it answers; the process is always stopped (SIGINT, then killed), whatever happens
-    meanwhile. `LiveBenchError` when it exits or does not answer in ``cfg.start_timeout_s``."""
-    return _started(edmm_server(replace(cfg, url=None), stage_log))
+    meanwhile. `LiveBenchError` when it exits or does not answer in ``cfg.start_timeout_s``.
+    Its output goes to ``log_dir/<cfg.name>.log`` (kept), without ``log_dir`` to a temporary
+    file."""
+    return _started(edmm_server(replace(cfg, url=None), stage_log), log_dir)
 
 
 @contextlib.contextmanager

@@ -144,6 +144,9 @@ class ServerSessions:
         agent, sid = self.agent, turn.session_key
         if (not agent.has_session(sid) or agent.session_state(sid) != SessionState.FINISHED
                 or agent.finished_request(sid) != turn.request.request_id):
+            if turn.calls:  # a tool window lost: no retention for it, no speculation
+                logger.info("session %s: end of request %s ignored (the session moved on: "
+                            "%s)", sid, turn.request.request_id, _where(agent, sid))
             return
         if not turn.calls:
             agent.end_turn(sid)
@@ -254,3 +257,10 @@ class ServerSessions:
 def _name_of(key: str) -> str:
     """The client's name of the session the agent layer knows as ``key`` (`session_key`)."""
     return key.split("/", 1)[1]
+
+
+def _where(agent: AgentEngine, sid: str) -> str:
+    """The session's state as the ignored end found it."""
+    if not agent.has_session(sid):
+        return "closed"
+    return f"{agent.session_state(sid).name}, last finished {agent.finished_request(sid)}"

@@ -125,6 +125,9 @@ def test_http_replay_of_lru_offload_edmm(tmp_path: Path) -> None:
     assert summary["lru"]["restores"] == summary["lru"]["offloads"] == 0
     assert summary["lru"]["spec_tokens"] == 0 and summary["edmm"]["spec_tokens"] > 0
     assert paths["md"].read_text().count("| edmm |") == 1
+    logs = sorted(p.name for p in (tmp_path / "logs").iterdir())  # each server's own output
+    assert logs == ["edmm-edmm-2.log", "edmm-lru-2.log", "edmm-offload-2.log"]
+    assert all("POST /v1/chat/completions" in (tmp_path / "logs" / n).read_text() for n in logs)
     stages = json.loads(paths["stages_json"].read_text())
     per_turn = {p: sum(1 for t in turns if t["policy"] == p) for p in summary}
     for p, n in per_turn.items():  # every measured request, none of the warm-up's

@@ -136,6 +136,7 @@ class HttpReplayConfig:
     sample_s: float = 0.25  # spacing of the /metrics samples of KV pages in use
     clients: int = 0  # client processes (0: one per `SESSIONS_PER_CLIENT` sessions)
     stages: bool = False  # each server logs its requests' stages (`edmm.server.stages`)
+    log_dir: Path | None = None  # every started server's output kept here (None: not kept)
 
     def __post_init__(self) -> None:
         allowed = http_policies()
@@ -348,13 +349,14 @@ def _run_policy(run: HttpRun, matrix: Matrix, jobs: list[Job], cfg: HttpReplayCo
     engine = matrix.engine_config(run.policy.offload, run.policy.cache)
     args = serve_args(run.policy, server_engine(engine, matrix.cfg, jobs, tok),
                       matrix.cfg.prefetch_lead_s)
-    live = dataclasses.replace(live, server_args=(*args, *live.server_args))
+    live = dataclasses.replace(live, server_args=(*args, *live.server_args),
+                               name=f"edmm-{run.policy.name}-{cfg.load}")
     t0 = time.perf_counter()
     with contextlib.ExitStack() as stack:
         log = None
         if cfg.stages:
             log = Path(stack.enter_context(tempfile.TemporaryDirectory())) / "stages.jsonl"
-        url = stack.enter_context(launched_server(live, log))
+        url = stack.enter_context(launched_server(live, log, cfg.log_dir))
         start_s = time.perf_counter() - t0
         probe = Probe(url, cfg.request_timeout_s)
         stack.callback(probe.close)
@@ -561,12 +563,13 @@ def run_http_bench(cfg: HttpReplayConfig, out_dir: Path) -> dict[str, Path]:
     def write(runs: Sequence[HttpRun]) -> None:
         paths.update(write_http_results([*done, *runs], cfg, env, out_dir))
 
+    cfg = dataclasses.replace(cfg, log_dir=cfg.log_dir or out_dir / "logs")
     for load in cfg.all_loads:
         at = dataclasses.replace(cfg, load=load)
         if cfg.policies:
             done += replay_http(at, on_run=write)
         for peer in cfg.peers:
-            done.append(replay_peer(at, peer, out_dir / "logs"))
+            done.append(replay_peer(at, peer, cfg.log_dir))
             write([])
     write([])
     return paths
