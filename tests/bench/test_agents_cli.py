@@ -62,6 +62,8 @@ def test_v2_is_the_default_and_prints_its_statistics(capsys, tmp_path: Path) -> 
     (["--http", "--peer", "vllm"], ["--peer vllm needs --peer-model-dir"]),
     (["--http", "--policies", "none"], ["no policy and no peer"]),
     (["--http", "--loads", "1.5"], ["--loads", "whole numbers"]),
+    (["--http", "--call-tokens", "56"], ["--call-tokens", "in process only"]),
+    (["--call-tokens", "0"], ["--call-tokens"]),
 ])
 def test_bad_options_are_one_line(capsys, argv: list[str], words: list[str]) -> None:
     line = _error(capsys, ["bench", "agents", "--jobs", "2", "--loads", "1", *argv]

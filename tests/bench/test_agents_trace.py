@@ -15,6 +15,7 @@ from edmm.bench.agents.trace import (
     ToolTimes,
     TraceError,
     Turn,
+    as_forced_calls,
     generate,
     read_jsonl,
     scale,
@@ -104,3 +105,29 @@ def test_bad_generator_settings_are_typed_errors() -> None:
         GeneratorConfig(turns=(5, 2))
     with pytest.raises(TraceError, match="tool_mix"):
         dataclasses.replace(GeneratorConfig(), tool_mix="medium")
+
+
+def test_forced_calls_move_a_call_turns_output_beyond_the_call_into_its_result() -> None:
+    job = Job("j", 100, (Turn(80, tool="grep", tool_s=0.1, result_tokens=30, reasoning_tokens=50),
+                         Turn(20, tool="ls", result_tokens=5),
+                         Turn(300, reasoning_tokens=100)))
+    got = as_forced_calls([job], 56)[0]
+    long, short, text = got.turns
+    assert (long.output_tokens, long.result_tokens, long.reasoning_tokens) == (56, 54, 0)
+    assert (short.output_tokens, short.result_tokens) == (56, 5)  # the call's own length
+    assert text == job.turns[2]  # a text turn decodes its whole output, as over HTTP
+    assert (long.tool, long.tool_s) == ("grep", 0.1) and got.system_tokens == 100
+    with pytest.raises(TraceError, match="call_tokens"):
+        as_forced_calls([job], 0)
+
+
+def test_the_in_process_matrix_replays_forced_calls_when_asked() -> None:
+    from edmm.bench.agents.matrix import AgentsBenchConfig, load_trace
+
+    cfg = AgentsBenchConfig(jobs=3, token_scale=0.25, short_mix=False)
+    plain = load_trace(cfg)["long"]
+    forced = load_trace(dataclasses.replace(cfg, call_tokens=40))["long"]
+    assert forced == as_forced_calls(plain, 40) != plain
+    assert {t.output_tokens for j in forced for t in j.turns if t.tool} == {40}
+    with pytest.raises(ValueError, match="call_tokens"):
+        AgentsBenchConfig(call_tokens=-1)

@@ -23,11 +23,12 @@ CALLS = sorted(DEVICE.glob("call*.sh"))
 
 def commands(script: Path) -> list[list[str]]:
     """Every ``python3 -m ...`` command of ``script`` as bash expands it (lib.sh sourced,
-    ``$R`` a folder), without what follows it on its line (redirections, pipes)."""
+    ``$R`` a folder), without what follows it on its line (redirections, pipes, the ``)`` that
+    closes a command substitution)."""
     text = re.sub(r"\\\n\s*", " ", script.read_text())  # continuation lines joined
     found = []
     for line in text.splitlines():
-        m = re.search(r"python3 (-m \S+.*?)(?:\s+2>&1|\s+\||\s+>|$)", line)
+        m = re.search(r"python3 (-m \S+.*?)(?:\s+2>&1|\s+\||\s+>|\)$|$)", line)
         if m and not line.lstrip().startswith("#"):
             found.append(m.group(1))
     out = []
@@ -80,6 +81,10 @@ def _parse(argv: list[str]) -> None:
         from benchmarks.scripts.grammar_masks import build_parser as masks_parser
 
         masks_parser().parse_args(rest)
+    elif module == "benchmarks.scripts.call_tokens":
+        from benchmarks.scripts.call_tokens import build_parser as tokens_parser
+
+        tokens_parser().parse_args(rest)
     elif module == "benchmarks.kernels.attention":
         from benchmarks.kernels.attention import build_parser
 

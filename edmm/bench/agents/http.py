@@ -146,6 +146,9 @@ class HttpReplayConfig:
                                  f"from the client), got {unknown}")
         if not self.policies and not self.peers:
             raise HttpBenchError("no policy and no peer to run")
+        if self.bench.call_tokens:
+            raise HttpBenchError("call_tokens is the in-process replay's: over HTTP a forced "
+                                 "call's grammar sets its length")
         if min(self.all_loads) < 1:
             raise HttpBenchError(f"loads must be >= 1, got {self.all_loads}")
         if self.overlap_tail < 0:

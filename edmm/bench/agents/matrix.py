@@ -34,6 +34,7 @@ from edmm.bench.agents.trace import (
     GeneratorConfig,
     Job,
     ToolTimes,
+    as_forced_calls,
     first_jobs,
     generate,
     read_jsonl,
@@ -89,6 +90,9 @@ class AgentsBenchConfig:
     checks: bool = True  # after the main matrix, edmm and the best baseline at 1x and short
     lean: bool = False  # write agents.json, agents.md and the timeline only (for a merge)
     step_log: bool = False  # also write agents-steps.csv: one row per engine step
+    # In process only: call turns decode this many tokens, the rest of their output joins the
+    # result (`trace.as_forced_calls`: the HTTP replay's work, its forced call's length); 0: off
+    call_tokens: int = 0
 
     def __post_init__(self) -> None:
         if self.mix not in MIXES:
@@ -96,6 +100,8 @@ class AgentsBenchConfig:
         if self.step_model not in STEP_TIME_MODELS:
             raise ValueError(f"step_model must be one of {sorted(STEP_TIME_MODELS)}, "
                              f"got {self.step_model!r}")
+        if self.call_tokens < 0:
+            raise ValueError(f"call_tokens must be >= 0, got {self.call_tokens}")
 
     def sessions_sized_for(self, load: float) -> float:
         """Concurrent sessions the KV pool of a run at ``load`` is sized for: the
@@ -147,6 +153,8 @@ def load_trace(cfg: AgentsBenchConfig) -> dict[str, list[Job]]:
     """The long-tool trace (the user's, or generated), scaled, and the same jobs with short
     tools."""
     jobs = scale(trace_jobs(cfg), tokens=cfg.token_scale, time=cfg.time_scale)
+    if cfg.call_tokens:
+        jobs = as_forced_calls(jobs, cfg.call_tokens)
     mixes = {"long": jobs}
     if cfg.short_mix or cfg.mix == "short":
         mixes["short"] = short_tools(jobs, cfg.seed, cfg.time_scale)

@@ -381,6 +381,25 @@ def scale(jobs: Iterable[Job], *, tokens: float = 1.0, time: float = 1.0) -> lis
     return out
 
 
+def as_forced_calls(jobs: Iterable[Job], call_tokens: int) -> list[Job]:
+    """The jobs as the HTTP replay sends them (`edmm.bench.agents.http`), for an in-process
+    run of the same work: each call turn decodes ``call_tokens`` tokens (the forced call's
+    length) and the rest of its trace output joins its result (prefilled, not decoded); no
+    reasoning is left to drop (over HTTP it is part of that padded result). Other turns are
+    unchanged."""
+    _check(call_tokens >= 1, "call_tokens", call_tokens, ">= 1")
+
+    def forced(t: Turn) -> Turn:
+        if t.tool is None:
+            return t
+        pad = max(0, t.output_tokens - call_tokens)
+        return dataclasses.replace(t, output_tokens=call_tokens, reasoning_tokens=0,
+                                   result_tokens=t.result_tokens + pad)
+
+    return [dataclasses.replace(job, turns=tuple(forced(t) for t in job.turns))
+            for job in jobs]
+
+
 # ---------------------------------------------------------------- JSONL
 
 # Fields written only where they differ from their defaults (a trace without them reads and
@@ -518,5 +537,6 @@ def _check(ok: bool, name: str, value: Any, want: str) -> None:
 
 
 __all__ = ["GeneratorConfig", "Job", "ToolTimes", "TraceError", "Turn", "TurnShape",
-           "check_jobs", "first_jobs", "generate", "job_from_dict", "job_to_dict", "read_jsonl",
-           "scale", "subagents_of", "top_level", "turn_shapes", "write_jsonl"]
+           "as_forced_calls", "check_jobs", "first_jobs", "generate", "job_from_dict",
+           "job_to_dict", "read_jsonl", "scale", "subagents_of", "top_level", "turn_shapes",
+           "write_jsonl"]

@@ -91,6 +91,10 @@ def _add_trace_arguments(parser: argparse.ArgumentParser) -> None:
         help="multiply every token count (e.g. 0.02 for the tiny CPU model)")
     add("--time-scale", type=float_at_least(0.0), default=1.0,
         help="multiply every tool time (a run that fits in minutes)")
+    add("--call-tokens", type=int_at_least(1), default=None,
+        help="in process: call turns decode this many tokens and the rest of their output "
+             "joins the tool result, as --http's forced calls do (the HTTP run's call_tokens "
+             "column), so the two runs do the same work")
 
 
 def _add_matrix_arguments(parser: argparse.ArgumentParser) -> None:
@@ -208,7 +212,8 @@ def _config(args: argparse.Namespace) -> AgentsBenchConfig:
         max_num_seqs=args.max_num_seqs, cuda_graph_token_sizes=args.graph_sizes,
         speculative_tokens_when_busy=args.busy_spec_tokens,
         speculation_fills_padding=not args.no_spec_in_padding, mix=args.mix,
-        checks=not args.no_checks, lean=args.lean, step_log=args.step_log)
+        checks=not args.no_checks, lean=args.lean, step_log=args.step_log,
+        call_tokens=args.call_tokens or 0)
 
 
 def _generator(args: argparse.Namespace, turns: tuple[int, ...]) -> GeneratorConfig | FleetConfig:
@@ -263,6 +268,9 @@ def _http_config(args: argparse.Namespace, cfg: AgentsBenchConfig) -> HttpReplay
     from edmm.bench.agents.http import HttpBenchError, HttpReplayConfig
     from edmm.bench.peers import VLLM_PEERS, VLLMOptions
 
+    if args.call_tokens is not None:
+        args.parser.error("--call-tokens: in process only (over HTTP the forced call's grammar "
+                          "sets its length)")
     loads = tuple(int(x) for x in args.loads)
     if any(x != int(x) or x < 1 for x in args.loads):
         args.parser.error(f"--loads: over HTTP, whole numbers of sessions >= 1, got {args.loads}")
