@@ -329,7 +329,8 @@ def run_meta(cfg: AgentsBenchConfig, jobs: Sequence[Job]) -> dict[str, Any]:
             "max_num_seqs": cfg.max_num_seqs,
             "max_num_batched_tokens": cfg.max_num_batched_tokens,
             "graph_sizes": list(cfg.cuda_graph_token_sizes or ()),
-            "oversub": cfg.oversubscription, "check_oversub": cfg.check_oversubscription}
+            "oversub": cfg.oversubscription, "check_oversub": cfg.check_oversubscription,
+            "call_tokens": cfg.call_tokens}
 
 
 _CLOCK_NOTES = {
@@ -343,7 +344,10 @@ def _method_notes(cfg: AgentsBenchConfig) -> list[str]:
     return [
         f"trace: {cfg.trace or f'generated, {cfg.jobs} jobs, seed {cfg.seed}'}; tokens x"
         f"{cfg.token_scale:g}, tool times x{cfg.time_scale:g}; {cfg.mode} loop, load = "
-        + ("concurrent sessions" if cfg.mode == "closed" else "jobs per second"),
+        + ("concurrent sessions" if cfg.mode == "closed" else "jobs per second")
+        + (f"; call turns decode {cfg.call_tokens} tokens, the rest of their output joins the "
+           "tool result (--call-tokens: the HTTP replay's forced calls)"
+           if cfg.call_tokens else ""),
         f"clock: {cfg.clock} (" + _CLOCK_NOTES[cfg.clock].format(model=cfg.step_model) + ")",
         "engine-wait = JCT minus the time the job waited on tools, users and subagents' tools "
         "(JCT, engine-wait and jobs/min of top-level jobs; a subagent is part of its job); "
