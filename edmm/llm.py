@@ -11,10 +11,11 @@ from __future__ import annotations
 import dataclasses
 import itertools
 from collections.abc import Mapping, Sequence
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, cast
 
 import torch
 
+from edmm.agent.render import template_view
 from edmm.engine.config import EngineConfig
 from edmm.engine.engine import Engine, Request
 from edmm.engine.errors import InvalidRequestError
@@ -89,8 +90,9 @@ class LLM:
         prompts: list[PromptType] = []
         for conv in convs:
             text = tokenizer.apply_chat_template(
-                list(conv), tools=tools, add_generation_prompt=add_generation_prompt,
-                tokenize=False, **(chat_template_kwargs or {}))
+                template_view(tokenizer, cast(Sequence[Mapping[str, Any]], conv)), tools=tools,
+                add_generation_prompt=add_generation_prompt, tokenize=False,
+                **(chat_template_kwargs or {}))
             ids = tokenizer.encode(text, add_special_tokens=False)
             prompts.append({"prompt": text, "prompt_token_ids": ids})
         return self.generate(prompts, sampling_params)

@@ -47,3 +47,19 @@ def _single_thread() -> Iterator[None]:
 def tiny_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """The embedded tiny model (tokenizer and chat template included), built once."""
     return ensure_tiny_model(tmp_path_factory.mktemp("edmm-cache"))
+
+
+_STRING_BRANCH = """{%- if tool_call.arguments is string %}
+                    {{- tool_call.arguments }}
+                {%- else %}
+                    {{- tool_call.arguments | tojson }}
+                {%- endif %}"""
+
+
+@pytest.fixture(scope="session")
+def tojson_template(tiny_dir: Path) -> str:
+    """The tiny model's chat template printing a call's arguments as Qwen2.5's does
+    (``arguments | tojson`` only: a string comes out escaped)."""
+    template = (tiny_dir / "chat_template.jinja").read_text()
+    assert _STRING_BRANCH in template
+    return template.replace(_STRING_BRANCH, "{{- tool_call.arguments | tojson }}")

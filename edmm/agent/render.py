@@ -13,6 +13,10 @@ the agent layer and for the server alike:
   wrapped, and a suffix follows. `TemplateRenderer` renders chat messages with the model's
   chat template (tool results as ``tool`` messages, tool-call arguments re-serialised as
   clients do), the real results' contents included, then tokenizes the text;
+- `template_view`: messages as a chat template reads them: tool-call arguments as the JSON
+  objects their strings hold where the template needs objects (`arguments_as_objects`: it
+  does not print an arguments string verbatim, as Qwen2.5's ``arguments | tojson`` escapes
+  it), so the history a model sees holds its calls as it wrote them;
 - `text_around_results`: the next prompt's text as pieces around its results, from renders
   with placeholder results (the server's awaited resume, `edmm.server.incremental`, which
   renders only the prompt's last window): the resume that carries the results is then the
@@ -24,6 +28,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import functools
 import json
 import secrets
 from collections.abc import Callable, Mapping, Sequence
@@ -154,7 +159,8 @@ class TemplateRenderer(PromptRenderer):
         return list(self.tokenizer.encode(text, add_special_tokens=False))
 
     def _apply(self, tool_msgs: list[dict[str, Any]]) -> str:
-        messages = [self._client_view(m) for m in self.messages] + tool_msgs
+        messages = template_view(self.tokenizer,
+                                 [self._client_view(m) for m in self.messages] + tool_msgs)
         tools = list(self.tools) if self.tools is not None else None
         return str(self.tokenizer.apply_chat_template(
             messages, tools=tools, add_generation_prompt=True, tokenize=False))
@@ -169,16 +175,76 @@ class TemplateRenderer(PromptRenderer):
 
 def _reserialized(tool_call: Mapping[str, Any]) -> dict[str, Any]:
     """``json.dumps(json.loads(arguments))``, as the OpenAI Python client's users do."""
+    return _map_arguments(tool_call, lambda args: json.dumps(json.loads(args)))
+
+
+def _map_arguments(tool_call: Mapping[str, Any], convert: Callable[[str], Any],
+                   ) -> dict[str, Any]:
+    """``tool_call`` (OpenAI's ``{"function": {...}}`` or a bare function) with its arguments
+    string replaced by ``convert(arguments)``; kept where that raises `ValueError` (malformed
+    JSON: sent back as is)."""
     tc = dict(tool_call)
     fn = dict(tc.get("function", tc))
     args = fn.get("arguments")
     if isinstance(args, str):
-        with contextlib.suppress(json.JSONDecodeError):  # malformed: sent back as is
-            fn["arguments"] = json.dumps(json.loads(args))
+        with contextlib.suppress(ValueError):
+            fn["arguments"] = convert(args)
     if "function" in tc:
         tc["function"] = fn
         return tc
     return fn
+
+
+_PROBE_ARGUMENTS = '{"edmm_probe": [1, "x"]}'
+
+
+def template_view(tokenizer: Any, messages: Sequence[Mapping[str, Any]],
+                  ) -> list[dict[str, Any]]:
+    """``messages`` as ``tokenizer``'s chat template reads them: where the template needs
+    objects (`arguments_as_objects`), each tool call's arguments string that holds a JSON
+    object becomes that object (transformers' convention for chat templates; vLLM converts
+    likewise); other strings stay as sent. Messages without tool calls are passed as they
+    are."""
+    if not any(m.get("tool_calls") for m in messages) or not arguments_as_objects(tokenizer):
+        return [dict(m) for m in messages]
+    return [_with_objects(m) if m.get("tool_calls") else dict(m) for m in messages]
+
+
+def arguments_as_objects(tokenizer: Any) -> bool:
+    """True when the tokenizer's chat template does not print a tool call's arguments string
+    verbatim (e.g. ``arguments | tojson`` alone, which escapes it into a JSON string): it needs
+    the arguments as objects. Probed once per template (a render of one call)."""
+    template = getattr(tokenizer, "chat_template", None)
+    if not isinstance(template, str):
+        return False
+    return _needs_objects(tokenizer, template)
+
+
+@functools.lru_cache(maxsize=8)
+def _needs_objects(tokenizer: Any, template: str) -> bool:
+    call = {"id": "call_0", "type": "function",
+            "function": {"name": "edmm_probe", "arguments": _PROBE_ARGUMENTS}}
+    messages = [{"role": "user", "content": "probe"},
+                {"role": "assistant", "content": "", "tool_calls": [call]}]
+    try:
+        text = tokenizer.apply_chat_template(messages, tokenize=False, chat_template=template)
+    except Exception:  # a template that cannot render a call: nothing to convert for
+        return False
+    return isinstance(text, str) and _PROBE_ARGUMENTS not in text
+
+
+def _with_objects(message: Mapping[str, Any]) -> dict[str, Any]:
+    msg = dict(message)
+    msg["tool_calls"] = [_map_arguments(tc, _json_object) for tc in msg["tool_calls"]]
+    return msg
+
+
+def _json_object(args: str) -> dict[str, Any]:
+    """The JSON object ``args`` holds; `ValueError` for anything else."""
+    value = json.loads(args)
+    if not isinstance(value, dict):
+        raise ValueError("not a JSON object")
+    return value
 
 
 class NamedCall(Protocol):

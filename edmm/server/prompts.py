@@ -7,6 +7,7 @@ from array import array
 from collections.abc import Sequence
 from typing import Any
 
+from edmm.agent.render import template_view
 from edmm.engine import SamplingParams
 from edmm.engine.sampling import MAX_LOGPROBS, InvalidSamplingParams, LogitsProcessor
 from edmm.model.errors import PromptTooLongError
@@ -164,7 +165,8 @@ def template_text(tokenizer: Any, messages: list[dict[str, Any]],
     """
     _require_template(tokenizer)
     try:
-        text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False,
+        text = tokenizer.apply_chat_template(template_view(tokenizer, messages), tools=tools,
+                                             tokenize=False,
                                              add_generation_prompt=add_generation_prompt,
                                              **(kwargs or {}))
     except Exception as e:  # what the input made the template do: a 400

@@ -26,6 +26,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from edmm.agent.render import template_view
 from edmm.bench.agents.fleet import AGENTS
 from edmm.bench.agents.trace import Job
 from edmm.bench.live import TOOL, TOOL_NAME
@@ -84,8 +85,8 @@ class ChatTexts:
     def count(self, messages: list[dict[str, Any]], tools: list[dict[str, Any]],
               generation: bool = False) -> int:
         """Tokens of ``messages`` with ``tools`` as the chat template renders them."""
-        text = self.tok.apply_chat_template(messages, tools=tools, tokenize=False,
-                                            add_generation_prompt=generation)
+        text = self.tok.apply_chat_template(template_view(self.tok, messages), tools=tools,
+                                            tokenize=False, add_generation_prompt=generation)
         return len(self.tok.encode(text, add_special_tokens=False))
 
     def agent(self, name: str, names: Sequence[str], prefix_tokens: int, tag: str) -> AgentChat:
