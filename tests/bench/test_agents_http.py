@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -179,3 +180,26 @@ def test_a_failing_client_process_is_a_typed_error_not_a_hang() -> None:
     with pytest.raises(HttpBenchError, match="a client process failed"):
         replay_clients(spec, jobs, 2, 2, new_event(), started.append, lambda r: None)
     assert started == []  # no job was handed out
+
+
+def test_the_sampler_counts_from_the_clients_readiness() -> None:
+    from edmm.bench.agents.http_metrics import Sampler
+
+    class Probe:  # /metrics of a server whose pages grow by one a read
+        def __init__(self) -> None:
+            self.reads = 0
+
+        def text(self) -> str:
+            self.reads += 1
+            return str(self.reads)
+
+    probe = Probe()
+    sampler = Sampler(probe, 0.01, lambda text: {"pages_used": float(text)})  # type: ignore[arg-type]
+    while probe.reads < 5:
+        time.sleep(0.01)
+    sampler.restart()  # what came before was the clients' start-up
+    restarted = probe.reads
+    time.sleep(0.1)
+    samples = sampler.stop()
+    assert samples and all(s["pages_used"] > restarted - 1 for s in samples)
+    assert 0 < samples[0]["t_s"] < 0.1 and samples[-1]["t_s"] < 0.3

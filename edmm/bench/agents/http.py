@@ -234,11 +234,12 @@ class HttpRun:
     overlapped: Any = field(default_factory=new_event)  # the next run started (processes read it)
 
     def replay(self, url: str, tokenizer: str | None, jobs: Sequence[Job], tag: str = "run",
-               load: int | None = None) -> None:
+               load: int | None = None, on_ready: Callable[[], None] = lambda: None) -> None:
         """Every top-level job of ``jobs``, ``load`` (default: the config's) at a time, in
-        client processes (a subagent with its parent). The measured run (``tag`` "run")
-        records its rows and its client side and, with `overlap_tail`, sets ``tail`` once at
-        most that many jobs run and none is left to start."""
+        client processes (a subagent with its parent); ``on_ready`` runs once they are up,
+        before the first job. The measured run (``tag`` "run") records its rows and its
+        client side and, with `overlap_tail`, sets ``tail`` once at most that many jobs run
+        and none is left to start."""
         load = load or self.cfg.load
         record, overlap = tag == "run", self.cfg.overlap_tail
         spec = ClientSpec(url, tokenizer, self.policy.name, self.cfg.request_timeout_s, tag,
@@ -268,7 +269,7 @@ class HttpRun:
             check_tail()
 
         stats = replay_clients(spec, jobs, load, client_processes(load, self.cfg.clients),
-                               self.overlapped, on_start, on_done)
+                               self.overlapped, on_start, on_done, on_ready)
         if record:
             self.clients = stats
 
@@ -372,7 +373,7 @@ def _run_policy(run: HttpRun, matrix: Matrix, jobs: list[Job], cfg: HttpReplayCo
                           lambda text: edmm_states(parse_metrics(text), page_bytes))
         measured_ns = time.time_ns()
         try:
-            run.replay(url, folder, jobs)
+            run.replay(url, folder, jobs, on_ready=sampler.restart)
         finally:
             run.samples = sampler.stop()
         after = probe.metrics()

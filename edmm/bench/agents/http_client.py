@@ -447,11 +447,13 @@ class ClientStats:
 
 def replay_clients(spec: ClientSpec, jobs: Sequence[Job], load: int, processes: int,
                    overlapped: Any, on_start: Callable[[str], None],
-                   on_done: Callable[[JobResult], None]) -> ClientStats:
+                   on_done: Callable[[JobResult], None],
+                   on_ready: Callable[[], None] = lambda: None) -> ClientStats:
     """Replay ``jobs``, ``load`` at a time, in ``processes`` client processes (the sessions
-    split as evenly as they go). The jobs are queued once every process is ready, so process
-    start-up is outside the makespan. ``on_start`` / ``on_done`` run in this thread per job.
-    ``overlapped``: an event of the spawn context the turns' rows read."""
+    split as evenly as they go). The jobs are queued once every process is ready (then
+    ``on_ready`` runs), so process start-up is outside the makespan. ``on_start`` /
+    ``on_done`` run in this thread per job. ``overlapped``: an event of the spawn context the
+    turns' rows read."""
     processes = client_processes(load, processes)
     shares = [load // processes + (1 if i < load % processes else 0) for i in range(processes)]
     todo, events, stop = _CTX.Queue(), _CTX.Queue(), _CTX.Event()
@@ -463,6 +465,7 @@ def replay_clients(spec: ClientSpec, jobs: Sequence[Job], load: int, processes: 
     watch = _Watch(procs, events, stop, ClientStats(processes, 0.0))
     try:
         _wait_ready(watch)
+        on_ready()
         t0 = time.perf_counter()
         if not watch.errors:
             for job in jobs:

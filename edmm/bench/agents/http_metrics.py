@@ -125,13 +125,14 @@ class Probe:
 
 class Sampler:
     """Reads ``/metrics`` every ``every_s`` until stopped: each sample is ``read`` of the
-    page's text with ``t_s`` (seconds from the start)."""
+    page's text with ``t_s`` (seconds from the start, or from the last `restart`)."""
 
     def __init__(self, probe: Probe, every_s: float,
                  read: Callable[[str], dict[str, float]]) -> None:
         self.samples: list[dict[str, float]] = []
         self._probe, self._every, self._read = probe, every_s, read
         self._t0 = time.perf_counter()
+        self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="metrics", daemon=True)
         self._thread.start()
@@ -142,7 +143,15 @@ class Sampler:
                 sample = self._read(self._probe.text())
             except Exception:  # a sample lost to a busy server: the next one counts
                 continue
-            self.samples.append({"t_s": time.perf_counter() - self._t0, **sample})
+            with self._lock:
+                self.samples.append({"t_s": time.perf_counter() - self._t0, **sample})
+
+    def restart(self) -> None:
+        """Drop the samples so far and count ``t_s`` from now (the run's clients are ready:
+        what came before was their start-up, not the run)."""
+        with self._lock:
+            self.samples = []
+            self._t0 = time.perf_counter()
 
     def stop(self) -> list[dict[str, float]]:
         self._stop.set()

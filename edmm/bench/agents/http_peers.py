@@ -90,7 +90,7 @@ def replay_peer(cfg: HttpReplayConfig, peer: str, log_dir: Path | None = None) -
         before = _metrics(probe)
         sampler = Sampler(probe, cfg.sample_s, lambda text: vllm_states(parse_vllm_metrics(text)))
         try:
-            run.replay(url, folder, jobs)
+            run.replay(url, folder, jobs, on_ready=sampler.restart)
         finally:
             run.samples = sampler.stop()
         after = _metrics(probe)
